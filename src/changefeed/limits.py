@@ -1,0 +1,106 @@
+"""Every bound the system keeps, named once, with the arithmetic behind it.
+
+Modules take their limits from here (or from a config value whose default is here) so that a
+reader can see all the memory the process may hold in one page. The asserts at the bottom check
+how the limits relate; they run at import.
+"""
+
+from __future__ import annotations
+
+# Memcached binary protocol header: fixed 24 bytes (dcp-wire.md §1.1).
+HEADER_SIZE = 24
+
+# Largest document value we accept. Couchbase's item size limit is 20 MiB; we keep it.
+VALUE_SIZE_MAX = 20 * 1024 * 1024
+
+# Largest key: the memcached protocol allows 250 bytes (plus a LEB128 collection prefix).
+KEY_SIZE_MAX = 250
+
+# Largest frame body a peer may declare. A value plus key, extras and framing extras fits with
+# room to spare; anything larger is rejected with E2BIG *before* we buffer it (STYLE.md §1).
+FRAME_SIZE_MAX = VALUE_SIZE_MAX + 64 * 1024
+
+# Failover log entries per vbucket (kv_engine max_failover_entries, dcp-wire.md §9.4).
+FAILOVER_LOG_ENTRIES_MAX = 25
+
+# vb_uuid is a random 64-bit value shifted right by 16: at most 48 bits, never 0 (dcp-wire.md §9.4).
+VB_UUID_BITS = 48
+
+# Number of vbuckets in a bucket: Couchbase's default 1024; tests use 4..64. vbucket ids are u16.
+VBUCKETS_DEFAULT = 1024
+VBUCKETS_MAX = 1024
+
+# Seqnos are u64 on the wire; the "forever" end seqno is all ones.
+SEQNO_MAX = 0xFFFF_FFFF_FFFF_FFFF
+
+# Default LMDB map size: deliberately modest so users hit StorageFullError early and learn the
+# knob (py-lmdb's habit); 1M 100-byte items take about 250 MiB with both indexes.
+STORAGE_MAP_SIZE_BYTES_DEFAULT = 8 * 1024 * 1024 * 1024
+
+# Bytes a disk backfill may hold queued for one stream before the disk cursor pauses
+# (kv_engine dcp_backfill_byte_limit = 20 MiB, dcp-wire.md §10).
+BACKFILL_QUEUE_BYTES_MAX = 20 * 1024 * 1024
+
+# Streams a single DCP connection may hold: one per vbucket is the common case.
+STREAMS_PER_CONNECTION_MAX = VBUCKETS_MAX
+
+assert HEADER_SIZE == 24
+assert FRAME_SIZE_MAX > VALUE_SIZE_MAX + KEY_SIZE_MAX + 255 + 255, FRAME_SIZE_MAX
+assert FRAME_SIZE_MAX < 2**32, FRAME_SIZE_MAX  # bodylen is a u32
+assert 0 < FAILOVER_LOG_ENTRIES_MAX <= 25
+assert VBUCKETS_MAX <= 2**16  # vbucket id is a u16 on the wire
+assert BACKFILL_QUEUE_BYTES_MAX >= VALUE_SIZE_MAX  # one maximal item always fits
+
+# --- storage/ (appended by the storage engineer) ---------------------------------------------
+
+# Longest key the store accepts: a protocol key (KEY_SIZE_MAX) plus the collection id prefix, an
+# unsigned LEB128 of a u32, which takes at most ceil(32 / 7) = 5 bytes (dcp-wire.md §7.3). The stored
+# key length is a u16, and LMDB's default key limit is 511 bytes: 2 (vb) + 255 fits either way.
+STORED_KEY_SIZE_MAX = KEY_SIZE_MAX + 5
+
+# Stored record bytes one WriteBatch may hold before it must be committed. The batch is buffered
+# in Python until commit, so this bounds that memory; it also keeps one LMDB write transaction
+# below LMDB's dirty-page list (2**17 pages x 4 KiB = 512 MiB) with room for index pages. At
+# 100-byte values a batch of 10k items is ~1.5 MiB, far below; 12 maximal 20 MiB values fit.
+STORAGE_BATCH_BYTES_MAX = 256 * 1024 * 1024
+
+# Concurrent LMDB read transactions (one per open scan, plus one per get while it runs). Each
+# disk backfill holds one scan open; LMDB sizes its lock file at 64 bytes per slot, so 512 slots
+# cost 32 KiB. Going over raises StorageError naming this limit instead of blocking.
+STORAGE_READERS_MAX = 512
+
+assert STORED_KEY_SIZE_MAX <= 511 - 2, STORED_KEY_SIZE_MAX  # LMDB key limit minus the vb prefix
+assert STORAGE_BATCH_BYTES_MAX >= VALUE_SIZE_MAX + STORED_KEY_SIZE_MAX + 64  # one item always fits
+assert STORAGE_BATCH_BYTES_MAX <= 2**17 * 4096 // 2, STORAGE_BATCH_BYTES_MAX
+assert STORAGE_READERS_MAX >= 126, STORAGE_READERS_MAX  # never below LMDB's own default
+
+# --- checkpoint/ (appended by the mutation-manager engineer) --------------------------------
+
+# Checkpoint memory one node may hold for a bucket. kv_engine gives checkpoints
+# checkpoint_memory_ratio = 0.2 of the bucket quota (dcp-wire.md §10); for a 1 GiB bucket that is
+# 1024 MiB / 5 = 204.8 MiB. At ~420 accounted bytes per 100-byte item (value + key + overhead,
+# checkpoint/memory.py) that is ~500k queued items before writes see TMPFAIL.
+CHECKPOINT_MEMORY_QUOTA_BYTES_DEFAULT = 1024 * 1024 * 1024 // 5
+
+# Memory recovery starts above the upper mark and works down to the lower mark, both in percent
+# of the quota (kv_engine checkpoint_memory_recovery_upper_mark 0.9 / lower_mark 0.6, §10). The
+# 30-point gap means one recovery frees ~61 MiB of the default quota, so it runs rarely.
+CHECKPOINT_MEMORY_UPPER_MARK_PERCENT = 90
+CHECKPOINT_MEMORY_LOWER_MARK_PERCENT = 60
+
+# Bytes one LMDB write transaction of the flusher may carry (accounted checkpoint bytes, so
+# ~4 MiB / 420 B = ~10k 100-byte items per commit): big enough to amortize a commit's fsync
+# (~1 ms) over thousands of items, small enough to stay 64x under STORAGE_BATCH_BYTES_MAX.
+FLUSH_BATCH_BYTES_MAX = 4 * 1024 * 1024
+
+# The open checkpoint is closed once it holds this many accounted bytes. kv_engine's auto size is
+# quota / vbuckets / max_checkpoints (10), capped at the flush batch size (§10); for one vbucket
+# that cap is what applies: 204.8 MiB / 1 / 10 = 20.5 MiB > 4 MiB. Smaller checkpoints let memory
+# recovery free in 4 MiB steps instead of all-or-nothing.
+CHECKPOINT_MAX_BYTES_DEFAULT = FLUSH_BATCH_BYTES_MAX
+
+assert 0 < CHECKPOINT_MEMORY_LOWER_MARK_PERCENT < CHECKPOINT_MEMORY_UPPER_MARK_PERCENT <= 100
+assert CHECKPOINT_MAX_BYTES_DEFAULT * 2 <= CHECKPOINT_MEMORY_QUOTA_BYTES_DEFAULT  # >= 2 checkpoints
+# A flush batch always takes at least one item, so a maximal item (20 MiB) is a batch of its own;
+# STORAGE_BATCH_BYTES_MAX holds it (asserted above).
+assert FLUSH_BATCH_BYTES_MAX * 64 <= STORAGE_BATCH_BYTES_MAX, FLUSH_BATCH_BYTES_MAX

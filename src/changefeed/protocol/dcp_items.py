@@ -1,0 +1,285 @@
+"""DCP data messages: mutation, deletion (V1/V2), expiration, seqno-advanced (dcp-wire.md §7.3–7.5,
+§7.13).
+
+Extras layouts (big-endian)::
+
+    MUTATION   31: 0 by_seqno u64 | 8 rev_seqno u64 | 16 flags u32 | 20 expiration u32
+                   | 24 lock_time u32 | 28 nmeta u16 (must be 0) | 30 nru u8
+    DELETION   18: 0 by_seqno | 8 rev_seqno | 16 nmeta u16                      (V1)
+    DELETION   21: 0 by_seqno | 8 rev_seqno | 16 delete_time u32 | 20 unused u8  (V2)
+    EXPIRATION 20: 0 by_seqno | 8 rev_seqno | 16 delete_time u32
+
+Header: cas = document CAS, datatype = payload datatype, vbucket = vb, opaque = stream opaque.
+``encode_item_body`` frames a body the store already holds (extras + key + value) without
+re-encoding it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from changefeed import limits
+from changefeed.protocol.errors import ProtocolError
+from changefeed.protocol.frame import ALT_HEADER, HEADER, Frame, encode_frame
+from changefeed.protocol.frame_info import encode_stream_id
+from changefeed.protocol.opcode import Magic, Opcode
+
+MUTATION_EXTRAS = struct.Struct(">QQIIIHB")
+DELETION_V1_EXTRAS = struct.Struct(">QQH")
+DELETION_V2_EXTRAS = struct.Struct(">QQIB")
+EXPIRATION_EXTRAS = struct.Struct(">QQI")
+SEQNO_ADVANCED_EXTRAS = struct.Struct(">Q")
+# Header and mutation extras in one pack: the hot encode path does one struct call per item.
+MUTATION_PREFIX = struct.Struct(">BBHBBHIIQ" + "QQIIIHB")
+assert MUTATION_EXTRAS.size == 31
+assert DELETION_V1_EXTRAS.size == 18
+assert DELETION_V2_EXTRAS.size == 21
+assert EXPIRATION_EXTRAS.size == 20
+assert MUTATION_PREFIX.size == limits.HEADER_SIZE + 31
+
+
+@dataclass(frozen=True, slots=True)
+class Mutation:
+    vbucket: int
+    opaque: int
+    seqno: int
+    key: bytes
+    value: bytes
+    cas: int = 0
+    rev_seqno: int = 1
+    flags: int = 0
+    expiry: int = 0
+    lock_time: int = 0
+    datatype: int = 0
+    stream_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Deletion:
+    """A deletion; ``delete_time`` is None for the V1 encoding (no IncludeDeleteTimes)."""
+
+    vbucket: int
+    opaque: int
+    seqno: int
+    key: bytes
+    cas: int = 0
+    rev_seqno: int = 1
+    delete_time: int | None = 0
+    value: bytes = b""
+    datatype: int = 0
+    stream_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Expiration:
+    vbucket: int
+    opaque: int
+    seqno: int
+    key: bytes
+    cas: int = 0
+    rev_seqno: int = 1
+    delete_time: int = 0
+    value: bytes = b""
+    datatype: int = 0
+    stream_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SeqnoAdvanced:
+    vbucket: int
+    opaque: int
+    seqno: int
+    stream_id: int | None = None
+
+
+def encode_mutation(m: Mutation) -> bytes:
+    if m.seqno == 0:
+        raise ValueError("mutation seqno must not be 0")
+    if m.stream_id is None:
+        prefix = MUTATION_PREFIX.pack(
+            Magic.REQUEST,
+            Opcode.DCP_MUTATION,
+            len(m.key),
+            31,
+            m.datatype,
+            m.vbucket,
+            31 + len(m.key) + len(m.value),
+            m.opaque,
+            m.cas,
+            m.seqno,
+            m.rev_seqno,
+            m.flags,
+            m.expiry,
+            m.lock_time,
+            0,
+            0,
+        )
+        return b"".join((prefix, m.key, m.value))
+    extras = MUTATION_EXTRAS.pack(m.seqno, m.rev_seqno, m.flags, m.expiry, m.lock_time, 0, 0)
+    return _encode_with_stream_id(Opcode.DCP_MUTATION, m, extras, m.value)
+
+
+def encode_deletion(d: Deletion) -> bytes:
+    if d.delete_time is None:
+        extras = DELETION_V1_EXTRAS.pack(d.seqno, d.rev_seqno, 0)
+    else:
+        extras = DELETION_V2_EXTRAS.pack(d.seqno, d.rev_seqno, d.delete_time, 0)
+    return _encode_with_stream_id(Opcode.DCP_DELETION, d, extras, d.value)
+
+
+def encode_expiration(e: Expiration) -> bytes:
+    extras = EXPIRATION_EXTRAS.pack(e.seqno, e.rev_seqno, e.delete_time)
+    return _encode_with_stream_id(Opcode.DCP_EXPIRATION, e, extras, e.value)
+
+
+def encode_seqno_advanced(s: SeqnoAdvanced) -> bytes:
+    magic = Magic.REQUEST if s.stream_id is None else Magic.ALT_REQUEST
+    framing = b"" if s.stream_id is None else encode_stream_id(s.stream_id)
+    return encode_frame(
+        magic,
+        Opcode.DCP_SEQNO_ADVANCED,
+        vbucket=s.vbucket,
+        opaque=s.opaque,
+        extras=SEQNO_ADVANCED_EXTRAS.pack(s.seqno),
+        framing_extras=framing,
+    )
+
+
+def _encode_with_stream_id(
+    opcode: int, item: Mutation | Deletion | Expiration, extras: bytes, value: bytes
+) -> bytes:
+    framing = b"" if item.stream_id is None else encode_stream_id(item.stream_id)
+    return encode_frame(
+        Magic.ALT_REQUEST if framing else Magic.REQUEST,
+        opcode,
+        datatype=item.datatype,
+        vbucket=item.vbucket,
+        opaque=item.opaque,
+        cas=item.cas,
+        extras=extras,
+        key=item.key,
+        value=value,
+        framing_extras=framing,
+    )
+
+
+def encode_item_body(
+    opcode: int,
+    *,
+    vbucket: int,
+    opaque: int,
+    cas: int,
+    datatype: int,
+    extras_len: int,
+    key_len: int,
+    body: bytes | memoryview,
+    stream_id: int | None = None,
+) -> list[bytes | memoryview]:
+    """Frame a stored body (``extras + key + value``) as a DCP message: header, then the body.
+
+    Returns the pieces to write (e.g. with ``transport.writelines``) so the body is not copied.
+    """
+    if extras_len + key_len > len(body):
+        raise ValueError(f"extras {extras_len} + key {key_len} > body {len(body)}")
+    if stream_id is None:
+        header = HEADER.pack(
+            Magic.REQUEST, opcode, key_len, extras_len, datatype, vbucket, len(body), opaque, cas
+        )
+        return [header, body]
+    framing = encode_stream_id(stream_id)
+    header = ALT_HEADER.pack(
+        Magic.ALT_REQUEST,
+        opcode,
+        len(framing),
+        key_len,
+        extras_len,
+        datatype,
+        vbucket,
+        len(framing) + len(body),
+        opaque,
+        cas,
+    )
+    return [header, framing, body]
+
+
+def decode_mutation(frame: Frame) -> Mutation:
+    """Raises ProtocolError(EINVAL): extras not 31 bytes, seqno 0, nmeta != 0, no key."""
+    if len(frame.extras) != MUTATION_EXTRAS.size:
+        raise ProtocolError(f"DCP_MUTATION extras of {len(frame.extras)} bytes, not 31")
+    seqno, rev, flags, expiry, lock_time, nmeta, _ = MUTATION_EXTRAS.unpack(frame.extras)
+    _check_item(frame, seqno, nmeta)
+    return Mutation(
+        frame.vbucket,
+        frame.opaque,
+        seqno,
+        frame.key,
+        frame.value,
+        frame.cas,
+        rev,
+        flags,
+        expiry,
+        lock_time,
+        frame.datatype,
+        frame.stream_id,
+    )
+
+
+def decode_deletion(frame: Frame) -> Deletion:
+    """Either extras size (18 = V1, 21 = V2) is accepted."""
+    if len(frame.extras) == DELETION_V1_EXTRAS.size:
+        seqno, rev, nmeta = DELETION_V1_EXTRAS.unpack(frame.extras)
+        delete_time: int | None = None
+    elif len(frame.extras) == DELETION_V2_EXTRAS.size:
+        seqno, rev, delete_time, _ = DELETION_V2_EXTRAS.unpack(frame.extras)
+        nmeta = 0
+    else:
+        raise ProtocolError(f"DCP_DELETION extras of {len(frame.extras)} bytes, not 18 or 21")
+    _check_item(frame, seqno, nmeta)
+    return Deletion(
+        frame.vbucket,
+        frame.opaque,
+        seqno,
+        frame.key,
+        frame.cas,
+        rev,
+        delete_time,
+        frame.value,
+        frame.datatype,
+        frame.stream_id,
+    )
+
+
+def decode_expiration(frame: Frame) -> Expiration:
+    if len(frame.extras) != EXPIRATION_EXTRAS.size:
+        raise ProtocolError(f"DCP_EXPIRATION extras of {len(frame.extras)} bytes, not 20")
+    seqno, rev, delete_time = EXPIRATION_EXTRAS.unpack(frame.extras)
+    _check_item(frame, seqno, 0)
+    return Expiration(
+        frame.vbucket,
+        frame.opaque,
+        seqno,
+        frame.key,
+        frame.cas,
+        rev,
+        delete_time,
+        frame.value,
+        frame.datatype,
+        frame.stream_id,
+    )
+
+
+def decode_seqno_advanced(frame: Frame) -> SeqnoAdvanced:
+    if len(frame.extras) != SEQNO_ADVANCED_EXTRAS.size:
+        raise ProtocolError(f"DCP_SEQNO_ADVANCED extras of {len(frame.extras)} bytes, not 8")
+    (seqno,) = SEQNO_ADVANCED_EXTRAS.unpack(frame.extras)
+    return SeqnoAdvanced(frame.vbucket, frame.opaque, seqno, frame.stream_id)
+
+
+def _check_item(frame: Frame, seqno: int, nmeta: int) -> None:
+    if seqno == 0:
+        raise ProtocolError("DCP item with seqno 0")
+    if nmeta != 0:
+        raise ProtocolError(f"DCP item with nmeta {nmeta}")
+    if not frame.key:
+        raise ProtocolError("DCP item without a key")

@@ -1,0 +1,238 @@
+"""KV commands a Couchbase-style client needs: HELLO, SELECT_BUCKET, GET, SET/ADD/REPLACE,
+DELETE, STAT, GET_ALL_VB_SEQNOS, OBSERVE_SEQNO, GET_CLUSTER_CONFIG (dcp-wire.md §1.6, §2.2,
+§7.16, §7.17). SASL payloads are in ``sasl.py``.
+
+Layouts::
+
+    SET/ADD/REPLACE request extras 8: flags u32 | expiry u32; key; value; header cas = expected
+    GET response extras 4: flags u32; value; header cas
+    mutation response extras 16 (MutationSeqno feature): vb_uuid u64 | seqno u64
+    GET_ALL_VB_SEQNOS request extras 0, 4 (state filter) or 8; response value: (vb u16, seqno u64)*
+    OBSERVE_SEQNO request value: vb_uuid u64; response value: format u8 | vb u16 | vb_uuid u64
+        | persisted u64 | current u64 [format 1: | old_vb_uuid u64 | old_seqno u64]
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from changefeed import limits
+from changefeed.protocol.errors import ProtocolError
+from changefeed.protocol.frame import Frame, encode_frame
+from changefeed.protocol.opcode import Magic, Opcode
+from changefeed.protocol.status import Status
+
+STORE_EXTRAS = struct.Struct(">II")
+GET_RESPONSE_EXTRAS = struct.Struct(">I")
+MUTATION_TOKEN = struct.Struct(">QQ")
+VB_SEQNO = struct.Struct(">HQ")
+OBSERVE_SEQNO = struct.Struct(">BHQQQ")
+OBSERVE_SEQNO_FAILOVER = struct.Struct(">QQ")
+U16 = struct.Struct(">H")
+U32 = struct.Struct(">I")
+U64 = struct.Struct(">Q")
+STORE_OPCODES = frozenset((Opcode.SET, Opcode.ADD, Opcode.REPLACE))
+
+
+def encode_request(
+    opcode: int,
+    *,
+    vbucket: int = 0,
+    opaque: int = 0,
+    cas: int = 0,
+    extras: bytes = b"",
+    key: bytes = b"",
+    value: bytes = b"",
+    datatype: int = 0,
+) -> bytes:
+    return encode_frame(
+        Magic.REQUEST,
+        opcode,
+        datatype=datatype,
+        vbucket=vbucket,
+        opaque=opaque,
+        cas=cas,
+        extras=extras,
+        key=key,
+        value=value,
+    )
+
+
+def _check_key(key: bytes) -> None:
+    if not key:
+        raise ProtocolError("command needs a key")
+    if len(key) > limits.KEY_SIZE_MAX:
+        raise ProtocolError(f"key of {len(key)} bytes exceeds {limits.KEY_SIZE_MAX}")
+
+
+# -- HELLO ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    agent: str
+    features: tuple[int, ...]
+
+
+def encode_hello(opaque: int, agent: str, features: list[int]) -> bytes:
+    value = b"".join(U16.pack(f) for f in features)
+    return encode_request(Opcode.HELLO, opaque=opaque, key=agent.encode(), value=value)
+
+
+def decode_hello(frame: Frame) -> Hello:
+    """Request or response: the value is a list of u16 feature codes."""
+    if frame.extras:
+        raise ProtocolError("HELLO must not have extras")
+    if len(frame.value) % 2:
+        raise ProtocolError(f"HELLO features of odd length {len(frame.value)}")
+    features = tuple(f for (f,) in U16.iter_unpack(frame.value))
+    return Hello(frame.key.decode(errors="replace"), features)
+
+
+def encode_hello_features(features: list[int]) -> bytes:
+    return b"".join(U16.pack(f) for f in features)
+
+
+# -- SET / ADD / REPLACE / GET / DELETE -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCommand:
+    """SET, ADD or REPLACE: write ``value`` at ``key``; ``cas`` != 0 means compare-and-swap."""
+
+    opcode: int
+    vbucket: int
+    opaque: int
+    key: bytes
+    value: bytes
+    flags: int = 0
+    expiry: int = 0
+    cas: int = 0
+    datatype: int = 0
+
+
+def encode_store(command: StoreCommand) -> bytes:
+    if command.opcode not in STORE_OPCODES:
+        raise ValueError(f"not a store opcode: {command.opcode}")
+    return encode_request(
+        command.opcode,
+        vbucket=command.vbucket,
+        opaque=command.opaque,
+        cas=command.cas,
+        extras=STORE_EXTRAS.pack(command.flags, command.expiry),
+        key=command.key,
+        value=command.value,
+        datatype=command.datatype,
+    )
+
+
+def decode_store(frame: Frame) -> StoreCommand:
+    if len(frame.extras) != STORE_EXTRAS.size:
+        raise ProtocolError(f"store command extras of {len(frame.extras)} bytes, not 8")
+    _check_key(frame.key)
+    if len(frame.value) > limits.VALUE_SIZE_MAX:
+        raise ProtocolError(f"value of {len(frame.value)} bytes", Status.E2BIG)
+    flags, expiry = STORE_EXTRAS.unpack(frame.extras)
+    return StoreCommand(
+        frame.opcode,
+        frame.vbucket,
+        frame.opaque,
+        frame.key,
+        frame.value,
+        flags,
+        expiry,
+        frame.cas,
+        frame.datatype,
+    )
+
+
+def decode_key_only(frame: Frame) -> bytes:
+    """GET and DELETE carry only a key (DELETE may carry a CAS in the header)."""
+    if frame.extras:
+        raise ProtocolError("command must not have extras")
+    if frame.value:
+        raise ProtocolError("command must not have a value")
+    _check_key(frame.key)
+    return frame.key
+
+
+def encode_mutation_token(vb_uuid: int, seqno: int) -> bytes:
+    """Extras of a SET/DELETE response when MutationSeqno was negotiated."""
+    return MUTATION_TOKEN.pack(vb_uuid, seqno)
+
+
+def decode_mutation_token(extras: bytes) -> tuple[int, int] | None:
+    if not extras:
+        return None
+    if len(extras) != MUTATION_TOKEN.size:
+        raise ProtocolError(f"mutation token of {len(extras)} bytes, not 16")
+    uuid, seqno = MUTATION_TOKEN.unpack(extras)
+    return int(uuid), int(seqno)
+
+
+def decode_get_response_flags(extras: bytes) -> int:
+    if len(extras) != GET_RESPONSE_EXTRAS.size:
+        raise ProtocolError(f"GET response extras of {len(extras)} bytes, not 4")
+    return int(GET_RESPONSE_EXTRAS.unpack(extras)[0])
+
+
+# -- GET_ALL_VB_SEQNOS / OBSERVE_SEQNO --------------------------------------------------------
+
+
+def encode_vb_seqnos(pairs: list[tuple[int, int]]) -> bytes:
+    return b"".join(VB_SEQNO.pack(vb, seqno) for vb, seqno in pairs)
+
+
+def decode_vb_seqnos(value: bytes) -> list[tuple[int, int]]:
+    if len(value) % VB_SEQNO.size:
+        raise ProtocolError(f"vbucket seqno list of {len(value)} bytes")
+    return [(vb, seqno) for vb, seqno in VB_SEQNO.iter_unpack(value)]
+
+
+def decode_vb_state_filter(frame: Frame) -> int:
+    """GET_ALL_VB_SEQNOS: 0 = every alive vbucket, 1..4 = one state."""
+    if len(frame.extras) not in (0, 4, 8):
+        raise ProtocolError(f"GET_ALL_VB_SEQNOS extras of {len(frame.extras)} bytes")
+    if not frame.extras:
+        return 0
+    state = int(U32.unpack_from(frame.extras)[0])
+    if state > 4:
+        raise ProtocolError(f"unknown vbucket state filter {state}")
+    return state
+
+
+@dataclass(frozen=True, slots=True)
+class ObserveSeqnoResult:
+    vbucket: int
+    vb_uuid: int
+    persisted_seqno: int
+    current_seqno: int
+    old_vb_uuid: int | None = None  # set when the requested uuid is an older branch
+    old_seqno: int | None = None
+
+
+def encode_observe_seqno_result(r: ObserveSeqnoResult) -> bytes:
+    fmt = 0 if r.old_vb_uuid is None else 1
+    out = OBSERVE_SEQNO.pack(fmt, r.vbucket, r.vb_uuid, r.persisted_seqno, r.current_seqno)
+    if fmt:
+        out += OBSERVE_SEQNO_FAILOVER.pack(r.old_vb_uuid, r.old_seqno or 0)
+    return out
+
+
+def decode_observe_seqno_result(value: bytes) -> ObserveSeqnoResult:
+    if len(value) not in (OBSERVE_SEQNO.size, OBSERVE_SEQNO.size + OBSERVE_SEQNO_FAILOVER.size):
+        raise ProtocolError(f"OBSERVE_SEQNO response of {len(value)} bytes")
+    fmt, vb, uuid, persisted, current = OBSERVE_SEQNO.unpack_from(value)
+    if fmt == 0 and len(value) == OBSERVE_SEQNO.size:
+        return ObserveSeqnoResult(vb, uuid, persisted, current)
+    if fmt == 1 and len(value) > OBSERVE_SEQNO.size:
+        old_uuid, old_seqno = OBSERVE_SEQNO_FAILOVER.unpack_from(value, OBSERVE_SEQNO.size)
+        return ObserveSeqnoResult(vb, uuid, persisted, current, old_uuid, old_seqno)
+    raise ProtocolError(f"OBSERVE_SEQNO format {fmt} with {len(value)} bytes")
+
+
+def decode_observe_seqno_request(frame: Frame) -> int:
+    if len(frame.value) != U64.size:
+        raise ProtocolError(f"OBSERVE_SEQNO request value of {len(frame.value)} bytes, not 8")
+    return int(U64.unpack(frame.value)[0])
