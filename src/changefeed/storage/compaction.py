@@ -1,0 +1,113 @@
+"""Removing records from one vbucket in place: tombstone purge and rollback truncation.
+
+Contract: each function works inside a write transaction the caller owns, on one vbucket, and
+removes a record together with its `by_key` entry, after checking that the entry points at the
+record (both sides of the index agree, or CorruptRecordError). The caller updates the vbucket's
+metadata (purge seqno, high seqno, item count) from what the function returns, in the same
+transaction, so a crash keeps either all of a purge or rollback or none of it.
+
+Not here: choosing which vbuckets to compact, the clock, committing. Purge does not reclaim
+file space: LMDB reuses freed pages for later writes, and the file never shrinks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from changefeed import limits
+from changefeed.storage.errors import CorruptRecordError
+from changefeed.storage.keys import SEQNO_KEY, VB_KEY, decode_by_key_value
+from changefeed.storage.record import TAG_MUTATION, Record, decode_record
+
+if TYPE_CHECKING:
+    import lmdb
+
+
+def purge_tombstones(
+    txn: lmdb.Transaction[bytes],
+    by_seqno: lmdb._Database,
+    by_key: lmdb._Database,
+    vb: int,
+    delete_time_max: float,
+) -> tuple[int, int]:
+    """Remove every tombstone of `vb` whose delete_time <= `delete_time_max`.
+
+    Returns:
+        (highest seqno removed or 0 if none, number of tombstones removed).
+
+    Raises:
+        CorruptRecordError: a tombstone does not decode, or its by_key entry disagrees.
+    """
+    cursor = txn.cursor(db=by_seqno)
+    cursor.set_range(SEQNO_KEY.pack(vb, 0))
+    seqno_purged_max = 0
+    purged = 0
+    while (key := cursor.key()) and key[:2] == VB_KEY.pack(vb):
+        seqno = SEQNO_KEY.unpack(key)[1]
+        data = cursor.value()
+        if data[:1] == bytes((TAG_MUTATION,)):
+            cursor.next()
+            continue
+        record = decode_record(vb, seqno, data)  # raises on an unknown tag, too
+        if record.delete_time > delete_time_max:
+            cursor.next()
+            continue
+        _delete_by_key_entry(txn, by_key, record)
+        deleted = cursor.delete()  # and moves to the next record
+        assert deleted, (vb, seqno)
+        assert seqno > seqno_purged_max, (seqno, seqno_purged_max)
+        seqno_purged_max = seqno
+        purged += 1
+    return seqno_purged_max, purged
+
+
+def discard_after(
+    txn: lmdb.Transaction[bytes],
+    by_seqno: lmdb._Database,
+    by_key: lmdb._Database,
+    vb: int,
+    seqno: int,
+) -> tuple[int, int]:
+    """Remove every record of `vb` with a seqno above `seqno` (a rollback's truncation).
+
+    Older versions of the removed keys are not kept (a key has one version in the store), so
+    the keys simply disappear.
+
+    Returns:
+        (records removed, of which live mutations).
+
+    Raises:
+        CorruptRecordError: a record does not decode, or its by_key entry disagrees.
+    """
+    assert 0 <= seqno <= limits.SEQNO_MAX, seqno
+    if seqno == limits.SEQNO_MAX:
+        return 0, 0
+    cursor = txn.cursor(db=by_seqno)
+    cursor.set_range(SEQNO_KEY.pack(vb, seqno + 1))
+    removed = 0
+    removed_live = 0
+    while (key := cursor.key()) and key[:2] == VB_KEY.pack(vb):
+        record_seqno = SEQNO_KEY.unpack(key)[1]
+        assert record_seqno > seqno, (record_seqno, seqno)
+        record = decode_record(vb, record_seqno, cursor.value())
+        _delete_by_key_entry(txn, by_key, record)
+        deleted = cursor.delete()
+        assert deleted, (vb, record_seqno)
+        removed += 1
+        removed_live += not record.deleted
+    return removed, removed_live
+
+
+def _delete_by_key_entry(
+    txn: lmdb.Transaction[bytes], by_key: lmdb._Database, record: Record
+) -> None:
+    by_key_key = VB_KEY.pack(record.vb) + record.key
+    entry = txn.get(by_key_key, db=by_key)
+    if entry is None:
+        raise CorruptRecordError(record.vb, record.seqno, "record has no by_key entry")
+    seqno, op = decode_by_key_value(record.vb, entry)
+    if (seqno, op) != (record.seqno, record.op):
+        reason = f"by_key entry says seqno {seqno} op {op}, record has op {record.op}"
+        raise CorruptRecordError(record.vb, record.seqno, reason)
+    deleted = txn.delete(by_key_key, db=by_key)
+    assert deleted, record

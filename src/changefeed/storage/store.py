@@ -1,0 +1,467 @@
+"""The durable store: one LMDB environment holding every vbucket's records and metadata.
+
+Contract:
+- Layout: named databases `by_seqno` ((vb, seqno) -> record), `by_key` ((vb, key) -> seqno, op),
+  `vbmeta` (vb -> metadata) and `meta` (the clean-shutdown flag); byte layouts in keys.py,
+  record.py and vbmeta.py. A key has one record: its newest version (a mutation or a
+  tombstone). Older versions are not kept.
+- Writes go through `with store.write_batch() as batch:`, one LMDB write transaction per batch
+  (group commit). The block's normal end commits; an exception aborts the whole batch. After a
+  `kill -9` at any point the store holds exactly the batches committed before it (durable or
+  not); after power loss, see `durable` on `Store`.
+- Per vbucket, written seqnos strictly increase; `high_seqno` moves with the records in the same
+  transaction. Compaction purges old tombstones and raises `purge_seqno`; `rollback` truncates.
+- One process, one `Store` per environment, one write batch at a time. Reads (`get`, `scan`)
+  see the last committed batch and may run while a batch is being filled. The metadata getters
+  answer from an in-memory copy that changes only after a commit.
+
+Not here: seqno allocation, dedup, the failover log's meaning, vbucket state transitions. Those
+live above (vbucket.py, checkpoint/, failover.py); storage stores what it is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+from typing import Final, TypeAlias
+
+import lmdb
+
+from changefeed import limits
+from changefeed.storage import batch as _batch
+from changefeed.storage.compaction import discard_after, purge_tombstones
+from changefeed.storage.errors import CorruptRecordError, StorageError, StorageFullError
+from changefeed.storage.keys import (
+    META_CLEAN,
+    META_SHUTDOWN,
+    META_UNCLEAN,
+    SEQNO_KEY,
+    VB_KEY,
+    decode_by_key_value,
+)
+from changefeed.storage.record import Record, decode_record
+from changefeed.storage.vbmeta import VbState, VBucketMeta, decode_vbstate, encode_vbstate
+
+_DATABASES: Final = (b"by_seqno", b"by_key", b"vbmeta", b"meta")
+
+
+class Store:
+    """Records and vbucket metadata of one bucket on one node, in one LMDB environment.
+
+    Args:
+        path: directory of the environment; created if missing.
+        map_size_bytes: the most the environment may ever hold (LMDB's map size; address space
+            only, the file grows as needed). Exceeding it raises StorageFullError.
+        durable: whether each commit is flushed to disk before `write_batch` returns.
+            True: every commit fsyncs. A committed batch survives `kill -9` and power loss
+            (full ACID). Costs one fsync per batch, so group writes into batches.
+            False: commits are not flushed (LMDB `sync=False, metasync=False`). A committed
+            batch survives `kill -9` of the process (the OS page cache holds it), but power
+            loss or an OS crash may lose the last batches (no D) and, unless the filesystem
+            keeps write order, corrupt the environment (no C). `close()` flushes.
+
+    Attributes:
+        was_clean_shutdown: read at open: True iff the previous process that opened this
+            environment called `close()` (or it is new). Open durably records "unclean" until
+            `close()` records "clean" again.
+
+    Raises:
+        StorageError: the environment cannot be opened (permissions, another open copy in
+            this process, a different LMDB version).
+        CorruptRecordError: stored vbucket metadata is corrupt.
+    """
+
+    WriteBatch: TypeAlias = _batch.WriteBatch  # also exported as changefeed.storage.WriteBatch
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size_bytes: int = limits.STORAGE_MAP_SIZE_BYTES_DEFAULT,
+        durable: bool = True,
+    ) -> None:
+        if map_size_bytes <= 0:
+            raise ValueError(f"map_size_bytes {map_size_bytes} must be positive")
+        self._map_size_bytes = map_size_bytes
+        self._batch_open = False
+        self._closed = True
+        with _translated_errors(map_size_bytes):
+            self._env = lmdb.open(
+                os.fspath(path),
+                map_size=map_size_bytes,
+                subdir=True,
+                max_dbs=len(_DATABASES),
+                sync=durable,
+                metasync=durable,
+                max_readers=limits.STORAGE_READERS_MAX,
+            )
+        try:
+            self.was_clean_shutdown = self._open_databases()
+            self._rows = self._load_rows()
+        except BaseException:
+            self._env.close()
+            raise
+        self._closed = False
+
+    def _open_databases(self) -> bool:
+        """Open the named databases, record "unclean" durably, return the previous flag."""
+        with _translated_errors(self._map_size_bytes):
+            self._env.reader_check()  # frees reader slots of processes that died
+            with self._env.begin(write=True) as txn:
+                self._by_seqno = self._env.open_db(b"by_seqno", txn=txn)
+                self._by_key = self._env.open_db(b"by_key", txn=txn)
+                self._vbmeta = self._env.open_db(b"vbmeta", txn=txn)
+                self._meta = self._env.open_db(b"meta", txn=txn)
+                flag = txn.get(META_SHUTDOWN, db=self._meta)
+                txn.put(META_SHUTDOWN, META_UNCLEAN, db=self._meta)
+            self._env.sync(True)
+        if flag not in (None, META_CLEAN, META_UNCLEAN):
+            raise StorageError(f"meta database holds shutdown flag {flag!r}")
+        return flag != META_UNCLEAN
+
+    def _load_rows(self) -> dict[int, VbState]:
+        rows: dict[int, VbState] = {}
+        with _translated_errors(self._map_size_bytes), self._env.begin(db=self._vbmeta) as txn:
+            for key, data in txn.cursor():
+                if len(key) != VB_KEY.size:
+                    raise StorageError(f"vbmeta database holds key {key!r}")
+                vb = VB_KEY.unpack(key)[0]
+                rows[vb] = decode_vbstate(vb, data)
+        return rows
+
+    # --- context manager and close ------------------------------------------------------------
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Record a clean shutdown, flush to disk and close; later calls do nothing.
+
+        Scans still open become unusable. Other methods raise StorageError afterwards.
+
+        Raises:
+            RuntimeError: a write batch is open.
+            StorageError: the clean flag could not be written (the environment is closed
+                anyway; the next open reports an unclean shutdown).
+        """
+        if self._closed:
+            return
+        if self._batch_open:
+            raise RuntimeError("close() inside a write batch: end the batch first")
+        self._closed = True
+        try:
+            with _translated_errors(self._map_size_bytes):
+                with self._env.begin(write=True) as txn:
+                    txn.put(META_SHUTDOWN, META_CLEAN, db=self._meta)
+                self._env.sync(True)
+        finally:
+            self._env.close()
+
+    # --- writes -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def write_batch(self) -> Iterator[_batch.WriteBatch]:
+        """Collect writes in a batch; commit them all when the block ends normally.
+
+        Durable once the block has ended: against `kill -9` always, against power loss when
+        the store is `durable`. An exception out of the block (including one from the batch's
+        own methods) discards every write of the batch.
+
+        Raises:
+            RuntimeError: another batch is open (one writer at a time).
+            StorageFullError: the map is full; nothing of the batch was written.
+            StorageError: LMDB failed; nothing of the batch was written.
+        """
+        self._require_open()
+        if self._batch_open:
+            raise RuntimeError("a write batch is already open on this store")
+        batch = _batch.WriteBatch(self._rows)
+        self._batch_open = True
+        try:
+            try:
+                yield batch
+            except BaseException:
+                batch.close()
+                raise
+            with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
+                rows = batch.apply(txn, self._by_seqno, self._by_key, self._vbmeta)
+            self._rows.update(rows)
+        finally:
+            batch.close()
+            self._batch_open = False
+
+    def compact(
+        self,
+        *,
+        tombstone_age_s: float,
+        now: float | None = None,
+        vbuckets: Iterable[int] | None = None,
+    ) -> dict[int, int]:
+        """Purge tombstones with delete_time <= now - tombstone_age_s; raise purge seqnos.
+
+        Each vbucket is purged in its own transaction, so a crash keeps whole vbuckets' purges.
+        A vbucket's purge_seqno becomes max(purge_seqno, highest seqno purged) and is durable
+        with the purge.
+
+        Args:
+            tombstone_age_s: how long a tombstone is kept after its delete_time (>= 0).
+            now: seconds since the epoch; time.time() when None (tests pass a fake clock).
+            vbuckets: which vbuckets; all when None.
+
+        Returns:
+            vb -> purge seqno after compaction, for every vbucket compacted.
+
+        Raises:
+            ValueError: tombstone_age_s < 0, or an unknown vbucket.
+            RuntimeError: a write batch is open.
+            StorageError, CorruptRecordError: as for a batch.
+        """
+        self._require_writable()
+        if not tombstone_age_s >= 0:
+            raise ValueError(f"tombstone_age_s {tombstone_age_s} must be >= 0")
+        delete_time_max = (time.time() if now is None else now) - tombstone_age_s
+        targets = sorted(self._rows) if vbuckets is None else sorted(set(vbuckets))
+        for vb in targets:
+            self._known_row(vb)
+        purge_seqnos: dict[int, int] = {}
+        for vb in targets:
+            row = self._rows[vb].copy()
+            with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
+                purged_max, purged = purge_tombstones(
+                    txn, self._by_seqno, self._by_key, vb, delete_time_max
+                )
+                row.purge_seqno = max(row.purge_seqno, purged_max)
+                if purged:
+                    txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=self._vbmeta)
+            self._rows[vb] = row
+            purge_seqnos[vb] = row.purge_seqno
+        return purge_seqnos
+
+    def rollback(self, vb: int, seqno: int) -> None:
+        """Discard every record of `vb` with a seqno above `seqno` (a replica rolling back).
+
+        The store keeps one version per key, so a key whose newest version is discarded does
+        not fall back to an older one: it disappears. Callers must re-fetch such keys from the
+        active (a DCP stream from `seqno` does that). When records were above `seqno`, the
+        vbucket's high_seqno becomes `seqno`, its snapshot range (seqno, seqno) and its
+        purge_seqno at most `seqno`; otherwise nothing changes. Durable like a batch.
+
+        Raises:
+            ValueError: unknown vbucket, or seqno outside 0..SEQNO_MAX.
+            RuntimeError: a write batch is open.
+            StorageError, CorruptRecordError: as for a batch.
+        """
+        self._require_writable()
+        row = self._known_row(vb).copy()
+        if not 0 <= seqno <= limits.SEQNO_MAX:
+            raise ValueError(f"rollback seqno {seqno} outside 0..SEQNO_MAX")
+        if seqno >= row.high_seqno:
+            return
+        with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
+            _, removed_live = discard_after(txn, self._by_seqno, self._by_key, vb, seqno)
+            row.high_seqno = seqno
+            row.purge_seqno = min(row.purge_seqno, seqno)
+            row.snap_start = row.snap_end = seqno
+            row.item_count -= removed_live
+            txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=self._vbmeta)
+        self._rows[vb] = row
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    def get(self, vb: int, key: bytes) -> Record | None:
+        """The newest version of `key` in `vb`, tombstones included (check `.deleted`).
+
+        Returns None when the key was never written, was purged, was rolled back, or is not a
+        storable key (empty or over limits.STORED_KEY_SIZE_MAX bytes).
+
+        Raises:
+            ValueError: vb outside 0..VBUCKETS_MAX-1.
+            CorruptRecordError: the record or its index entry does not decode.
+        """
+        self._require_open()
+        _check_vb(vb)
+        if not 0 < len(key) <= limits.STORED_KEY_SIZE_MAX:
+            return None
+        with _translated_errors(self._map_size_bytes), self._env.begin(buffers=True) as txn:
+            entry = txn.get(VB_KEY.pack(vb) + key, db=self._by_key)
+            if entry is None:
+                return None
+            seqno, op = decode_by_key_value(vb, entry)
+            data = txn.get(SEQNO_KEY.pack(vb, seqno), db=self._by_seqno)
+            if data is None:
+                raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} has no record")
+            record = decode_record(vb, seqno, data)
+        if record.key != key or record.op != op:
+            raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} disagrees with record")
+        return record
+
+    def scan(self, vb: int, start_seqno: int, end_seqno: int) -> Iterator[Record]:
+        """Records of `vb` with start_seqno <= seqno <= end_seqno, in seqno order.
+
+        Only each key's newest version exists, so a key written again after end_seqno is not
+        in the range at all. Tombstones are included. The scan reads one LMDB snapshot taken
+        when `scan` is called: later commits are not seen. The snapshot holds a reader slot
+        (limits.STORAGE_READERS_MAX) and keeps pages it sees from reuse until the iterator is
+        exhausted or closed, so close long-paused scans (`iterator.close()`).
+
+        Raises:
+            ValueError: vb outside 0..VBUCKETS_MAX-1, a seqno outside 0..SEQNO_MAX.
+            CorruptRecordError: (while iterating) a record does not decode.
+            StorageError: no reader slot is free, or the store was closed during the scan.
+        """
+        self._require_open()
+        _check_vb(vb)
+        if not (0 <= start_seqno <= limits.SEQNO_MAX and 0 <= end_seqno <= limits.SEQNO_MAX):
+            raise ValueError(f"scan range {start_seqno}..{end_seqno} outside 0..SEQNO_MAX")
+        with _translated_errors(self._map_size_bytes):
+            txn = self._env.begin(buffers=True)
+        return _scan(txn, self._by_seqno, vb, start_seqno, end_seqno)
+
+    def vbucket_meta(self, vb: int) -> VBucketMeta | None:
+        """The vbucket's committed metadata, or None if it was never created."""
+        self._require_open()
+        row = self._rows.get(vb)
+        return None if row is None else row.public()
+
+    def vbuckets(self) -> list[int]:
+        """The vbuckets that have metadata, in ascending order."""
+        self._require_open()
+        return sorted(self._rows)
+
+    def high_seqno(self, vb: int) -> int:
+        """Highest seqno written to `vb` (the rollback point after a rollback); 0 if unknown."""
+        self._require_open()
+        row = self._rows.get(vb)
+        return 0 if row is None else row.high_seqno
+
+    def purge_seqno(self, vb: int) -> int:
+        """Highest seqno of a tombstone compaction removed from `vb`; 0 if none or unknown."""
+        self._require_open()
+        row = self._rows.get(vb)
+        return 0 if row is None else row.purge_seqno
+
+    def item_count(self, vb: int) -> int:
+        """Keys of `vb` whose newest version is a mutation (tombstones not counted)."""
+        self._require_open()
+        row = self._rows.get(vb)
+        return 0 if row is None else row.item_count
+
+    # --- checks ---------------------------------------------------------------------------------
+
+    def _check_invariants(self) -> None:
+        """Walk everything (O(n)): both indexes agree, counters match, the cache matches disk.
+
+        Raises AssertionError or CorruptRecordError; tests call it after every change.
+        """
+        self._require_open()
+        with self._env.begin() as txn:
+            assert txn.get(META_SHUTDOWN, db=self._meta) == META_UNCLEAN
+            on_disk = {
+                VB_KEY.unpack(key)[0]: decode_vbstate(VB_KEY.unpack(key)[0], data)
+                for key, data in txn.cursor(db=self._vbmeta)
+            }
+            assert on_disk == self._rows, (on_disk, self._rows)
+            records = 0
+            for key, data in txn.cursor(db=self._by_seqno):
+                vb, seqno = SEQNO_KEY.unpack(key)
+                assert vb in self._rows, (vb, seqno)
+                record = decode_record(vb, seqno, data)
+                entry = txn.get(VB_KEY.pack(vb) + record.key, db=self._by_key)
+                assert entry is not None, record
+                assert decode_by_key_value(vb, entry) == (seqno, record.op), (entry, record)
+                assert seqno <= self._rows[vb].high_seqno, (record, self._rows[vb])
+                records += 1
+            assert txn.stat(self._by_key)["entries"] == records, records
+            for vb, row in self._rows.items():
+                live = sum(not record.deleted for record in _scan_all(txn, self._by_seqno, vb))
+                assert live == row.item_count, (vb, live, row)
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise StorageError("the store is closed")
+
+    def _require_writable(self) -> None:
+        self._require_open()
+        if self._batch_open:
+            raise RuntimeError("compact() and rollback() cannot run inside a write batch")
+
+    def _known_row(self, vb: int) -> VbState:
+        row = self._rows.get(vb)
+        if row is None:
+            raise ValueError(f"vb {vb!r} has no metadata in this store")
+        return row
+
+
+def _check_vb(vb: int) -> None:
+    if not 0 <= vb < limits.VBUCKETS_MAX:
+        raise ValueError(f"vb {vb} outside 0..{limits.VBUCKETS_MAX - 1}")
+
+
+def _scan_all(txn: lmdb.Transaction[bytes], by_seqno: lmdb._Database, vb: int) -> list[Record]:
+    cursor = txn.cursor(db=by_seqno)
+    records = []
+    if cursor.set_range(SEQNO_KEY.pack(vb, 0)):
+        for key, data in cursor.iternext():
+            key_vb, seqno = SEQNO_KEY.unpack(key)
+            if key_vb != vb:
+                break
+            records.append(decode_record(vb, seqno, data))
+    return records
+
+
+def _scan(
+    txn: lmdb.Transaction[memoryview],
+    by_seqno: lmdb._Database,
+    vb: int,
+    start_seqno: int,
+    end_seqno: int,
+) -> Iterator[Record]:
+    """The body of Store.scan: owns `txn` and aborts it when done, abandoned or failed."""
+    unpack_key = SEQNO_KEY.unpack
+    decode = decode_record
+    seqno_last = -1
+    try:
+        cursor = txn.cursor(db=by_seqno)
+        if start_seqno > end_seqno or not cursor.set_range(SEQNO_KEY.pack(vb, start_seqno)):
+            return
+        for key, data in cursor.iternext():
+            key_vb, seqno = unpack_key(key)
+            if key_vb != vb or seqno > end_seqno:
+                return
+            assert seqno > seqno_last, (vb, seqno, seqno_last)
+            seqno_last = seqno
+            yield decode(vb, seqno, data)
+    except lmdb.Error as error:
+        raise StorageError(f"scan of vb {vb} failed: {error}") from error
+    finally:
+        with contextlib.suppress(lmdb.Error):
+            txn.abort()
+
+
+@contextlib.contextmanager
+def _translated_errors(map_size_bytes: int) -> Iterator[None]:
+    """Turn lmdb errors into StorageError subclasses that name the setting to change."""
+    try:
+        yield
+    except lmdb.MapFullError:
+        raise StorageFullError(map_size_bytes) from None
+    except lmdb.ReadersFullError as error:
+        raise StorageError(
+            f"all LMDB reader slots are in use: close scans or raise "
+            f"limits.STORAGE_READERS_MAX ({limits.STORAGE_READERS_MAX}): {error}"
+        ) from error
+    except lmdb.Error as error:
+        raise StorageError(f"LMDB failed: {error}") from error
