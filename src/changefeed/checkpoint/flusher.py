@@ -1,0 +1,209 @@
+"""The flusher: drains the persistence cursor into the store, one group commit per batch.
+
+Contract: `flush_batch()` reads up to `batch_bytes_max` accounted bytes of items through the
+persistence cursor and writes them in one `store.write_batch()` transaction, together with the
+snapshot range (snap_start, snap_end) of the checkpoint the last item came from. Only after the
+commit does the persisted seqno advance and do the checkpoints the batch read become freeable:
+while a batch is written a BACKUP cursor holds the persistence cursor's old position (ep-engine's
+backup pcursor, dcp-wire.md §10), and if the write fails the persistence cursor is put back there,
+so a failed batch loses nothing and is written again by the next call. A reader that must backfill
+therefore always finds on disk every item memory has freed.
+
+`wait_persisted(seqno)` lets a writer await durability (persisted-on-active durability);
+`flush()` drains synchronously for tests and shutdown; `run()` is the asyncio loop.
+
+Not here: the vbucket's metadata besides the snapshot range (vbucket.py sets state and the
+failover log). The LMDB commit runs on the caller's thread (with `durable=True` it fsyncs), so
+a server that cannot afford that pause on its event loop runs `run()` on a loop of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from typing import Final
+
+from changefeed import limits
+from changefeed.checkpoint.cursor import Cursor
+from changefeed.checkpoint.item import Item
+from changefeed.checkpoint.manager import CheckpointManager
+from changefeed.checkpoint.memory import item_size_bytes
+from changefeed.checkpoint.snapshot import CursorSignal, SnapshotStart
+from changefeed.storage import Op, Store
+
+BACKUP_CURSOR_NAME: Final = "persistence-backup"
+
+
+class Flusher:
+    """Writes what the persistence cursor reads into the store.
+
+    Args:
+        manager: a checkpoint manager with a persistence cursor.
+        store: where to write; the vbucket must exist there (`set_vbucket_meta` with a state).
+        batch_bytes_max: accounted bytes per transaction (at least one item is always taken).
+    """
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        store: Store,
+        *,
+        batch_bytes_max: int = limits.FLUSH_BATCH_BYTES_MAX,
+    ) -> None:
+        assert manager.persistence_cursor is not None, manager
+        assert batch_bytes_max > 0, batch_bytes_max
+        assert store.vbucket_meta(manager.vb) is not None, manager.vb
+        self._manager = manager
+        self._store = store
+        self._batch_bytes_max = batch_bytes_max
+        self._persisted_seqno = store.high_seqno(manager.vb)
+        self._snapshot: SnapshotStart | None = None
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiter_ids = itertools.count()
+        self._stopping = False
+        self.stats = {"batches": 0, "items": 0, "failed_batches": 0}
+
+    @property
+    def persisted_seqno(self) -> int:
+        """Seqno of the last item committed to the store."""
+        return self._persisted_seqno
+
+    @property
+    def pending(self) -> bool:
+        """True if the persistence cursor has items not yet written."""
+        return self._cursor().has_next
+
+    def flush_batch(self) -> int:
+        """Write one batch; return how many items it wrote (0 when nothing was pending).
+
+        Raises:
+            StorageError, StorageFullError: the commit failed; the batch will be retried.
+        """
+        cursor = self._cursor()
+        if not cursor.has_next:
+            return 0
+        backup = self._manager.clone_cursor(cursor, BACKUP_CURSOR_NAME)
+        snapshot_before = self._snapshot
+        try:
+            items = self._read_batch(cursor)
+            if items:
+                self._write(items)
+        except BaseException:
+            self.stats["failed_batches"] += 1
+            self._manager.move_cursor(cursor, backup)
+            self._snapshot = snapshot_before
+            raise
+        finally:
+            self._manager.remove_cursor(backup)
+        if items:
+            assert items[-1].seqno > self._persisted_seqno, (items[-1], self._persisted_seqno)
+            self._persisted_seqno = items[-1].seqno
+            self.stats["batches"] += 1
+            self.stats["items"] += len(items)
+        self._resolve_waiters()
+        return len(items)
+
+    def flush(self) -> int:
+        """Write batches until nothing is pending; return the items written."""
+        total = 0
+        while True:  # bounded: each round writes >= 1 item or stops; nothing queues meanwhile
+            written = self.flush_batch()
+            if written == 0:
+                return total
+            total += written
+
+    async def wait_persisted(self, seqno: int, timeout_s: float) -> bool:
+        """Wait until `seqno` is persisted, at most `timeout_s` seconds.
+
+        Returns:
+            True once persisted_seqno >= seqno, False on timeout.
+        """
+        assert seqno <= self._manager.high_seqno, (seqno, self._manager.high_seqno)
+        if seqno <= self._persisted_seqno:
+            return True
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (seqno, next(self._waiter_ids), future)
+        heapq.heappush(self._waiters, entry)
+        try:
+            await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            if entry in self._waiters:  # O(waiters): timeouts are rare, the heap stays bounded
+                self._waiters.remove(entry)
+                heapq.heapify(self._waiters)
+            return seqno <= self._persisted_seqno
+        return True
+
+    async def run(self, *, idle_wait_s: float = 1.0) -> None:
+        """Flush whenever items are queued until `stop()`; yields to the loop between batches."""
+        self._stopping = False
+        while not self._stopping:  # the flusher's own loop; ends on stop()
+            if self.flush_batch() == 0:
+                await self._manager.wakeup.wait(idle_wait_s)
+            else:
+                await asyncio.sleep(0)
+
+    def stop(self) -> None:
+        """Make `run()` return after its current batch."""
+        self._stopping = True
+        self._manager.wakeup.notify()
+
+    def _cursor(self) -> Cursor:
+        cursor = self._manager.persistence_cursor
+        assert cursor is not None, self._manager
+        return cursor
+
+    def _read_batch(self, cursor: Cursor) -> list[Item]:
+        items: list[Item] = []
+        batch_bytes = 0
+        while batch_bytes < self._batch_bytes_max:  # bounded by the batch size
+            event = cursor.next()
+            if isinstance(event, CursorSignal):
+                assert event is CursorSignal.CAUGHT_UP, event  # never dropped
+                break
+            if isinstance(event, SnapshotStart):
+                self._snapshot = event
+                continue
+            items.append(event)
+            batch_bytes += item_size_bytes(event)
+        return items
+
+    def _write(self, items: list[Item]) -> None:
+        snapshot = self._snapshot
+        assert snapshot is not None, items[0]
+        assert snapshot.snap_start <= items[-1].seqno <= snapshot.snap_end, (snapshot, items[-1])
+        vb = self._manager.vb
+        with self._store.write_batch() as batch:
+            for item in items:
+                if item.op is Op.MUTATION:
+                    batch.set(
+                        vb,
+                        item.key,
+                        item.seqno,
+                        item.value,
+                        cas=item.cas,
+                        flags=item.flags,
+                        expiry=item.expiry,
+                        datatype=item.datatype,
+                        rev_seqno=item.rev_seqno,
+                    )
+                else:
+                    batch.delete(
+                        vb,
+                        item.key,
+                        item.seqno,
+                        cas=item.cas,
+                        rev_seqno=item.rev_seqno,
+                        delete_time=item.delete_time,
+                        expiration=item.op is Op.EXPIRATION,
+                        value=item.value,
+                        datatype=item.datatype,
+                    )
+            batch.set_vbucket_meta(vb, snap_start=snapshot.snap_start, snap_end=snapshot.snap_end)
+
+    def _resolve_waiters(self) -> None:
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= self._persisted_seqno:  # bounded by the waiters
+            _, _, future = heapq.heappop(waiters)
+            if not future.done():
+                future.set_result(None)

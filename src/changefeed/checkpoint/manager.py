@@ -1,0 +1,566 @@
+"""The mutation manager of one vbucket: a list of checkpoints read through cursors.
+
+Contract (seed mutation-manager.md, dcp-wire.md §10):
+- Items are queued into the newest, open checkpoint with caller-given, increasing seqnos; a key is
+  deduplicated inside a checkpoint. Older checkpoints are closed and never change under a reader.
+- The open checkpoint is closed when a cursor has entered it and another item is queued (the item
+  goes into a new open checkpoint), and when it reaches `checkpoint_max_bytes`. A cursor may read
+  an open checkpoint: while a cursor is inside it no item can enter it, so what it reads is final.
+  A cursor waiting in an empty open checkpoint reads the next item queued there (seed figure 3).
+- A checkpoint no cursor needs any more (older than every cursor) is freed at once; a run of two
+  or more closed checkpoints without cursors between others is collapsed into one with dedup
+  (seed figures 4-5), attempted whenever a cursor leaves a checkpoint or one is closed.
+- `register_cursor(name, seqno)` places a cursor to read every item after `seqno`, or, if memory
+  no longer holds them, pins the oldest checkpoint and says which seqnos to backfill from disk.
+- Memory is charged to a `MemoryBudget`; above its upper mark the budget closes open checkpoints,
+  then drops droppable cursors from the oldest checkpoints (never the persistence cursor).
+
+Not here: reading from disk (backfill.py, reader.py), writing to disk (flusher.py), seqno
+allocation (vbucket.py). Item expel and SyncWrite/history checkpoints are not implemented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable
+from typing import Final
+
+from changefeed import limits
+from changefeed.checkpoint.checkpoint import Checkpoint
+from changefeed.checkpoint.cursor import Cursor, CursorKind, Event
+from changefeed.checkpoint.item import CHECKPOINT_START, Item
+from changefeed.checkpoint.memory import MemoryBudget, item_size_bytes
+from changefeed.checkpoint.snapshot import (
+    CAUGHT_UP,
+    DROPPED,
+    MARKER_FLAG_CHECKPOINT,
+    MARKER_FLAG_MEMORY,
+    CursorSignal,
+    SnapshotStart,
+)
+from changefeed.checkpoint.wakeup import Wakeup
+
+PERSISTENCE_CURSOR_NAME: Final = "persistence"
+_CHECKPOINT_FLAGS: Final = MARKER_FLAG_MEMORY | MARKER_FLAG_CHECKPOINT
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Registration:
+    """The answer to `register_cursor`.
+
+    Attributes:
+        cursor: the registered cursor. Without backfill it yields every item after the requested
+            seqno; with backfill it sits at the front of the oldest checkpoint (pinning it) and
+            yields from `backfill_end + 1` once the caller has read the backfill range from disk.
+        backfill_start, backfill_end: inclusive seqno range to read from disk first, or None.
+    """
+
+    cursor: Cursor
+    backfill_start: int | None = None
+    backfill_end: int | None = None
+
+    def __post_init__(self) -> None:
+        assert (self.backfill_start is None) == (self.backfill_end is None), self
+        if self.backfill_start is not None and self.backfill_end is not None:
+            assert 0 < self.backfill_start <= self.backfill_end, self
+
+    @property
+    def needs_backfill(self) -> bool:
+        """True when the caller must read [backfill_start, backfill_end] from disk first."""
+        return self.backfill_start is not None
+
+
+class CheckpointManager:
+    """Checkpoints and cursors of one vbucket.
+
+    Args:
+        vb: vbucket id (for messages and the budget's ordering).
+        high_seqno: seqno of the last item already durable before this manager (recovery).
+        budget: shared memory budget; a private default-sized one if None.
+        checkpoint_max_bytes: the open checkpoint is closed once it holds this much.
+        persistence: register the non-droppable persistence cursor at `high_seqno`.
+        replica_cursors_droppable: let memory recovery drop REPLICA cursors too.
+        clock: monotonic seconds, injected so tests replay (STYLE.md §3).
+    """
+
+    def __init__(
+        self,
+        vb: int,
+        *,
+        high_seqno: int = 0,
+        budget: MemoryBudget | None = None,
+        checkpoint_max_bytes: int = limits.CHECKPOINT_MAX_BYTES_DEFAULT,
+        persistence: bool = True,
+        replica_cursors_droppable: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert 0 <= vb < limits.VBUCKETS_MAX, vb
+        assert 0 <= high_seqno <= limits.SEQNO_MAX, high_seqno
+        assert checkpoint_max_bytes > 0, checkpoint_max_bytes
+        self._vb = vb
+        self._high_seqno = high_seqno
+        self._budget = budget if budget is not None else MemoryBudget()
+        self._checkpoint_max_bytes = checkpoint_max_bytes
+        self._replica_cursors_droppable = replica_cursors_droppable
+        self._clock = clock
+        self._memory_bytes = 0
+        self._next_checkpoint_id = 1
+        self._open = self._new_checkpoint()
+        self._head = self._open
+        self._cursors: dict[str, Cursor] = {}
+        self.wakeup = Wakeup()
+        self.stats = {"cursors_dropped": 0, "checkpoints_collapsed": 0, "checkpoints_freed": 0}
+        self._budget.attach(self)
+        self.persistence_cursor: Cursor | None = None
+        if persistence:
+            registration = self.register_cursor(
+                PERSISTENCE_CURSOR_NAME, high_seqno, kind=CursorKind.PERSISTENCE
+            )
+            assert not registration.needs_backfill, registration
+            self.persistence_cursor = registration.cursor
+
+    # -- read-only state ------------------------------------------------------------------------
+
+    @property
+    def vb(self) -> int:
+        """The vbucket id."""
+        return self._vb
+
+    @property
+    def high_seqno(self) -> int:
+        """Seqno of the last item queued (or given at construction)."""
+        return self._high_seqno
+
+    @property
+    def memory_bytes(self) -> int:
+        """Accounted bytes of all items held."""
+        return self._memory_bytes
+
+    @property
+    def budget(self) -> MemoryBudget:
+        """The memory budget this manager charges."""
+        return self._budget
+
+    @property
+    def first_memory_seqno(self) -> int:
+        """Lowest seqno memory still covers: a reader at seqno >= this - 1 needs no disk."""
+        return self._head.snap_start
+
+    @property
+    def open_checkpoint(self) -> Checkpoint:
+        """The newest checkpoint (read-only use: stats and tests)."""
+        return self._open
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """All checkpoints, oldest first (read-only use: stats and tests)."""
+        result = []
+        checkpoint: Checkpoint | None = self._head
+        while checkpoint is not None:
+            result.append(checkpoint)
+            checkpoint = checkpoint.next
+        return result
+
+    def cursor(self, name: str) -> Cursor | None:
+        """The attached cursor called `name`, if any."""
+        return self._cursors.get(name)
+
+    def find(self, key: bytes) -> Item | None:
+        """Newest queued version of `key` still in memory (O(checkpoints))."""
+        checkpoint: Checkpoint | None = self._open
+        while checkpoint is not None:
+            index = checkpoint.key_index.get(key)
+            if index is not None:
+                item = checkpoint.items[index]
+                assert isinstance(item, Item), (key, index, item)
+                return item
+            checkpoint = checkpoint.prev
+        return None
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def queue(self, item: Item) -> None:
+        """Queue `item` into the open checkpoint and wake waiting readers.
+
+        Raises:
+            CheckpointMemoryFullError: no room under the quota even after recovery; nothing
+                was changed, the caller answers TMPFAIL.
+        """
+        assert item.seqno > self._high_seqno, (item.seqno, self._high_seqno)
+        assert item.seqno <= limits.SEQNO_MAX, item.seqno
+        size_bytes = item_size_bytes(item)
+        self._budget.make_room(size_bytes)
+        open_checkpoint = self._open
+        if open_checkpoint.has_items and (
+            open_checkpoint.cursor_count > 0
+            or open_checkpoint.memory_bytes >= self._checkpoint_max_bytes
+        ):
+            self._close_open()  # a reader is inside, or it is full: it must not change any more
+            open_checkpoint = self._open
+        delta_bytes = open_checkpoint.add(item, size_bytes)
+        self._charge(delta_bytes)
+        self._high_seqno = item.seqno
+        self.wakeup.notify()
+        if self._budget.over_upper_mark:
+            self._budget.recover()
+        assert self._high_seqno == item.seqno, (self._high_seqno, item.seqno)
+
+    def close_open_checkpoint(self) -> None:
+        """Close the open checkpoint if it holds items, so that it can be freed once read."""
+        if self._open.has_items:
+            self._close_open()
+
+    # -- cursors --------------------------------------------------------------------------------
+
+    def register_cursor(
+        self, name: str, seqno: int, *, kind: CursorKind = CursorKind.STREAM
+    ) -> Registration:
+        """Register a cursor that reads every item with a seqno above `seqno`.
+
+        A cursor already called `name` is replaced (it returns DROPPED afterwards). If memory
+        no longer holds all items after `seqno`, the cursor pins the oldest checkpoint and the
+        answer names the seqnos to read from disk first (seed figure 6).
+
+        Args:
+            name: unique per manager.
+            seqno: the last seqno the reader has (0 for everything); at most `high_seqno`.
+            kind: decides droppability (see `CursorKind`).
+        """
+        assert 0 <= seqno <= self._high_seqno, (seqno, self._high_seqno)
+        droppable = kind is CursorKind.STREAM or (
+            kind is CursorKind.REPLICA and self._replica_cursors_droppable
+        )
+        cursor = Cursor(
+            self, name, kind, droppable=droppable, checkpoint=self._head, last_seqno=seqno
+        )
+        first_seqno = self.first_memory_seqno
+        if seqno + 1 < first_seqno:
+            self._attach(cursor, self._head, 0)
+            registration = Registration(cursor, seqno + 1, first_seqno - 1)
+        else:
+            self._place(cursor, seqno)
+            registration = Registration(cursor)
+        old = self._cursors.get(name)
+        self._cursors[name] = cursor
+        if old is not None:
+            self._detach(old)
+        assert cursor.attached, cursor
+        return registration
+
+    def clone_cursor(self, source: Cursor, name: str) -> Cursor:
+        """A non-droppable BACKUP cursor at `source`'s position (the flusher's safety copy)."""
+        assert source.attached, source
+        assert name not in self._cursors, name
+        clone = Cursor(
+            self,
+            name,
+            CursorKind.BACKUP,
+            droppable=False,
+            checkpoint=source.checkpoint,
+            last_seqno=source.last_seqno,
+        )
+        clone.pending_marker = source.pending_marker
+        self._attach(clone, source.checkpoint, source.index)
+        self._cursors[name] = clone
+        return clone
+
+    def move_cursor(self, cursor: Cursor, to: Cursor) -> None:
+        """Put `cursor` back at `to`'s position (the flusher undoing a failed batch)."""
+        assert cursor.attached, cursor
+        assert to.attached, to
+        assert to.last_seqno <= cursor.last_seqno, (to, cursor)
+        old_checkpoint = cursor.checkpoint
+        self._attach(cursor, to.checkpoint, to.index)
+        cursor.last_seqno = to.last_seqno
+        cursor.pending_marker = to.pending_marker
+        old_checkpoint.cursor_count -= 1
+        if old_checkpoint.cursor_count == 0:
+            self._release(old_checkpoint)
+
+    def remove_cursor(self, cursor: Cursor) -> None:
+        """Unregister `cursor` (a closed stream); freeing what only it held."""
+        assert cursor.kind is not CursorKind.PERSISTENCE, cursor
+        if cursor.attached:
+            self._detach(cursor)
+
+    def drop_cursor(self, cursor: Cursor) -> None:
+        """Drop a droppable `cursor` as memory recovery would: its reader goes to disk."""
+        assert cursor.droppable, cursor
+        assert cursor.attached, cursor
+        cursor.dropped = True
+        self.stats["cursors_dropped"] += 1
+        self._detach(cursor)
+        self.wakeup.notify()  # a waiting reader must learn it now reads from disk
+
+    def drop_cursors(self, target_bytes: int) -> None:
+        """Memory recovery: drop droppable cursors from the oldest checkpoints, oldest first,
+        until the budget is at or under `target_bytes` or only protected checkpoints are left.
+
+        Only checkpoints older than the persistence cursor's are candidates (all but the open
+        one without persistence), dcp-wire.md §10 "cursor dropping".
+        """
+        boundary = self._open
+        if self.persistence_cursor is not None:
+            boundary = self.persistence_cursor.checkpoint
+        candidates = []
+        checkpoint: Checkpoint | None = self._head
+        while checkpoint is not None and checkpoint is not boundary:
+            candidates.append(checkpoint)
+            checkpoint = checkpoint.next
+        by_checkpoint: dict[int, list[Cursor]] = {}
+        for cursor in self._cursors.values():
+            if cursor.droppable:
+                by_checkpoint.setdefault(cursor.checkpoint.id, []).append(cursor)
+        for checkpoint in candidates:
+            if self._budget.used_bytes <= target_bytes:
+                return
+            for cursor in sorted(by_checkpoint.get(checkpoint.id, []), key=lambda c: c.name):
+                self.drop_cursor(cursor)
+
+    def collapse(self) -> None:
+        """Collapse every run of closed, cursorless checkpoints (normally done on cursor moves)."""
+        checkpoint: Checkpoint | None = self._head
+        while checkpoint is not None:
+            following = checkpoint.next
+            if not checkpoint.is_open and checkpoint.cursor_count == 0:
+                self._collapse_around(checkpoint)
+                following = checkpoint.next
+            checkpoint = following
+
+    def close(self) -> None:
+        """Detach every cursor and free all memory (vbucket deleted or node stopping)."""
+        for cursor in list(self._cursors.values()):
+            self._detach(cursor)
+        self.persistence_cursor = None
+        if self._open.has_items:
+            self._close_open()
+        self._free_unreferenced_head()
+        self._charge(-self._open.memory_bytes)
+        assert self._memory_bytes == 0, self._memory_bytes
+        self._budget.detach(self)
+
+    # -- cursor movement (called through Cursor) ------------------------------------------------
+
+    def _next_event(self, cursor: Cursor) -> Event | CursorSignal:
+        if not cursor.attached:
+            return DROPPED
+        marker = cursor.pending_marker
+        if marker is not None:
+            cursor.pending_marker = None
+            return marker
+        while True:  # bounded: each round enters a newer checkpoint, the list is finite
+            checkpoint = cursor.checkpoint
+            items = checkpoint.items
+            index = cursor.index + 1
+            count = len(items)
+            while index < count:
+                slot = items[index]
+                if slot is None:
+                    index += 1
+                    continue
+                cursor.index = index
+                if slot is CHECKPOINT_START:
+                    return SnapshotStart(
+                        checkpoint.snap_start, checkpoint.snap_end, _CHECKPOINT_FLAGS
+                    )
+                assert isinstance(slot, Item), slot
+                assert slot.seqno > cursor.last_seqno, (cursor, slot)
+                cursor.last_seqno = slot.seqno
+                return slot
+            cursor.index = count - 1
+            if checkpoint.next is None:
+                return CAUGHT_UP
+            self._enter_next(cursor)
+
+    def _has_next(self, cursor: Cursor) -> bool:
+        if not cursor.attached:
+            return False
+        if cursor.pending_marker is not None:
+            return True
+        checkpoint = cursor.checkpoint
+        items = checkpoint.items
+        for index in range(cursor.index + 1, len(items)):
+            if items[index] is not None:
+                return True
+        following = checkpoint.next
+        return following is not None and following.has_items
+
+    def _enter_next(self, cursor: Cursor) -> None:
+        old = cursor.checkpoint
+        following = old.next
+        assert following is not None, cursor
+        assert cursor.index == len(old.items) - 1, cursor
+        old.cursor_count -= 1
+        self._attach(cursor, following, 0)
+        if old.cursor_count == 0:
+            self._release(old)
+
+    def _place(self, cursor: Cursor, seqno: int) -> None:
+        checkpoint = self._head
+        while checkpoint.snap_end <= seqno and checkpoint.next is not None:
+            checkpoint = checkpoint.next
+        if checkpoint.snap_end <= seqno:  # the reader has all of the open checkpoint
+            assert checkpoint is self._open, checkpoint
+            if checkpoint.has_items:
+                self._close_open()
+                checkpoint = self._open
+            self._attach(cursor, checkpoint, 0)
+        elif seqno < checkpoint.snap_start:
+            self._attach(cursor, checkpoint, 0)
+        else:  # mid-checkpoint: announce only what follows (dcp-wire.md §7.2, no Checkpoint flag)
+            self._attach(cursor, checkpoint, checkpoint.position_after(seqno))
+            cursor.pending_marker = SnapshotStart(
+                seqno + 1, checkpoint.snap_end, MARKER_FLAG_MEMORY
+            )
+        assert cursor.checkpoint is checkpoint, (cursor, checkpoint)
+
+    def _attach(self, cursor: Cursor, checkpoint: Checkpoint, index: int) -> None:
+        assert 0 <= index < len(checkpoint.items), (index, checkpoint)
+        cursor.checkpoint = checkpoint
+        cursor.index = index
+        cursor.attached = True
+        checkpoint.cursor_count += 1
+
+    def _detach(self, cursor: Cursor) -> None:
+        assert cursor.attached, cursor
+        checkpoint = cursor.checkpoint
+        cursor.attached = False
+        cursor.pending_marker = None
+        if self._cursors.get(cursor.name) is cursor:
+            del self._cursors[cursor.name]
+        if cursor is self.persistence_cursor:
+            self.persistence_cursor = None
+        checkpoint.cursor_count -= 1
+        assert checkpoint.cursor_count >= 0, checkpoint
+        if checkpoint.cursor_count == 0:
+            self._release(checkpoint)
+
+    # -- checkpoint list ------------------------------------------------------------------------
+
+    def _new_checkpoint(self) -> Checkpoint:
+        checkpoint = Checkpoint(
+            self._next_checkpoint_id, snap_start=self._high_seqno + 1, created_s=self._clock()
+        )
+        self._next_checkpoint_id += 1
+        return checkpoint
+
+    def _close_open(self) -> None:
+        closed = self._open
+        closed.close()
+        fresh = self._new_checkpoint()
+        fresh.prev = closed
+        closed.next = fresh
+        self._open = fresh
+        if closed.cursor_count > 0:
+            self._advance_finished_cursors(closed)
+        if closed.cursor_count == 0:
+            self._release(closed)
+
+    def _advance_finished_cursors(self, closed: Checkpoint) -> None:
+        """Move cursors that have read all of `closed` into the fresh open checkpoint at once,
+        so that a caught-up reader does not keep the checkpoint it finished alive (figure 2)."""
+        last_index = len(closed.items) - 1
+        for cursor in self._cursors.values():
+            if (
+                cursor.checkpoint is closed
+                and cursor.index == last_index
+                and cursor.pending_marker is None
+            ):
+                closed.cursor_count -= 1
+                self._attach(cursor, self._open, 0)
+        assert closed.cursor_count >= 0, closed
+
+    def _release(self, checkpoint: Checkpoint) -> None:
+        """`checkpoint` lost its last cursor or was closed: free or collapse what is unneeded."""
+        assert checkpoint.cursor_count == 0, checkpoint
+        self._free_unreferenced_head()
+        linked = checkpoint is self._head or checkpoint.prev is not None
+        if linked and not checkpoint.is_open:
+            self._collapse_around(checkpoint)
+
+    def _free_unreferenced_head(self) -> None:
+        while self._head is not self._open and self._head.cursor_count == 0:
+            freed = self._head
+            following = freed.next
+            assert following is not None, freed
+            following.prev = None
+            self._head = following
+            self._charge(-freed.memory_bytes)
+            freed.next = None
+            freed.items = []  # a detached cursor may still refer to it; its memory goes now
+            freed.key_index = {}
+            freed.memory_bytes = 0
+            self.stats["checkpoints_freed"] += 1
+
+    def _collapse_around(self, checkpoint: Checkpoint) -> None:
+        """Merge the maximal run of closed cursorless checkpoints around `checkpoint`."""
+        assert not checkpoint.is_open, checkpoint
+        assert checkpoint.cursor_count == 0, checkpoint
+        first = checkpoint
+        while first.prev is not None and first.prev.cursor_count == 0:
+            first = first.prev
+        assert first is not self._head, first  # a cursorless head is freed before collapsing
+        following = first.next
+        while (
+            following is not None and not following.is_open and following.cursor_count == 0
+        ):  # bounded by the list length
+            freed_bytes = first.absorb(following)
+            self._charge(-freed_bytes)
+            first.next = following.next
+            assert following.next is not None, following  # the open checkpoint follows
+            following.next.prev = first
+            following.prev = following.next = None
+            self.stats["checkpoints_collapsed"] += 1
+            following = first.next
+
+    def _charge(self, delta_bytes: int) -> None:
+        self._memory_bytes += delta_bytes
+        self._budget.charge(delta_bytes)
+        assert self._memory_bytes >= 0, (self._memory_bytes, delta_bytes)
+
+    # -- invariants -----------------------------------------------------------------------------
+
+    def _check_invariants(self) -> None:
+        """O(n) walk of the list, every checkpoint and every cursor; tests call it often."""
+        checkpoints = self.checkpoints()
+        assert checkpoints[0] is self._head, checkpoints
+        assert checkpoints[-1] is self._open, checkpoints
+        assert self._head.prev is None, self._head
+        for older, newer in itertools.pairwise(checkpoints):
+            assert newer.prev is older, (older, newer)
+            assert older.id < newer.id, (older, newer)
+            assert older.snap_end < newer.snap_start, (older, newer)
+            assert not (older.cursor_count == 0 and newer.cursor_count == 0 and not newer.is_open)
+        for checkpoint in checkpoints:
+            checkpoint.check_invariants()
+            assert checkpoint.is_open == (checkpoint is self._open), checkpoint
+        if not self._head.is_open:
+            assert self._head.cursor_count > 0, self._head  # else it would have been freed
+        assert self._open.snap_end <= self._high_seqno, (self._open, self._high_seqno)
+        assert self._memory_bytes == sum(c.memory_bytes for c in checkpoints), self._memory_bytes
+        assert self._budget.used_bytes >= self._memory_bytes, self._budget.used_bytes
+        self._check_cursor_invariants(checkpoints)
+
+    def _check_cursor_invariants(self, checkpoints: list[Checkpoint]) -> None:
+        counts = {checkpoint.id: 0 for checkpoint in checkpoints}
+        for name, cursor in self._cursors.items():
+            assert cursor.name == name, (cursor, name)
+            assert cursor.attached, cursor
+            assert cursor.checkpoint.id in counts, cursor
+            assert cursor.checkpoint is checkpoints[list(counts).index(cursor.checkpoint.id)]
+            counts[cursor.checkpoint.id] += 1
+            items = cursor.checkpoint.items
+            assert cursor.index < len(items), cursor
+            for index, slot in enumerate(items):
+                if isinstance(slot, Item):
+                    assert (slot.seqno <= cursor.last_seqno) == (index <= cursor.index), (
+                        cursor,
+                        slot,
+                    )
+        for checkpoint in checkpoints:
+            assert checkpoint.cursor_count == counts[checkpoint.id], checkpoint
+        if self.persistence_cursor is not None:
+            assert self.persistence_cursor.attached, self.persistence_cursor
+            assert not self.persistence_cursor.droppable, self.persistence_cursor
+            assert self._cursors.get(PERSISTENCE_CURSOR_NAME) is self.persistence_cursor

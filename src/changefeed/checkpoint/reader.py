@@ -1,0 +1,193 @@
+"""The one object a stream reads through: memory when it can, disk when it must.
+
+Contract (seed mutation-manager.md, figure 6 and "Using the Mutation Manager"): a `StreamReader`
+yields every change after its start seqno as snapshot starts and items: seqnos strictly increase,
+each item lies inside the snapshot announced before it, and after reading to the end the reader's
+view of every key equals the vbucket's latest state. It hides where items come from: when memory
+no longer holds what it needs (at start, or after memory recovery dropped its cursor) it runs a
+disk backfill to the store's high seqno, then re-registers in memory after that seqno; it repeats
+this until it reads from memory. Disk snapshots carry MARKER_FLAG_DISK, memory ones
+MARKER_FLAG_MEMORY (| MARKER_FLAG_CHECKPOINT for whole checkpoints).
+
+Markers start at the first seqno that can follow (a DCP producer puts the requested start seqno
+in the first marker of a stream itself, dcp-wire.md §7.2).
+
+Not here: wire encoding, stream end, flow control (producer/). The manager must have a
+persistence cursor and the store must be the one its flusher writes: what memory freed must be
+on disk (asserted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Literal
+
+from changefeed import limits
+from changefeed.checkpoint.backfill import Backfill
+from changefeed.checkpoint.cursor import Cursor, CursorKind, Event
+from changefeed.checkpoint.item import Item
+from changefeed.checkpoint.manager import CheckpointManager
+from changefeed.checkpoint.snapshot import CAUGHT_UP, DROPPED, CursorSignal, SnapshotStart
+from changefeed.storage import Store
+
+
+class StreamReader:
+    """Reads one vbucket's changes after `start_seqno`, from memory or disk as needed.
+
+    Args:
+        manager: the vbucket's checkpoint manager.
+        store: the store its flusher writes.
+        name: cursor name, unique per manager.
+        start_seqno: the last seqno the reader already has (0 for everything).
+        kind: STREAM (droppable) or REPLICA (droppable if the manager says so).
+        backfill_bytes_max: bound of each backfill queue.
+    """
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        store: Store,
+        *,
+        name: str,
+        start_seqno: int,
+        kind: CursorKind = CursorKind.STREAM,
+        backfill_bytes_max: int = limits.BACKFILL_QUEUE_BYTES_MAX,
+    ) -> None:
+        assert kind in (CursorKind.STREAM, CursorKind.REPLICA), kind
+        assert 0 <= start_seqno <= manager.high_seqno, (start_seqno, manager.high_seqno)
+        self._manager = manager
+        self._store = store
+        self._name = name
+        self._kind = kind
+        self._backfill_bytes_max = backfill_bytes_max
+        self._position = start_seqno  # the reader has everything up to here (last item or end)
+        self._snapshot: SnapshotStart | None = None
+        self._backfill: Backfill | None = None
+        self._closed = False
+        self.stats = {"backfills": 0, "backfill_items": 0, "registrations": 0, "drops": 0}
+        self._cursor: Cursor = self._register()
+
+    def __repr__(self) -> str:
+        source = "memory" if self.from_memory else "disk"
+        return f"StreamReader({self._name!r}, vb={self._manager.vb}, {source}, at {self._position})"
+
+    @property
+    def last_seqno(self) -> int:
+        """Seqno of the last item read, or the end of the last complete disk snapshot."""
+        return self._position
+
+    @property
+    def snapshot(self) -> SnapshotStart | None:
+        """The snapshot being read (last marker yielded)."""
+        return self._snapshot
+
+    @property
+    def from_memory(self) -> bool:
+        """True when reading in-memory checkpoints (no backfill running, cursor attached)."""
+        return self._backfill is None and self._cursor.attached
+
+    @property
+    def has_next(self) -> bool:
+        """True if `next()` has work: a disk backfill to run or a memory event ready.
+
+        During a backfill it is True even if, once the backfill ends, memory has nothing yet.
+        """
+        if self._closed:
+            return False
+        if self._backfill is not None or not self._cursor.attached:
+            return True
+        return self._cursor.has_next
+
+    def next(self) -> Event | Literal[CursorSignal.CAUGHT_UP]:
+        """The next snapshot start or item, or CAUGHT_UP (then `await wait(...)`)."""
+        assert not self._closed, self
+        while True:  # bounded: a backfill ends, or memory moved on and the next backfill is later
+            backfill = self._backfill
+            if backfill is not None:
+                event = backfill.next()
+                if event is not None:
+                    return self._track(event)
+                self._finish_backfill(backfill)
+                continue
+            event_or_signal = self._cursor.next()
+            if event_or_signal is DROPPED:
+                self.stats["drops"] += 1
+                self._cursor = self._register()
+                continue
+            if event_or_signal is CAUGHT_UP:
+                return CAUGHT_UP
+            assert not isinstance(event_or_signal, CursorSignal), event_or_signal
+            return self._track(event_or_signal)
+
+    def __iter__(self) -> Iterator[Event]:
+        """Iterate what is available now (disk and memory); stops when caught up."""
+        while True:  # bounded by the items queued and stored
+            event = self.next()
+            if event is CAUGHT_UP:
+                return
+            assert not isinstance(event, CursorSignal), event
+            yield event
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait until `next()` may return an event, at most `timeout_s` seconds.
+
+        Returns:
+            True if there is (or may be) something to read, False on timeout.
+        """
+        if self.has_next:
+            return True
+        return await self._manager.wakeup.wait(timeout_s)
+
+    def close(self) -> None:
+        """Stop reading: close any backfill scan and unregister the cursor; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._backfill is not None:
+            self._backfill.close()
+            self._backfill = None
+        if self._cursor.attached:
+            self._manager.remove_cursor(self._cursor)
+
+    def _register(self) -> Cursor:
+        """Register at the position; start a backfill to the store's high seqno if needed."""
+        self.stats["registrations"] += 1
+        registration = self._manager.register_cursor(self._name, self._position, kind=self._kind)
+        if registration.needs_backfill:
+            assert registration.backfill_start == self._position + 1, registration
+            assert registration.backfill_end is not None, registration
+            stored_high = self._store.high_seqno(self._manager.vb)
+            # What memory freed was flushed first (persistence cursor), so the store has it.
+            assert stored_high >= registration.backfill_end, (stored_high, registration)
+            self._backfill = Backfill(
+                self._store,
+                self._manager.vb,
+                self._position + 1,
+                stored_high,
+                bytes_max=self._backfill_bytes_max,
+            )
+            self.stats["backfills"] += 1
+        return registration.cursor
+
+    def _finish_backfill(self, backfill: Backfill) -> None:
+        assert backfill.complete, backfill
+        self.stats["backfill_items"] += backfill.disk_cursor.items_read
+        backfill.close()
+        self._backfill = None
+        assert self._position <= backfill.end_seqno, (self._position, backfill.end_seqno)
+        self._position = backfill.end_seqno  # consistent at the disk snapshot's end
+        self._cursor = self._register()
+
+    def _track(self, event: Event) -> Event:
+        """Check what the reader hands out (pair of the cursor's own asserts, STYLE.md §3)."""
+        if isinstance(event, SnapshotStart):
+            assert event.snap_start > self._position, (event, self._position)
+            self._snapshot = event
+            return event
+        assert isinstance(event, Item), event
+        snapshot = self._snapshot
+        assert snapshot is not None, event
+        assert snapshot.snap_start <= event.seqno <= snapshot.snap_end, (snapshot, event)
+        assert event.seqno > self._position, (event, self._position)
+        self._position = event.seqno
+        return event

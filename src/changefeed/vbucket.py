@@ -1,0 +1,483 @@
+"""A vbucket: seqno counter, CAS clock, state, failover log, and its mutation manager.
+
+Contract:
+- Writes (`set`, `add`, `replace`, `delete`) are taken only while ACTIVE; each gets the next seqno
+  (strictly increasing, no gaps unless a write is refused before its seqno is used) and a CAS
+  from a hybrid clock (wall-clock nanoseconds, but always above every CAS handed out or
+  recovered, so CAS values increase even if the clock steps back). A write is queued into the
+  checkpoint manager; it is durable once the flusher has written it (`persisted_seqno`,
+  `flusher.wait_persisted`). When checkpoint memory is full the write is refused with
+  `TemporaryFailureError` and nothing changes (the server answers TMPFAIL).
+- Reads (`get`) look at memory first (the newest version of a key still in a checkpoint), then the
+  store. A document whose expiry has passed reads as missing and, on an active vbucket, an
+  EXPIRATION is queued for it (lazy expiry, as kv_engine does on access).
+- Becoming ACTIVE from another state adds a failover entry at the high seqno (a new history
+  branch, dcp-wire.md §9.4), persisted with the state at once. After an unclean shutdown an
+  active vbucket also adds one on recovery: acknowledged writes that were not yet persisted are
+  gone, and consumers that saw them must be rolled back.
+- Construction recovers from the store: state, failover log, high seqno and snapshot range; a
+  vbucket the store does not know is created (state persisted, fresh failover log).
+- Replica/pending vbuckets take items from their active with `queue_replicated` (seqno and CAS
+  as given).
+
+Not here: the wire (server/), streams (producer/ reads through `stream()`), replica rollback and
+the replica's own snapshot ranges (cluster/), compaction scheduling. Not thread-safe: one event
+loop owns a vbucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import random
+import time
+from collections.abc import Callable
+from typing import Final
+
+from changefeed import limits
+from changefeed.checkpoint import (
+    CheckpointManager,
+    CheckpointMemoryFullError,
+    CursorKind,
+    Flusher,
+    Item,
+    MemoryBudget,
+    StreamReader,
+)
+from changefeed.failover import FailoverLog
+from changefeed.storage import Op, Record, Store
+
+# Records read back at recovery to find the highest CAS handed out before (bounded, O(1)):
+# the hybrid clock only needs it when the wall clock stepped back across the restart.
+_CAS_RECOVERY_RECORDS_MAX: Final = 1024
+_NS_PER_S: Final = 1_000_000_000
+_U32_MAX: Final = 0xFFFF_FFFF
+_DATATYPE_MASK: Final = 0x07  # dcp-wire.md §1.4: JSON | Snappy | XATTR
+
+
+class VBucketState(enum.Enum):
+    """The states of dcp-wire.md §7.11 (values as the store keeps them)."""
+
+    ACTIVE = "active"
+    REPLICA = "replica"
+    PENDING = "pending"
+    DEAD = "dead"
+
+
+class VBucketError(Exception):
+    """Base of the operating errors a vbucket answers with; `retriable` says if a retry helps."""
+
+    retriable = False
+
+
+class NotMyVbucketError(VBucketError):
+    """The vbucket is not active here (NOT_MY_VBUCKET): the client refreshes its map."""
+
+    retriable = True
+
+
+class KeyNotFoundError(VBucketError):
+    """The key does not exist (KEY_ENOENT)."""
+
+
+class KeyExistsError(VBucketError):
+    """The key exists (ADD) or its CAS differs from the one given (KEY_EEXISTS)."""
+
+
+class InvalidArgumentError(VBucketError):
+    """A key, value or field the store cannot keep (EINVAL / E2BIG); checked before queueing so
+    that a bad write can never block the flusher."""
+
+
+class TemporaryFailureError(VBucketError):
+    """Checkpoint memory is full (TMPFAIL): retry once the flusher has caught up."""
+
+    retriable = True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MutationResult:
+    """What a write answers: its seqno, its CAS, and the vb_uuid of the branch it is on."""
+
+    seqno: int
+    cas: int
+    vb_uuid: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Document:
+    """The current version of a key as `get` returns it (never a tombstone)."""
+
+    key: bytes
+    value: bytes
+    cas: int
+    flags: int
+    expiry: int
+    datatype: int
+    seqno: int
+    rev_seqno: int
+
+
+class VBucket:
+    """One vbucket of a bucket on this node.
+
+    Args:
+        store: the bucket's store; this vbucket's records and metadata live there.
+        vb: vbucket id.
+        state: the state of a vbucket the store does not know yet (ignored on recovery).
+        clock: wall-clock seconds since the epoch (CAS, delete times, expiry); inject for tests.
+        rng: draws vb_uuids; pass a seeded one for replayable runs (STYLE.md §3).
+        budget: checkpoint memory budget shared by the bucket's vbuckets.
+        checkpoint_max_bytes: see `CheckpointManager`.
+        replica_cursors_droppable: see `CheckpointManager`.
+        flush_batch_bytes_max: see `Flusher`.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        vb: int,
+        *,
+        state: VBucketState = VBucketState.ACTIVE,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        budget: MemoryBudget | None = None,
+        checkpoint_max_bytes: int = limits.CHECKPOINT_MAX_BYTES_DEFAULT,
+        replica_cursors_droppable: bool = False,
+        flush_batch_bytes_max: int = limits.FLUSH_BATCH_BYTES_MAX,
+    ) -> None:
+        assert 0 <= vb < limits.VBUCKETS_MAX, vb
+        self._store = store
+        self._vb = vb
+        self._clock = clock
+        self._rng = rng
+        self._state, self._failover_log = self._recover_meta(state)
+        self._high_seqno = store.high_seqno(vb)
+        self.manager = CheckpointManager(
+            vb,
+            high_seqno=self._high_seqno,
+            budget=budget,
+            checkpoint_max_bytes=checkpoint_max_bytes,
+            replica_cursors_droppable=replica_cursors_droppable,
+        )
+        self.flusher = Flusher(self.manager, store, batch_bytes_max=flush_batch_bytes_max)
+        self._last_cas = self._recover_cas()
+        assert self.manager.high_seqno == self._high_seqno, (self.manager, self._high_seqno)
+
+    def __repr__(self) -> str:
+        return (
+            f"VBucket({self._vb}, {self._state.value}, high_seqno={self._high_seqno}, "
+            f"persisted_seqno={self.persisted_seqno}, vb_uuid={self.vb_uuid})"
+        )
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def vb(self) -> int:
+        """The vbucket id."""
+        return self._vb
+
+    @property
+    def state(self) -> VBucketState:
+        """Current state."""
+        return self._state
+
+    @property
+    def high_seqno(self) -> int:
+        """Seqno of the last write taken (queued, maybe not yet persisted)."""
+        return self._high_seqno
+
+    @property
+    def persisted_seqno(self) -> int:
+        """Seqno of the last write committed to the store."""
+        return self.flusher.persisted_seqno
+
+    @property
+    def purge_seqno(self) -> int:
+        """Highest seqno of a tombstone compaction removed."""
+        return self._store.purge_seqno(self._vb)
+
+    @property
+    def failover_log(self) -> FailoverLog:
+        """The failover log (the producer's rollback decisions read it; do not change it)."""
+        return self._failover_log
+
+    @property
+    def vb_uuid(self) -> int:
+        """The current branch's uuid: the newest failover entry's."""
+        return self._failover_log.latest[0]
+
+    def set_state(self, state: VBucketState) -> None:
+        """Change state, persisted at once; becoming ACTIVE starts a new failover branch."""
+        if state is self._state:
+            return
+        if state is VBucketState.ACTIVE:
+            self._failover_log.create_entry(self._high_seqno)
+        self._state = state
+        self._persist_meta()
+        assert self._state is state, (self._state, state)
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def set(
+        self,
+        key: bytes,
+        value: bytes,
+        *,
+        flags: int = 0,
+        expiry: int = 0,
+        datatype: int = 0,
+        cas: int = 0,
+    ) -> MutationResult:
+        """Store `value` under `key`; with a non-zero `cas`, only if it is the current CAS.
+
+        Args:
+            expiry: absolute seconds since the epoch after which the document expires; 0 never.
+
+        Raises:
+            NotMyVbucketError: not active.
+            KeyNotFoundError: `cas` given and the key does not exist.
+            KeyExistsError: `cas` given and it differs from the key's CAS.
+            TemporaryFailureError: checkpoint memory is full.
+        """
+        self._require_active()
+        current = self._current(key)
+        if cas:
+            self._check_cas(key, current, cas)
+        rev_seqno = current.rev_seqno + 1 if current is not None else 1
+        return self._queue_write(
+            key,
+            Op.MUTATION,
+            value,
+            flags=flags,
+            expiry=expiry,
+            datatype=datatype,
+            rev_seqno=rev_seqno,
+        )
+
+    def add(
+        self, key: bytes, value: bytes, *, flags: int = 0, expiry: int = 0, datatype: int = 0
+    ) -> MutationResult:
+        """Store `value` only if `key` does not exist.
+
+        Raises:
+            KeyExistsError: the key exists. Others as `set`.
+        """
+        self._require_active()
+        if self._current(key) is not None:
+            raise KeyExistsError(f"vb {self._vb}: key {key[:64]!r} exists")
+        return self.set(key, value, flags=flags, expiry=expiry, datatype=datatype)
+
+    def replace(
+        self,
+        key: bytes,
+        value: bytes,
+        *,
+        flags: int = 0,
+        expiry: int = 0,
+        datatype: int = 0,
+        cas: int = 0,
+    ) -> MutationResult:
+        """Store `value` only if `key` exists (and, with `cas`, has that CAS).
+
+        Raises:
+            KeyNotFoundError: the key does not exist. Others as `set`.
+        """
+        self._require_active()
+        if self._current(key) is None:
+            raise KeyNotFoundError(f"vb {self._vb}: key {key[:64]!r} not found")
+        return self.set(key, value, flags=flags, expiry=expiry, datatype=datatype, cas=cas)
+
+    def delete(self, key: bytes, *, cas: int = 0) -> MutationResult:
+        """Delete `key` (queue a tombstone); with a non-zero `cas`, only if it matches.
+
+        Raises:
+            NotMyVbucketError: not active.
+            KeyNotFoundError: the key does not exist.
+            KeyExistsError: `cas` given and it differs from the key's CAS.
+            TemporaryFailureError: checkpoint memory is full.
+        """
+        self._require_active()
+        current = self._current(key)
+        if current is None:
+            raise KeyNotFoundError(f"vb {self._vb}: key {key[:64]!r} not found")
+        if cas:
+            self._check_cas(key, current, cas)
+        return self._queue_write(key, Op.DELETION, b"", rev_seqno=current.rev_seqno + 1)
+
+    def queue_replicated(self, item: Item) -> None:
+        """Take an item streamed from the active (replica or pending state), seqno and CAS as is.
+
+        Raises:
+            NotMyVbucketError: the vbucket is active or dead.
+            TemporaryFailureError: checkpoint memory is full (the replica stream pauses).
+        """
+        if self._state not in (VBucketState.REPLICA, VBucketState.PENDING):
+            raise NotMyVbucketError(f"vb {self._vb} is {self._state.value}, not a replica")
+        assert item.seqno > self._high_seqno, (item.seqno, self._high_seqno)
+        _check_fields(item.key, item.value, item.flags, item.expiry, item.datatype)
+        if not 0 < item.cas <= limits.SEQNO_MAX:
+            raise InvalidArgumentError(f"vb {self._vb}: cas {item.cas} is not a non-zero u64")
+        try:
+            self.manager.queue(item)
+        except CheckpointMemoryFullError as error:
+            raise TemporaryFailureError(str(error)) from error
+        self._high_seqno = item.seqno
+        self._last_cas = max(self._last_cas, item.cas)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> Document | None:
+        """The current version of `key`, or None if missing, deleted or expired.
+
+        Raises:
+            NotMyVbucketError: the vbucket is dead (replicas serve reads, as replica reads do).
+        """
+        if self._state is VBucketState.DEAD:
+            raise NotMyVbucketError(f"vb {self._vb} is dead")
+        current = self._current(key)
+        if current is None:
+            return None
+        return Document(
+            key,
+            current.value,
+            current.cas,
+            current.flags,
+            current.expiry,
+            current.datatype,
+            current.seqno,
+            current.rev_seqno,
+        )
+
+    def stream(
+        self, name: str, start_seqno: int, *, kind: CursorKind = CursorKind.STREAM
+    ) -> StreamReader:
+        """A reader of every change after `start_seqno` (memory or disk, it decides)."""
+        return StreamReader(
+            self.manager, self._store, name=name, start_seqno=start_seqno, kind=kind
+        )
+
+    def flush(self) -> int:
+        """Write everything queued to the store; return the items written."""
+        return self.flusher.flush()
+
+    def close(self) -> None:
+        """Flush and free checkpoint memory (node stopping, vbucket moved away)."""
+        self.flusher.flush()
+        self.manager.close()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _recover_meta(self, state: VBucketState) -> tuple[VBucketState, FailoverLog]:
+        meta = self._store.vbucket_meta(self._vb)
+        if meta is None:
+            log = FailoverLog.fresh(rng=self._rng)
+            self._state, self._failover_log = state, log
+            self._persist_meta()
+            return state, log
+        recovered = VBucketState(meta.state)
+        if meta.failover_log:
+            log = FailoverLog(meta.failover_log, rng=self._rng)
+        else:
+            log = FailoverLog.fresh(rng=self._rng)
+        unclean = not self._store.was_clean_shutdown
+        if recovered is VBucketState.ACTIVE and (unclean or not meta.failover_log):
+            # Writes acknowledged before the crash but not persisted are lost: a new branch
+            # makes consumers that saw them roll back (kv_engine warmup does the same).
+            log.create_entry(meta.high_seqno)
+        if log.entries != meta.failover_log:
+            self._state, self._failover_log = recovered, log
+            self._persist_meta()
+        return recovered, log
+
+    def _recover_cas(self) -> int:
+        high = self._high_seqno
+        first = max(1, high - _CAS_RECOVERY_RECORDS_MAX + 1)
+        last_cas = 0
+        if high >= first:
+            for record in self._store.scan(self._vb, first, high):
+                last_cas = max(last_cas, record.cas)
+        return last_cas
+
+    def _persist_meta(self) -> None:
+        with self._store.write_batch() as batch:
+            batch.set_vbucket_meta(
+                self._vb,
+                state=self._state.value,
+                failover_log=self._failover_log.entries,
+            )
+        meta = self._store.vbucket_meta(self._vb)
+        assert meta is not None, self._vb
+        assert meta.state == self._state.value, (meta.state, self._state)
+
+    def _require_active(self) -> None:
+        if self._state is not VBucketState.ACTIVE:
+            raise NotMyVbucketError(f"vb {self._vb} is {self._state.value}, not active")
+
+    def _current(self, key: bytes) -> Item | Record | None:
+        """The live (not deleted, not expired) newest version of `key`, memory first."""
+        found: Item | Record | None = self.manager.find(key)
+        if found is None:
+            found = self._store.get(self._vb, key)
+        if found is None or found.op is not Op.MUTATION:
+            return None
+        if found.expiry and found.expiry <= self._clock():
+            if self._state is VBucketState.ACTIVE:
+                self._expire(found)
+            return None
+        return found
+
+    def _expire(self, found: Item | Record) -> None:
+        # Memory full: it still reads as missing, and the next access queues the expiration.
+        with contextlib.suppress(TemporaryFailureError):
+            self._queue_write(found.key, Op.EXPIRATION, b"", rev_seqno=found.rev_seqno + 1)
+
+    def _check_cas(self, key: bytes, current: Item | Record | None, cas: int) -> None:
+        if current is None:
+            raise KeyNotFoundError(f"vb {self._vb}: key {key[:64]!r} not found")
+        if current.cas != cas:
+            raise KeyExistsError(f"vb {self._vb}: key {key[:64]!r} has another CAS")
+
+    def _next_cas(self) -> int:
+        now_ns = int(self._clock() * _NS_PER_S)
+        cas = max(now_ns, self._last_cas + 1)
+        assert 0 < cas <= limits.SEQNO_MAX, cas  # CAS is a u64 like a seqno
+        return cas
+
+    def _queue_write(
+        self,
+        key: bytes,
+        op: Op,
+        value: bytes,
+        *,
+        rev_seqno: int,
+        flags: int = 0,
+        expiry: int = 0,
+        datatype: int = 0,
+    ) -> MutationResult:
+        _check_fields(key, value, flags, expiry, datatype)
+        seqno = self._high_seqno + 1
+        cas = self._next_cas()
+        delete_time = 0 if op is Op.MUTATION else min(int(self._clock()), _U32_MAX)
+        item = Item(seqno, key, op, value, cas, flags, expiry, datatype, rev_seqno, delete_time)
+        try:
+            self.manager.queue(item)
+        except CheckpointMemoryFullError as error:
+            raise TemporaryFailureError(str(error)) from error
+        self._high_seqno = seqno
+        self._last_cas = cas
+        assert self.manager.high_seqno == seqno, (self.manager.high_seqno, seqno)
+        return MutationResult(seqno, cas, self.vb_uuid)
+
+
+def _check_fields(key: bytes, value: bytes, flags: int, expiry: int, datatype: int) -> None:
+    """Raise InvalidArgumentError for what the store would refuse at flush time (batch.py)."""
+    if not 0 < len(key) <= limits.STORED_KEY_SIZE_MAX:
+        raise InvalidArgumentError(f"key length {len(key)} outside 1..{limits.STORED_KEY_SIZE_MAX}")
+    if len(value) > limits.VALUE_SIZE_MAX:
+        raise InvalidArgumentError(f"value of {len(value)} bytes over {limits.VALUE_SIZE_MAX}")
+    if not (0 <= flags <= _U32_MAX and 0 <= expiry <= _U32_MAX):
+        raise InvalidArgumentError(f"flags {flags} or expiry {expiry} is not a u32")
+    if datatype & ~_DATATYPE_MASK or datatype < 0:
+        raise InvalidArgumentError(f"datatype {datatype:#x} has bits above {_DATATYPE_MASK:#x}")
