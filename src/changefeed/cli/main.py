@@ -1,0 +1,28 @@
+"""The ``changefeed`` command. Subcommands live in their own modules; this file only wires them."""
+
+from __future__ import annotations
+
+import click
+
+from changefeed import __version__
+from changefeed.cli.client_commands import load, stats, stream
+from changefeed.cli.demo import demo
+from changefeed.cli.serve import serve, user
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="changefeed")
+def cli() -> None:
+    """changefeed: a partitioned key-value store whose every change is numbered and streamed."""
+
+
+cli.add_command(demo)
+cli.add_command(serve)
+cli.add_command(user)
+cli.add_command(load)
+cli.add_command(stream)
+cli.add_command(stats)
+
+
+def main() -> None:
+    cli()

@@ -1,0 +1,69 @@
+"""What a DCP consumer application sees, in order, per vbucket.
+
+``Changes`` carries a run of items as columns (the hot path); the other events are rare control
+events. A ``Rollback`` always precedes any data past its seqno (invariant 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from changefeed.protocol.batch import ChangeColumns
+from changefeed.protocol.dcp import StreamEndReason
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOpened:
+    """A stream request succeeded; ``failover_log`` replaces the consumer's."""
+
+    vbucket: int
+    failover_log: list[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """Discard everything in ``vbucket`` after ``seqno``; the stream continues from there."""
+
+    vbucket: int
+    seqno: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    vbucket: int
+    snap_start: int
+    snap_end: int
+    flags: int
+    purge_seqno: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Changes:
+    """Items of one or more vbuckets, in wire order (seqnos rise within each vbucket)."""
+
+    columns: ChangeColumns
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnded:
+    vbucket: int
+    reason: StreamEndReason
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRefused:
+    """The node refused the stream request (e.g. NOT_MY_VBUCKET, ERANGE)."""
+
+    vbucket: int
+    status: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnected:
+    """The connection dropped; the client reconnects and resumes from the session state."""
+
+    reason: str
+
+
+Event = StreamOpened | Rollback | Snapshot | Changes | StreamEnded | StreamRefused | Disconnected

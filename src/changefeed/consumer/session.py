@@ -1,0 +1,128 @@
+"""Per-vbucket resume state of a DCP consumer, and its JSON form (dcp-wire.md §9, §13).
+
+A ``VbSession`` is what a consumer must keep to resume a stream without gaps: the producer's
+failover log (replaced on every successful stream request), the last seqno received and the
+range of the snapshot it belongs to. A ``SessionState`` maps vbuckets to sessions and
+serializes to JSON so a restarted process (a Spark query, ``changefeed stream --resume``) picks
+up exactly where it stopped.
+
+Resume rule: the request must satisfy ``snap_start <= start <= snap_end``. A marker for a new
+snapshot arrives only after the previous snapshot completed, so while no item of the new
+snapshot has arrived yet the consumer still holds the complete previous one and resumes from
+``(seqno, seqno, seqno)``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from changefeed.failover import FailoverLog
+
+
+@dataclass(slots=True)
+class VbSession:
+    """Resume state of one vbucket. ``failover_log`` is None until a stream request succeeded."""
+
+    vbucket: int
+    seqno: int = 0
+    snap_start: int = 0
+    snap_end: int = 0
+    failover_log: FailoverLog | None = None
+    purge_seqno: int = 0  # last purge seqno seen in a V2.2 marker
+
+    @property
+    def vb_uuid(self) -> int:
+        """The uuid to present on a stream request: the newest failover entry, or 0."""
+        return 0 if self.failover_log is None else self.failover_log.latest[0]
+
+    def copy(self) -> VbSession:
+        """An independent copy (the failover log is rebuilt from its entries)."""
+        log = None if self.failover_log is None else FailoverLog(self.failover_log.entries)
+        return VbSession(
+            self.vbucket, self.seqno, self.snap_start, self.snap_end, log, self.purge_seqno
+        )
+
+    def request_range(self) -> tuple[int, int, int]:
+        """``(start, snap_start, snap_end)`` to present on the next stream request."""
+        if self.snap_start <= self.seqno <= self.snap_end:
+            return self.seqno, self.snap_start, self.snap_end
+        # A marker arrived but none of its items: we hold the previous snapshot whole.
+        return self.seqno, self.seqno, self.seqno
+
+    def on_marker(self, snap_start: int, snap_end: int) -> None:
+        assert snap_start <= snap_end, (snap_start, snap_end)
+        self.snap_start = snap_start
+        self.snap_end = snap_end
+
+    def on_item(self, seqno: int) -> None:
+        """Record a received item; seqnos must rise (invariant 3)."""
+        assert seqno > self.seqno, (self.vbucket, seqno, self.seqno)
+        self.seqno = seqno
+
+    def rollback_to(self, seqno: int) -> None:
+        """Forget everything after ``seqno`` (dcp-wire.md §9.1, client handling)."""
+        if self.failover_log is not None:
+            self.failover_log.prune_after(seqno)
+        self.seqno = self.snap_start = self.snap_end = seqno
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seqno": self.seqno,
+            "snap_start": self.snap_start,
+            "snap_end": self.snap_end,
+            "purge_seqno": self.purge_seqno,
+            "failover_log": None if self.failover_log is None else self.failover_log.to_list(),
+        }
+
+    @classmethod
+    def from_dict(cls, vbucket: int, raw: dict[str, Any]) -> VbSession:
+        """Raises ValueError (with the vbucket) for a malformed entry."""
+        try:
+            log = raw.get("failover_log")
+            session = cls(
+                vbucket,
+                seqno=int(raw["seqno"]),
+                snap_start=int(raw["snap_start"]),
+                snap_end=int(raw["snap_end"]),
+                failover_log=None if log is None else FailoverLog.from_list(log),
+                purge_seqno=int(raw.get("purge_seqno", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"session state for vbucket {vbucket} is invalid: {error}") from None
+        if not session.snap_start <= session.snap_end:
+            raise ValueError(f"session state for vbucket {vbucket}: snap_start > snap_end")
+        return session
+
+
+@dataclass(slots=True)
+class SessionState:
+    """Resume state of every streamed vbucket; JSON-serializable."""
+
+    vbuckets: dict[int, VbSession] = field(default_factory=dict)
+
+    def get(self, vbucket: int) -> VbSession:
+        session = self.vbuckets.get(vbucket)
+        if session is None:
+            session = self.vbuckets[vbucket] = VbSession(vbucket)
+        return session
+
+    def to_json(self) -> str:
+        return json.dumps({str(vb): s.to_dict() for vb, s in sorted(self.vbuckets.items())})
+
+    @classmethod
+    def from_json(cls, text: str) -> SessionState:
+        """Raises ValueError with a clear message for malformed state."""
+        try:
+            raw = json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"session state is not JSON: {error}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("session state must be a JSON object of vbucket -> state")
+        state = cls()
+        for key, value in raw.items():
+            if not str(key).isdigit() or not isinstance(value, dict):
+                raise ValueError(f"session state entry {key!r} is invalid")
+            state.vbuckets[int(key)] = VbSession.from_dict(int(key), value)
+        return state

@@ -1,0 +1,272 @@
+"""``DcpProducer``: the DCP side of one connection — controls, streams, flow control, noops.
+
+No sockets: the server's connection calls ``pump`` to get frames to write and feeds it acks,
+noop replies and the clock. Streams are served round-robin in quanta so one busy vbucket cannot
+starve the others; a pump never produces more than the flow-control window allows (plus one
+message, dcp-wire.md §8.1), so a slow consumer cannot grow server memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from changefeed.producer.flow_control import FlowControl
+from changefeed.producer.item_encoding import ItemOptions
+from changefeed.producer.stream import ActiveStream, StreamState
+from changefeed.protocol.dcp import OpenFlag, StreamEndReason, encode_dcp_noop
+from changefeed.protocol.snapshot_marker import MarkerVersion
+from changefeed.protocol.status import Status
+
+QUANTUM_BYTES = 64 * 1024  # per stream per round: fairness vs per-call overhead
+NOOP_INTERVAL_DEFAULT_S = 20.0  # dcp-wire.md §8.2, when never set
+NOOP_INTERVAL_MIN_S = 0.1  # connection_manager_interval
+NOOP_OPAQUE_FIRST = 10_000_000  # dcp-wire.md §7.9
+
+# Keys we accept and act on, plus keys we accept for compatibility (no effect here).
+KNOWN_CONTROLS = frozenset(
+    {
+        "connection_buffer_size",
+        "enable_noop",
+        "set_noop_interval",
+        "set_priority",
+        "supports_cursor_dropping",
+        "supports_cursor_dropping_vulcan",
+        "supports_hifi_MFU",
+        "send_stream_end_on_client_close_stream",
+        "enable_expiry_opcode",
+        "enable_stream_id",
+        "v7_dcp_status_codes",
+        "max_marker_version",
+        "backfill_order",
+        "stream_buffer_size",
+        "force_value_compression",
+        "enable_sync_writes",
+        "consumer_name",
+        "enable_out_of_order_snapshots",
+        "include_deleted_user_xattrs",
+        "flatbuffers_system_events",
+        "change_streams",
+        "cache_transfer",
+    }
+)
+
+
+class DcpProducer:
+    def __init__(
+        self, name: str, flags: int, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        assert flags & OpenFlag.PRODUCER, flags
+        self.name = name
+        self.flags = flags
+        self.clock = clock
+        self.streams: dict[int, ActiveStream] = {}
+        self.flow = FlowControl()
+        self.options = ItemOptions(
+            delete_times=bool(flags & OpenFlag.INCLUDE_DELETE_TIMES),
+            no_value=bool(flags & (OpenFlag.NO_VALUE | OpenFlag.NO_VALUE_WITH_UNDERLYING_DATATYPE)),
+        )
+        self.marker_version = MarkerVersion.V1
+        self.stream_ids_enabled = False
+        self.send_stream_end_on_close = False
+        self.cursor_dropping = "replication" not in name  # dcp-wire.md §10
+        self.noop_enabled = False
+        self.noop_interval_s = NOOP_INTERVAL_DEFAULT_S
+        self._noop_opaque = NOOP_OPAQUE_FIRST
+        self._noop_outstanding = False
+        now = clock()
+        self._last_noop_s = now
+        self.last_received_s = now
+        self._rotation: list[int] = []
+
+    # -- controls -------------------------------------------------------------------------------
+
+    def control(self, key: str, value: str) -> tuple[Status, str]:
+        """Apply DCP_CONTROL; unknown keys are EINVAL (clients probe with them)."""
+        if key not in KNOWN_CONTROLS:
+            return Status.EINVAL, f"unknown control {key!r}"
+        handler = _CONTROL_HANDLERS.get(key)
+        if handler is None:
+            return _unsupported_or_ok(key, value)
+        return handler(self, value)
+
+    # -- streams --------------------------------------------------------------------------------
+
+    def has_stream(self, vb: int) -> bool:
+        stream = self.streams.get(vb)
+        return stream is not None and stream.state is StreamState.ACTIVE
+
+    def add_stream(self, stream: ActiveStream) -> None:
+        old = self.streams.get(stream.vb)
+        if old is not None:
+            assert old.state is StreamState.ENDED, old.vb
+            old.close()
+        self.streams[stream.vb] = stream
+        if stream.vb not in self._rotation:
+            self._rotation.append(stream.vb)
+
+    def close_stream(self, vb: int) -> Status:
+        """CLOSE_STREAM: end the stream; a STREAM_END(CLOSED) follows only if asked for."""
+        stream = self.streams.get(vb)
+        if stream is None or stream.state is StreamState.ENDED:
+            return Status.KEY_ENOENT
+        if self.send_stream_end_on_close:
+            stream.end(StreamEndReason.CLOSED)
+        else:
+            self._remove(vb)
+        return Status.SUCCESS
+
+    def end_stream(self, vb: int, reason: StreamEndReason) -> None:
+        """End a stream from the server side (state change, slow consumer...)."""
+        stream = self.streams.get(vb)
+        if stream is not None:
+            stream.end(reason)
+
+    def close(self) -> None:
+        """Connection gone: release every reader (cursors, backfill scans)."""
+        for vb in list(self.streams):
+            self._remove(vb)
+
+    # -- data path ------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.flow.can_send and any(s.ready for s in self.streams.values())
+
+    def pump(self, out: list[bytes], bytes_max: int) -> int:
+        """Append frames from ready streams, round-robin, within the window and ``bytes_max``."""
+        written = 0
+        idle_rounds = 0
+        while written < bytes_max and self.flow.can_send and self._rotation:
+            vb = self._rotation.pop(0)
+            self._rotation.append(vb)
+            stream = self.streams[vb]
+            budget = min(QUANTUM_BYTES, bytes_max - written, max(1, self.flow.room_bytes))
+            produced = stream.fill(out, budget) if stream.ready else 0
+            self.flow.sent(produced)
+            written += produced
+            if stream.state is StreamState.ENDED:
+                self._remove(vb)
+            idle_rounds = 0 if produced else idle_rounds + 1
+            if idle_rounds >= len(self._rotation):
+                break
+        return written
+
+    def on_buffer_ack(self, nbytes: int) -> None:
+        self.flow.ack(nbytes)
+
+    # -- liveness -------------------------------------------------------------------------------
+
+    def on_received(self) -> None:
+        self.last_received_s = self.clock()
+
+    def on_noop_response(self, opaque: int) -> None:
+        if opaque == self._noop_opaque:
+            self._noop_outstanding = False
+
+    def due_noop(self) -> bytes | None:
+        """A NOOP to send now, if enabled, none outstanding and the interval passed."""
+        now = self.clock()
+        if not self.noop_enabled or self._noop_outstanding:
+            return None
+        if now - self._last_noop_s < self.noop_interval_s:
+            return None
+        self._noop_opaque += 1
+        self._noop_outstanding = True
+        self._last_noop_s = now
+        return encode_dcp_noop(self._noop_opaque)
+
+    def idle_for_s(self) -> float:
+        return self.clock() - self.last_received_s
+
+    def _remove(self, vb: int) -> None:
+        stream = self.streams.pop(vb, None)
+        if stream is not None:
+            stream.close()
+        if vb in self._rotation:
+            self._rotation.remove(vb)
+
+
+def _set_buffer(p: DcpProducer, value: str) -> tuple[Status, str]:
+    if not value.isdigit() or int(value) >= 2**32:
+        return Status.EINVAL, "connection_buffer_size must be a u32"
+    p.flow.window_bytes = int(value)
+    return Status.SUCCESS, ""
+
+
+def _set_noop(p: DcpProducer, value: str) -> tuple[Status, str]:
+    p.noop_enabled = value == "true"
+    return Status.SUCCESS, ""
+
+
+def _set_noop_interval(p: DcpProducer, value: str) -> tuple[Status, str]:
+    try:
+        interval = float(value)
+    except ValueError:
+        return Status.EINVAL, "set_noop_interval must be seconds"
+    if not interval >= NOOP_INTERVAL_MIN_S or interval != interval:
+        return Status.EINVAL, f"set_noop_interval must be >= {NOOP_INTERVAL_MIN_S}"
+    p.noop_interval_s = interval
+    return Status.SUCCESS, ""
+
+
+def _set_expiry_opcode(p: DcpProducer, value: str) -> tuple[Status, str]:
+    # Takes effect only with IncludeDeleteTimes; silently ignored otherwise (§5).
+    p.options = replace(p.options, expiry_opcode=value == "true")
+    return Status.SUCCESS, ""
+
+
+def _set_stream_end_on_close(p: DcpProducer, value: str) -> tuple[Status, str]:
+    if value != "true":
+        return Status.EINVAL, "send_stream_end_on_client_close_stream can only be turned on"
+    p.send_stream_end_on_close = True
+    return Status.SUCCESS, ""
+
+
+def _set_stream_id(p: DcpProducer, value: str) -> tuple[Status, str]:
+    if value != "true":
+        return Status.EINVAL, "enable_stream_id takes 'true'"
+    if p.streams:
+        return Status.EINVAL, "enable_stream_id must precede stream requests"
+    p.stream_ids_enabled = True
+    return Status.SUCCESS, ""
+
+
+def _set_marker_version(p: DcpProducer, value: str) -> tuple[Status, str]:
+    if value != "2.2":
+        return Status.EINVAL, "max_marker_version takes '2.2'"
+    p.marker_version = MarkerVersion.V2_2
+    return Status.SUCCESS, ""
+
+
+def _set_cursor_dropping(p: DcpProducer, value: str) -> tuple[Status, str]:
+    p.cursor_dropping = value == "true"
+    return Status.SUCCESS, ""
+
+
+def _set_priority(p: DcpProducer, value: str) -> tuple[Status, str]:
+    if value not in ("high", "medium", "low"):
+        return Status.EINVAL, "set_priority takes high, medium or low"
+    return Status.SUCCESS, ""
+
+
+def _unsupported_or_ok(key: str, value: str) -> tuple[Status, str]:
+    """Keys we know but do not implement: NOT_SUPPORTED, as the reference's producer answers."""
+    if key in ("supports_hifi_MFU", "v7_dcp_status_codes", "backfill_order"):
+        return Status.SUCCESS, ""
+    return Status.NOT_SUPPORTED, f"{key} is not supported by this producer"
+
+
+_CONTROL_HANDLERS: dict[str, Callable[[DcpProducer, str], tuple[Status, str]]] = {
+    "connection_buffer_size": _set_buffer,
+    "enable_noop": _set_noop,
+    "set_noop_interval": _set_noop_interval,
+    "enable_expiry_opcode": _set_expiry_opcode,
+    "send_stream_end_on_client_close_stream": _set_stream_end_on_close,
+    "enable_stream_id": _set_stream_id,
+    "max_marker_version": _set_marker_version,
+    "supports_cursor_dropping": _set_cursor_dropping,
+    "supports_cursor_dropping_vulcan": _set_cursor_dropping,
+    "set_priority": _set_priority,
+}

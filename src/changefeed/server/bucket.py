@@ -1,0 +1,242 @@
+"""A bucket on a node: the store, its vbuckets, the flusher task, and status mapping.
+
+Translates between the wire (vbucket ids, memcached expiry rules, status codes) and the vbucket
+layer (``changefeed.vbucket``): vbucket errors become the ``StatusError`` the client receives.
+One asyncio task flushes every vbucket with queued items (group commit per vbucket batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+from changefeed.checkpoint import CursorKind, MemoryBudget, StreamReader, Wakeup
+from changefeed.producer.stream_request import VbucketView
+from changefeed.protocol import errors as wire
+from changefeed.protocol.kv import ObserveSeqnoResult, StoreCommand
+from changefeed.protocol.opcode import Opcode
+from changefeed.server.config import NodeConfig
+from changefeed.storage import Store
+from changefeed.vbucket import (
+    Document,
+    InvalidArgumentError,
+    KeyExistsError,
+    KeyNotFoundError,
+    MutationResult,
+    NotMyVbucketError,
+    TemporaryFailureError,
+    VBucket,
+    VBucketError,
+    VBucketState,
+)
+
+log = logging.getLogger("changefeed.bucket")
+
+RELATIVE_EXPIRY_MAX_S = 30 * 24 * 3600  # memcached: up to 30 days is relative, above absolute
+FLUSH_IDLE_S = 0.005
+
+_STATUS_OF: dict[type[VBucketError], type[wire.StatusError]] = {
+    NotMyVbucketError: wire.NotMyVbucketError,
+    KeyNotFoundError: wire.KeyNotFoundError,
+    KeyExistsError: wire.KeyExistsError,
+    InvalidArgumentError: wire.InvalidArgumentsError,
+    TemporaryFailureError: wire.TemporaryFailureError,
+}
+_STATE_FILTER = {
+    1: VBucketState.ACTIVE,
+    2: VBucketState.REPLICA,
+    3: VBucketState.PENDING,
+    4: VBucketState.DEAD,
+}
+
+
+@contextlib.contextmanager
+def _as_status() -> Iterator[None]:
+    try:
+        yield
+    except VBucketError as error:
+        raise _STATUS_OF.get(type(error), wire.InternalError)(str(error)) from error
+
+
+class Bucket:
+    def __init__(self, name: str, store: Store, vbuckets: dict[int, VBucket], budget: MemoryBudget):
+        self.name = name
+        self.store = store
+        self.vbuckets = vbuckets
+        self.budget = budget
+        self._flush_task: asyncio.Task[None] | None = None
+        self._dirty = asyncio.Event()
+
+    @classmethod
+    def open(cls, config: NodeConfig) -> Bucket:
+        """Open (recover) the bucket's store and every vbucket of the node."""
+        store = Store(
+            config.data_dir / config.bucket,
+            map_size_bytes=config.map_size_bytes,
+            durable=config.durable,
+        )
+        budget = MemoryBudget(config.checkpoint_quota_bytes)
+        vbuckets = {vb: VBucket(store, vb, budget=budget) for vb in range(config.vbuckets)}
+        return cls(config.bucket, store, vbuckets, budget)
+
+    def start(self) -> None:
+        for vb in self.vbuckets.values():
+            vb.manager.wakeup.add_callback(self._dirty.set)
+        self._flush_task = asyncio.get_running_loop().create_task(self._flush_loop())
+
+    async def close(self) -> None:
+        if self._flush_task is not None:
+            self._flush_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flush_task
+        for vb in self.vbuckets.values():
+            vb.close()  # flushes what is still queued
+        self.store.close()
+
+    async def _flush_loop(self) -> None:
+        while True:  # the bucket's flusher; cancelled by close()
+            self._dirty.clear()
+            wrote = 0
+            for vb in self.vbuckets.values():
+                wrote += vb.flusher.flush_batch()
+            if wrote:
+                await asyncio.sleep(0)
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), 1.0)
+            await asyncio.sleep(FLUSH_IDLE_S)  # gather a group commit
+
+    # -- KV --------------------------------------------------------------------------------------
+
+    def vbucket(self, vb: int) -> VBucket:
+        found = self.vbuckets.get(vb)
+        if found is None:
+            raise wire.NotMyVbucketError(f"vbucket {vb} does not exist")
+        return found
+
+    def store_command(self, command: StoreCommand) -> MutationResult:
+        vb = self.vbucket(command.vbucket)
+        expiry = absolute_expiry(command.expiry)
+        with _as_status():
+            if command.opcode == Opcode.ADD:
+                return vb.add(
+                    command.key,
+                    command.value,
+                    flags=command.flags,
+                    expiry=expiry,
+                    datatype=command.datatype,
+                )
+            if command.opcode == Opcode.REPLACE:
+                return vb.replace(
+                    command.key,
+                    command.value,
+                    flags=command.flags,
+                    expiry=expiry,
+                    datatype=command.datatype,
+                    cas=command.cas,
+                )
+            return vb.set(
+                command.key,
+                command.value,
+                flags=command.flags,
+                expiry=expiry,
+                datatype=command.datatype,
+                cas=command.cas,
+            )
+
+    def delete(self, vb: int, key: bytes, *, cas: int = 0) -> MutationResult:
+        with _as_status():
+            return self.vbucket(vb).delete(key, cas=cas)
+
+    def get(self, vb: int, key: bytes) -> Document:
+        with _as_status():
+            document = self.vbucket(vb).get(key)
+        if document is None:
+            raise wire.KeyNotFoundError(f"key {key[:64]!r} not found")
+        return document
+
+    # -- seqnos and failover logs -------------------------------------------------------------
+
+    def vbucket_ids(self) -> list[int]:
+        return sorted(self.vbuckets)
+
+    def seqnos(self, vb: int) -> tuple[int, int, int]:
+        v = self.vbucket(vb)
+        return v.high_seqno, v.persisted_seqno, v.purge_seqno
+
+    def vb_seqnos(self, state_filter: int) -> list[tuple[int, int]]:
+        wanted = _STATE_FILTER.get(state_filter)
+        return [
+            (vb, v.high_seqno)
+            for vb, v in sorted(self.vbuckets.items())
+            if (v.state is wanted if wanted else v.state is not VBucketState.DEAD)
+        ]
+
+    def failover_log(self, vb: int) -> list[tuple[int, int]]:
+        return self.vbucket(vb).failover_log.entries
+
+    def observe_seqno(self, vb: int, vb_uuid: int) -> ObserveSeqnoResult:
+        v = self.vbucket(vb)
+        entries = v.failover_log.entries
+        if vb_uuid == v.vb_uuid or vb_uuid not in [u for u, _ in entries]:
+            return ObserveSeqnoResult(vb, v.vb_uuid, v.persisted_seqno, v.high_seqno)
+        index = [u for u, _ in entries].index(vb_uuid)
+        branch_end = entries[index - 1][1]  # the newer entry's seqno ends the old branch
+        return ObserveSeqnoResult(
+            vb, v.vb_uuid, v.persisted_seqno, v.high_seqno, vb_uuid, branch_end
+        )
+
+    def vbucket_view(self, vb: int) -> VbucketView | None:
+        v = self.vbuckets.get(vb)
+        if v is None:
+            return None
+        return VbucketView(
+            v.state.value, v.high_seqno, v.persisted_seqno, v.purge_seqno, v.failover_log
+        )
+
+    def open_reader(self, vb: int, name: str, start_seqno: int, *, droppable: bool) -> StreamReader:
+        kind = CursorKind.STREAM if droppable else CursorKind.REPLICA
+        return self.vbucket(vb).stream(name, start_seqno, kind=kind)
+
+    def wakeup(self, vb: int) -> Wakeup:
+        return self.vbucket(vb).manager.wakeup
+
+    # -- stats ---------------------------------------------------------------------------------
+
+    def item_count(self) -> int:
+        """Live items on disk (queued, unflushed writes are not counted)."""
+        return sum(self.store.item_count(vb) for vb in self.vbuckets)
+
+    def checkpoint_memory_bytes(self) -> int:
+        return sum(v.manager.memory_bytes for v in self.vbuckets.values())
+
+    def seqno_stats(self, vbs: list[int] | None) -> Iterator[tuple[str, str]]:
+        """STAT vbucket-seqno keys (dcp-wire.md §7.17)."""
+        for vb in vbs if vbs is not None else self.vbucket_ids():
+            v = self.vbucket(vb)
+            meta = self.store.vbucket_meta(vb)
+            yield f"vb_{vb}:high_seqno", str(v.high_seqno)
+            yield f"vb_{vb}:abs_high_seqno", str(v.high_seqno)
+            yield f"vb_{vb}:last_persisted_seqno", str(v.persisted_seqno)
+            yield f"vb_{vb}:uuid", str(v.vb_uuid)
+            yield f"vb_{vb}:purge_seqno", str(v.purge_seqno)
+            yield f"vb_{vb}:last_persisted_snap_start", str(meta.snap_start if meta else 0)
+            yield f"vb_{vb}:last_persisted_snap_end", str(meta.snap_end if meta else 0)
+
+    def failover_stats(self, vbs: list[int] | None) -> Iterator[tuple[str, str]]:
+        for vb in vbs if vbs is not None else self.vbucket_ids():
+            entries = self.vbucket(vb).failover_log.entries
+            yield f"vb_{vb}:num_entries", str(len(entries))
+            for i, (uuid, seqno) in enumerate(entries):
+                yield f"vb_{vb}:{i}:id", str(uuid)
+                yield f"vb_{vb}:{i}:seq", str(seqno)
+
+
+def absolute_expiry(expiry: int, now: float | None = None) -> int:
+    """Memcached rule: 0 never expires, <= 30 days is relative seconds, else a Unix time."""
+    if expiry == 0 or expiry > RELATIVE_EXPIRY_MAX_S:
+        return expiry
+    return int(now if now is not None else time.time()) + expiry

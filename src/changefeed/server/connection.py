@@ -1,0 +1,360 @@
+"""One client connection on a node: framing, authentication gate, command dispatch.
+
+An asyncio ``Protocol``: ``data_received`` feeds a ``FrameReader`` and dispatches each frame
+through a table of handlers. Unauthenticated connections may only HELLO, list mechanisms and
+authenticate (and NOOP). Bad frames get an error status when the connection can still be
+trusted to stay in sync (a decodable frame with bad contents), else the connection is closed
+(broken framing) — never a crash (invariant 5). After DCP_OPEN the connection also runs a pump
+task that writes stream frames while the transport is not paused (backpressure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from changefeed.protocol.dcp import (
+    OpenFlag,
+    decode_buffer_ack,
+    decode_dcp_control,
+    decode_dcp_open,
+    decode_stream_request,
+    encode_failover_log,
+    encode_rollback_seqno,
+)
+from changefeed.protocol.errors import ProtocolError, StatusError
+from changefeed.protocol.frame import Frame, encode_response
+from changefeed.protocol.kv import (
+    GET_RESPONSE_EXTRAS,
+    decode_hello,
+    decode_key_only,
+    decode_observe_seqno_request,
+    decode_store,
+    decode_vb_state_filter,
+    encode_hello_features,
+    encode_mutation_token,
+    encode_observe_seqno_result,
+    encode_vb_seqnos,
+)
+from changefeed.protocol.opcode import Feature, Opcode
+from changefeed.protocol.reader import CLOSED, NEED_DATA, FrameReader
+from changefeed.protocol.status import Status
+from changefeed.server.sasl_session import SaslSession
+
+if TYPE_CHECKING:
+    from changefeed.server.dcp_session import DcpSession
+    from changefeed.server.node import Node
+
+log = logging.getLogger("changefeed.server")
+
+SUPPORTED_FEATURES = frozenset(
+    {
+        Feature.TCP_NODELAY,
+        Feature.MUTATION_SEQNO,
+        Feature.XERROR,
+        Feature.SELECT_BUCKET,
+        Feature.JSON,
+        Feature.ALT_REQUEST_SUPPORT,
+    }
+)
+UNAUTHENTICATED_OPCODES = frozenset(
+    {Opcode.HELLO, Opcode.SASL_LIST_MECHS, Opcode.SASL_AUTH, Opcode.SASL_STEP, Opcode.NOOP}
+)
+Handler = Callable[["ClientConnection", Frame], None]
+
+
+class ClientConnection(asyncio.Protocol):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.reader = FrameReader()
+        self.transport: asyncio.Transport | None = None
+        self.sasl = SaslSession(node.users)
+        self.features: set[int] = set()
+        self.bucket_selected = False
+        self.dcp: DcpSession | None = None
+        self.peer = "?"
+        self.writable = asyncio.Event()
+        self.writable.set()
+
+    # -- asyncio.Protocol -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's TCPTransport is not an asyncio.Transport subclass; it has the same methods.
+        self.transport = transport  # type: ignore[assignment]
+        self.peer = str(transport.get_extra_info("peername"))
+        self.node.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.node.connections.discard(self)
+        if self.dcp is not None:
+            self.dcp.close()
+            self.dcp = None
+        self.writable.set()
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.reader.feed(data)
+            while True:  # bounded by the received bytes
+                frame = self.reader.next_frame()
+                if frame is NEED_DATA or frame is CLOSED:
+                    return
+                assert isinstance(frame, Frame)
+                self._dispatch(frame)
+        except ProtocolError as error:
+            log.warning("closing %s: %s", self.peer, error)
+            self.close()
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def reply(
+        self,
+        request: Frame,
+        status: int = Status.SUCCESS,
+        *,
+        extras: bytes = b"",
+        key: bytes = b"",
+        value: bytes = b"",
+        cas: int = 0,
+        datatype: int = 0,
+    ) -> None:
+        self.send(
+            encode_response(
+                request, status, extras=extras, key=key, value=value, cas=cas, datatype=datatype
+            )
+        )
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _dispatch(self, frame: Frame) -> None:
+        if not frame.is_request:
+            if self.dcp is not None:
+                self.dcp.on_response(frame)
+            return  # a stray response is ignored, as memcached does
+        if self.dcp is not None:
+            self.dcp.on_received()
+        handler = HANDLERS.get(frame.opcode)
+        if handler is None:
+            self.reply(frame, Status.UNKNOWN_COMMAND)
+            return
+        if self.sasl.user is None and frame.opcode not in UNAUTHENTICATED_OPCODES:
+            self.reply(frame, Status.EACCESS, value=b"authenticate first")
+            return
+        try:
+            handler(self, frame)
+        except ProtocolError as error:
+            self.reply(frame, error.status, value=str(error).encode())
+        except StatusError as error:
+            self.reply(frame, error.code, value=str(error).encode())
+
+    def require_bucket(self) -> None:
+        if not self.bucket_selected:
+            raise StatusError("no bucket selected", status=Status.NO_BUCKET)
+
+
+# -- KV handlers -------------------------------------------------------------------------------
+
+
+def _hello(c: ClientConnection, f: Frame) -> None:
+    requested = decode_hello(f).features
+    enabled = [x for x in dict.fromkeys(requested) if x in SUPPORTED_FEATURES]
+    c.features = set(enabled)
+    c.reply(f, value=encode_hello_features(enabled))
+
+
+def _noop(c: ClientConnection, f: Frame) -> None:
+    c.reply(f)
+
+
+def _list_mechs(c: ClientConnection, f: Frame) -> None:
+    c.reply(f, value=c.sasl.mechanisms())
+
+
+def _sasl_auth(c: ClientConnection, f: Frame) -> None:
+    status, value = c.sasl.auth(f.key.decode(errors="replace"), f.value)
+    if status == Status.AUTH_ERROR:
+        log.warning("authentication failed from %s", c.peer)
+    c.reply(f, status, value=value)
+
+
+def _sasl_step(c: ClientConnection, f: Frame) -> None:
+    status, value = c.sasl.step(f.key.decode(errors="replace"), f.value)
+    c.reply(f, status, value=value)
+
+
+def _select_bucket(c: ClientConnection, f: Frame) -> None:
+    if f.key.decode(errors="replace") != c.node.bucket.name:
+        c.reply(f, Status.KEY_ENOENT, value=b"no such bucket")
+        return
+    c.bucket_selected = True
+    c.reply(f)
+
+
+def _store(c: ClientConnection, f: Frame) -> None:
+    c.require_bucket()
+    command = decode_store(f)
+    result = c.node.bucket.store_command(command)
+    extras = b""
+    if Feature.MUTATION_SEQNO in c.features:
+        extras = encode_mutation_token(result.vb_uuid, result.seqno)
+    c.reply(f, extras=extras, cas=result.cas)
+
+
+def _delete(c: ClientConnection, f: Frame) -> None:
+    c.require_bucket()
+    key = decode_key_only(f)
+    result = c.node.bucket.delete(f.vbucket, key, cas=f.cas)
+    extras = b""
+    if Feature.MUTATION_SEQNO in c.features:
+        extras = encode_mutation_token(result.vb_uuid, result.seqno)
+    c.reply(f, extras=extras, cas=result.cas)
+
+
+def _get(c: ClientConnection, f: Frame) -> None:
+    c.require_bucket()
+    key = decode_key_only(f)
+    item = c.node.bucket.get(f.vbucket, key)
+    c.reply(
+        f,
+        extras=GET_RESPONSE_EXTRAS.pack(item.flags),
+        value=item.value,
+        cas=item.cas,
+        datatype=item.datatype,
+    )
+
+
+def _stat(c: ClientConnection, f: Frame) -> None:
+    c.require_bucket()
+    for name, value in c.node.stats(f.key.decode(errors="replace")):
+        c.reply(f, key=name.encode(), value=value.encode())
+    c.reply(f)  # an empty key and value end the stat list
+
+
+def _all_vb_seqnos(c: ClientConnection, f: Frame) -> None:
+    c.require_bucket()
+    state = decode_vb_state_filter(f)
+    c.reply(f, value=encode_vb_seqnos(c.node.bucket.vb_seqnos(state)))
+
+
+def _observe_seqno(c: ClientConnection, f: Frame) -> None:
+    c.require_bucket()
+    uuid = decode_observe_seqno_request(f)
+    c.reply(f, value=encode_observe_seqno_result(c.node.bucket.observe_seqno(f.vbucket, uuid)))
+
+
+def _failover_log(c: ClientConnection, f: Frame) -> None:
+    c.require_bucket()
+    if f.opcode == Opcode.DCP_GET_FAILOVER_LOG and c.dcp is None:
+        c.reply(f, Status.EINVAL, value=b"not a DCP connection")
+        return
+    c.reply(f, value=encode_failover_log(c.node.bucket.failover_log(f.vbucket)))
+
+
+def _cluster_config(c: ClientConnection, f: Frame) -> None:
+    config = c.node.cluster_config()
+    c.reply(f, value=json.dumps(config).encode(), datatype=1)
+
+
+# -- DCP handlers ------------------------------------------------------------------------------
+
+
+def _dcp_open(c: ClientConnection, f: Frame) -> None:
+    c.require_bucket()
+    if c.dcp is not None:
+        c.reply(f, Status.EINVAL, value=b"DCP_OPEN already sent on this connection")
+        return
+    message = decode_dcp_open(f)
+    if not message.flags & OpenFlag.PRODUCER:
+        c.reply(f, Status.NOT_SUPPORTED, value=b"consumer connections are not supported")
+        return
+    from changefeed.server.dcp_session import DcpSession
+
+    c.node.kick_dcp_name(message.name)
+    c.dcp = DcpSession(c, message.name, message.flags)
+    c.reply(f)
+
+
+def _dcp_only(f: Frame, c: ClientConnection) -> DcpSession:
+    if c.dcp is None:
+        raise ProtocolError(f"{Opcode(f.opcode).name} on a non-DCP connection", Status.EINVAL)
+    return c.dcp
+
+
+def _dcp_control(c: ClientConnection, f: Frame) -> None:
+    dcp = _dcp_only(f, c)
+    message = decode_dcp_control(f)
+    status, text = dcp.producer.control(message.key, message.value)
+    c.reply(f, status, value=text.encode())
+
+
+def _dcp_stream_req(c: ClientConnection, f: Frame) -> None:
+    dcp = _dcp_only(f, c)
+    outcome = dcp.stream_request(decode_stream_request(f))
+    if isinstance(outcome, int):
+        c.reply(f, Status.ROLLBACK, value=encode_rollback_seqno(outcome))
+    elif isinstance(outcome, list):
+        c.reply(f, value=encode_failover_log(outcome))
+        dcp.wake()
+    else:
+        status, message = outcome
+        c.reply(f, status, value=message.encode())
+
+
+def _dcp_close_stream(c: ClientConnection, f: Frame) -> None:
+    dcp = _dcp_only(f, c)
+    c.reply(f, dcp.producer.close_stream(f.vbucket))
+    dcp.wake()
+
+
+def _dcp_buffer_ack(c: ClientConnection, f: Frame) -> None:
+    dcp = _dcp_only(f, c)
+    dcp.producer.on_buffer_ack(decode_buffer_ack(f))
+    dcp.wake()  # no response on success (dcp-wire.md §7.10)
+
+
+def _dcp_noop_request(c: ClientConnection, f: Frame) -> None:
+    c.reply(f)
+
+
+HANDLERS: dict[int, Handler] = {
+    Opcode.HELLO: _hello,
+    Opcode.NOOP: _noop,
+    Opcode.SASL_LIST_MECHS: _list_mechs,
+    Opcode.SASL_AUTH: _sasl_auth,
+    Opcode.SASL_STEP: _sasl_step,
+    Opcode.SELECT_BUCKET: _select_bucket,
+    Opcode.SET: _store,
+    Opcode.ADD: _store,
+    Opcode.REPLACE: _store,
+    Opcode.DELETE: _delete,
+    Opcode.GET: _get,
+    Opcode.STAT: _stat,
+    Opcode.GET_ALL_VB_SEQNOS: _all_vb_seqnos,
+    Opcode.OBSERVE_SEQNO: _observe_seqno,
+    Opcode.GET_FAILOVER_LOG: _failover_log,
+    Opcode.DCP_GET_FAILOVER_LOG: _failover_log,
+    Opcode.GET_CLUSTER_CONFIG: _cluster_config,
+    Opcode.DCP_OPEN: _dcp_open,
+    Opcode.DCP_CONTROL: _dcp_control,
+    Opcode.DCP_STREAM_REQ: _dcp_stream_req,
+    Opcode.DCP_CLOSE_STREAM: _dcp_close_stream,
+    Opcode.DCP_BUFFER_ACKNOWLEDGEMENT: _dcp_buffer_ack,
+    Opcode.DCP_NOOP: _dcp_noop_request,
+}

@@ -1,0 +1,105 @@
+"""Prometheus metrics of a node, in the text format operators scrape (``/metrics``).
+
+Gauges are read at scrape time from the node (a collector), so the hot paths pay nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from changefeed.server.node import Node
+
+
+class NodeCollector(Collector):
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        node = self._node
+        bucket = node.bucket
+        yield _gauge("changefeed_connections", "Open client connections.", len(node.connections))
+        yield _gauge(
+            "changefeed_dcp_streams",
+            "Active DCP streams.",
+            sum(len(c.dcp.producer.streams) for c in node.connections if c.dcp is not None),
+        )
+        yield _gauge("changefeed_items", "Live items in the bucket.", bucket.item_count())
+        yield _gauge(
+            "changefeed_checkpoint_memory_bytes",
+            "Bytes held by checkpoints (all vbuckets).",
+            bucket.checkpoint_memory_bytes(),
+        )
+        for name, help_text, read in _per_vb_gauges():
+            family = GaugeMetricFamily(name, help_text, labels=["vbucket"])
+            for vb in bucket.vbucket_ids():
+                family.add_metric([str(vb)], read(bucket, vb))
+            yield family
+        lag = GaugeMetricFamily(
+            "changefeed_dcp_cursor_lag_items",
+            "Seqnos a DCP stream is behind the vbucket's high seqno.",
+            labels=["connection", "vbucket"],
+        )
+        for conn in node.connections:
+            if conn.dcp is None:
+                continue
+            for vb, stream in conn.dcp.producer.streams.items():
+                high = bucket.vbucket_view(vb)
+                behind = 0 if high is None else high.high_seqno - stream.last_sent_seqno
+                lag.add_metric([conn.dcp.name, str(vb)], max(0, behind))
+        yield lag
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, value=value)
+
+
+def _per_vb_gauges() -> list[tuple[str, str, Callable[..., float]]]:
+    return [
+        ("changefeed_high_seqno", "High seqno per vbucket.", lambda b, vb: b.seqnos(vb)[0]),
+        (
+            "changefeed_persisted_seqno",
+            "Persisted seqno per vbucket.",
+            lambda b, vb: b.seqnos(vb)[1],
+        ),
+        ("changefeed_purge_seqno", "Purge seqno per vbucket.", lambda b, vb: b.seqnos(vb)[2]),
+    ]
+
+
+async def serve_metrics(node: Node, host: str, port: int) -> asyncio.Server:
+    """Serve ``GET /metrics`` on the node's event loop (so collection never races the loop)."""
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(node))
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), 10.0)
+            while (await asyncio.wait_for(reader.readline(), 10.0)) not in (b"\r\n", b"\n", b""):
+                pass  # headers: bounded by the stream limit and the deadline
+            if request_line.split()[1:2] == [b"/metrics"]:
+                body, status = generate_latest(registry), b"200 OK"
+            else:
+                body, status = b"not found; try /metrics\n", b"404 Not Found"
+            writer.write(
+                b"HTTP/1.0 "
+                + status
+                + b"\r\nContent-Type: "
+                + CONTENT_TYPE_LATEST.encode()
+                + b"\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+            await writer.drain()
+        except (OSError, TimeoutError, asyncio.LimitOverrunError, ValueError):
+            pass  # a broken scrape only affects that scrape
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port, limit=16 * 1024)
