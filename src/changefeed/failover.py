@@ -26,8 +26,9 @@ would leave the vbucket unusable, and a wider uuid costs us nothing.
 
 Uniqueness: no two entries share a vb_uuid. ``create_entry`` draws a uuid that is not in the log
 and every way in (constructor, ``replace``, ``from_json``, ``from_list``) rejects duplicates. A
-duplicate would make "the entry matching the consumer's uuid" ambiguous, and picking the newer
-match would give a larger ``upper`` than the branch really shares, so we refuse rather than pick.
+duplicate would make "the entry matching the consumer's uuid" ambiguous: its two matches give
+two different ``upper`` values and one of them overstates the shared history, so we refuse
+duplicates rather than pick one.
 
 This module does not encode or decode the 16-byte wire entries (protocol/ does), persist anything
 (storage/ does), or talk to a peer; it imports no I/O module.
@@ -141,12 +142,18 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _show(value: int) -> str:
+    # Messages name an out-of-range value without converting a huge one to text, which would be
+    # slow and, past 4300 digits, raise an unrelated ValueError.
+    return str(value) if value.bit_length() <= 128 else f"<{value.bit_length()}-bit integer>"
+
+
 def _require_u64(name: str, value: object, maximum: int = SEQNO_MAX) -> int:
     if not _is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     assert isinstance(value, int)
     if not 0 <= value <= maximum:
-        raise ValueError(f"{name} {value} is out of range 0..{maximum}")
+        raise ValueError(f"{name} {_show(value)} is out of range 0..{maximum}")
     return value
 
 
@@ -164,16 +171,16 @@ def _validated_entry(index: int, entry: object) -> tuple[int, int]:
         raise FailoverLogError(f"failover log entry {index} is not a [vb_uuid, seqno] pair")
     vb_uuid, seqno = entry
     if not _is_int(vb_uuid) or not _is_int(seqno):
-        raise FailoverLogError(f"failover log entry {index} holds a non-integer: {entry!r}")
+        raise FailoverLogError(f"failover log entry {index} holds a non-integer: {entry!r:.80}")
     assert isinstance(vb_uuid, int)
     assert isinstance(seqno, int)
     if not 0 < vb_uuid <= VB_UUID_WIRE_MAX:
         raise FailoverLogError(
-            f"failover log entry {index}: vb_uuid {vb_uuid} is not a non-zero u64 "
+            f"failover log entry {index}: vb_uuid {_show(vb_uuid)} is not a non-zero u64 "
             "(0 means 'no history' and is never a branch)"
         )
     if not 0 <= seqno <= SEQNO_MAX:
-        raise FailoverLogError(f"failover log entry {index}: seqno {seqno} is not a u64")
+        raise FailoverLogError(f"failover log entry {index}: seqno {_show(seqno)} is not a u64")
     return vb_uuid, seqno
 
 
@@ -277,6 +284,7 @@ class FailoverLog:
             ValueError, TypeError: capacity is invalid (as the constructor).
             RuntimeError: the rng is broken (as ``create_entry``).
         """
+        _require_capacity(capacity)
         source: random.Random = random.SystemRandom() if rng is None else rng
         return cls([(_draw_vb_uuid(source, set()), 0)], capacity, rng=source)
 
@@ -380,6 +388,7 @@ class FailoverLog:
 
         Raises:
             ValueError, TypeError: seqno is not a u64.
+            RuntimeError: a new entry was needed and the rng is broken (as ``create_entry``).
         """
         _require_u64("seqno", seqno)
         # Entries are newest first, so the oldest (last) has the smallest seqno.
@@ -436,6 +445,8 @@ class FailoverLog:
                 the producer rejects ``start > high_seqno`` with ERANGE only *after* this check.
             purge_seqno: the producer's purge seqno (at most high_seqno).
             strict_vb_uuid: stream flag StrictVbUuid (0x20): check the uuid even at start 0.
+                A consumer rolled back to 0 this way must re-request with uuid 0, since its
+                pruned log still holds the unknown uuid at seqno 0.
             client_purge_seqno: the purge seqno the consumer last saw (stream-request JSON
                 ``purge_seqno``); equal to ``purge_seqno`` it waives rule 2 (kv_engine 8.0).
             ignore_purged_tombstones: stream flag IgnorePurgedTombstones (0x80): waive rule 2.
