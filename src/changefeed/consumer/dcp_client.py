@@ -93,6 +93,7 @@ class DcpClient:
         self._unacked_bytes = 0
         self._rng = rng or random.Random()
         self._open_streams: set[int] = set()
+        self._end_seqnos: dict[int, int] = {}
 
     async def __aenter__(self) -> DcpClient:
         await self.connect()
@@ -137,8 +138,21 @@ class DcpClient:
             await self._conn.close()
             self._conn = None
 
-    async def stream(self, vbuckets: list[int], start: Start = "beginning") -> None:
-        """Request streams for ``vbuckets`` from the beginning, from now, or from saved state."""
+    async def stream(
+        self,
+        vbuckets: list[int],
+        start: Start = "beginning",
+        *,
+        end_seqnos: dict[int, int] | None = None,
+    ) -> None:
+        """Request streams for ``vbuckets`` from the beginning, from now, or from saved state.
+
+        Args:
+            end_seqnos: per-vbucket end seqno (the stream ends after the snapshot holding it);
+                vbuckets not listed use ``config.end_seqno``.
+        """
+        if end_seqnos:
+            self._end_seqnos.update(end_seqnos)
         if isinstance(start, SessionState):
             for vb in vbuckets:
                 self.session.vbuckets[vb] = start.get(vb).copy()
@@ -165,7 +179,7 @@ class DcpClient:
             opaque,
             flags,
             start,
-            self.config.end_seqno,
+            self._end_seqnos.get(vb, self.config.end_seqno),
             request_session.vb_uuid,
             snap_start,
             snap_end,

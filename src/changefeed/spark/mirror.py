@@ -1,0 +1,261 @@
+"""The mirror writer: a change stream → an append-only changelog table and a current-state
+mirror table (Delta Lake, written with ``deltalake``), exactly once across query restarts.
+
+Used from ``foreachBatch``::
+
+    writer = MirrorWriter("/data/tables", options)            # options: the source's options
+    query = df.writeStream.foreachBatch(writer).option("checkpointLocation", ck).start()
+
+Exactly once: Spark may run a batch again after a crash (at-least-once ``foreachBatch``). Each
+table records the batch id as a Delta app transaction in the same commit as the data, and a
+batch whose id is not newer than the recorded one is skipped (spark-python-datasource.md §5).
+
+Rollbacks: a ``rollback`` row for vbucket V at seqno R means every change of V after R is void.
+Rows of this batch after R (before the rollback row) are dropped; keys of V that the mirror holds
+with a seqno above R are re-read from the node (its current value, or gone). Re-read keys get
+``seqno = R``: their true seqno is at most R unless a later row of the stream brings them again,
+which then overwrites them, so future rollbacks stay correct.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+from changefeed.consumer import KvClient
+from changefeed.protocol.errors import KeyNotFoundError
+from changefeed.spark.options import SourceOptions
+from changefeed.spark.schema import OP_MUTATION, OP_ROLLBACK
+
+log = logging.getLogger("changefeed.mirror")
+
+APP_ID = "changefeed-mirror"
+MIRROR_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("vbucket", pa.int32()),
+        ("seqno", pa.int64()),
+        ("value", pa.binary()),
+        ("cas", pa.int64()),
+        ("flags", pa.int32()),
+        ("expiry", pa.int32()),
+        ("rev_seqno", pa.int64()),
+    ]
+)
+
+SOURCE_SCHEMA = MIRROR_SCHEMA.append(pa.field("deleted", pa.bool_()))
+
+
+@dataclass
+class _Change:
+    """The final change of one key in a batch: a row to upsert, or None to delete."""
+
+    vbucket: int
+    seqno: int
+    row: dict[str, Any] | None
+
+
+class MirrorWriter:
+    """``foreachBatch`` callable maintaining ``<path>/changelog`` and ``<path>/mirror``.
+
+    Args:
+        path: directory holding both tables.
+        options: the source's options (dict) — the node to re-read rolled-back keys from.
+        app_id: the Delta app-transaction id; one per query writing these tables.
+    """
+
+    def __init__(self, path: str | Path, options: dict[str, str], app_id: str = APP_ID) -> None:
+        self.path = Path(path)
+        self.options = dict(options)
+        self.app_id = app_id
+        self.changelog_path = self.path / "changelog"
+        self.mirror_path = self.path / "mirror"
+
+    def __call__(self, batch_df: Any, batch_id: int) -> None:
+        self.write(batch_df.toArrow(), batch_id)
+
+    def write(self, changes: pa.Table, batch_id: int) -> None:
+        """Apply one micro-batch (Arrow table of change rows in stream order)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        if not _done(self.changelog_path, self.app_id, batch_id):
+            log_rows = changes.append_column(
+                "batch_id", pa.array([batch_id] * changes.num_rows, pa.int64())
+            )
+            write_deltalake(
+                str(self.changelog_path),
+                log_rows,
+                mode="append",
+                commit_properties=_txn(self.app_id, batch_id),
+            )
+        if not _done(self.mirror_path, self.app_id, batch_id):
+            self._apply_mirror(changes, batch_id)
+
+    def _apply_mirror(self, changes: pa.Table, batch_id: int) -> None:
+        if pc.any(pc.equal(changes.column("op"), OP_ROLLBACK)).as_py():
+            source = self._source_with_rollbacks(changes)
+        else:
+            source = _source_without_rollbacks(changes)
+        if source.num_rows == 0 and DeltaTable.is_deltatable(str(self.mirror_path)):
+            _commit_empty(self.mirror_path, self.app_id, batch_id)
+            return
+        props = _txn(self.app_id, batch_id)
+        if not DeltaTable.is_deltatable(str(self.mirror_path)):
+            live = source.filter(pc.invert(source.column("deleted"))).drop_columns(["deleted"])
+            write_deltalake(str(self.mirror_path), live, mode="append", commit_properties=props)
+            return
+        (
+            DeltaTable(str(self.mirror_path))
+            .merge(
+                source, "t.key = s.key", source_alias="s", target_alias="t", commit_properties=props
+            )
+            .when_matched_delete("s.deleted")
+            .when_matched_update_all("NOT s.deleted", except_cols=["deleted"])
+            .when_not_matched_insert_all("NOT s.deleted", except_cols=["deleted"])
+            .execute()
+        )
+
+    def _source_with_rollbacks(self, changes: pa.Table) -> pa.Table:
+        final = self._final_changes(changes)
+        rows = [
+            {**c.row, "deleted": False} if c.row is not None else _tombstone(key, c.vbucket)
+            for key, c in final.items()
+        ]
+        return pa.Table.from_pylist(rows, schema=SOURCE_SCHEMA)
+
+    def _final_changes(self, changes: pa.Table) -> dict[str, _Change]:
+        """Each key's last change in the batch, with rollbacks applied (see module docstring)."""
+        final: dict[str, _Change] = {}
+        refetch: dict[str, int] = {}  # key -> rollback seqno it is re-read at
+        rows = changes.to_pylist()
+        for row in rows:
+            if row["op"] == OP_ROLLBACK:
+                self._rollback(final, refetch, row["vbucket"], row["seqno"])
+                continue
+            key = row["key"]
+            refetch.pop(key, None)
+            row_or_none = _mirror_row(row) if row["op"] == OP_MUTATION else None
+            final[key] = _Change(row["vbucket"], row["seqno"], row_or_none)
+        for key, change in self._refetch(refetch).items():
+            final[key] = change
+        return final
+
+    def _rollback(
+        self, final: dict[str, _Change], refetch: dict[str, int], vb: int, seqno: int
+    ) -> None:
+        for key in [k for k, c in final.items() if c.seqno > seqno and c.vbucket == vb]:
+            del final[key]
+            refetch[key] = seqno
+        for key in self._mirrored_keys_above(vb, seqno):
+            final.pop(key, None)
+            refetch[key] = seqno
+        log.info("rollback of vbucket %d to seqno %d: %d keys to re-read", vb, seqno, len(refetch))
+
+    def _mirrored_keys_above(self, vb: int, seqno: int) -> list[str]:
+        if not DeltaTable.is_deltatable(str(self.mirror_path)):
+            return []
+        table = DeltaTable(str(self.mirror_path)).to_pyarrow_table(
+            columns=["key", "vbucket", "seqno"]
+        )
+        mask = pc.and_(
+            pc.equal(table.column("vbucket"), vb), pc.greater(table.column("seqno"), seqno)
+        )
+        return [str(k) for k in table.filter(mask).column("key").to_pylist()]
+
+    def _refetch(self, keys: dict[str, int]) -> dict[str, _Change]:
+        if not keys:
+            return {}
+        return asyncio.run(_read_current(SourceOptions.parse(self.options), keys))
+
+
+async def _read_current(options: SourceOptions, keys: dict[str, int]) -> dict[str, _Change]:
+    kv = await KvClient.connect(
+        options.host,
+        options.port,
+        bucket=options.bucket,
+        user=options.user,
+        password=options.password,
+    )
+    out: dict[str, _Change] = {}
+    try:
+        for key, seqno in keys.items():
+            raw = key.encode("utf-8", "surrogateescape")
+            try:
+                got = await kv.get(raw)
+            except KeyNotFoundError:
+                out[key] = _Change(kv.vbucket_of(raw), seqno, None)
+                continue
+            out[key] = _Change(
+                kv.vbucket_of(raw),
+                seqno,
+                {
+                    "key": key,
+                    "vbucket": kv.vbucket_of(raw),
+                    "seqno": seqno,
+                    "value": got.value,
+                    "cas": got.cas,
+                    "flags": got.flags - 2**32 if got.flags >= 2**31 else got.flags,
+                    "expiry": 0,
+                    "rev_seqno": 0,
+                },
+            )
+    finally:
+        await kv.close()
+    return out
+
+
+def _mirror_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {name: row[name] for name in MIRROR_SCHEMA.names}
+
+
+def _tombstone(key: str, vbucket: int) -> dict[str, Any]:
+    return {
+        "key": key,
+        "vbucket": vbucket,
+        "seqno": 0,
+        "value": b"",
+        "cas": 0,
+        "flags": 0,
+        "expiry": 0,
+        "rev_seqno": 0,
+        "deleted": True,
+    }
+
+
+def _source_without_rollbacks(changes: pa.Table) -> pa.Table:
+    """Vectorised: each key's last row (stream order = seqno order per vbucket) as the merge
+    source, ``deleted`` for deletions and expirations."""
+    indexed = changes.append_column("_row", pa.array(range(changes.num_rows), pa.int64()))
+    last = indexed.group_by(["key"]).aggregate([("_row", "max")]).column("_row_max")
+    picked = indexed.take(last)
+    deleted = pc.not_equal(picked.column("op"), OP_MUTATION)
+    return picked.select(MIRROR_SCHEMA.names).append_column("deleted", deleted).cast(SOURCE_SCHEMA)
+
+
+def _commit_empty(path: Path, app_id: str, batch_id: int) -> None:
+    """Record the batch id even when the batch changes nothing, so a replay is skipped."""
+    empty = pa.Table.from_pylist([], schema=MIRROR_SCHEMA)
+    write_deltalake(str(path), empty, mode="append", commit_properties=_txn(app_id, batch_id))
+
+
+def _txn(app_id: str, batch_id: int) -> CommitProperties:
+    return CommitProperties(app_transactions=[Transaction(app_id, batch_id)])
+
+
+def _done(path: Path, app_id: str, batch_id: int) -> bool:
+    """True if this table already committed ``batch_id`` (a replayed batch)."""
+    if not DeltaTable.is_deltatable(str(path)):
+        return False
+    version = DeltaTable(str(path)).transaction_version(app_id)
+    return version is not None and version >= batch_id
+
+
+def read_mirror(path: str | Path) -> pa.Table:
+    """The mirror table as Arrow (key, vbucket, seqno, value, ...)."""
+    return DeltaTable(str(Path(path) / "mirror")).to_pyarrow_table()

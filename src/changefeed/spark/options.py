@@ -1,0 +1,117 @@
+"""Options of the ``changefeed`` Spark source, named like Spark's Kafka source where they mean
+the same thing.
+
+- ``cluster``: ``host:port`` of a node (a ``couchbase://`` or ``changefeed://`` prefix is
+  allowed); default ``127.0.0.1:11210``.
+- ``bucket``: default ``default``.
+- ``user`` / ``password``: else ``CHANGEFEED_USER`` / ``CHANGEFEED_PASSWORD``; default
+  ``Administrator`` / ``password``.
+- ``vbuckets``: ``all`` (default) or a list like ``0-15,32``.
+- ``startingOffsets``: ``earliest`` (default), ``latest`` or JSON ``{"vb": {offset}}``.
+- ``maxOffsetsPerTrigger``: most seqnos per micro-batch, all vbuckets together (rows <= seqnos).
+- ``failOnDataLoss``: ``true`` (default) fails the query when a stream must restart from seqno 0
+  (history since the offset is gone, or tombstones were purged); ``false`` emits a rollback row
+  to seqno 0 and lets the sink rebuild the vbucket.
+- ``partitions``: Spark partitions per micro-batch (vbuckets are grouped); default 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+class OptionError(ValueError):
+    """A bad option; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class SourceOptions:
+    host: str = "127.0.0.1"
+    port: int = 11210
+    bucket: str = "default"
+    user: str = "Administrator"
+    password: str = "password"
+    vbuckets: str = "all"
+    starting_offsets: str = "earliest"
+    max_offsets_per_trigger: int = 0
+    fail_on_data_loss: bool = True
+    partitions: int = 2
+
+    @classmethod
+    def parse(cls, options: dict[str, str]) -> SourceOptions:
+        """Raises OptionError naming the option."""
+        lowered = {k.lower(): v for k, v in options.items()}
+        cluster = lowered.get("cluster", "127.0.0.1:11210")
+        for prefix in ("couchbase://", "changefeed://"):
+            cluster = cluster.removeprefix(prefix)
+        host, _, port = cluster.rpartition(":")
+        if not host or not port.isdigit():
+            raise OptionError(f"option cluster must be host:port, not {cluster!r}")
+        return cls(
+            host=host,
+            port=int(port),
+            bucket=lowered.get("bucket", "default"),
+            user=lowered.get("user", os.environ.get("CHANGEFEED_USER", "Administrator")),
+            password=lowered.get("password", os.environ.get("CHANGEFEED_PASSWORD", "password")),
+            vbuckets=lowered.get("vbuckets", "all"),
+            starting_offsets=lowered.get("startingoffsets", "earliest"),
+            max_offsets_per_trigger=_int(lowered, "maxoffsetspertrigger", 0),
+            fail_on_data_loss=_bool(lowered, "failondataloss", True),
+            partitions=max(1, _int(lowered, "partitions", 2)),
+        )
+
+    def vbucket_ids(self, total: int) -> list[int]:
+        if self.vbuckets == "all":
+            return list(range(total))
+        out: list[int] = []
+        try:
+            for part in self.vbuckets.split(","):
+                low, _, high = part.strip().partition("-")
+                out.extend(range(int(low), int(high or low) + 1))
+        except ValueError:
+            raise OptionError(
+                f"option vbuckets must look like 0-15,32: {self.vbuckets!r}"
+            ) from None
+        bad = [vb for vb in out if not 0 <= vb < total]
+        if bad:
+            raise OptionError(f"option vbuckets names vbuckets outside 0..{total - 1}: {bad}")
+        return sorted(set(out))
+
+    def starting_json(self) -> dict[str, Any] | None:
+        """The JSON form of ``startingOffsets``, or None for earliest/latest."""
+        if self.starting_offsets in ("earliest", "latest"):
+            return None
+        try:
+            value = json.loads(self.starting_offsets)
+        except ValueError as error:
+            raise OptionError(
+                f"option startingOffsets is not earliest/latest/JSON: {error}"
+            ) from None
+        if not isinstance(value, dict):
+            raise OptionError("option startingOffsets JSON must be an object of vbucket -> offset")
+        return value
+
+
+def _int(options: dict[str, str], name: str, default: int) -> int:
+    raw = options.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise OptionError(f"option {name} must be an integer, not {raw!r}") from None
+    if value < 0:
+        raise OptionError(f"option {name} must be >= 0")
+    return value
+
+
+def _bool(options: dict[str, str], name: str, default: bool) -> bool:
+    raw = options.get(name)
+    if raw is None:
+        return default
+    if raw.lower() not in ("true", "false"):
+        raise OptionError(f"option {name} must be true or false, not {raw!r}")
+    return raw.lower() == "true"
