@@ -1,0 +1,5 @@
+"""``python -m changefeed`` runs the CLI (how the demo and tests start node processes)."""
+
+from changefeed.cli.main import main
+
+main()
