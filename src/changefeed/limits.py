@@ -53,9 +53,9 @@ assert BACKFILL_QUEUE_BYTES_MAX >= VALUE_SIZE_MAX  # one maximal item always fit
 
 # --- storage/ (appended by the storage engineer) ---------------------------------------------
 
-# Longest key the store accepts: a protocol key (KEY_SIZE_MAX) plus the collection id prefix, an
-# unsigned LEB128 of a u32, which takes at most ceil(32 / 7) = 5 bytes (dcp-wire.md §7.3). The stored
-# key length is a u16, and LMDB's default key limit is 511 bytes: 2 (vb) + 255 fits either way.
+# Longest key the store accepts: a protocol key (KEY_SIZE_MAX) plus the collection id prefix,
+# an unsigned LEB128 of a u32, which takes at most ceil(32 / 7) = 5 bytes (dcp-wire.md §7.3). The
+# stored key length is a u16, and LMDB's default key limit is 511 bytes: 2 (vb) + 255 fits.
 STORED_KEY_SIZE_MAX = KEY_SIZE_MAX + 5
 
 # Stored record bytes one WriteBatch may hold before it must be committed. The batch is buffered
@@ -104,3 +104,13 @@ assert CHECKPOINT_MAX_BYTES_DEFAULT * 2 <= CHECKPOINT_MEMORY_QUOTA_BYTES_DEFAULT
 # A flush batch always takes at least one item, so a maximal item (20 MiB) is a batch of its own;
 # STORAGE_BATCH_BYTES_MAX holds it (asserted above).
 assert FLUSH_BATCH_BYTES_MAX * 64 <= STORAGE_BATCH_BYTES_MAX, FLUSH_BATCH_BYTES_MAX
+
+# --- server/ (appended with the integration tests) -------------------------------------------
+
+# Largest frame body a connection may declare before it has authenticated. What it may send then
+# (HELLO: agent + features; SASL: a PLAIN payload or a SCRAM message) takes a few hundred bytes.
+# Without this bound any peer could make the node buffer FRAME_SIZE_MAX (~20 MiB) per connection
+# without a password (16 connections measured +330 MiB RSS). 16 KiB is h11's incomplete-event bound.
+UNAUTHENTICATED_FRAME_SIZE_MAX = 16 * 1024
+
+assert KEY_SIZE_MAX + 2 * 255 < UNAUTHENTICATED_FRAME_SIZE_MAX < FRAME_SIZE_MAX

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Callable
 from enum import IntEnum
 from typing import Final
 
@@ -224,78 +223,58 @@ def _extras_size(op: Op) -> int:
     return MUTATION_EXTRAS_SIZE if op is Op.MUTATION else DELETION_EXTRAS_SIZE
 
 
-def _slot_setter(name: str) -> Callable[[Record, object], None]:
-    # Record has __slots__, so each field is a member descriptor; its __set__ skips the frozen
-    # __setattr__. Decoding builds records this way: 0.6 us faster per record than __init__.
-    setter: Callable[[Record, object], None] = getattr(Record, name).__set__
-    return setter
-
-
 _FIELD_NAMES: Final = tuple(field.name for field in dataclasses.fields(Record))
 assert _FIELD_NAMES == (
-    "vb",
-    "seqno",
-    "key",
-    "op",
-    "rev_seqno",
-    "cas",
-    "flags",
-    "expiry",
-    "datatype",
-    "delete_time",
-    "value",
-    "body",
-    "extras_len",
-), _FIELD_NAMES
-(
-    _set_vb,
-    _set_seqno,
-    _set_key,
-    _set_op,
-    _set_rev_seqno,
-    _set_cas,
-    _set_flags,
-    _set_expiry,
-    _set_datatype,
-    _set_delete_time,
-    _set_value,
-    _set_body,
-    _set_extras_len,
-) = (_slot_setter(name) for name in _FIELD_NAMES)
-_new_object: Final = object.__new__
+    "vb", "seqno", "key", "op", "rev_seqno", "cas", "flags", "expiry",
+    "datatype", "delete_time", "value", "body", "extras_len",
+), _FIELD_NAMES  # fmt: skip
+
+
+class _UncheckedRecord:
+    """Record's slot layout without its frozen __setattr__ or checks; see _new_record."""
+
+    __slots__ = _FIELD_NAMES
+
+    def __init__(
+        self, vb: int, seqno: int, key: bytes, op: Op, rev_seqno: int, cas: int, flags: int,
+        expiry: int, datatype: int, delete_time: int, value: bytes, body: bytes, extras_len: int,
+    ) -> None:  # fmt: skip
+        self.vb = vb
+        self.seqno = seqno
+        self.key = key
+        self.op = op
+        self.rev_seqno = rev_seqno
+        self.cas = cas
+        self.flags = flags
+        self.expiry = expiry
+        self.datatype = datatype
+        self.delete_time = delete_time
+        self.value = value
+        self.body = body
+        self.extras_len = extras_len
+
+
+assert Record.__slots__ == _UncheckedRecord.__slots__, Record.__slots__
+assert Record.__basicsize__ == _UncheckedRecord.__basicsize__
 
 
 def _new_record(
-    vb: int,
-    seqno: int,
-    key: bytes,
-    op: Op,
-    rev_seqno: int,
-    cas: int,
-    flags: int,
-    expiry: int,
-    datatype: int,
-    delete_time: int,
-    value: bytes,
-    body: bytes,
-    extras_len: int,
-) -> Record:
-    """Build a Record from fields already checked, without __init__ and __post_init__."""
-    record: Record = _new_object(Record)
-    _set_vb(record, vb)
-    _set_seqno(record, seqno)
-    _set_key(record, key)
-    _set_op(record, op)
-    _set_rev_seqno(record, rev_seqno)
-    _set_cas(record, cas)
-    _set_flags(record, flags)
-    _set_expiry(record, expiry)
-    _set_datatype(record, datatype)
-    _set_delete_time(record, delete_time)
-    _set_value(record, value)
-    _set_body(record, body)
-    _set_extras_len(record, extras_len)
-    return record
+    vb: int, seqno: int, key: bytes, op: Op, rev_seqno: int, cas: int, flags: int,
+    expiry: int, datatype: int, delete_time: int, value: bytes, body: bytes, extras_len: int,
+) -> Record:  # fmt: skip
+    """Build a Record from fields already checked, skipping __init__ and __post_init__.
+
+    The frozen dataclass __init__ sets each field through object.__setattr__; filling an
+    unchecked twin with the same slots and then switching its class is 0.4 us faster per
+    record (1.3 -> 0.9 us per decoded record; a scan spends most of its time here). The
+    result is an ordinary, frozen Record (test_record.py checks it equals one from __init__).
+    """
+    record = _UncheckedRecord(
+        vb, seqno, key, op, rev_seqno, cas, flags, expiry, datatype, delete_time, value, body,
+        extras_len,
+    )  # fmt: skip
+    record.__class__ = Record  # type: ignore[assignment]
+    return record  # type: ignore[return-value]
 
 
 def _encode_body(
@@ -372,14 +351,14 @@ def encode_stored(record: Record) -> bytes:
     return PREFIX.pack(tag, record.datatype, len(record.key), record.cas) + record.body
 
 
-def decode_record(vb: int, seqno: int, data: bytes | memoryview) -> Record:
+def decode_record(vb: int, seqno: int, data: bytes) -> Record:
     """Decode the stored form of the record at (vb, seqno); copies `data` once into `body`.
 
     Raises:
         CorruptRecordError: any check of the layout fails.
     """
-    # The hot path of every scan: constants are module globals bound once, fields are set with
-    # the slot setters inline (see _new_record), and _field_problem only explains a failure.
+    # The hot path of every scan: constants are module globals bound once, the record is built
+    # as in _new_record (inlined), and _field_problem only explains a failure.
     size = len(data)
     tag = data[0] if size else 0
     if tag == TAG_MUTATION and size >= _MUTATION_HEAD_SIZE:
@@ -411,22 +390,13 @@ def decode_record(vb: int, seqno: int, data: bytes | memoryview) -> Record:
     ):
         reason = _field_problem(by_seqno, seqno, fixed_ok, key_len, value_len, datatype)
         raise CorruptRecordError(vb, seqno, reason)
-    body = bytes(data[_PREFIX_SIZE:])
-    record: Record = _new_object(Record)
-    _set_vb(record, vb)
-    _set_seqno(record, seqno)
-    _set_key(record, body[extras_len:key_end])
-    _set_op(record, op)
-    _set_rev_seqno(record, rev_seqno)
-    _set_cas(record, cas)
-    _set_flags(record, flags)
-    _set_expiry(record, expiry)
-    _set_datatype(record, datatype)
-    _set_delete_time(record, delete_time)
-    _set_value(record, body[key_end:])
-    _set_body(record, body)
-    _set_extras_len(record, extras_len)
-    return record
+    body = data[_PREFIX_SIZE:]
+    record = _UncheckedRecord(
+        vb, seqno, body[extras_len:key_end], op, rev_seqno, cas, flags, expiry, datatype,
+        delete_time, body[key_end:], body, extras_len,
+    )  # fmt: skip
+    record.__class__ = Record  # type: ignore[assignment]  # see _new_record
+    return record  # type: ignore[return-value]
 
 
 _MUTATION: Final = Op.MUTATION

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -54,7 +55,6 @@ def records(draw: st.DrawFn) -> Record:
 def test_stored_form_round_trips(record: Record) -> None:
     stored = encode_stored(record)
     assert decode_record(record.vb, record.seqno, stored) == record
-    assert decode_record(record.vb, record.seqno, memoryview(stored)) == record
     assert stored[PREFIX.size :] == record.body
 
 
@@ -246,3 +246,14 @@ def test_random_bytes_decode_or_raise_corrupt(data: bytes) -> None:
     except CorruptRecordError:
         return
     assert encode_stored(decoded) == data
+
+
+@given(records())
+def test_decoded_records_are_ordinary_frozen_records(record: Record) -> None:
+    decoded = decode_record(record.vb, record.seqno, encode_stored(record))
+    assert type(decoded) is Record
+    assert hash(decoded) == hash(
+        Record(**{n: getattr(record, n) for n in Record.__dataclass_fields__})
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decoded.vb = 1  # type: ignore[misc]

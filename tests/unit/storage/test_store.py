@@ -514,95 +514,59 @@ class StoreMachine(RuleBasedStateMachine):
         kind, vb = op[0], op[1]
         vbm = working.get(vb)
         if kind == "meta":
-            _, _, state, log, snap = op
-            if (vbm is None and state is None) or (snap is not None and snap[0] > snap[1]):
-                with pytest.raises(ValueError):
-                    batch.set_vbucket_meta(
-                        vb,
-                        state=state,
-                        failover_log=log,
-                        snap_start=snap and snap[0],
-                        snap_end=snap and snap[1],
-                    )
-                return
-            batch.set_vbucket_meta(
-                vb,
-                state=state,
-                failover_log=log,
-                snap_start=snap and snap[0],
-                snap_end=snap and snap[1],
-            )
-            vbm = working.setdefault(vb, ModelVb(state=state))
-            vbm.state = state or vbm.state
-            vbm.failover_log = vbm.failover_log if log is None else log
-            if snap is not None:
-                vbm.snap_start, vbm.snap_end = snap
-            return
-        if vbm is None:
+            self.apply_meta(batch, working, op)
+        elif vbm is None:
             with pytest.raises(ValueError, match="no metadata"):
                 batch.set(vb, b"k", 1, b"v", cas=1)
-            return
-        if kind == "stale":
+        elif kind == "stale":
             with pytest.raises(ValueError, match="above the high seqno"):
                 batch.set(vb, op[2], vbm.high_seqno - op[3], b"v", cas=1)
-            return
-        seqno = vbm.high_seqno + op[3]
-        if kind == "set":
-            _, _, key, _, value, cas, flags, datatype = op
-            batch.set(
-                vb,
-                key,
-                seqno,
-                value,
-                cas=cas,
-                flags=flags,
-                expiry=flags // 2,
-                datatype=datatype,
-                rev_seqno=seqno,
-            )
-            vbm.write(
-                Record.create(
-                    vb,
-                    seqno,
-                    key,
-                    Op.MUTATION,
-                    cas=cas,
-                    value=value,
-                    flags=flags,
-                    expiry=flags // 2,
-                    datatype=datatype,
-                    rev_seqno=seqno,
-                )
-            )
-        elif kind == "delete":
-            _, _, key, _, value, delete_time, expiration, cas = op
-            batch.delete(
-                vb,
-                key,
-                seqno,
-                cas=cas,
-                delete_time=delete_time,
-                expiration=expiration,
-                value=value,
-                rev_seqno=7,
-            )
-            record_op = Op.EXPIRATION if expiration else Op.DELETION
-            vbm.write(
-                Record.create(
-                    vb,
-                    seqno,
-                    key,
-                    record_op,
-                    cas=cas,
-                    value=value,
-                    delete_time=delete_time,
-                    rev_seqno=7,
-                )
-            )
         else:
-            record = Record.create(vb, seqno, op[2], Op.MUTATION, cas=seqno, value=op[4])
-            batch.put_record(record)
-            vbm.write(record)
+            vbm.write(self.apply_item(batch, vbm.high_seqno + op[3], op))
+
+    @staticmethod
+    def apply_meta(batch: WriteBatch, working: dict[int, ModelVb], op: tuple[Any, ...]) -> None:
+        _, vb, state, log, snap = op
+        arguments = {"state": state, "failover_log": log}
+        if snap is not None:
+            arguments.update(snap_start=snap[0], snap_end=snap[1])
+        vbm = working.get(vb)
+        if (vbm is None and state is None) or (snap is not None and snap[0] > snap[1]):
+            with pytest.raises(ValueError):
+                batch.set_vbucket_meta(vb, **arguments)
+            return
+        batch.set_vbucket_meta(vb, **arguments)
+        vbm = working.setdefault(vb, ModelVb(state=state))
+        vbm.state = state or vbm.state
+        vbm.failover_log = vbm.failover_log if log is None else log
+        if snap is not None:
+            vbm.snap_start, vbm.snap_end = snap
+
+    @staticmethod
+    def apply_item(batch: WriteBatch, seqno: int, op: tuple[Any, ...]) -> Record:
+        """Write one set/delete/put op at `seqno`; return the record the model expects."""
+        kind, vb, key = op[:3]
+        if kind == "set":
+            _, _, _, _, value, cas, flags, datatype = op
+            fields = {"flags": flags, "expiry": flags // 2, "datatype": datatype}
+            batch.set(vb, key, seqno, value, cas=cas, rev_seqno=seqno, **fields)
+            return Record.create(
+                vb, seqno, key, Op.MUTATION, cas=cas, value=value, rev_seqno=seqno, **fields
+            )
+        if kind == "delete":
+            _, _, _, _, value, delete_time, expiration, cas = op
+            batch.delete(
+                vb, key, seqno, cas=cas, delete_time=delete_time, expiration=expiration,
+                value=value, rev_seqno=7,
+            )  # fmt: skip
+            record_op = Op.EXPIRATION if expiration else Op.DELETION
+            return Record.create(
+                vb, seqno, key, record_op, cas=cas, value=value, delete_time=delete_time,
+                rev_seqno=7,
+            )  # fmt: skip
+        record = Record.create(vb, seqno, key, Op.MUTATION, cas=seqno, value=op[4])
+        batch.put_record(record)
+        return record
 
     @rule(now=st.integers(0, 150), age=st.integers(0, 60), chosen=st.none() | st.sets(vb_ids))
     def compact(self, now: int, age: int, chosen: set[int] | None) -> None:
@@ -681,3 +645,8 @@ StoreMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestStoreMachine = StoreMachine.TestCase
+
+
+def test_one_store_per_environment_per_process(store: Store) -> None:
+    with pytest.raises(StorageError, match="already open"):
+        Store(Path(store._env.path()), durable=False)
