@@ -384,8 +384,11 @@ class VBucket:
         unclean = not self._store.was_clean_shutdown
         if recovered is VBucketState.ACTIVE and (unclean or not meta.failover_log):
             # Writes acknowledged before the crash but not persisted are lost: a new branch
-            # makes consumers that saw them roll back (kv_engine warmup does the same).
-            log.create_entry(meta.high_seqno)
+            # makes consumers that saw them roll back (kv_engine warmup does the same). It
+            # starts at the last persisted snapshot's end when that snapshot is whole, else at
+            # its start (dcp-wire.md §9.4): a partial snapshot is not a consistent point.
+            whole = meta.high_seqno == meta.snap_end
+            log.create_entry(meta.high_seqno if whole else min(meta.snap_start, meta.high_seqno))
         if log.entries != meta.failover_log:
             self._state, self._failover_log = recovered, log
             self._persist_meta()

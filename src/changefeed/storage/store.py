@@ -46,6 +46,7 @@ from changefeed.storage.record import Record, decode_record
 from changefeed.storage.vbmeta import VbState, VBucketMeta, decode_vbstate, encode_vbstate
 
 _DATABASES: Final = (b"by_seqno", b"by_key", b"vbmeta", b"meta")
+SHUTDOWN_TOKEN_FILE: Final = "clean-shutdown"  # written after a clean close, beside data.mdb
 
 
 class Store:
@@ -65,8 +66,9 @@ class Store:
 
     Attributes:
         was_clean_shutdown: read at open: True iff the previous process that opened this
-            environment called `close()` (or it is new). Open durably records "unclean" until
-            `close()` records "clean" again.
+            environment called `close()` (or it is new), and the data file is the one it
+            closed (a copied or restored directory reads as unclean). Open durably records
+            "unclean" until `close()` records "clean" again.
 
     Raises:
         StorageError: the environment cannot be opened (permissions, another open copy in
@@ -86,8 +88,10 @@ class Store:
         if map_size_bytes <= 0:
             raise ValueError(f"map_size_bytes {map_size_bytes} must be positive")
         self._map_size_bytes = map_size_bytes
+        self._path = os.fspath(path)
         self._batch_open = False
         self._closed = True
+        token_matches = self._shutdown_token_matches()
         with _translated_errors(map_size_bytes):
             self._env = lmdb.open(
                 os.fspath(path),
@@ -99,14 +103,14 @@ class Store:
                 max_readers=limits.STORAGE_READERS_MAX,
             )
         try:
-            self.was_clean_shutdown = self._open_databases()
+            self.was_clean_shutdown = self._open_databases(token_matches)
             self._rows = self._load_rows()
         except BaseException:
             self._env.close()
             raise
         self._closed = False
 
-    def _open_databases(self) -> bool:
+    def _open_databases(self, token_matches: bool) -> bool:
         """Open the named databases, record "unclean" durably, return the previous flag."""
         with _translated_errors(self._map_size_bytes):
             self._env.reader_check()  # frees reader slots of processes that died
@@ -118,9 +122,41 @@ class Store:
                 flag = txn.get(META_SHUTDOWN, db=self._meta)
                 txn.put(META_SHUTDOWN, META_UNCLEAN, db=self._meta)
             self._env.sync(True)
-        if flag not in (None, META_CLEAN, META_UNCLEAN):
+        if flag is None:
+            return True  # a new environment
+        if flag not in (META_CLEAN, META_UNCLEAN):
             raise StorageError(f"meta database holds shutdown flag {flag!r}")
-        return flag != META_UNCLEAN
+        return flag == META_CLEAN and token_matches
+
+    def _shutdown_token_matches(self) -> bool:
+        """Before opening: is the data file the very file a clean ``close()`` left, untouched?
+
+        A copied or restored directory (a backup put back) is not that store cleanly stopped,
+        so its vbuckets must start a new history branch (vbucket.py). The data file's inode and
+        ctime cannot be carried along by a copy.
+        """
+        token_path = os.path.join(self._path, SHUTDOWN_TOKEN_FILE)
+        try:
+            with open(token_path) as handle:
+                token = handle.read()
+            os.unlink(token_path)  # used once: any later open must prove itself again
+            return token == self._data_file_token()
+        except FileNotFoundError:
+            return False
+
+    def _data_file_token(self) -> str:
+        info = os.stat(os.path.join(self._path, "data.mdb"))
+        return f"{info.st_ino}:{info.st_ctime_ns}:{info.st_size}"
+
+    def _write_shutdown_token(self) -> None:
+        """After the environment is closed: name the data file as it is now (atomically)."""
+        token_path = os.path.join(self._path, SHUTDOWN_TOKEN_FILE)
+        temporary = token_path + ".tmp"
+        with open(temporary, "w") as handle:
+            handle.write(self._data_file_token())
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, token_path)
 
     def _load_rows(self) -> dict[int, VbState]:
         rows: dict[int, VbState] = {}
@@ -167,6 +203,8 @@ class Store:
                 self._env.sync(True)
         finally:
             self._env.close()
+        with contextlib.suppress(OSError):  # without the token the next open reads unclean
+            self._write_shutdown_token()
 
     # --- writes -------------------------------------------------------------------------------
 
