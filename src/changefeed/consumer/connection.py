@@ -153,7 +153,9 @@ class Connection:
             if frame.magic in (Magic.RESPONSE, Magic.ALT_RESPONSE):
                 if self._collect(frame):
                     continue
-                future = self._pending.get(frame.opaque)
+                # Pop: upsert_many registers with expect() and never pops itself; leaving the
+                # future here would grow _pending by one entry per pipelined request.
+                future = self._pending.pop(frame.opaque, None)
                 if future is not None and not future.done():
                     future.set_result(frame)
                     continue

@@ -15,7 +15,9 @@ producer's flow-control window fills, so a slow application never grows our memo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -69,18 +71,27 @@ class ClientConfig:
     bucket: str = "default"
     user: str = "Administrator"
     password: str = "password"
-    name: str = "changefeed:consumer"
+    name: str = ""  # DCP connection name; default "changefeed:consumer:<random>" (a reused
+    # name makes the node close the older connection, dcp-wire.md §4)
     buffer_bytes: int = 8 * 1024 * 1024  # flow-control window; acked at 20% (dcp-wire.md §8.1)
     noop_interval_s: float = 10.0
     end_seqno: int = SEQNO_FOREVER  # or stream only up to a seqno, then STREAM_END(Ok)
     to_latest: bool = False  # end each stream at the high seqno at request time
     reconnect_backoff_s: tuple[float, ...] = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+    # Roll back to the newest whole snapshot at or below the node's rollback seqno (safe for
+    # any consumer). False: to the node's seqno exactly, for sinks that re-read the keys they
+    # hold above it from the node (the Spark mirror does).
+    rollback_to_snapshot: bool = True
 
 
 class DcpClient:
     """Async DCP consumer. ``async with DcpClient(config) as c: await c.stream(...)``."""
 
     def __init__(self, config: ClientConfig, *, rng: random.Random | None = None) -> None:
+        if not config.name:
+            config = dataclasses.replace(
+                config, name=f"changefeed:consumer:{uuid.uuid4().hex[:12]}"
+            )
         self.config = config
         self.session = SessionState()
         self._requests: dict[int, VbSession] = {}
@@ -298,10 +309,13 @@ class DcpClient:
             self._open_streams.add(vb)
             self._put(StreamOpened(vb, log))
         elif frame.status == Status.ROLLBACK:
-            seqno = decode_rollback_seqno(frame.value)
+            server_seqno = decode_rollback_seqno(frame.value)
             request_session = self._requests[vb]
+            seqno = server_seqno
+            if self.config.rollback_to_snapshot:
+                seqno = request_session.consistent_point_at_or_below(server_seqno)
             request_session.rollback_to(seqno)
-            self._put(Rollback(vb, seqno))
+            self._put(Rollback(vb, seqno, server_seqno))
             self._send_stream_request(vb)
         else:
             self._put(StreamRefused(vb, frame.status, frame.value.decode(errors="replace")))

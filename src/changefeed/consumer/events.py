@@ -22,10 +22,16 @@ class StreamOpened:
 
 @dataclass(frozen=True, slots=True)
 class Rollback:
-    """Discard everything in ``vbucket`` after ``seqno``; the stream continues from there."""
+    """Discard everything in ``vbucket`` after ``seqno``; the stream continues from there.
+
+    ``server_seqno`` is the node's rollback point. ``seqno`` is at or below it: the newest point
+    where this consumer held a whole snapshot (``ClientConfig.rollback_to_snapshot``), because
+    data inside a deduplicated snapshot cannot be cut at an arbitrary seqno.
+    """
 
     vbucket: int
     seqno: int
+    server_seqno: int = -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ from typing import Any
 
 from changefeed.failover import FailoverLog
 
+CONSISTENT_POINTS_MAX = 64  # recent snapshot ends kept; older ones are thinned, not dropped
+
 
 @dataclass(slots=True)
 class VbSession:
@@ -31,6 +33,14 @@ class VbSession:
     snap_end: int = 0
     failover_log: FailoverLog | None = None
     purge_seqno: int = 0  # last purge seqno seen in a V2.2 marker
+    # Seqnos at which this consumer held a whole snapshot (ascending; 0 is implicit). After a
+    # rollback to R the consumer's data is consistent only at such a point <= R: inside a
+    # snapshot, deduplication may have replaced a key's older version that R still needs.
+    consistent_points: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.seqno and self.seqno == self.snap_end and not self.consistent_points:
+            self.consistent_points.append(self.seqno)
 
     @property
     def vb_uuid(self) -> int:
@@ -41,7 +51,13 @@ class VbSession:
         """An independent copy (the failover log is rebuilt from its entries)."""
         log = None if self.failover_log is None else FailoverLog(self.failover_log.entries)
         return VbSession(
-            self.vbucket, self.seqno, self.snap_start, self.snap_end, log, self.purge_seqno
+            self.vbucket,
+            self.seqno,
+            self.snap_start,
+            self.snap_end,
+            log,
+            self.purge_seqno,
+            list(self.consistent_points),
         )
 
     def request_range(self) -> tuple[int, int, int]:
@@ -60,12 +76,33 @@ class VbSession:
         """Record a received item; seqnos must rise (invariant 3)."""
         assert seqno > self.seqno, (self.vbucket, seqno, self.seqno)
         self.seqno = seqno
+        if seqno == self.snap_end:
+            self._add_consistent_point(seqno)
+
+    def consistent_point_at_or_below(self, seqno: int) -> int:
+        """The newest seqno <= ``seqno`` at which this consumer held a whole snapshot."""
+        return max((p for p in self.consistent_points if p <= seqno), default=0)
 
     def rollback_to(self, seqno: int) -> None:
         """Forget everything after ``seqno`` (dcp-wire.md §9.1, client handling)."""
         if self.failover_log is not None:
             self.failover_log.prune_after(seqno)
         self.seqno = self.snap_start = self.snap_end = seqno
+        self.consistent_points = [p for p in self.consistent_points if p < seqno]
+        if seqno:
+            self.consistent_points.append(seqno)
+
+    def _add_consistent_point(self, seqno: int) -> None:
+        points = self.consistent_points
+        if points and points[-1] >= seqno:
+            return
+        points.append(seqno)
+        if len(points) > CONSISTENT_POINTS_MAX:
+            # Thin the older half (every other point), keep the recent half exact: coverage
+            # of old history stays, with coarser steps (a rollback there re-reads more).
+            half = len(points) // 2
+            self.consistent_points = points[:half:2] + points[half:]
+        assert len(self.consistent_points) <= CONSISTENT_POINTS_MAX, len(self.consistent_points)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +111,7 @@ class VbSession:
             "snap_end": self.snap_end,
             "purge_seqno": self.purge_seqno,
             "failover_log": None if self.failover_log is None else self.failover_log.to_list(),
+            "consistent_points": list(self.consistent_points),
         }
 
     @classmethod
@@ -88,6 +126,7 @@ class VbSession:
                 snap_end=int(raw["snap_end"]),
                 failover_log=None if log is None else FailoverLog.from_list(log),
                 purge_seqno=int(raw.get("purge_seqno", 0)),
+                consistent_points=sorted(int(p) for p in raw.get("consistent_points", [])),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"session state for vbucket {vbucket} is invalid: {error}") from None

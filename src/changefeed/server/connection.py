@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from changefeed import limits
 from changefeed.protocol.dcp import (
     OpenFlag,
     decode_buffer_ack,
@@ -69,7 +70,8 @@ Handler = Callable[["ClientConnection", Frame], None]
 class ClientConnection(asyncio.Protocol):
     def __init__(self, node: Node) -> None:
         self.node = node
-        self.reader = FrameReader()
+        # Until SASL succeeds a peer may only send small frames (limits.py explains why).
+        self.reader = FrameReader(limits.UNAUTHENTICATED_FRAME_SIZE_MAX)
         self.transport: asyncio.Transport | None = None
         self.sasl = SaslSession(node.users)
         self.features: set[int] = set()
@@ -191,12 +193,20 @@ def _sasl_auth(c: ClientConnection, f: Frame) -> None:
     status, value = c.sasl.auth(f.key.decode(errors="replace"), f.value)
     if status == Status.AUTH_ERROR:
         log.warning("authentication failed from %s", c.peer)
+    _after_sasl(c)
     c.reply(f, status, value=value)
 
 
 def _sasl_step(c: ClientConnection, f: Frame) -> None:
     status, value = c.sasl.step(f.key.decode(errors="replace"), f.value)
+    _after_sasl(c)
     c.reply(f, status, value=value)
+
+
+def _after_sasl(c: ClientConnection) -> None:
+    """An authenticated peer may send full-size frames (values up to VALUE_SIZE_MAX)."""
+    if c.sasl.user is not None:
+        c.reader.frame_size_max = limits.FRAME_SIZE_MAX
 
 
 def _select_bucket(c: ClientConnection, f: Frame) -> None:

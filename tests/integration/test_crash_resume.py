@@ -1,0 +1,202 @@
+"""Consumers resume across a ``kill -9`` of the node (invariant 2).
+
+Consumer A saved its session, went away, and resumes after the crash and restart from the JSON.
+Consumer B was streaming live when the node died: it sees ``Disconnected``, reconnects on its own
+and resumes from its in-memory session. An unclean restart adds a failover entry at the persisted
+high seqno, so whoever saw unpersisted items must be rolled back; everyone must end with exactly
+the server's state, having seen seqnos rise except right after a rollback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+import pytest
+
+from changefeed.consumer import DcpClient, SessionState
+from changefeed.consumer.connection import ConnectionClosedError
+
+from .conftest import NodeFactory
+from .harness import (
+    Mirror,
+    assert_resumed_after,
+    assert_same_state,
+    dcp_config,
+    drain,
+    high_seqnos,
+    kv_connect,
+    mark,
+    reached,
+    server_state,
+    stream_to_latest,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_resume_after_kill_9(nodes: NodeFactory, rng: random.Random) -> None:
+    node = nodes(vbuckets=8)
+    vbs = list(range(8))
+
+    async def scenario() -> None:
+        certain: dict[bytes, bytes | None] = {}  # persisted writes: must survive the crash
+        async with await kv_connect(node) as kv:
+            items = [(b"a-%05d" % i, b"A" * rng.randrange(1, 120)) for i in range(3000)]
+            await kv.upsert_many(items, durability="persist")
+            certain.update(items)
+
+        mirror_a, session_a = await stream_to_latest(node)
+        saved_a = session_a.to_json()
+
+        # Consumer B follows live (no end seqno) through everything that comes next.
+        client_b = DcpClient(dcp_config(node, to_latest=False, buffer_bytes=256 * 1024))
+        await client_b.connect()
+        await client_b.stream(vbs)
+        mirror_b = Mirror()
+        task_b = asyncio.get_running_loop().create_task(
+            drain(client_b, mirror_b, lambda c, m: False, timeout_s=120)
+        )
+
+        async with await kv_connect(node) as kv:
+            for i in range(2000):  # updates and deletes, persisted
+                key = b"a-%05d" % rng.randrange(3000)
+                if rng.random() < 0.2 and certain.get(key) is not None:
+                    await kv.remove(key)
+                    certain[key] = None
+                else:
+                    value = b"B%d" % i
+                    await kv.upsert(key, value)
+                    certain[key] = value
+            await kv.upsert_many([(k, v) for k, v in certain.items() if v], durability="persist")
+
+        # A burst of writes that may be acknowledged but not persisted when the node dies.
+        uncertain: dict[bytes, set[bytes]] = {}
+
+        async def burst() -> None:
+            with contextlib.suppress(ConnectionClosedError, ConnectionError, OSError):
+                async with await kv_connect(node) as kv:
+                    for n in range(10**6):
+                        key = b"c-%05d" % rng.randrange(20000)
+                        uncertain.setdefault(key, set()).add(b"C%d" % n)
+                        await kv.upsert_many([(key, b"C%d" % n)])
+
+        writer = asyncio.get_running_loop().create_task(burst())
+        await asyncio.sleep(0.5 + rng.random())
+        node.kill()
+        await asyncio.wait_for(writer, 30)
+        node.start()  # same data directory, same port: B reconnects by itself
+
+        async with await kv_connect(node) as kv:  # after the restart: a new branch
+            items = [(b"d-%05d" % i, b"D%d" % i) for i in range(1500)]
+            await kv.upsert_many(items, durability="persist")
+            certain.update(items)
+
+        truth = await server_state(node)
+        live = truth.values()
+        for key, value in certain.items():  # every persisted write survived the crash
+            assert live.get(key) == value, (key, value, live.get(key))
+        for key in set(live) - set(certain):
+            assert key in uncertain and live[key] in uncertain[key], key
+
+        # A resumes from its saved JSON: every change after its state, or a rollback first.
+        marked = mark(mirror_a)
+        mirror_a, _ = await stream_to_latest(
+            node, start=SessionState.from_json(saved_a), mirror=mirror_a
+        )
+        assert_resumed_after(mirror_a, marked, SessionState.from_json(saved_a))
+        assert_same_state(mirror_a, truth, what="consumer A (saved session)")
+
+        # B catches up to the new high seqnos after its automatic reconnect.
+        targets = await high_seqnos(node)
+        async with asyncio.timeout(60):
+            while not reached(targets)(client_b, mirror_b):
+                assert not task_b.done(), task_b
+                await asyncio.sleep(0.05)
+        task_b.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task_b
+        await client_b.close()
+        assert mirror_b.disconnects >= 1
+        assert_same_state(mirror_b, truth, what="consumer B (live through the crash)")
+        print(f"A rollbacks {mirror_a.rollbacks}; B rollbacks {mirror_b.rollbacks}")
+
+    asyncio.run(scenario())
+    assert node.errors_in_log() == []
+
+
+def run_crash_cycles(nodes: NodeFactory, rng: random.Random, cycles: int) -> None:
+    """Repeated write / kill -9 / restart cycles under one live consumer that reconnects by
+    itself, and one consumer that saves its session each cycle and comes back from the JSON."""
+    node = nodes(vbuckets=8)
+    vbs = list(range(8))
+
+    async def scenario() -> None:
+        live = DcpClient(dcp_config(node, to_latest=False, buffer_bytes=128 * 1024))
+        await live.connect()
+        await live.stream(vbs)
+        live_mirror = Mirror()
+        live_task = asyncio.get_running_loop().create_task(
+            drain(live, live_mirror, lambda c, m: False, timeout_s=600)
+        )
+        saved = None
+        saver = Mirror()
+        for cycle in range(cycles):
+
+            async def writes(cycle: int = cycle) -> None:
+                with contextlib.suppress(ConnectionClosedError, ConnectionError, OSError):
+                    async with await kv_connect(node) as kv:
+                        for n in range(10**6):
+                            batch = [
+                                (b"key-%04d" % rng.randrange(5000), b"c%d-%d" % (cycle, n))
+                                for _ in range(rng.choice([1, 10, 100]))
+                            ]
+                            if rng.random() < 0.1:
+                                with contextlib.suppress(Exception):
+                                    await kv.remove(batch[0][0])
+                            await kv.upsert_many(batch)
+
+            writer = asyncio.get_running_loop().create_task(writes())
+            await asyncio.sleep(rng.uniform(0.1, 0.6))
+            if cycle % 2:  # the saver comes and goes from its JSON while the node is busy
+                start = SessionState.from_json(saved) if saved else "beginning"
+                marked = mark(saver)
+                saver, session = await stream_to_latest(node, start=start, mirror=saver)
+                if saved:
+                    assert_resumed_after(saver, marked, SessionState.from_json(saved))
+                saved = session.to_json()
+            node.kill()
+            await asyncio.wait_for(writer, 30)
+            assert not live_task.done(), live_task
+            node.start()
+        truth = await server_state(node)
+        targets = await high_seqnos(node)
+        async with asyncio.timeout(120):
+            while not reached(targets)(live, live_mirror):
+                assert not live_task.done(), live_task
+                await asyncio.sleep(0.05)
+        live_task.cancel()
+        await asyncio.gather(live_task, return_exceptions=True)
+        await live.close()
+        assert_same_state(live_mirror, truth, what="live consumer through the crashes")
+        start = SessionState.from_json(saved) if saved else "beginning"
+        saver, _ = await stream_to_latest(node, start=start, mirror=saver)
+        assert_same_state(saver, truth, what="consumer resuming from JSON each cycle")
+        print(
+            f"{cycles} crashes: live saw {live_mirror.disconnects} disconnects, "
+            f"{len(live_mirror.rollbacks)} rollbacks; saver {len(saver.rollbacks)} rollbacks"
+        )
+
+    asyncio.run(scenario())
+    assert node.errors_in_log() == []
+
+
+def test_crash_cycles(nodes: NodeFactory, rng: random.Random) -> None:
+    run_crash_cycles(nodes, rng, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_crash_cycles_long(nodes: NodeFactory, rng: random.Random) -> None:
+    run_crash_cycles(nodes, rng, 30)
