@@ -16,6 +16,8 @@ Not here: the list of checkpoints, cursors, memory quota (manager.py, cursor.py,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from changefeed.checkpoint.item import CHECKPOINT_START, DUMMY, Item, MetaItem
 from changefeed.checkpoint.memory import item_size_bytes
 
@@ -51,6 +53,7 @@ class Checkpoint:
         "live_count",
         "memory_bytes",
         "next",
+        "on_replace",
         "prev",
         "snap_end",
         "snap_start",
@@ -72,6 +75,9 @@ class Checkpoint:
         self.prev: Checkpoint | None = None
         self.next: Checkpoint | None = None
         self.created_s = created_s
+        # Told (replaced seqno, replacing seqno) on every deduplication: the flusher must not
+        # call the replaced seqno persisted before the item replacing it is.
+        self.on_replace: Callable[[int, int], None] | None = None
 
     def __repr__(self) -> str:
         state = "open" if self.is_open else "closed"
@@ -107,7 +113,7 @@ class Checkpoint:
         delta = size_bytes
         old_index = self.key_index.get(item.key)
         if old_index is not None:
-            delta -= self._punch_hole(old_index)
+            delta -= self._punch_hole(old_index, item.seqno)
         items.append(item)
         self.key_index[item.key] = len(items) - 1
         self.live_count += 1
@@ -138,7 +144,7 @@ class Checkpoint:
                 continue
             old_index = key_index.get(slot.key)
             if old_index is not None:
-                freed += self._punch_hole(old_index)
+                freed += self._punch_hole(old_index, slot.seqno)
             items.append(slot)
             key_index[slot.key] = len(items) - 1
             self.live_count += 1
@@ -217,9 +223,12 @@ class Checkpoint:
             assert self.has_items, self
         assert self.cursor_count >= 0, self
 
-    def _punch_hole(self, index: int) -> int:
+    def _punch_hole(self, index: int, replacing_seqno: int) -> int:
         old = self.items[index]
         assert isinstance(old, Item), (index, old)
+        assert old.seqno < replacing_seqno, (old.seqno, replacing_seqno)
+        if self.on_replace is not None:
+            self.on_replace(old.seqno, replacing_seqno)
         self.items[index] = None
         self.live_count -= 1
         self.hole_count += 1

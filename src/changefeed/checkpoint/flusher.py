@@ -57,7 +57,12 @@ class Flusher:
         self._manager = manager
         self._store = store
         self._batch_bytes_max = batch_bytes_max
-        self._persisted_seqno = store.high_seqno(manager.vb)
+        self._written_seqno = store.high_seqno(manager.vb)  # last seqno committed
+        self._persisted_seqno = self._written_seqno  # what may be promised durable
+        # replacing seqno -> lowest seqno it replaced before that was written: the replaced
+        # writes are durable only once their replacement is (see _on_replace).
+        self._obligations: dict[int, int] = {}
+        manager.replace_listeners.append(self._on_replace)
         self._snapshot: SnapshotStart | None = None
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._waiter_ids = itertools.count()
@@ -68,6 +73,26 @@ class Flusher:
     def persisted_seqno(self) -> int:
         """Seqno of the last item committed to the store."""
         return self._persisted_seqno
+
+    def _on_replace(self, replaced_seqno: int, replacing_seqno: int) -> None:
+        """Deduplication dropped ``replaced_seqno`` for ``replacing_seqno``.
+
+        If the dropped item was not written yet, its write lives on only in the replacing item:
+        until that is written, the persisted seqno must stay below ``replaced_seqno``, or a
+        writer waiting for it would be told "durable" while neither version is on disk.
+        """
+        if replaced_seqno <= self._written_seqno:
+            return
+        owed = min(replaced_seqno, self._obligations.pop(replaced_seqno, replaced_seqno))
+        current = self._obligations.get(replacing_seqno, owed)
+        self._obligations[replacing_seqno] = min(current, owed)  # O(1): hot keys stay cheap
+
+    def _advance_persisted(self) -> None:
+        written = self._written_seqno
+        self._obligations = {new: old for new, old in self._obligations.items() if new > written}
+        limit = min((old - 1 for old in self._obligations.values()), default=written)
+        self._persisted_seqno = max(self._persisted_seqno, min(written, limit))
+        assert self._persisted_seqno <= written, (self._persisted_seqno, written)
 
     @property
     def pending(self) -> bool:
@@ -97,8 +122,9 @@ class Flusher:
         finally:
             self._manager.remove_cursor(backup)
         if items:
-            assert items[-1].seqno > self._persisted_seqno, (items[-1], self._persisted_seqno)
-            self._persisted_seqno = items[-1].seqno
+            assert items[-1].seqno > self._written_seqno, (items[-1], self._written_seqno)
+            self._written_seqno = items[-1].seqno
+            self._advance_persisted()
             self.stats["batches"] += 1
             self.stats["items"] += len(items)
         self._resolve_waiters()

@@ -111,6 +111,8 @@ class CheckpointManager:
         self._head = self._open
         self._cursors: dict[str, Cursor] = {}
         self.wakeup = Wakeup()
+        # Called (replaced seqno, replacing seqno) when deduplication drops an item.
+        self.replace_listeners: list[Callable[[int, int], None]] = []
         self.stats = {"cursors_dropped": 0, "checkpoints_collapsed": 0, "checkpoints_freed": 0}
         self._budget.attach(self)
         self.persistence_cursor: Cursor | None = None
@@ -443,7 +445,12 @@ class CheckpointManager:
             self._next_checkpoint_id, snap_start=self._high_seqno + 1, created_s=self._clock()
         )
         self._next_checkpoint_id += 1
+        checkpoint.on_replace = self._on_replace
         return checkpoint
+
+    def _on_replace(self, replaced_seqno: int, replacing_seqno: int) -> None:
+        for listener in self.replace_listeners:
+            listener(replaced_seqno, replacing_seqno)
 
     def _close_open(self) -> None:
         closed = self._open

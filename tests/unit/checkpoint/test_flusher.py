@@ -154,3 +154,34 @@ def test_run_flushes_in_the_background_until_stopped(store: CountingStore) -> No
 
     assert asyncio.run(scenario())
     assert store_view(store) == model.latest()
+
+
+def test_a_deduplicated_write_is_persisted_only_with_its_replacement(
+    store: CountingStore,
+) -> None:
+    """K@2 is replaced by K@4 before the flusher wrote it: writing B@3 must not make seqno 2
+    'persisted' (a writer waiting for K@2 would be told durable with no K on disk)."""
+    manager = CheckpointManager(VB)
+    flusher = Flusher(manager, store, batch_bytes_max=1)  # one item per batch
+    for queued in (item(1, "a"), item(2, "k"), item(3, "b"), item(4, "k", b"new")):
+        manager.queue(queued)
+    assert flusher.flush_batch() == 1  # a@1
+    assert flusher.persisted_seqno == 1
+    assert flusher.flush_batch() == 1  # b@3: k@2's write now lives only in k@4
+    assert flusher.persisted_seqno == 1
+    assert store.get(VB, b"k") is None
+    assert flusher.flush_batch() == 1  # k@4
+    assert flusher.persisted_seqno == 4
+    assert store.get(VB, b"k") is not None
+
+
+def test_replacement_chains_carry_the_oldest_unwritten_seqno(store: CountingStore) -> None:
+    manager = CheckpointManager(VB)
+    flusher = Flusher(manager, store, batch_bytes_max=1)
+    for queued in (item(1, "a"), item(2, "k"), item(3, "k"), item(4, "b"), item(5, "k")):
+        manager.queue(queued)
+    flusher.flush_batch()  # a@1
+    flusher.flush_batch()  # b@4
+    assert flusher.persisted_seqno == 1  # k@2 and k@3 live on only in k@5
+    flusher.flush()
+    assert flusher.persisted_seqno == 5
