@@ -7,13 +7,17 @@ connection unauthenticated and may be retried.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
+
 from scramp import ScramException, ScramMechanism
 from scramp.core import ScramServer
 
 from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.sasl import decode_plain
 from changefeed.protocol.status import Status
-from changefeed.server.users import SCRAM_MECHANISMS, Users
+from changefeed.server.users import ITERATIONS, SCRAM_MECHANISMS, Users
 
 MECHANISMS = ("SCRAM-SHA512", "SCRAM-SHA256", "PLAIN")
 
@@ -49,7 +53,7 @@ class SaslSession:
         )
         try:
             server.set_client_first(payload.decode())
-        except (ScramException, UnicodeDecodeError, _UnknownUserError):
+        except (ScramException, UnicodeDecodeError):
             return Status.AUTH_ERROR, b"authentication failed"
         self._scram = server
         return Status.AUTH_CONTINUE, server.get_server_first().encode()
@@ -63,16 +67,26 @@ class SaslSession:
             server.set_client_final(payload.decode())
         except (ScramException, UnicodeDecodeError):
             return Status.AUTH_ERROR, b"authentication failed"
+        if self._scram_user is None:  # a decoy exchange never succeeds
+            return Status.AUTH_ERROR, b"authentication failed"
         self.user = self._scram_user
         return Status.SUCCESS, server.get_server_final().encode()
 
     def _auth_info(self, user: str, mechanism: str) -> tuple[bytes, bytes, bytes, int]:
         keys = self._users.scram_keys(user, mechanism)
         if keys is None:
-            raise _UnknownUserError(user)
+            # An unknown user gets a stable fake salt and keys no proof can match, so the
+            # exchange fails at the last step, as for a wrong password (RFC 5802 §5.1): the
+            # first step does not tell a caller which user names exist.
+            self._scram_user = None
+            return _decoy_auth_info(user, mechanism)
         self._scram_user = user
         return keys.auth_info()
 
 
-class _UnknownUserError(Exception):
-    pass
+_DECOY_SECRET = secrets.token_bytes(32)  # per process: decoys are stable within a node's life
+
+
+def _decoy_auth_info(user: str, mechanism: str) -> tuple[bytes, bytes, bytes, int]:
+    digest = hmac.new(_DECOY_SECRET, f"{mechanism}:{user}".encode(), hashlib.sha512).digest()
+    return digest[:16], digest[16:48], digest[48:64] + digest[:16], ITERATIONS
