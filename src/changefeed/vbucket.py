@@ -351,11 +351,22 @@ class VBucket:
         )
 
     def stream(
-        self, name: str, start_seqno: int, *, kind: CursorKind = CursorKind.STREAM
+        self,
+        name: str,
+        start_seqno: int,
+        *,
+        kind: CursorKind = CursorKind.STREAM,
+        end_seqno: int | None = None,
     ) -> StreamReader:
-        """A reader of every change after `start_seqno` (memory or disk, it decides)."""
+        """A reader of every change after `start_seqno` (memory or disk, it decides); disk
+        snapshots stop at `end_seqno` when given."""
         return StreamReader(
-            self.manager, self._store, name=name, start_seqno=start_seqno, kind=kind
+            self.manager,
+            self._store,
+            name=name,
+            start_seqno=start_seqno,
+            kind=kind,
+            end_seqno=end_seqno,
         )
 
     def flush(self) -> int:

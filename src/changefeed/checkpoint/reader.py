@@ -41,6 +41,7 @@ class StreamReader:
         start_seqno: the last seqno the reader already has (0 for everything).
         kind: STREAM (droppable) or REPLICA (droppable if the manager says so).
         backfill_bytes_max: bound of each backfill queue.
+        end_seqno: the reader stops caring after this seqno; disk snapshots end there.
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class StreamReader:
         start_seqno: int,
         kind: CursorKind = CursorKind.STREAM,
         backfill_bytes_max: int = limits.BACKFILL_QUEUE_BYTES_MAX,
+        end_seqno: int | None = None,
     ) -> None:
         assert kind in (CursorKind.STREAM, CursorKind.REPLICA), kind
         assert 0 <= start_seqno <= manager.high_seqno, (start_seqno, manager.high_seqno)
@@ -60,6 +62,9 @@ class StreamReader:
         self._name = name
         self._kind = kind
         self._backfill_bytes_max = backfill_bytes_max
+        # A stream that ends at end_seqno needs no disk snapshot past it: without this bound,
+        # every bounded stream (a Spark micro-batch) would read the whole rest of the vbucket.
+        self._end_seqno = end_seqno
         self._position = start_seqno  # the reader has everything up to here (last item or end)
         self._snapshot: SnapshotStart | None = None
         self._backfill: Backfill | None = None
@@ -159,11 +164,14 @@ class StreamReader:
             stored_high = self._store.high_seqno(self._manager.vb)
             # What memory freed was flushed first (persistence cursor), so the store has it.
             assert stored_high >= registration.backfill_end, (stored_high, registration)
+            backfill_end = stored_high
+            if self._end_seqno is not None:
+                backfill_end = max(self._position + 1, min(stored_high, self._end_seqno))
             self._backfill = Backfill(
                 self._store,
                 self._manager.vb,
                 self._position + 1,
-                stored_high,
+                backfill_end,
                 bytes_max=self._backfill_bytes_max,
             )
             self.stats["backfills"] += 1

@@ -197,9 +197,11 @@ class Bucket:
             v.state.value, v.high_seqno, v.persisted_seqno, v.purge_seqno, v.failover_log
         )
 
-    def open_reader(self, vb: int, name: str, start_seqno: int, *, droppable: bool) -> StreamReader:
+    def open_reader(
+        self, vb: int, name: str, start_seqno: int, *, droppable: bool, end_seqno: int
+    ) -> StreamReader:
         kind = CursorKind.STREAM if droppable else CursorKind.REPLICA
-        return self.vbucket(vb).stream(name, start_seqno, kind=kind)
+        return self.vbucket(vb).stream(name, start_seqno, kind=kind, end_seqno=end_seqno)
 
     def wakeup(self, vb: int) -> Wakeup:
         return self.vbucket(vb).manager.wakeup

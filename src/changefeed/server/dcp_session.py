@@ -85,6 +85,7 @@ class DcpSession:
             f"dcp:{self.name}:{vb}:{id(self)}",
             accepted.start_seqno,
             droppable=self.producer.cursor_dropping,
+            end_seqno=accepted.end_seqno,
         )
         stream = ActiveStream(
             vb,
