@@ -12,7 +12,9 @@ batch whose id is not newer than the recorded one is skipped (spark-python-datas
 
 Rollbacks: a ``rollback`` row for vbucket V at seqno R means every change of V after R is void.
 Rows of this batch after R (before the rollback row) are dropped; keys of V that the mirror holds
-with a seqno above R are re-read from the node (its current value, or gone). Re-read keys get
+with a seqno above R, and keys of V that an earlier batch changed above R (the changelog: a key
+deleted in the lost history is in no mirror row, yet it may be live again), are re-read from the
+node (its current value, or gone). Re-read keys get
 ``seqno = R``: their true seqno is at most R unless a later row of the stream brings them again,
 which then overwrites them, so future rollbacks stay correct.
 """
@@ -37,6 +39,7 @@ from changefeed.spark.schema import OP_MUTATION, OP_ROLLBACK
 log = logging.getLogger("changefeed.mirror")
 
 APP_ID = "changefeed-mirror"
+REFETCH_PIPELINE_MAX = 512  # GETs in flight when a rollback re-reads keys
 MIRROR_SCHEMA = pa.schema(
     [
         ("key", pa.string()),
@@ -99,7 +102,7 @@ class MirrorWriter:
 
     def _apply_mirror(self, changes: pa.Table, batch_id: int) -> None:
         if pc.any(pc.equal(changes.column("op"), OP_ROLLBACK)).as_py():
-            source = self._source_with_rollbacks(changes)
+            source = self._source_with_rollbacks(changes, batch_id)
         else:
             source = _source_without_rollbacks(changes)
         if source.num_rows == 0 and DeltaTable.is_deltatable(str(self.mirror_path)):
@@ -121,22 +124,25 @@ class MirrorWriter:
             .execute()
         )
 
-    def _source_with_rollbacks(self, changes: pa.Table) -> pa.Table:
-        final = self._final_changes(changes)
+    def _source_with_rollbacks(self, changes: pa.Table, batch_id: int) -> pa.Table:
+        final = self._final_changes(changes, batch_id)
         rows = [
             {**c.row, "deleted": False} if c.row is not None else _tombstone(key, c.vbucket)
             for key, c in final.items()
         ]
         return pa.Table.from_pylist(rows, schema=SOURCE_SCHEMA)
 
-    def _final_changes(self, changes: pa.Table) -> dict[str, _Change]:
+    def _final_changes(self, changes: pa.Table, batch_id: int) -> dict[str, _Change]:
         """Each key's last change in the batch, with rollbacks applied (see module docstring)."""
         final: dict[str, _Change] = {}
         refetch: dict[str, int] = {}  # key -> rollback seqno it is re-read at
+        history: pa.Table | None = None  # read once per batch, at its first rollback row
         rows = changes.to_pylist()
         for row in rows:
             if row["op"] == OP_ROLLBACK:
-                self._rollback(final, refetch, row["vbucket"], row["seqno"])
+                if history is None:
+                    history = self._history(batch_id)
+                self._rollback(final, refetch, history, row["vbucket"], row["seqno"])
                 continue
             key = row["key"]
             refetch.pop(key, None)
@@ -147,26 +153,41 @@ class MirrorWriter:
         return final
 
     def _rollback(
-        self, final: dict[str, _Change], refetch: dict[str, int], vb: int, seqno: int
+        self,
+        final: dict[str, _Change],
+        refetch: dict[str, int],
+        history: pa.Table,
+        vb: int,
+        seqno: int,
     ) -> None:
         for key in [k for k, c in final.items() if c.seqno > seqno and c.vbucket == vb]:
             del final[key]
             refetch[key] = seqno
-        for key in self._mirrored_keys_above(vb, seqno):
+        mask = pc.and_(
+            pc.equal(history.column("vbucket"), vb), pc.greater(history.column("seqno"), seqno)
+        )
+        for key in pc.unique(history.filter(mask).column("key")).to_pylist():
             final.pop(key, None)
             refetch[key] = seqno
         log.info("rollback of vbucket %d to seqno %d: %d keys to re-read", vb, seqno, len(refetch))
 
-    def _mirrored_keys_above(self, vb: int, seqno: int) -> list[str]:
-        if not DeltaTable.is_deltatable(str(self.mirror_path)):
-            return []
-        table = DeltaTable(str(self.mirror_path)).to_pyarrow_table(
-            columns=["key", "vbucket", "seqno"]
-        )
-        mask = pc.and_(
-            pc.equal(table.column("vbucket"), vb), pc.greater(table.column("seqno"), seqno)
-        )
-        return [str(k) for k in table.filter(mask).column("key").to_pylist()]
+    def _history(self, batch_id: int) -> pa.Table:
+        """``(key, vbucket, seqno)`` of every mirror row and of every change row that batches
+        before ``batch_id`` logged: what a rollback may have to undo."""
+        columns = ["key", "vbucket", "seqno"]
+        parts = [pa.table({c: pa.array([], MIRROR_SCHEMA.field(c).type) for c in columns})]
+        if DeltaTable.is_deltatable(str(self.mirror_path)):
+            parts.append(DeltaTable(str(self.mirror_path)).to_pyarrow_table(columns=columns))
+        if DeltaTable.is_deltatable(str(self.changelog_path)):
+            logged = DeltaTable(str(self.changelog_path)).to_pyarrow_table(
+                columns=[*columns, "op", "batch_id"]
+            )
+            keep = pc.and_(
+                pc.less(logged.column("batch_id"), batch_id),
+                pc.not_equal(logged.column("op"), OP_ROLLBACK),
+            )
+            parts.append(logged.filter(keep).select(columns))
+        return pa.concat_tables([p.cast(parts[0].schema) for p in parts])
 
     def _refetch(self, keys: dict[str, int]) -> dict[str, _Change]:
         if not keys:
@@ -183,30 +204,36 @@ async def _read_current(options: SourceOptions, keys: dict[str, int]) -> dict[st
         password=options.password,
     )
     out: dict[str, _Change] = {}
+
+    async def read_one(key: str, seqno: int) -> None:
+        raw = key.encode("utf-8", "surrogateescape")
+        vb = kv.vbucket_of(raw)
+        try:
+            got = await kv.get(raw)
+        except KeyNotFoundError:
+            out[key] = _Change(vb, seqno, None)
+            return
+        flags = got.flags - 2**32 if got.flags >= 2**31 else got.flags  # u32 -> Spark int
+        row = {
+            "key": key,
+            "vbucket": vb,
+            "seqno": seqno,
+            "value": got.value,
+            "cas": got.cas,
+            "flags": flags,
+            "expiry": 0,
+            "rev_seqno": 0,
+        }
+        out[key] = _Change(vb, seqno, row)
+
+    items = list(keys.items())
     try:
-        for key, seqno in keys.items():
-            raw = key.encode("utf-8", "surrogateescape")
-            try:
-                got = await kv.get(raw)
-            except KeyNotFoundError:
-                out[key] = _Change(kv.vbucket_of(raw), seqno, None)
-                continue
-            out[key] = _Change(
-                kv.vbucket_of(raw),
-                seqno,
-                {
-                    "key": key,
-                    "vbucket": kv.vbucket_of(raw),
-                    "seqno": seqno,
-                    "value": got.value,
-                    "cas": got.cas,
-                    "flags": got.flags - 2**32 if got.flags >= 2**31 else got.flags,
-                    "expiry": 0,
-                    "rev_seqno": 0,
-                },
-            )
+        for first in range(0, len(items), REFETCH_PIPELINE_MAX):  # pipelined GETs, bounded
+            window = items[first : first + REFETCH_PIPELINE_MAX]
+            await asyncio.gather(*(read_one(key, seqno) for key, seqno in window))
     finally:
         await kv.close()
+    assert len(out) == len(keys), (len(out), len(keys))
     return out
 
 

@@ -69,8 +69,12 @@ class SourceOptions:
         out: list[int] = []
         try:
             for part in self.vbuckets.split(","):
-                low, _, high = part.strip().partition("-")
-                out.extend(range(int(low), int(high or low) + 1))
+                low, dash, high = part.strip().partition("-")
+                first = int(low)
+                last = int(high) if dash else first  # "3-" is malformed, not "3"
+                if last < first:
+                    raise ValueError(f"empty range {part!r}")  # "3-1" would select nothing
+                out.extend(range(first, last + 1))
         except ValueError:
             raise OptionError(
                 f"option vbuckets must look like 0-15,32: {self.vbuckets!r}"

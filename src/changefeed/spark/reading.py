@@ -5,11 +5,18 @@ Stateless by design (Spark pickles the reader and runs ``read`` in executor work
 comes from the partition and the options. Rows past a vbucket's end seqno are dropped (the node
 ends a stream only after the whole snapshot holding the end seqno), so consecutive micro-batches
 never overlap. A rollback becomes a row ``op = rollback`` placed before any row past it.
+
+A vbucket is finished once its stream ended, or once the stream went past its end seqno (an item,
+a snapshot start or a rollback seqno at or past it: seqnos only rise, so nothing at or below the
+end can still come). The reader then stops without waiting for the rest of the snapshot holding
+the end seqno, and a vbucket whose request had to ask past its end (see ``request_ends``) does
+not wait for seqnos the node may never write.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 
@@ -85,6 +92,11 @@ async def read_ranges(
     if not todo:
         return
     ends = {r.vbucket: r.end_seqno for r in todo}
+    # The node answers start > end with ERANGE before it looks for a rollback (as kv_engine
+    # does). A vbucket whose history fell behind our offset (a restored or failed-over node:
+    # end < start) therefore asks up to its start seqno; the rollback comes first, and the
+    # reader finishes the vbucket itself once it has everything up to ``ends``.
+    request_ends = {r.vbucket: max(r.end_seqno, r.start.seqno) for r in todo}
     state = SessionState({r.vbucket: r.start.session(r.vbucket) for r in todo})
     config = ClientConfig(
         host=options.host,
@@ -92,22 +104,29 @@ async def read_ranges(
         bucket=options.bucket,
         user=options.user,
         password=options.password,
-        name=f"changefeed:spark:{id(ranges):x}",
+        # Unique per read: the node closes the older connection of a reused DCP name, and
+        # id() values repeat across the Python workers Spark forks from one daemon.
+        name=f"changefeed:spark:{uuid.uuid4().hex}",
+        rollback_to_snapshot=False,  # the mirror re-reads rolled-back keys from the node
     )
     snaps = {r.vbucket: (r.start.snap_start, r.start.snap_end) for r in todo}
     async with DcpClient(config) as client:
-        await client.stream(sorted(ends), state, end_seqnos=ends)
-        open_streams = set(ends)
+        await client.stream(sorted(ends), state, end_seqnos=request_ends)
+        unfinished = set(ends)
         columns = _Columns()
         async for event in client.events():
             if isinstance(event, Changes):
-                _append_changes(columns, event, ends, snaps)
+                _append_changes(columns, event, ends, snaps, unfinished)
             elif isinstance(event, Snapshot):
                 snaps[event.vbucket] = (event.snap_start, event.snap_end)
+                if event.snap_start > ends[event.vbucket]:
+                    unfinished.discard(event.vbucket)
             elif isinstance(event, Rollback):
                 _on_rollback(columns, event, ranges, options)
+                if event.seqno >= ends[event.vbucket]:
+                    unfinished.discard(event.vbucket)
             elif isinstance(event, StreamEnded):
-                open_streams.discard(event.vbucket)
+                unfinished.discard(event.vbucket)
             elif isinstance(event, StreamRefused):
                 raise StreamFailedError(
                     f"vbucket {event.vbucket}: {Status.name_of(event.status)} {event.message}"
@@ -117,21 +136,27 @@ async def read_ranges(
             if len(columns) >= ROWS_PER_BATCH_MAX:
                 yield columns.to_batch()
                 columns = _Columns()
-            if not open_streams:
-                break
+            if not unfinished:
+                break  # closing the connection ends the streams still open
         if len(columns):
             yield columns.to_batch()
 
 
 def _append_changes(
-    out: _Columns, event: Changes, ends: dict[int, int], snaps: dict[int, tuple[int, int]]
+    out: _Columns,
+    event: Changes,
+    ends: dict[int, int],
+    snaps: dict[int, tuple[int, int]],
+    unfinished: set[int],
 ) -> None:
     cols = event.columns
     for i in range(len(cols)):
         vb = cols.vbucket[i]
         seqno = cols.seqno[i]
-        if seqno > ends[vb]:
-            continue  # past this micro-batch: the next one starts at ends[vb]
+        if seqno >= ends[vb]:
+            unfinished.discard(vb)
+            if seqno > ends[vb]:
+                continue  # past this micro-batch: the next one starts at ends[vb]
         cas = cols.cas[i]
         if cas > INT64_MAX:
             raise ValueError(f"vbucket {vb} seqno {seqno}: CAS {cas} does not fit a Spark long")

@@ -1,0 +1,249 @@
+"""``MirrorWriter.write`` on hand-built Arrow micro-batches (no Spark).
+
+Exactly once: a replayed batch id changes nothing, and a crash between the changelog commit and
+the mirror commit is finished by the replay. Rollbacks: a ``rollback`` row re-reads, from a real
+node, every key the lost history touched — held in the mirror above the rollback seqno, changed
+before the rollback row in the same batch, or deleted in an earlier batch (only the changelog
+remembers those) — and rows after the rollback row win over the re-read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from deltalake import DeltaTable
+
+from changefeed.spark import ARROW_SCHEMA, MirrorWriter, read_mirror
+from changefeed.spark.mirror import APP_ID
+from changefeed.vbmap import vbucket_for_key
+
+from .conftest import NodeFactory
+from .helpers import changelog, store_state, table_state, write
+
+VBUCKETS = 16
+NO_NODE = {"cluster": "127.0.0.1:1"}  # batches without rollback rows never connect
+
+
+def vb(key: str) -> int:
+    return vbucket_for_key(key.encode(), VBUCKETS)
+
+
+def change(seqno: int, key: str, value: bytes | None, *, op: str | None = None) -> dict[str, Any]:
+    """One change row; ``value`` None is a deletion."""
+    return {
+        "vbucket": vb(key),
+        "seqno": seqno,
+        "key": key,
+        "value": b"" if value is None else value,
+        "op": op or ("deletion" if value is None else "mutation"),
+        "cas": 1000 + seqno,
+        "expiry": 0,
+        "flags": 0,
+        "rev_seqno": 1,
+        "snap_start": seqno,
+        "snap_end": seqno,
+    }
+
+
+def rollback(vbucket: int, seqno: int) -> dict[str, Any]:
+    return {
+        **change(seqno, "", b""),
+        "vbucket": vbucket,
+        "op": "rollback",
+        "cas": 0,
+        "rev_seqno": 0,
+    }
+
+
+def batch(*rows: dict[str, Any]) -> pa.Table:
+    return pa.Table.from_pylist(list(rows), schema=ARROW_SCHEMA)
+
+
+def mirror(path: Path) -> dict[str, bytes]:
+    return table_state(read_mirror(path))
+
+
+def mirror_seqnos(path: Path) -> dict[str, int]:
+    table = read_mirror(path)
+    return dict(
+        zip(table.column("key").to_pylist(), table.column("seqno").to_pylist(), strict=True)
+    )
+
+
+def versions(path: Path) -> tuple[int | None, int | None]:
+    return tuple(  # type: ignore[return-value]
+        DeltaTable(str(path / name)).transaction_version(APP_ID) for name in ("changelog", "mirror")
+    )
+
+
+def test_upserts_and_deletes_across_batches(tmp_path: Path) -> None:
+    writer = MirrorWriter(tmp_path, NO_NODE)
+    writer.write(batch(change(1, "a", b"a1"), change(2, "b", b"b1"), change(3, "a", b"a2")), 0)
+    assert mirror(tmp_path) == {"a": b"a2", "b": b"b1"}
+    writer.write(batch(change(4, "b", None), change(5, "c", b"c1"), change(6, "a", b"a3")), 1)
+    assert mirror(tmp_path) == {"a": b"a3", "c": b"c1"}
+    writer.write(batch(change(7, "c", b"c2", op="expiration"), change(8, "d", b"d1")), 2)
+    assert mirror(tmp_path) == {"a": b"a3", "d": b"d1"}
+    assert changelog(tmp_path).num_rows == 8
+    assert versions(tmp_path) == (2, 2)
+    seqnos = mirror_seqnos(tmp_path)
+    assert seqnos == {"a": 6, "d": 8}
+
+
+def test_a_replayed_batch_changes_nothing(tmp_path: Path) -> None:
+    writer = MirrorWriter(tmp_path, NO_NODE)
+    first = batch(change(1, "a", b"a1"), change(2, "b", b"b1"))
+    writer.write(first, 0)
+    writer.write(batch(change(3, "a", b"a2")), 1)
+    writer.write(first, 0)  # a replay of an older batch: skipped by both tables
+    writer.write(batch(change(3, "a", b"other")), 1)  # a replay with other rows: skipped too
+    assert mirror(tmp_path) == {"a": b"a2", "b": b"b1"}
+    assert changelog(tmp_path).num_rows == 3
+
+
+def test_a_crash_between_the_commits_is_finished_by_the_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = MirrorWriter(tmp_path, NO_NODE)
+    writer.write(batch(change(1, "a", b"a1")), 0)
+
+    def crash(*args: object) -> None:
+        raise KeyboardInterrupt("killed after the changelog commit")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(writer, "_apply_mirror", crash)
+        with pytest.raises(KeyboardInterrupt):
+            writer.write(batch(change(2, "a", b"a2"), change(3, "b", b"b1")), 1)
+    assert versions(tmp_path) == (1, 0)
+    assert mirror(tmp_path) == {"a": b"a1"}
+
+    writer.write(batch(change(2, "a", b"a2"), change(3, "b", b"b1")), 1)  # Spark's replay
+    assert versions(tmp_path) == (1, 1)
+    assert mirror(tmp_path) == {"a": b"a2", "b": b"b1"}
+    assert changelog(tmp_path).num_rows == 3
+
+
+def test_an_empty_batch_is_recorded(tmp_path: Path) -> None:
+    writer = MirrorWriter(tmp_path, NO_NODE)
+    writer.write(batch(change(1, "a", b"a1")), 0)
+    writer.write(batch(), 1)
+    assert versions(tmp_path) == (1, 1)
+    writer.write(batch(change(1, "zz", b"replayed")), 1)
+    assert mirror(tmp_path) == {"a": b"a1"}
+
+
+def test_an_empty_first_batch(tmp_path: Path) -> None:
+    writer = MirrorWriter(tmp_path, NO_NODE)
+    writer.write(batch(), 0)
+    writer.write(batch(change(1, "a", b"a1"), change(2, "a", None)), 1)
+    assert mirror(tmp_path) == {}
+    writer.write(batch(change(3, "a", b"a3")), 2)
+    assert mirror(tmp_path) == {"a": b"a3"}
+
+
+def keys_in(vbucket: int, count: int, prefix: str) -> list[str]:
+    """``count`` keys that hash to ``vbucket``."""
+    out = []
+    i = 0
+    while len(out) < count:  # about VBUCKETS tries per key
+        key = f"{prefix}-{i}"
+        if vb(key) == vbucket:
+            out.append(key)
+        i += 1
+    return out
+
+
+def test_rollback_rows_re_read_what_the_lost_history_touched(
+    tmp_path: Path, nodes: NodeFactory
+) -> None:
+    """The mirror followed a history of vbucket 3 up to seqno 40 that the node lost after seqno
+    20; the node now holds another history. Keys of other vbuckets stay as they were."""
+    node = nodes(vbuckets=VBUCKETS, args=["--no-durable"])
+    path = tmp_path / "tables"
+    writer = MirrorWriter(path, node.options())
+    common, lost_only, deleted, overwritten, late, same = keys_in(3, 6, "r")
+    (other_key,) = keys_in(5, 1, "o")
+    # The node's current state (the surviving history, plus its own new writes).
+    write(
+        node.port,
+        [
+            (common, b"common-v1"),
+            (deleted, b"deleted-v1"),
+            (overwritten, b"overwritten-v1"),
+            (same, b"same-v1"),
+            (overwritten, b"overwritten-v2-new-branch"),
+            (late, b"late-on-node"),
+        ],
+    )
+    # What the mirror saw: seqnos <= 20 are shared history, > 20 the lost branch.
+    writer.write(
+        batch(
+            change(10, common, b"common-v1"),
+            change(11, deleted, b"deleted-v1"),
+            change(12, overwritten, b"overwritten-v1"),
+            change(13, same, b"same-v1"),
+            change(14, other_key, b"other-v1"),
+        ),
+        0,
+    )
+    writer.write(
+        batch(
+            change(21, lost_only, b"lost-only"),
+            change(22, deleted, None),  # deleted in the lost history: in no mirror row now
+            change(23, overwritten, b"overwritten-lost"),
+        ),
+        1,
+    )
+    assert mirror(path) == {
+        common: b"common-v1",
+        lost_only: b"lost-only",
+        overwritten: b"overwritten-lost",
+        same: b"same-v1",
+        other_key: b"other-v1",
+    }
+    writer.write(
+        batch(
+            change(30, late, b"late-lost"),  # before the rollback row, above its seqno: void
+            rollback(3, 20),
+            change(21, late, b"late-from-stream"),  # after the rollback row: wins over re-read
+            change(15, other_key, b"other-v2"),
+        ),
+        2,
+    )
+    got = mirror(path)
+    want = {
+        common: b"common-v1",
+        deleted: b"deleted-v1",
+        overwritten: b"overwritten-v2-new-branch",
+        same: b"same-v1",
+        late: b"late-from-stream",
+        other_key: b"other-v2",
+    }
+    assert got == want
+    seqnos = mirror_seqnos(path)
+    assert seqnos[deleted] == 20, "a re-read key takes the rollback seqno"
+    assert seqnos[overwritten] == 20
+    assert seqnos[late] == 21
+    assert seqnos[common] == 10, "a key below the rollback seqno is not re-read"
+    logged = changelog(path)
+    assert pc.sum(pc.equal(logged.column("op"), "rollback")).as_py() == 1
+    truth = store_state(node.port, node.vbuckets)
+    assert {k: v for k, v in truth.items() if vb(k) == 3 and k != late} == {
+        k: v for k, v in got.items() if vb(k) == 3 and k != late
+    }
+
+
+def test_rollback_to_zero_rebuilds_the_vbucket(tmp_path: Path, nodes: NodeFactory) -> None:
+    node = nodes(vbuckets=VBUCKETS, args=["--no-durable"])
+    path = tmp_path / "tables"
+    writer = MirrorWriter(path, node.options())
+    keys = keys_in(7, 40, "z")
+    write(node.port, [(k, b"node-" + k.encode()) for k in keys[:25]])
+    writer.write(batch(*(change(i + 1, k, b"mirror-" + k.encode()) for i, k in enumerate(keys))), 0)
+    writer.write(batch(*(change(41 + i, k, None) for i, k in enumerate(keys[:10]))), 1)
+    writer.write(batch(rollback(7, 0)), 2)
+    assert mirror(path) == {k: b"node-" + k.encode() for k in keys[:25]}

@@ -1,0 +1,98 @@
+"""Executor-side reading (``reading.read_ranges_sync``) against a real node, without Spark.
+
+- a range ends exactly at its end seqno, also when a disk snapshot runs far past it;
+- a range whose node history fell behind its start offset (a restored node on a new branch:
+  end < start) gets its rollback row and then the new history, instead of ERANGE;
+- a rollback to 0 is a DataLossError under failOnDataLoss=true, and a rollback row otherwise.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from changefeed.spark.node_state import fetch_latest_sync
+from changefeed.spark.offsets import VbOffset
+from changefeed.spark.options import SourceOptions
+from changefeed.spark.reading import DataLossError, VbRange, read_ranges_sync
+from changefeed.spark.schema import ARROW_SCHEMA
+
+from .conftest import NodeFactory
+from .helpers import Node, write
+
+FAST_NODE = ["--no-durable"]
+
+
+def read(node: Node, ranges: list[VbRange], **options: str) -> pa.Table:
+    parsed = SourceOptions.parse(node.options(**options))
+    return pa.Table.from_batches(list(read_ranges_sync(parsed, ranges)), ARROW_SCHEMA)
+
+
+def unique_keys(node: Node, count: int, tag: str) -> None:
+    write(node.port, [(f"{tag}-{i:06d}", f"{tag}-{i}".encode()) for i in range(count)])
+
+
+@pytest.mark.timeout(120)
+def test_a_range_ends_at_its_end_seqno_from_memory_and_from_disk(nodes: NodeFactory) -> None:
+    node = nodes(vbuckets=4, args=FAST_NODE)
+    unique_keys(node, 4000, "a")  # every key new: no deduplication, seqnos 1..high all present
+    latest, _ = fetch_latest_sync(SourceOptions.parse(node.options()))
+    for source in ("memory", "disk"):
+        if source == "disk":
+            node.stop()
+            node.start()  # checkpoints are gone: every read is a disk backfill to the high seqno
+        ranges = [VbRange(vb, VbOffset(o.vb_uuid, 100, 100, 100), o.seqno // 2) for vb, o in
+                  latest.items()]  # fmt: skip
+        table = read(node, ranges)
+        for vb, o in latest.items():
+            rows = table.filter(pc.equal(table.column("vbucket"), vb))
+            assert rows.column("seqno").to_pylist() == list(range(101, o.seqno // 2 + 1)), source
+        assert set(table.column("op").to_pylist()) == {"mutation"}
+
+
+@pytest.mark.timeout(120)
+def test_a_history_behind_the_start_rolls_back_instead_of_erange(nodes: NodeFactory) -> None:
+    node = nodes(vbuckets=4, args=FAST_NODE)
+    unique_keys(node, 800, "w0")
+    node.stop()
+    old = node.copy_data(node.root / "old")
+    node.start()
+    common, _ = fetch_latest_sync(SourceOptions.parse(node.options()))
+    unique_keys(node, 2000, "w1")
+    lost, _ = fetch_latest_sync(SourceOptions.parse(node.options()))
+    node.stop()
+    node.restore_data(old)
+    node.start()
+    node.kill()  # the restart after a crash opens a new branch (a new failover entry)
+    node.start()
+    unique_keys(node, 400, "w2")
+    latest, _ = fetch_latest_sync(SourceOptions.parse(node.options()))
+    assert all(latest[vb].seqno < lost[vb].seqno for vb in latest), (latest, lost)
+    assert all(latest[vb].vb_uuid != lost[vb].vb_uuid for vb in latest)
+
+    ranges = [VbRange(vb, lost[vb], latest[vb].seqno, latest[vb].vb_uuid) for vb in latest]
+    table = read(node, ranges)
+    for vb in latest:
+        rows = table.filter(pc.equal(table.column("vbucket"), vb)).to_pylist()
+        assert rows[0]["op"] == "rollback", rows[:2]
+        assert rows[0]["seqno"] == common[vb].seqno, "rolled back to where the histories split"
+        seqnos = [r["seqno"] for r in rows[1:]]
+        assert seqnos == list(range(common[vb].seqno + 1, latest[vb].seqno + 1))
+        assert all(r["key"].startswith("w2-") for r in rows[1:])
+
+
+@pytest.mark.timeout(120)
+def test_rollback_to_zero_obeys_fail_on_data_loss(nodes: NodeFactory) -> None:
+    node = nodes(vbuckets=4, args=FAST_NODE)
+    unique_keys(node, 400, "a")
+    latest, _ = fetch_latest_sync(SourceOptions.parse(node.options()))
+    unknown_branch = VbOffset(12345, 50, 50, 50)  # a vb_uuid the node never had
+    ranges = [VbRange(vb, unknown_branch, o.seqno, o.vb_uuid) for vb, o in latest.items()]
+    with pytest.raises(DataLossError, match="failOnDataLoss=false"):
+        read(node, ranges)
+    table = read(node, ranges, failOnDataLoss="false")
+    rollbacks = table.filter(pc.equal(table.column("op"), "rollback"))
+    assert sorted(rollbacks.column("vbucket").to_pylist()) == sorted(latest)
+    assert set(rollbacks.column("seqno").to_pylist()) == {0}
+    assert table.num_rows - rollbacks.num_rows == sum(o.seqno for o in latest.values())
