@@ -61,7 +61,7 @@ VB_UUID_CREATED_MAX = 2**VB_UUID_BITS - 1
 
 # Draws create_entry makes before giving up. A draw fails only if it is 0 or already in the log:
 # with at most 25 uuids among 2**48 values one draw fails with p < 2**-43, so 8 failures in a
-# row (p < 2**-344) means the rng is broken (e.g. a stub that always answers 0), not unlucky.
+# row (p < 2**-344) means the rng is broken (e.g. a fake that always answers 0), not unlucky.
 _UUID_DRAWS_MAX = 8
 
 # Longest JSON text from_json parses. A full log printed compactly takes

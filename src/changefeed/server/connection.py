@@ -48,6 +48,7 @@ from changefeed.server.sasl_session import SaslSession
 if TYPE_CHECKING:
     from changefeed.server.dcp_session import DcpSession
     from changefeed.server.node import Node
+    from changefeed.vbucket import MutationResult
 
 log = logging.getLogger("changefeed.server")
 
@@ -220,17 +221,17 @@ def _select_bucket(c: ClientConnection, f: Frame) -> None:
 def _store(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     command = decode_store(f)
-    result = c.node.bucket.store_command(command)
-    extras = b""
-    if Feature.MUTATION_SEQNO in c.features:
-        extras = encode_mutation_token(result.vb_uuid, result.seqno)
-    c.reply(f, extras=extras, cas=result.cas)
+    _reply_mutation(c, f, c.node.bucket.store_command(command))
 
 
 def _delete(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     key = decode_key_only(f)
-    result = c.node.bucket.delete(f.vbucket, key, cas=f.cas)
+    _reply_mutation(c, f, c.node.bucket.delete(f.vbucket, key, cas=f.cas))
+
+
+def _reply_mutation(c: ClientConnection, f: Frame, result: MutationResult) -> None:
+    """CAS in the header; the mutation token as extras when MutationSeqno was negotiated."""
     extras = b""
     if Feature.MUTATION_SEQNO in c.features:
         extras = encode_mutation_token(result.vb_uuid, result.seqno)
