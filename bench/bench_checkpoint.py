@@ -72,7 +72,7 @@ def queue_with_readers(items: list[Item], readers: int) -> float:
         for item in items[start : start + ROUND_ITEMS]:
             queue(item)
         for index, cursor in enumerate(cursors):
-            for event in cursor:
+            for event in manager.iter_events(cursor):
                 if type(event) is Item:
                     read[index] += 1
     elapsed = time.perf_counter() - started

@@ -6,8 +6,9 @@ item, never an item twice, never skipping one. When it has everything it returns
 (wait on the manager's wakeup and call again). Once dropped by memory recovery, or removed, it
 returns `DROPPED` forever and the reader must continue from disk; `StreamReader` does that.
 
-A cursor is created only by `CheckpointManager.register_cursor` / `clone_cursor` and moves only
-inside the manager, which owns the list it walks; this module holds its state and its kinds.
+A cursor is a plain record: it is created only by `CheckpointManager.register_cursor` /
+`clone_cursor` and moved only by the manager (`next_event`, `has_next`, `read`), which owns the
+list it walks. This module holds its state and its kinds, and imports nothing that moves it.
 
 Not here: disk backfill (backfill.py), memory/disk switching (reader.py).
 """
@@ -15,15 +16,13 @@ Not here: disk backfill (backfill.py), memory/disk switching (reader.py).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from changefeed.checkpoint.item import Item
-from changefeed.checkpoint.snapshot import CursorSignal, SnapshotStart
+from changefeed.checkpoint.snapshot import SnapshotStart
 
 if TYPE_CHECKING:
     from changefeed.checkpoint.checkpoint import Checkpoint
-    from changefeed.checkpoint.manager import CheckpointManager
 
 Event = Item | SnapshotStart
 
@@ -60,7 +59,6 @@ class Cursor:
     """
 
     __slots__ = (
-        "_manager",
         "attached",
         "checkpoint",
         "droppable",
@@ -74,7 +72,6 @@ class Cursor:
 
     def __init__(
         self,
-        manager: CheckpointManager,
         name: str,
         kind: CursorKind,
         *,
@@ -84,7 +81,6 @@ class Cursor:
     ) -> None:
         assert name, name
         assert not droppable or kind in (CursorKind.STREAM, CursorKind.REPLICA), (name, kind)
-        self._manager = manager
         self.name = name
         self.kind = kind
         self.droppable = droppable
@@ -100,32 +96,3 @@ class Cursor:
             f"checkpoint {self.checkpoint.id} index {self.index}" if self.attached else "detached"
         )
         return f"Cursor({self.name!r}, {self.kind.value}, {where}, last_seqno={self.last_seqno})"
-
-    def next(self) -> Event | CursorSignal:
-        """The next snapshot start or item, or CAUGHT_UP, or DROPPED."""
-        return self._manager._next_event(self)
-
-    @property
-    def has_next(self) -> bool:
-        """True if `next()` would return an event now (False when caught up or detached)."""
-        return self._manager._has_next(self)
-
-    def read(self, limit: int) -> list[Event]:
-        """Up to `limit` events available now (fewer when caught up or dropped)."""
-        assert limit > 0, limit
-        events: list[Event] = []
-        next_event = self._manager._next_event
-        while len(events) < limit:
-            event = next_event(self)
-            if isinstance(event, CursorSignal):
-                break
-            events.append(event)
-        return events
-
-    def __iter__(self) -> Iterator[Event]:
-        """Iterate the events available now; stops when caught up or dropped."""
-        while True:  # bounded by the items queued: each round consumes one slot
-            event = self._manager._next_event(self)
-            if isinstance(event, CursorSignal):
-                return
-            yield event

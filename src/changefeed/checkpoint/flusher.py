@@ -97,7 +97,7 @@ class Flusher:
     @property
     def pending(self) -> bool:
         """True if the persistence cursor has items not yet written."""
-        return self._cursor().has_next
+        return self._manager.has_next(self._cursor())
 
     def flush_batch(self) -> int:
         """Write one batch; return how many items it wrote (0 when nothing was pending).
@@ -106,7 +106,7 @@ class Flusher:
             StorageError, StorageFullError: the commit failed; the batch will be retried.
         """
         cursor = self._cursor()
-        if not cursor.has_next:
+        if not self._manager.has_next(cursor):
             return 0
         backup = self._manager.clone_cursor(cursor, BACKUP_CURSOR_NAME)
         snapshot_before = self._snapshot
@@ -183,7 +183,7 @@ class Flusher:
         items: list[Item] = []
         batch_bytes = 0
         while batch_bytes < self._batch_bytes_max:  # bounded by the batch size
-            event = cursor.next()
+            event = self._manager.next_event(cursor)
             if isinstance(event, CursorSignal):
                 assert event is CursorSignal.CAUGHT_UP, event  # never dropped
                 break

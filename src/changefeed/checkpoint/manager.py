@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
 from changefeed import limits
@@ -234,7 +234,7 @@ class CheckpointManager:
             kind is CursorKind.REPLICA and self._replica_cursors_droppable
         )
         cursor = Cursor(
-            self, name, kind, droppable=droppable, checkpoint=self._head, last_seqno=seqno
+            name, kind, droppable=droppable, checkpoint=self._head, last_seqno=seqno
         )
         first_seqno = self.first_memory_seqno
         if seqno + 1 < first_seqno:
@@ -255,7 +255,6 @@ class CheckpointManager:
         assert source.attached, source
         assert name not in self._cursors, name
         clone = Cursor(
-            self,
             name,
             CursorKind.BACKUP,
             droppable=False,
@@ -342,9 +341,10 @@ class CheckpointManager:
         assert self._memory_bytes == 0, self._memory_bytes
         self._budget.detach(self)
 
-    # -- cursor movement (called through Cursor) ------------------------------------------------
+    # -- cursor movement ------------------------------------------------------------------------
 
-    def _next_event(self, cursor: Cursor) -> Event | CursorSignal:
+    def next_event(self, cursor: Cursor) -> Event | CursorSignal:
+        """Move `cursor` on: the next snapshot start or item, or CAUGHT_UP, or DROPPED."""
         if not cursor.attached:
             return DROPPED
         marker = cursor.pending_marker
@@ -375,7 +375,8 @@ class CheckpointManager:
                 return CAUGHT_UP
             self._enter_next(cursor)
 
-    def _has_next(self, cursor: Cursor) -> bool:
+    def has_next(self, cursor: Cursor) -> bool:
+        """True if `next_event(cursor)` would return an event now (not when caught up/detached)."""
         if not cursor.attached:
             return False
         if cursor.pending_marker is not None:
@@ -387,6 +388,25 @@ class CheckpointManager:
                 return True
         following = checkpoint.next
         return following is not None and following.has_items
+
+    def read(self, cursor: Cursor, limit: int) -> list[Event]:
+        """Up to `limit` events available to `cursor` now (fewer when caught up or dropped)."""
+        assert limit > 0, limit
+        events: list[Event] = []
+        while len(events) < limit:  # bounded by limit
+            event = self.next_event(cursor)
+            if isinstance(event, CursorSignal):
+                break
+            events.append(event)
+        return events
+
+    def iter_events(self, cursor: Cursor) -> Iterator[Event]:
+        """Iterate the events available to `cursor` now; stops when caught up or dropped."""
+        while True:  # bounded by the items queued: each round consumes one slot
+            event = self.next_event(cursor)
+            if isinstance(event, CursorSignal):
+                return
+            yield event
 
     def _enter_next(self, cursor: Cursor) -> None:
         old = cursor.checkpoint

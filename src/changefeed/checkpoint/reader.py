@@ -101,7 +101,7 @@ class StreamReader:
             return False
         if self._backfill is not None or not self._cursor.attached:
             return True
-        return self._cursor.has_next
+        return self._manager.has_next(self._cursor)
 
     def next(self) -> Event | Literal[CursorSignal.CAUGHT_UP]:
         """The next snapshot start or item, or CAUGHT_UP (then `await wait(...)`)."""
@@ -114,7 +114,7 @@ class StreamReader:
                     return self._track(event)
                 self._finish_backfill(backfill)
                 continue
-            event_or_signal = self._cursor.next()
+            event_or_signal = self._manager.next_event(self._cursor)
             if event_or_signal is DROPPED:
                 self.stats["drops"] += 1
                 self._cursor = self._register()

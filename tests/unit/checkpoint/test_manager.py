@@ -46,7 +46,9 @@ def test_figure_1_dummy_and_start_items_unique_keys_and_cursors() -> None:
     assert second.is_open
     assert not first.is_open
     assert (second.snap_start, second.snap_end) == (2, 6)  # deduplicated seqno 2 stays covered
-    events = list(manager.cursor("replication") or [])
+    replication_cursor = manager.cursor("replication")
+    assert replication_cursor is not None
+    events = list(manager.iter_events(replication_cursor))
     assert markers(events) == [(1, 1, MEMORY_CHECKPOINT), (2, 6, MEMORY_CHECKPOINT)]
     assert seqnos(events) == [1, 3, 4, 5, 6]  # never a dummy or meta item
     assert all(isinstance(event, Item | SnapshotStart) for event in events)
@@ -58,10 +60,18 @@ def test_figure_2_cursors_move_on_and_the_passed_checkpoint_is_freed() -> None:
     replication = manager.cursor("replication")
     assert persistence is not None
     assert replication is not None
-    assert seqnos(persistence) == [1, 3, 4, 5, 6]  # now inside the open checkpoint
-    assert replication.read(2) == [SnapshotStart(1, 1, MEMORY_CHECKPOINT), item(1, "a")]
+    assert seqnos(manager.iter_events(persistence)) == [
+        1,
+        3,
+        4,
+        5,
+        6,
+    ]  # now inside the open checkpoint
+    assert manager.read(replication, 2) == [SnapshotStart(1, 1, MEMORY_CHECKPOINT), item(1, "a")]
     assert len(manager.checkpoints()) == 2
-    assert replication.read(1) == [SnapshotStart(2, 6, MEMORY_CHECKPOINT)]  # leaves checkpoint 1
+    assert manager.read(replication, 1) == [
+        SnapshotStart(2, 6, MEMORY_CHECKPOINT)
+    ]  # leaves checkpoint 1
     manager._check_invariants()
     assert [c.snap_start for c in manager.checkpoints()] == [2]  # nobody needs checkpoint 1
     # A cursor has entered the open checkpoint: the next item closes it and opens a new one.
@@ -72,13 +82,13 @@ def test_figure_2_cursors_move_on_and_the_passed_checkpoint_is_freed() -> None:
     assert (closed.snap_start, closed.snap_end) == (2, 6)  # what the readers saw stays final
     assert fresh.items == [DUMMY, CHECKPOINT_START, item(7, "e")]
     assert persistence.checkpoint is fresh  # it had read everything, so it moved with the close
-    assert seqnos(replication) == [3, 4, 5, 6, 7]
+    assert seqnos(manager.iter_events(replication)) == [3, 4, 5, 6, 7]
 
 
 def test_figure_2_new_open_checkpoint_has_no_start_item_until_an_item_arrives() -> None:
     manager = figure_1()
     assert manager.persistence_cursor is not None
-    list(manager.persistence_cursor)
+    list(manager.iter_events(manager.persistence_cursor))
     manager.close_open_checkpoint()  # what memory recovery does first
     manager._check_invariants()
     assert manager.open_checkpoint.items == [DUMMY]
@@ -92,13 +102,13 @@ def test_figure_3_a_cursor_at_the_end_waits_and_is_woken_by_the_next_item() -> N
     wakeups: list[int] = []
     manager.wakeup.add_callback(lambda: wakeups.append(manager.high_seqno))
     queue_all(manager, [item(1, "a"), item(2, "b")])
-    assert seqnos(persistence) == [1, 2]
-    assert persistence.next() is CAUGHT_UP
-    assert not persistence.has_next
+    assert seqnos(manager.iter_events(persistence)) == [1, 2]
+    assert manager.next_event(persistence) is CAUGHT_UP
+    assert not manager.has_next(persistence)
     manager.queue(item(3, "c"))
     assert wakeups == [1, 2, 3]
-    assert persistence.has_next
-    assert persistence.read(10) == [SnapshotStart(3, 3, MEMORY_CHECKPOINT), item(3, "c")]
+    assert manager.has_next(persistence)
+    assert manager.read(persistence, 10) == [SnapshotStart(3, 3, MEMORY_CHECKPOINT), item(3, "c")]
     manager.queue(item(4, "a"))  # the cursor is inside: a new open checkpoint takes it
     manager._check_invariants()
     assert [(c.snap_start, c.snap_end, c.is_open) for c in manager.checkpoints()] == [(4, 4, True)]
@@ -110,9 +120,11 @@ def test_figures_4_and_5_cursorless_closed_checkpoints_between_others_are_collap
     persistence = manager.persistence_cursor
     assert persistence is not None
     queue_all(manager, [item(1, "a"), item(2, "b"), item(3, "c")])  # [1,1] (figure 3), [2,3]
-    assert replication.read(1) == [SnapshotStart(1, 1, MEMORY_CHECKPOINT)]  # then it stalls
+    assert manager.read(replication, 1) == [
+        SnapshotStart(1, 1, MEMORY_CHECKPOINT)
+    ]  # then it stalls
     manager.close_open_checkpoint()
-    assert seqnos(persistence.read(3)) == [1]  # marker, 1, marker: now inside [2,3]
+    assert seqnos(manager.read(persistence, 3)) == [1]  # marker, 1, marker: now inside [2,3]
     queue_all(manager, [item(4, "b"), item(5, "d")])
     manager.close_open_checkpoint()
     queue_all(manager, [item(6, "e")])
@@ -120,7 +132,7 @@ def test_figures_4_and_5_cursorless_closed_checkpoints_between_others_are_collap
     assert ranges == [(1, 1, 1), (2, 3, 1), (4, 5, 0), (6, 6, 0)]
     # Persistence persists everything (figure 4): on leaving [4,5], both [2,3] and [4,5] are
     # closed, cursorless and between other checkpoints, so they are collapsed (figure 5).
-    assert seqnos(persistence) == [2, 3, 4, 5, 6]
+    assert seqnos(manager.iter_events(persistence)) == [2, 3, 4, 5, 6]
     manager._check_invariants()
     assert manager.stats["checkpoints_collapsed"] == 1
     ranges = [(c.snap_start, c.snap_end, c.cursor_count) for c in manager.checkpoints()]
@@ -131,7 +143,7 @@ def test_figures_4_and_5_cursorless_closed_checkpoints_between_others_are_collap
         (4, b"b"),  # b@2 was deduplicated across the two checkpoints
         (5, b"d"),
     ]
-    events = list(replication)
+    events = list(manager.iter_events(replication))
     assert markers(events) == [(2, 5, MEMORY_CHECKPOINT), (6, 6, MEMORY_CHECKPOINT)]
     assert seqnos(events) == [1, 3, 4, 5, 6]
 
@@ -141,16 +153,16 @@ def test_collapse_never_touches_a_checkpoint_with_a_cursor_or_the_open_one() -> 
     slow = manager.register_cursor("slow", 0).cursor
     middle = manager.register_cursor("middle", 0).cursor
     queue_all(manager, [item(1, "a")])
-    list(middle)
+    list(manager.iter_events(middle))
     queue_all(manager, [item(2, "a")])
-    list(middle)
+    list(manager.iter_events(middle))
     queue_all(manager, [item(3, "a")])
     manager.collapse()
     manager._check_invariants()
     # [2,2] is closed and cursorless, but alone between a cursor's checkpoint and the open one.
     counts = [(c.snap_start, c.cursor_count, c.is_open) for c in manager.checkpoints()]
     assert counts == [(1, 1, False), (2, 0, False), (3, 1, True)]
-    assert seqnos(slow) == [1, 2, 3]
+    assert seqnos(manager.iter_events(slow)) == [1, 2, 3]
 
 
 def test_register_mid_checkpoint_announces_only_what_follows() -> None:
@@ -159,17 +171,17 @@ def test_register_mid_checkpoint_announces_only_what_follows() -> None:
     queue_all(manager, [item(s, f"k{s}") for s in range(1, 8)])
     registration = manager.register_cursor("late", 4)
     assert not registration.needs_backfill
-    events = list(registration.cursor)
+    events = list(manager.iter_events(registration.cursor))
     assert markers(events) == [(5, 7, MEMORY)]  # no Checkpoint flag: not a checkpoint start
     assert seqnos(events) == [5, 6, 7]
-    assert seqnos(keeper) == [1, 2, 3, 4, 5, 6, 7]
+    assert seqnos(manager.iter_events(keeper)) == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_register_at_a_checkpoint_boundary_gets_the_whole_checkpoint() -> None:
     manager = CheckpointManager(0, persistence=False)
     manager.register_cursor("keeper", 0)
     queue_all(manager, [item(s, f"k{s}") for s in range(1, 5)])  # [1,1] and [2,4]
-    events = list(manager.register_cursor("late", 1).cursor)
+    events = list(manager.iter_events(manager.register_cursor("late", 1).cursor))
     assert markers(events) == [(2, 4, MEMORY_CHECKPOINT)]
     assert seqnos(events) == [2, 3, 4]
 
@@ -180,7 +192,7 @@ def test_register_at_high_seqno_waits_in_a_fresh_open_checkpoint() -> None:
     queue_all(manager, [item(s, f"k{s}") for s in range(1, 5)])
     cursor = manager.register_cursor("late", 4).cursor
     manager._check_invariants()
-    assert cursor.next() is CAUGHT_UP
+    assert manager.next_event(cursor) is CAUGHT_UP
     assert cursor.checkpoint is manager.open_checkpoint
     assert not manager.open_checkpoint.has_items
 
@@ -195,7 +207,12 @@ def test_register_below_memory_asks_for_a_backfill_and_pins_the_oldest_checkpoin
     assert (registration.backfill_start, registration.backfill_end) == (4, 10)
     assert registration.cursor.checkpoint is manager.checkpoints()[0]
     assert registration.cursor.index == 0
-    assert seqnos(registration.cursor) == [11, 12, 13, 14]  # after the caller's backfill
+    assert seqnos(manager.iter_events(registration.cursor)) == [
+        11,
+        12,
+        13,
+        14,
+    ]  # after the caller's backfill
 
 
 def test_register_with_a_taken_name_replaces_the_old_cursor() -> None:
@@ -204,10 +221,10 @@ def test_register_with_a_taken_name_replaces_the_old_cursor() -> None:
     queue_all(manager, [item(1, "a"), item(2, "b")])
     new = manager.register_cursor("stream", 1).cursor
     manager._check_invariants()
-    assert old.next() is DROPPED
+    assert manager.next_event(old) is DROPPED
     assert not old.attached
     assert manager.cursor("stream") is new
-    assert seqnos(new) == [2]
+    assert seqnos(manager.iter_events(new)) == [2]
 
 
 def test_removing_the_last_cursor_frees_every_closed_checkpoint() -> None:
@@ -262,11 +279,11 @@ def test_clone_and_move_cursor_restore_a_position() -> None:
     queue_all(manager, [item(s, f"k{s}") for s in range(1, 6)])
     backup = manager.clone_cursor(persistence, "backup")
     assert not backup.droppable
-    assert seqnos(persistence) == [1, 2, 3, 4, 5]
+    assert seqnos(manager.iter_events(persistence)) == [1, 2, 3, 4, 5]
     manager.move_cursor(persistence, backup)
     manager.remove_cursor(backup)
     manager._check_invariants()
-    assert seqnos(persistence) == [1, 2, 3, 4, 5]
+    assert seqnos(manager.iter_events(persistence)) == [1, 2, 3, 4, 5]
 
 
 def test_close_releases_all_memory_from_the_budget() -> None:
@@ -279,15 +296,15 @@ def test_close_releases_all_memory_from_the_budget() -> None:
     assert manager.memory_bytes == 0
 
 
-def test_cursor_read_iter_and_has_next_agree() -> None:
+def test_manager_read_iter_events_and_has_next_agree() -> None:
     manager = CheckpointManager(0, persistence=False)
     cursor = manager.register_cursor("stream", 0).cursor
-    assert not cursor.has_next
+    assert not manager.has_next(cursor)
     queue_all(manager, [item(s, f"k{s}") for s in range(1, 6)])
-    assert cursor.has_next
-    first = cursor.read(3)
+    assert manager.has_next(cursor)
+    first = manager.read(cursor, 3)
     assert len(first) == 3
-    rest = list(cursor)
+    rest = list(manager.iter_events(cursor))
     assert seqnos(first + rest) == [1, 2, 3, 4, 5]
-    assert not cursor.has_next
-    assert cursor.read(5) == []
+    assert not manager.has_next(cursor)
+    assert manager.read(cursor, 5) == []

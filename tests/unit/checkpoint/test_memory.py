@@ -92,7 +92,7 @@ def test_write_is_refused_when_only_the_persistence_cursor_holds_memory() -> Non
     assert budget.used_bytes <= budget.quota_bytes
     assert manager.persistence_cursor is not None
     assert manager.persistence_cursor.attached  # never dropped
-    assert seqnos(manager.persistence_cursor) == list(range(1, 11))
+    assert seqnos(manager.iter_events(manager.persistence_cursor)) == list(range(1, 11))
 
 
 def test_recovery_drops_a_stalled_droppable_reader_and_frees_down_to_the_lower_mark() -> None:
@@ -104,7 +104,7 @@ def test_recovery_drops_a_stalled_droppable_reader_and_frees_down_to_the_lower_m
         manager._check_invariants()
         assert budget.used_bytes <= budget.quota_bytes
     assert budget.recoveries >= 1
-    assert stalled.next() is DROPPED
+    assert manager.next_event(stalled) is DROPPED
     assert manager.stats["cursors_dropped"] == 1
     assert budget.used_bytes <= budget.upper_mark_bytes
 
@@ -116,7 +116,7 @@ def test_recovery_never_drops_persistence_and_drops_streams_only_behind_it() -> 
     assert persistence is not None
     behind = manager.register_cursor("behind", 0).cursor
     queue_all(manager, items(1, 20))
-    list(persistence)  # persistence catches up; "behind" stays at the front
+    list(manager.iter_events(persistence))  # persistence catches up; "behind" stays at the front
     ahead = manager.register_cursor("ahead", 20).cursor  # in the open checkpoint with persistence
     queue_all(manager, items(21, 60))
     assert not behind.attached  # dropped: it sat in checkpoints older than persistence
@@ -153,7 +153,7 @@ def test_the_reader_in_the_oldest_checkpoint_goes_first_and_recovery_stops_at_th
     queue_all(manager, items(51, 95))
     assert not oldest.attached
     assert newer.attached  # dropping "oldest" alone reached the lower mark
-    assert seqnos(newer) == list(range(46, 96))
+    assert seqnos(manager.iter_events(newer)) == list(range(46, 96))
 
 
 def test_shared_budget_recovers_from_the_largest_manager_first() -> None:
