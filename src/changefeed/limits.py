@@ -51,7 +51,7 @@ assert 0 < FAILOVER_LOG_ENTRIES_MAX <= 25
 assert VBUCKETS_MAX <= 2**16  # vbucket id is a u16 on the wire
 assert BACKFILL_QUEUE_BYTES_MAX >= VALUE_SIZE_MAX  # one maximal item always fits
 
-# --- storage/ (appended by the storage engineer) ---------------------------------------------
+# --- storage/: one LMDB write transaction and its readers ------------------------------------
 
 # Longest key the store accepts: a protocol key (KEY_SIZE_MAX) plus the collection id prefix,
 # an unsigned LEB128 of a u32, which takes at most ceil(32 / 7) = 5 bytes (dcp-wire.md §7.3). The
@@ -74,7 +74,7 @@ assert STORAGE_BATCH_BYTES_MAX >= VALUE_SIZE_MAX + STORED_KEY_SIZE_MAX + 64  # o
 assert STORAGE_BATCH_BYTES_MAX <= 2**17 * 4096 // 2, STORAGE_BATCH_BYTES_MAX
 assert STORAGE_READERS_MAX >= 126, STORAGE_READERS_MAX  # never below LMDB's own default
 
-# --- checkpoint/ (appended by the mutation-manager engineer) --------------------------------
+# --- checkpoint/: memory the mutation manager may hold, and how it is given back ------------
 
 # Checkpoint memory one node may hold for a bucket. kv_engine gives checkpoints
 # checkpoint_memory_ratio = 0.2 of the bucket quota (dcp-wire.md §10); for a 1 GiB bucket that is
@@ -105,7 +105,31 @@ assert CHECKPOINT_MAX_BYTES_DEFAULT * 2 <= CHECKPOINT_MEMORY_QUOTA_BYTES_DEFAULT
 # STORAGE_BATCH_BYTES_MAX holds it (asserted above).
 assert FLUSH_BATCH_BYTES_MAX * 64 <= STORAGE_BATCH_BYTES_MAX, FLUSH_BATCH_BYTES_MAX
 
-# --- server/ (appended with the integration tests) -------------------------------------------
+# --- producer/ and the DCP pump ---------------------------------------------------------------
+
+# Events a stream takes from its reader in one call (markers and items): a run amortizes the
+# reader's per-call cost; the stream buffers at most one run it could not send yet, so at 100-byte
+# values a run holds ~64 x 420 B = ~27 KiB of items it already references (no copies).
+STREAM_RUN_EVENTS_MAX = 64
+
+# Bytes one stream may produce per round of the producer's round-robin before the next stream's
+# turn: fairness between vbuckets against per-call overhead (~150 frames of 100-byte values).
+STREAM_QUANTUM_BYTES = 64 * 1024
+
+# Bytes the DCP pump writes to the transport per wake before it yields to the event loop, so
+# acks and KV requests are read in between large writes: 16 quanta, ~2.5k small frames, about
+# 1 ms of a 1 GiB/s loopback. With flow control the window bounds it further.
+PUMP_BYTES_MAX = 16 * STREAM_QUANTUM_BYTES
+
+# Consumer side: decoded events (a `Changes` event holds up to one socket read of items) a
+# DcpClient queues for the application before it pauses reading the socket. 256 events of one
+# 256 KiB read each bound it at 64 MiB of frames in the worst case.
+EVENT_QUEUE_MAX = 256
+
+assert STREAM_QUANTUM_BYTES <= PUMP_BYTES_MAX, (STREAM_QUANTUM_BYTES, PUMP_BYTES_MAX)
+assert STREAM_RUN_EVENTS_MAX >= 2  # a marker and an item
+
+# --- server/: what an unauthenticated peer may make the node buffer --------------------------
 
 # Largest frame body a connection may declare before it has authenticated. What it may send then
 # (HELLO: agent + features; SASL: a PLAIN payload or a SCRAM message) takes a few hundred bytes.
@@ -114,3 +138,18 @@ assert FLUSH_BATCH_BYTES_MAX * 64 <= STORAGE_BATCH_BYTES_MAX, FLUSH_BATCH_BYTES_
 UNAUTHENTICATED_FRAME_SIZE_MAX = 16 * 1024
 
 assert KEY_SIZE_MAX + 2 * 255 < UNAUTHENTICATED_FRAME_SIZE_MAX < FRAME_SIZE_MAX
+
+# --- spark/ and change rows ------------------------------------------------------------------
+
+# Change rows a reader collects before it hands them on as one Arrow record batch
+# (spark/reading.py collects, consumer/change_rows.py builds the batch). Measured at 16-byte keys
+# and 100-byte values: ~440 bytes a row as Python objects while collected, ~190 bytes a row as
+# Arrow, so a full batch holds ~28 MiB + ~12 MiB; 64 Ki rows spread Spark's fixed cost per batch
+# thinly. The reader checks the count after each `Changes` event, so a batch may go over by one
+# event: one socket read (256 KiB) of items of at least 43 bytes, ~6.1k rows.
+# It counts rows, not bytes: Spark needs `binary` (int32 offsets, not `large_binary`), so one
+# batch's values must stay under 2 GiB, which holds while values average under 2**31 / 2**16 =
+# 32 KiB. 64 Ki maximal (20 MiB) values would not fit: a byte bound is still to come.
+ROWS_PER_BATCH_MAX = 64 * 1024
+
+assert ROWS_PER_BATCH_MAX * 32 * 1024 <= 2**31, ROWS_PER_BATCH_MAX  # 32 KiB average values fit

@@ -12,15 +12,18 @@ test holds the two paths equal on every input.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 
 from changefeed import limits
 from changefeed.protocol.dcp_items import (
     DELETION_V1_EXTRAS,
+    DELETION_V1_PREFIX,
     DELETION_V2_EXTRAS,
+    DELETION_V2_PREFIX,
     EXPIRATION_EXTRAS,
+    EXPIRATION_PREFIX,
     MUTATION_EXTRAS,
+    MUTATION_PREFIX,
 )
 from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import Frame, check_header, decode_frame
@@ -28,10 +31,11 @@ from changefeed.protocol.opcode import DATATYPE_MASK, Magic, Opcode
 from changefeed.protocol.status import Status
 
 _HEADER_SIZE = limits.HEADER_SIZE
-_MUTATION = struct.Struct(">BBHBBHIIQ" + "QQIIIHB")
-_DELETION_V1 = struct.Struct(">BBHBBHIIQ" + "QQH")
-_DELETION_V2 = struct.Struct(">BBHBBHIIQ" + "QQIB")
-_EXPIRATION = struct.Struct(">BBHBBHIIQ" + "QQI")
+# Header + extras in one unpack per item; the layouts are declared once, in dcp_items.py.
+_MUTATION = MUTATION_PREFIX
+_DELETION_V1 = DELETION_V1_PREFIX
+_DELETION_V2 = DELETION_V2_PREFIX
+_EXPIRATION = EXPIRATION_PREFIX
 assert _MUTATION.size == _HEADER_SIZE + MUTATION_EXTRAS.size
 assert _DELETION_V1.size == _HEADER_SIZE + DELETION_V1_EXTRAS.size
 assert _DELETION_V2.size == _HEADER_SIZE + DELETION_V2_EXTRAS.size

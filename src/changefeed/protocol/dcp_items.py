@@ -21,22 +21,71 @@ from dataclasses import dataclass
 
 from changefeed import limits
 from changefeed.protocol.errors import ProtocolError
-from changefeed.protocol.frame import ALT_HEADER, HEADER, Frame, encode_frame
+from changefeed.protocol.frame import ALT_HEADER, HEADER, HEADER_FORMAT, Frame, encode_frame
 from changefeed.protocol.frame_info import encode_stream_id
 from changefeed.protocol.opcode import Magic, Opcode
 
-MUTATION_EXTRAS = struct.Struct(">QQIIIHB")
-DELETION_V1_EXTRAS = struct.Struct(">QQH")
-DELETION_V2_EXTRAS = struct.Struct(">QQIB")
-EXPIRATION_EXTRAS = struct.Struct(">QQI")
+# The extras layouts, declared once, one format character per field. Everything else that reads
+# or writes these bytes builds its struct from these strings: the header + extras structs below,
+# batch.py's column decoder, and storage/record.py, which stores a mutation's extras as sent.
+MUTATION_EXTRAS_FORMAT = (  # dcp-wire.md §7.3
+    ">"
+    "Q"  # 0  by_seqno
+    "Q"  # 8  rev_seqno
+    "I"  # 16 flags
+    "I"  # 20 expiration
+    "I"  # 24 lock_time
+    "H"  # 28 nmeta: extended metadata length, must be 0
+    "B"  # 30 nru
+)  # 31 bytes
+DELETION_V1_EXTRAS_FORMAT = (  # dcp-wire.md §7.4, without IncludeDeleteTimes
+    ">"
+    "Q"  # 0  by_seqno
+    "Q"  # 8  rev_seqno
+    "H"  # 16 nmeta: must be 0
+)  # 18 bytes
+DELETION_V2_EXTRAS_FORMAT = (  # dcp-wire.md §7.4, with IncludeDeleteTimes
+    ">"
+    "Q"  # 0  by_seqno
+    "Q"  # 8  rev_seqno
+    "I"  # 16 delete_time
+    "B"  # 20 unused
+)  # 21 bytes
+EXPIRATION_EXTRAS_FORMAT = (  # dcp-wire.md §7.5
+    ">"
+    "Q"  # 0  by_seqno
+    "Q"  # 8  rev_seqno
+    "I"  # 16 delete_time
+)  # 20 bytes
+
+MUTATION_EXTRAS = struct.Struct(MUTATION_EXTRAS_FORMAT)
+DELETION_V1_EXTRAS = struct.Struct(DELETION_V1_EXTRAS_FORMAT)
+DELETION_V2_EXTRAS = struct.Struct(DELETION_V2_EXTRAS_FORMAT)
+EXPIRATION_EXTRAS = struct.Struct(EXPIRATION_EXTRAS_FORMAT)
 SEQNO_ADVANCED_EXTRAS = struct.Struct(">Q")
-# Header and mutation extras in one pack: the hot encode path does one struct call per item.
-MUTATION_PREFIX = struct.Struct(">BBHBBHIIQ" + "QQIIIHB")
 assert MUTATION_EXTRAS.size == 31
 assert DELETION_V1_EXTRAS.size == 18
 assert DELETION_V2_EXTRAS.size == 21
 assert EXPIRATION_EXTRAS.size == 20
-assert MUTATION_PREFIX.size == limits.HEADER_SIZE + 31
+
+
+def _header_then(extras_format: str) -> struct.Struct:
+    """The classic header followed by ``extras_format``: one struct call per item."""
+    assert extras_format.startswith(">"), extras_format
+    assert HEADER_FORMAT.startswith(">"), HEADER_FORMAT
+    return struct.Struct(HEADER_FORMAT + extras_format[1:])
+
+
+# Header and extras in one struct: the hot encode path (here and producer/item_encoding.py) packs
+# a mutation with one call, and batch.py decodes each item with one unpack.
+MUTATION_PREFIX = _header_then(MUTATION_EXTRAS_FORMAT)
+DELETION_V1_PREFIX = _header_then(DELETION_V1_EXTRAS_FORMAT)
+DELETION_V2_PREFIX = _header_then(DELETION_V2_EXTRAS_FORMAT)
+EXPIRATION_PREFIX = _header_then(EXPIRATION_EXTRAS_FORMAT)
+assert MUTATION_PREFIX.size == limits.HEADER_SIZE + MUTATION_EXTRAS.size
+assert DELETION_V1_PREFIX.size == limits.HEADER_SIZE + DELETION_V1_EXTRAS.size
+assert DELETION_V2_PREFIX.size == limits.HEADER_SIZE + DELETION_V2_EXTRAS.size
+assert EXPIRATION_PREFIX.size == limits.HEADER_SIZE + EXPIRATION_EXTRAS.size
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,9 +27,21 @@ from changefeed.protocol.frame_info import decode_frame_infos, stream_id_of
 from changefeed.protocol.opcode import DATATYPE_MASK, Magic
 from changefeed.protocol.status import Status
 
-HEADER = struct.Struct(
-    ">BBHBBHIIQ"
-)  # magic opcode keylen extlen datatype vb|status bodylen opaque cas
+# The classic header, one format character per row of the layout above. The one declaration of
+# it: structs that read header and extras in one call (dcp_items.py) append to this string.
+HEADER_FORMAT = (
+    ">"
+    "B"  # 0  magic
+    "B"  # 1  opcode
+    "H"  # 2  key length
+    "B"  # 4  extras length
+    "B"  # 5  datatype
+    "H"  # 6  vbucket (request) | status (response)
+    "I"  # 8  total body length
+    "I"  # 12 opaque
+    "Q"  # 16 cas
+)
+HEADER = struct.Struct(HEADER_FORMAT)
 ALT_HEADER = struct.Struct(">BBBBBBHIIQ")  # magic opcode framelen keylen extlen datatype ...
 assert HEADER.size == limits.HEADER_SIZE
 assert ALT_HEADER.size == limits.HEADER_SIZE

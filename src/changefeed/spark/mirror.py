@@ -32,28 +32,23 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from changefeed.consumer import KvClient
+from changefeed.consumer.change_rows import CHANGE_ROW_SCHEMA, OP_MUTATION, OP_ROLLBACK
 from changefeed.protocol.errors import KeyNotFoundError
 from changefeed.spark.options import SourceOptions
-from changefeed.spark.schema import OP_MUTATION, OP_ROLLBACK
 
 log = logging.getLogger("changefeed.mirror")
 
 APP_ID = "changefeed-mirror"
 REFETCH_PIPELINE_MAX = 512  # GETs in flight when a rollback re-reads keys
-MIRROR_SCHEMA = pa.schema(
-    [
-        ("key", pa.string()),
-        ("vbucket", pa.int32()),
-        ("seqno", pa.int64()),
-        ("value", pa.binary()),
-        ("cas", pa.int64()),
-        ("flags", pa.int32()),
-        ("expiry", pa.int32()),
-        ("rev_seqno", pa.int64()),
-    ]
-)
-
+# A mirror row is a change row's document columns, key first (the merge key), taken from the
+# change-row schema so the types cannot drift; op and the snapshot range are the stream's, not
+# the document's.
+MIRROR_COLUMNS = ("key", "vbucket", "seqno", "value", "cas", "flags", "expiry", "rev_seqno")
+MIRROR_SCHEMA = pa.schema([CHANGE_ROW_SCHEMA.field(name) for name in MIRROR_COLUMNS])
+# The merge source: a mirror row, or a tombstone for a key to delete.
 SOURCE_SCHEMA = MIRROR_SCHEMA.append(pa.field("deleted", pa.bool_()))
+assert MIRROR_SCHEMA.names == list(MIRROR_COLUMNS), MIRROR_SCHEMA
+assert set(CHANGE_ROW_SCHEMA.names) - set(MIRROR_COLUMNS) == {"op", "snap_start", "snap_end"}
 
 
 @dataclass

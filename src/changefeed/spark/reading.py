@@ -1,5 +1,6 @@
 """Executor-side reading: stream a group of vbuckets from start offsets to end seqnos and turn
-the events into Arrow record batches of the change-row schema.
+the events into Arrow record batches of the change-row schema (built by
+``consumer/change_rows.py``, at most about ``limits.ROWS_PER_BATCH_MAX`` rows each).
 
 Stateless by design (Spark pickles the reader and runs ``read`` in executor workers): everything
 comes from the partition and the options. Rows past a vbucket's end seqno are dropped (the node
@@ -18,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncGenerator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyarrow as pa
 
+from changefeed import limits
 from changefeed.consumer import (
     Changes,
     ClientConfig,
@@ -33,12 +35,10 @@ from changefeed.consumer import (
     StreamEnded,
     StreamRefused,
 )
+from changefeed.consumer.change_rows import ChangeRows
 from changefeed.protocol.status import Status
 from changefeed.spark.offsets import VbOffset
 from changefeed.spark.options import SourceOptions
-from changefeed.spark.schema import ARROW_SCHEMA, INT64_MAX, OP_BY_OPCODE, OP_ROLLBACK
-
-ROWS_PER_BATCH_MAX = 65_536  # Arrow batch size handed to Spark
 
 
 class DataLossError(RuntimeError):
@@ -60,28 +60,6 @@ class VbRange:
     def needs_reading(self) -> bool:
         """New seqnos, or a new history branch (a rollback may be due even at equal seqnos)."""
         return self.end_seqno != self.start.seqno or self.end_vb_uuid != self.start.vb_uuid
-
-
-@dataclass
-class _Columns:
-    vbucket: list[int] = field(default_factory=list)
-    seqno: list[int] = field(default_factory=list)
-    key: list[str] = field(default_factory=list)
-    value: list[bytes] = field(default_factory=list)
-    op: list[str] = field(default_factory=list)
-    cas: list[int] = field(default_factory=list)
-    expiry: list[int] = field(default_factory=list)
-    flags: list[int] = field(default_factory=list)
-    rev_seqno: list[int] = field(default_factory=list)
-    snap_start: list[int] = field(default_factory=list)
-    snap_end: list[int] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.seqno)
-
-    def to_batch(self) -> pa.RecordBatch:
-        arrays = [pa.array(getattr(self, f.name), f.type) for f in ARROW_SCHEMA]
-        return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
 
 
 async def read_ranges(
@@ -113,16 +91,17 @@ async def read_ranges(
     async with DcpClient(config) as client:
         await client.stream(sorted(ends), state, end_seqnos=request_ends)
         unfinished = set(ends)
-        columns = _Columns()
+        rows = ChangeRows()
         async for event in client.events():
             if isinstance(event, Changes):
-                _append_changes(columns, event, ends, snaps, unfinished)
+                # Rows past a vbucket's end are left out: the next micro-batch starts there.
+                unfinished -= rows.append_changes(event.columns, snaps, ends)
             elif isinstance(event, Snapshot):
                 snaps[event.vbucket] = (event.snap_start, event.snap_end)
                 if event.snap_start > ends[event.vbucket]:
                     unfinished.discard(event.vbucket)
             elif isinstance(event, Rollback):
-                _on_rollback(columns, event, ranges, options)
+                _on_rollback(rows, event, ranges, options)
                 if event.seqno >= ends[event.vbucket]:
                     unfinished.discard(event.vbucket)
             elif isinstance(event, StreamEnded):
@@ -133,51 +112,17 @@ async def read_ranges(
                 )
             elif isinstance(event, Disconnected):
                 pass  # the client reconnects and resumes from what we already took
-            if len(columns) >= ROWS_PER_BATCH_MAX:
-                yield columns.to_batch()
-                columns = _Columns()
+            if len(rows) >= limits.ROWS_PER_BATCH_MAX:
+                yield rows.to_batch()
+                rows = ChangeRows()
             if not unfinished:
                 break  # closing the connection ends the streams still open
-        if len(columns):
-            yield columns.to_batch()
-
-
-def _append_changes(
-    out: _Columns,
-    event: Changes,
-    ends: dict[int, int],
-    snaps: dict[int, tuple[int, int]],
-    unfinished: set[int],
-) -> None:
-    cols = event.columns
-    for i in range(len(cols)):
-        vb = cols.vbucket[i]
-        seqno = cols.seqno[i]
-        if seqno >= ends[vb]:
-            unfinished.discard(vb)
-            if seqno > ends[vb]:
-                continue  # past this micro-batch: the next one starts at ends[vb]
-        cas = cols.cas[i]
-        if cas > INT64_MAX:
-            raise ValueError(f"vbucket {vb} seqno {seqno}: CAS {cas} does not fit a Spark long")
-        snap_start, snap_end = snaps[vb]
-        out.vbucket.append(vb)
-        out.seqno.append(seqno)
-        out.key.append(cols.key[i].decode("utf-8", "surrogateescape"))
-        out.value.append(cols.value[i])
-        out.op.append(OP_BY_OPCODE[cols.opcode[i]])
-        out.cas.append(cas)
-        expiry = cols.expiry[i]
-        out.expiry.append(expiry - 2**32 if expiry >= 2**31 else expiry)
-        flags = cols.flags[i]
-        out.flags.append(flags - 2**32 if flags >= 2**31 else flags)  # u32 -> Spark int
-        out.rev_seqno.append(cols.rev_seqno[i])
-        out.snap_start.append(snap_start)
-        out.snap_end.append(min(snap_end, ends[vb]))
+        if len(rows):
+            yield rows.to_batch()
 
 
 def _on_rollback(
-    out: _Columns, event: Rollback, ranges: list[VbRange], options: SourceOptions
+    out: ChangeRows, event: Rollback, ranges: list[VbRange], options: SourceOptions
 ) -> None:
     start = next(r.start for r in ranges if r.vbucket == event.vbucket)
     if event.seqno == 0 and start.seqno > 0 and options.fail_on_data_loss:
@@ -186,15 +131,7 @@ def _on_rollback(
             f"{start.seqno} is gone or tombstones were purged); set failOnDataLoss=false to "
             "receive a rollback row instead and let the sink rebuild the vbucket"
         )
-    out.vbucket.append(event.vbucket)
-    out.seqno.append(event.seqno)
-    out.key.append("")
-    out.value.append(b"")
-    out.op.append(OP_ROLLBACK)
-    for name in ("cas", "expiry", "flags", "rev_seqno"):
-        getattr(out, name).append(0)
-    out.snap_start.append(event.seqno)
-    out.snap_end.append(event.seqno)
+    out.append_rollback(event.vbucket, event.seqno)
 
 
 def read_ranges_sync(options: SourceOptions, ranges: list[VbRange]) -> Iterator[pa.RecordBatch]:

@@ -27,6 +27,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from changefeed.consumer.change_rows import OP_MUTATION
 from changefeed.spark.node_state import fetch_latest_sync
 from changefeed.spark.offsets import (
     Offsets,
@@ -37,7 +38,7 @@ from changefeed.spark.offsets import (
 )
 from changefeed.spark.options import OptionError, SourceOptions
 from changefeed.spark.reading import VbRange, read_ranges_sync
-from changefeed.spark.schema import ARROW_SCHEMA, OP_MUTATION, SCHEMA_DDL
+from changefeed.spark.schema import ARROW_SCHEMA, SCHEMA_DDL
 
 
 class VbucketGroup(InputPartition):

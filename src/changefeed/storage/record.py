@@ -11,11 +11,15 @@ message that carries it (dcp-wire.md §7.3, §7.4): extras, then key, then value
     4  cas       u64  document CAS (a DCP header field, so not part of the body)
     12 body           extras | key | value
 
-    mutation extras, 31 bytes (dcp-wire.md §7.3, ">QQIIIHB"):
+    mutation extras, 31 bytes (dcp-wire.md §7.3, protocol.dcp_items.MUTATION_EXTRAS_FORMAT):
       0 by_seqno u64 | 8 rev_seqno u64 | 16 flags u32 | 20 expiration u32 | 24 lock_time u32 = 0
       | 28 nmeta u16 = 0 | 30 nru u8 = 0
-    deletion / expiration extras, 21 bytes (deletion V2, dcp-wire.md §7.4, ">QQIB"):
+    deletion / expiration extras, 21 bytes (deletion V2, dcp-wire.md §7.4,
+    protocol.dcp_items.DELETION_V2_EXTRAS_FORMAT):
       0 by_seqno u64 | 8 rev_seqno u64 | 16 delete_time u32 | 20 unused u8 = 0
+
+The extras layouts are the wire's, so they are declared once, in protocol/dcp_items.py; this
+module builds its structs from those declarations (storage may import protocol, never the reverse).
 
 DCP_EXPIRATION's own extras are 20 bytes (§7.5): a producer sending that opcode sends
 `body[:20] + body[21:]`, or sends the record as a DELETION V2.
@@ -36,6 +40,14 @@ from enum import IntEnum
 from typing import Final
 
 from changefeed import limits
+from changefeed.protocol.dcp_items import (
+    DELETION_V1_EXTRAS,
+    DELETION_V2_EXTRAS,
+    DELETION_V2_EXTRAS_FORMAT,
+    EXPIRATION_EXTRAS,
+    MUTATION_EXTRAS,
+    MUTATION_EXTRAS_FORMAT,
+)
 from changefeed.storage.errors import CorruptRecordError
 
 LAYOUT_VERSION: Final = 1
@@ -52,13 +64,14 @@ class Op(IntEnum):
     EXPIRATION = 3
 
 
-PREFIX: Final = struct.Struct(">BBHQ")  # tag, datatype, key_len, cas
-MUTATION_EXTRAS: Final = struct.Struct(">QQIIIHB")  # seqno, rev, flags, expiry, lock, nmeta, nru
-DELETION_EXTRAS: Final = struct.Struct(">QQIB")  # by_seqno, rev_seqno, delete_time, unused
-MUTATION_HEAD: Final = struct.Struct(">BBHQQQIIIHB")  # PREFIX + MUTATION_EXTRAS
-DELETION_HEAD: Final = struct.Struct(">BBHQQQIB")  # PREFIX + DELETION_EXTRAS
-_DELETION_V1_EXTRAS: Final = struct.Struct(">QQH")  # dcp-wire.md §7.4 V1: seqno, rev, nmeta
-_EXPIRATION_EXTRAS: Final = struct.Struct(">QQI")  # dcp-wire.md §7.5: seqno, rev, delete_time
+PREFIX_FORMAT: Final = ">BBHQ"  # tag, datatype, key_len, cas (the layout above)
+PREFIX: Final = struct.Struct(PREFIX_FORMAT)
+DELETION_EXTRAS: Final = DELETION_V2_EXTRAS  # tombstones are stored as deletion V2 bodies
+# Prefix and extras in one struct, so a scan decodes a record's head with one unpack.
+MUTATION_HEAD: Final = struct.Struct(PREFIX_FORMAT + MUTATION_EXTRAS_FORMAT[1:])
+DELETION_HEAD: Final = struct.Struct(PREFIX_FORMAT + DELETION_V2_EXTRAS_FORMAT[1:])
+_DELETION_V1_EXTRAS: Final = DELETION_V1_EXTRAS  # dcp-wire.md §7.4 V1: seqno, rev, nmeta
+_EXPIRATION_EXTRAS: Final = EXPIRATION_EXTRAS  # dcp-wire.md §7.5: seqno, rev, delete_time
 
 assert PREFIX.size == 12
 assert MUTATION_EXTRAS.size == MUTATION_EXTRAS_SIZE

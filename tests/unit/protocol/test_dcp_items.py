@@ -12,9 +12,13 @@ from hypothesis import strategies as st
 
 from changefeed.protocol.dcp_items import (
     DELETION_V1_EXTRAS,
+    DELETION_V1_PREFIX,
     DELETION_V2_EXTRAS,
+    DELETION_V2_PREFIX,
     EXPIRATION_EXTRAS,
+    EXPIRATION_PREFIX,
     MUTATION_EXTRAS,
+    MUTATION_PREFIX,
     Deletion,
     Expiration,
     Mutation,
@@ -51,6 +55,28 @@ def test_extras_sizes() -> None:
     sizes = (MUTATION_EXTRAS.size, DELETION_V1_EXTRAS.size, DELETION_V2_EXTRAS.size)
     assert sizes == (31, 18, 21)
     assert EXPIRATION_EXTRAS.size == 20
+
+
+def test_layouts_against_literal_formats() -> None:
+    # Independent oracles: the layouts are declared once, field by field, in dcp_items.py; here
+    # they are spelled out whole (dcp-wire.md §1.1, §7.3-7.5) and must pack the same bytes.
+    header = ">BBHBBHIIQ"
+    for declared, extras in (
+        (MUTATION_EXTRAS, ">QQIIIHB"),
+        (DELETION_V1_EXTRAS, ">QQH"),
+        (DELETION_V2_EXTRAS, ">QQIB"),
+        (EXPIRATION_EXTRAS, ">QQI"),
+    ):
+        assert declared.format == extras, declared.format
+    for prefix, extras in (
+        (MUTATION_PREFIX, "QQIIIHB"),
+        (DELETION_V1_PREFIX, "QQH"),
+        (DELETION_V2_PREFIX, "QQIB"),
+        (EXPIRATION_PREFIX, "QQI"),
+    ):
+        assert prefix.format == header + extras, prefix.format
+    fields = (0x80, 0x57, 3, 31, 1, 2, 36, 7, 9, 5, 1, 0xDEAD, 4, 0, 0, 0)
+    assert MUTATION_PREFIX.pack(*fields) == struct.pack(">BBHBBHIIQQQIIIHB", *fields)
 
 
 def test_mutation_layout() -> None:

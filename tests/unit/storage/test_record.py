@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from changefeed import limits
 from changefeed.storage import CorruptRecordError, Op, Record
 from changefeed.storage.record import (
+    DELETION_HEAD,
     MUTATION_HEAD,
     PREFIX,
     TAG_MUTATION,
@@ -257,3 +258,11 @@ def test_decoded_records_are_ordinary_frozen_records(record: Record) -> None:
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         decoded.vb = 1  # type: ignore[misc]
+
+
+def test_heads_against_literal_formats() -> None:
+    # The heads are built from the protocol's extras declarations; these literals are the
+    # independent oracle (module docstring: prefix, then mutation or deletion V2 extras).
+    assert MUTATION_HEAD.format == ">BBHQQQIIIHB"
+    assert DELETION_HEAD.format == ">BBHQQQIB"
+    assert (MUTATION_HEAD.size, DELETION_HEAD.size) == (12 + 31, 12 + 21)

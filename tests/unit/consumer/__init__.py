@@ -1,0 +1,1 @@
+"""Tests for ``changefeed.consumer``, one module per source module (STYLE.md §1)."""
