@@ -7,7 +7,10 @@ Contract:
   recovered, so CAS values increase even if the clock steps back). A write is queued into the
   checkpoint manager; it is durable once the flusher has written it (`persisted_seqno`,
   `flusher.wait_persisted`). When checkpoint memory is full the write is refused with
-  `TemporaryFailureError` and nothing changes (the server answers TMPFAIL).
+  `CheckpointMemoryFullError` (a TMPFAIL) and nothing changes.
+- Operating errors are the wire's `StatusError` subclasses (`changefeed.protocol.errors`): one
+  hierarchy from the mutation manager to the client, each class carrying its status and
+  whether a retry helps, so no layer translates another's errors.
 - Reads (`get`) look at memory first (the newest version of a key still in a checkpoint), then the
   store. A document whose expiry has passed reads as missing and, on an active vbucket, an
   EXPIRATION is queued for it (lazy expiry, as kv_engine does on access).
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import random
 import time
 from collections.abc import Callable
@@ -46,7 +48,17 @@ from changefeed.checkpoint import (
     StreamReader,
 )
 from changefeed.failover import FailoverLog
+from changefeed.protocol.errors import (
+    InvalidArgumentsError,
+    KeyExistsError,
+    KeyNotFoundError,
+    NotMyVbucketError,
+)
+from changefeed.protocol.kv import MutationResult
 from changefeed.storage import Op, Record, Store
+from changefeed.vbucket_state import VBucketState
+
+__all__ = ["Document", "MutationResult", "VBucket", "VBucketState"]
 
 # Records read back at recovery to find the highest CAS handed out before (bounded, O(1)):
 # the hybrid clock only needs it when the wall clock stepped back across the restart.
@@ -54,55 +66,6 @@ _CAS_RECOVERY_RECORDS_MAX: Final = 1024
 _NS_PER_S: Final = 1_000_000_000
 _U32_MAX: Final = 0xFFFF_FFFF
 _DATATYPE_MASK: Final = 0x07  # dcp-wire.md §1.4: JSON | Snappy | XATTR
-
-
-class VBucketState(enum.Enum):
-    """The states of dcp-wire.md §7.11 (values as the store keeps them)."""
-
-    ACTIVE = "active"
-    REPLICA = "replica"
-    PENDING = "pending"
-    DEAD = "dead"
-
-
-class VBucketError(Exception):
-    """Base of the operating errors a vbucket answers with; `retriable` says if a retry helps."""
-
-    retriable = False
-
-
-class NotMyVbucketError(VBucketError):
-    """The vbucket is not active here (NOT_MY_VBUCKET): the client refreshes its map."""
-
-    retriable = True
-
-
-class KeyNotFoundError(VBucketError):
-    """The key does not exist (KEY_ENOENT)."""
-
-
-class KeyExistsError(VBucketError):
-    """The key exists (ADD) or its CAS differs from the one given (KEY_EEXISTS)."""
-
-
-class InvalidArgumentError(VBucketError):
-    """A key, value or field the store cannot keep (EINVAL / E2BIG); checked before queueing so
-    that a bad write can never block the flusher."""
-
-
-class TemporaryFailureError(VBucketError):
-    """Checkpoint memory is full (TMPFAIL): retry once the flusher has caught up."""
-
-    retriable = True
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class MutationResult:
-    """What a write answers: its seqno, its CAS, and the vb_uuid of the branch it is on."""
-
-    seqno: int
-    cas: int
-    vb_uuid: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -239,7 +202,7 @@ class VBucket:
             NotMyVbucketError: not active.
             KeyNotFoundError: `cas` given and the key does not exist.
             KeyExistsError: `cas` given and it differs from the key's CAS.
-            TemporaryFailureError: checkpoint memory is full.
+            CheckpointMemoryFullError: checkpoint memory is full (TMPFAIL).
         """
         self._require_active()
         current = self._current(key)
@@ -296,7 +259,7 @@ class VBucket:
             NotMyVbucketError: not active.
             KeyNotFoundError: the key does not exist.
             KeyExistsError: `cas` given and it differs from the key's CAS.
-            TemporaryFailureError: checkpoint memory is full.
+            CheckpointMemoryFullError: checkpoint memory is full (TMPFAIL).
         """
         self._require_active()
         current = self._current(key)
@@ -311,18 +274,15 @@ class VBucket:
 
         Raises:
             NotMyVbucketError: the vbucket is active or dead.
-            TemporaryFailureError: checkpoint memory is full (the replica stream pauses).
+            CheckpointMemoryFullError: checkpoint memory is full (the replica stream pauses).
         """
         if self._state not in (VBucketState.REPLICA, VBucketState.PENDING):
             raise NotMyVbucketError(f"vb {self._vb} is {self._state.value}, not a replica")
         assert item.seqno > self._high_seqno, (item.seqno, self._high_seqno)
         _check_fields(item.key, item.value, item.flags, item.expiry, item.datatype)
         if not 0 < item.cas <= limits.SEQNO_MAX:
-            raise InvalidArgumentError(f"vb {self._vb}: cas {item.cas} is not a non-zero u64")
-        try:
-            self.manager.queue(item)
-        except CheckpointMemoryFullError as error:
-            raise TemporaryFailureError(str(error)) from error
+            raise InvalidArgumentsError(f"vb {self._vb}: cas {item.cas} is not a non-zero u64")
+        self.manager.queue(item)
         self._high_seqno = item.seqno
         self._last_cas = max(self._last_cas, item.cas)
 
@@ -356,16 +316,18 @@ class VBucket:
         start_seqno: int,
         *,
         kind: CursorKind = CursorKind.STREAM,
+        droppable: bool | None = None,
         end_seqno: int | None = None,
     ) -> StreamReader:
         """A reader of every change after `start_seqno` (memory or disk, it decides); disk
-        snapshots stop at `end_seqno` when given."""
+        snapshots stop at `end_seqno` when given; `droppable` overrides the kind's default."""
         return StreamReader(
             self.manager,
             self._store,
             name=name,
             start_seqno=start_seqno,
             kind=kind,
+            droppable=droppable,
             end_seqno=end_seqno,
         )
 
@@ -387,7 +349,7 @@ class VBucket:
             self._state, self._failover_log = state, log
             self._persist_meta()
             return state, log
-        recovered = VBucketState(meta.state)
+        recovered = meta.state
         if meta.failover_log:
             log = FailoverLog(meta.failover_log, rng=self._rng)
         else:
@@ -418,12 +380,12 @@ class VBucket:
         with self._store.write_batch() as batch:
             batch.set_vbucket_meta(
                 self._vb,
-                state=self._state.value,
+                state=self._state,
                 failover_log=self._failover_log.entries,
             )
         meta = self._store.vbucket_meta(self._vb)
         assert meta is not None, self._vb
-        assert meta.state == self._state.value, (meta.state, self._state)
+        assert meta.state is self._state, (meta.state, self._state)
 
     def _require_active(self) -> None:
         if self._state is not VBucketState.ACTIVE:
@@ -444,7 +406,7 @@ class VBucket:
 
     def _expire(self, found: Item | Record) -> None:
         # Memory full: it still reads as missing, and the next access queues the expiration.
-        with contextlib.suppress(TemporaryFailureError):
+        with contextlib.suppress(CheckpointMemoryFullError):
             self._queue_write(found.key, Op.EXPIRATION, b"", rev_seqno=found.rev_seqno + 1)
 
     def _check_cas(self, key: bytes, current: Item | Record | None, cas: int) -> None:
@@ -475,23 +437,22 @@ class VBucket:
         cas = self._next_cas()
         delete_time = 0 if op is Op.MUTATION else min(int(self._clock()), _U32_MAX)
         item = Item(seqno, key, op, value, cas, flags, expiry, datatype, rev_seqno, delete_time)
-        try:
-            self.manager.queue(item)
-        except CheckpointMemoryFullError as error:
-            raise TemporaryFailureError(str(error)) from error
+        self.manager.queue(item)
         self._high_seqno = seqno
         self._last_cas = cas
         assert self.manager.high_seqno == seqno, (self.manager.high_seqno, seqno)
-        return MutationResult(seqno, cas, self.vb_uuid)
+        return MutationResult(vbucket=self._vb, seqno=seqno, cas=cas, vb_uuid=self.vb_uuid)
 
 
 def _check_fields(key: bytes, value: bytes, flags: int, expiry: int, datatype: int) -> None:
-    """Raise InvalidArgumentError for what the store would refuse at flush time (batch.py)."""
+    """Raise InvalidArgumentsError for what the store would refuse at flush time (batch.py)."""
     if not 0 < len(key) <= limits.STORED_KEY_SIZE_MAX:
-        raise InvalidArgumentError(f"key length {len(key)} outside 1..{limits.STORED_KEY_SIZE_MAX}")
+        raise InvalidArgumentsError(
+            f"key length {len(key)} outside 1..{limits.STORED_KEY_SIZE_MAX}"
+        )
     if len(value) > limits.VALUE_SIZE_MAX:
-        raise InvalidArgumentError(f"value of {len(value)} bytes over {limits.VALUE_SIZE_MAX}")
+        raise InvalidArgumentsError(f"value of {len(value)} bytes over {limits.VALUE_SIZE_MAX}")
     if not (0 <= flags <= _U32_MAX and 0 <= expiry <= _U32_MAX):
-        raise InvalidArgumentError(f"flags {flags} or expiry {expiry} is not a u32")
+        raise InvalidArgumentsError(f"flags {flags} or expiry {expiry} is not a u32")
     if datatype & ~_DATATYPE_MASK or datatype < 0:
-        raise InvalidArgumentError(f"datatype {datatype:#x} has bits above {_DATATYPE_MASK:#x}")
+        raise InvalidArgumentsError(f"datatype {datatype:#x} has bits above {_DATATYPE_MASK:#x}")

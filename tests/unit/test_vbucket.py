@@ -9,17 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from changefeed.checkpoint import CAUGHT_UP, Item, MemoryBudget, item_size_bytes
-from changefeed.storage import Op, Store
-from changefeed.vbucket import (
-    InvalidArgumentError,
+from changefeed.checkpoint import (
+    CAUGHT_UP,
+    CheckpointMemoryFullError,
+    Item,
+    MemoryBudget,
+    item_size_bytes,
+)
+from changefeed.protocol.errors import (
+    InvalidArgumentsError,
     KeyExistsError,
     KeyNotFoundError,
     NotMyVbucketError,
     TemporaryFailureError,
-    VBucket,
-    VBucketState,
 )
+from changefeed.protocol.status import Status
+from changefeed.storage import Op, Store
+from changefeed.vbucket import VBucket, VBucketState
 
 VB = 3
 SEED = 20240611
@@ -182,6 +188,8 @@ def test_memory_full_refuses_the_write_and_changes_nothing(store: Store) -> None
         for n in range(100):
             vbucket.set(b"k%02d" % n, b"v" * 50)
     assert refused.value.retriable
+    assert isinstance(refused.value, CheckpointMemoryFullError)
+    assert refused.value.code == Status.ETMPFAIL  # the reply status, with no translation between
     high = vbucket.high_seqno
     assert 0 < high < 100
     assert vbucket.get(b"k%02d" % high) is None  # the refused write left no trace
@@ -191,13 +199,13 @@ def test_memory_full_refuses_the_write_and_changes_nothing(store: Store) -> None
 
 def test_invalid_fields_are_refused_before_queueing(store: Store) -> None:
     vbucket = make(store)
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(InvalidArgumentsError):
         vbucket.set(b"", b"v")
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(InvalidArgumentsError):
         vbucket.set(b"k" * 300, b"v")
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(InvalidArgumentsError):
         vbucket.set(b"k", b"v", datatype=0x80)
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(InvalidArgumentsError):
         vbucket.set(b"k", b"v", flags=2**32)
     assert vbucket.high_seqno == 0
     vbucket.flush()  # nothing bad reached the flusher

@@ -3,7 +3,8 @@
 Seed: shared/seeds/mutation-manager.md; production facts: shared/reference/dcp-wire.md §10.
 A vbucket queues items into its `CheckpointManager`; the `Flusher` drains the persistence cursor
 into the store; a stream reads through a `StreamReader`, which switches between memory and disk
-backfill by itself. This layer imports only changefeed.limits and changefeed.storage.
+backfill by itself. This layer imports only changefeed.limits, changefeed.storage and, from
+changefeed.protocol, the marker flags and the TMPFAIL error class.
 """
 
 from changefeed.checkpoint.backfill import Backfill, BackfillQueue, DiskCursor

@@ -10,11 +10,11 @@ so a failed batch loses nothing and is written again by the next call. A reader 
 therefore always finds on disk every item memory has freed.
 
 `wait_persisted(seqno)` lets a writer await durability (persisted-on-active durability);
-`flush()` drains synchronously for tests and shutdown; `run()` is the asyncio loop.
+`flush()` drains synchronously for shutdown. The loop that calls `flush_batch()` is the
+bucket's (server/bucket.py), one task for all vbuckets of a node.
 
 Not here: the vbucket's metadata besides the snapshot range (vbucket.py sets state and the
-failover log). The LMDB commit runs on the caller's thread (with `durable=True` it fsyncs), so
-a server that cannot afford that pause on its event loop runs `run()` on a loop of its own.
+failover log). The LMDB commit runs on the caller's thread (with `durable=True` it fsyncs).
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ class Flusher:
         self._snapshot: SnapshotStart | None = None
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._waiter_ids = itertools.count()
-        self._stopping = False
         self.stats = {"batches": 0, "items": 0, "failed_batches": 0}
 
     @property
@@ -159,20 +158,6 @@ class Flusher:
                 heapq.heapify(self._waiters)
             return seqno <= self._persisted_seqno
         return True
-
-    async def run(self, *, idle_wait_s: float = 1.0) -> None:
-        """Flush whenever items are queued until `stop()`; yields to the loop between batches."""
-        self._stopping = False
-        while not self._stopping:  # the flusher's own loop; ends on stop()
-            if self.flush_batch() == 0:
-                await self._manager.wakeup.wait(idle_wait_s)
-            else:
-                await asyncio.sleep(0)
-
-    def stop(self) -> None:
-        """Make `run()` return after its current batch."""
-        self._stopping = True
-        self._manager.wakeup.notify()
 
     def _cursor(self) -> Cursor:
         cursor = self._manager.persistence_cursor

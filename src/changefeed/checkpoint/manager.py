@@ -216,7 +216,12 @@ class CheckpointManager:
     # -- cursors --------------------------------------------------------------------------------
 
     def register_cursor(
-        self, name: str, seqno: int, *, kind: CursorKind = CursorKind.STREAM
+        self,
+        name: str,
+        seqno: int,
+        *,
+        kind: CursorKind = CursorKind.STREAM,
+        droppable: bool | None = None,
     ) -> Registration:
         """Register a cursor that reads every item with a seqno above `seqno`.
 
@@ -228,14 +233,15 @@ class CheckpointManager:
             name: unique per manager.
             seqno: the last seqno the reader has (0 for everything); at most `high_seqno`.
             kind: decides droppability (see `CursorKind`).
+            droppable: overrides the kind's default for a STREAM or REPLICA cursor (a DCP
+                connection that turned `supports_cursor_dropping` off or on).
         """
         assert 0 <= seqno <= self._high_seqno, (seqno, self._high_seqno)
-        droppable = kind is CursorKind.STREAM or (
-            kind is CursorKind.REPLICA and self._replica_cursors_droppable
-        )
-        cursor = Cursor(
-            name, kind, droppable=droppable, checkpoint=self._head, last_seqno=seqno
-        )
+        if droppable is None:
+            droppable = kind is CursorKind.STREAM or (
+                kind is CursorKind.REPLICA and self._replica_cursors_droppable
+            )
+        cursor = Cursor(name, kind, droppable=droppable, checkpoint=self._head, last_seqno=seqno)
         first_seqno = self.first_memory_seqno
         if seqno + 1 < first_seqno:
             self._attach(cursor, self._head, 0)

@@ -20,6 +20,7 @@ from typing import Final, Protocol
 
 from changefeed import limits
 from changefeed.checkpoint.item import Item
+from changefeed.protocol.errors import TemporaryFailureError
 
 # Bytes one queued item costs beyond its key and value, measured with tracemalloc on CPython 3.11
 # (tests/unit/checkpoint/test_memory.py checks it to within 15 %; the bench prints it):
@@ -38,14 +39,13 @@ def item_size_bytes(item: Item) -> int:
     return len(item.key) + len(item.value) + ITEM_OVERHEAD_BYTES
 
 
-class CheckpointMemoryFullError(Exception):
+class CheckpointMemoryFullError(TemporaryFailureError):
     """A write would take checkpoint memory over the quota and recovery could not make room.
 
-    Operating error, not a bug: the caller answers TMPFAIL and the writer retries later
-    (kv_engine TempOOM). Raise `MemoryBudget.quota_bytes` or let the flusher catch up.
+    Operating error, not a bug: it is a TMPFAIL (kv_engine TempOOM) and reaches the client as one
+    without translation; the writer retries later. Raise `MemoryBudget.quota_bytes` or let the
+    flusher catch up.
     """
-
-    retriable = True
 
 
 class Recoverable(Protocol):

@@ -40,6 +40,7 @@ class StreamReader:
         name: cursor name, unique per manager.
         start_seqno: the last seqno the reader already has (0 for everything).
         kind: STREAM (droppable) or REPLICA (droppable if the manager says so).
+        droppable: overrides the kind's default droppability (None keeps it).
         backfill_bytes_max: bound of each backfill queue.
         end_seqno: the reader stops caring after this seqno; disk snapshots end there.
     """
@@ -52,6 +53,7 @@ class StreamReader:
         name: str,
         start_seqno: int,
         kind: CursorKind = CursorKind.STREAM,
+        droppable: bool | None = None,
         backfill_bytes_max: int = limits.BACKFILL_QUEUE_BYTES_MAX,
         end_seqno: int | None = None,
     ) -> None:
@@ -61,6 +63,7 @@ class StreamReader:
         self._store = store
         self._name = name
         self._kind = kind
+        self._droppable = droppable
         self._backfill_bytes_max = backfill_bytes_max
         # A stream that ends at end_seqno needs no disk snapshot past it: without this bound,
         # every bounded stream (a Spark micro-batch) would read the whole rest of the vbucket.
@@ -124,6 +127,21 @@ class StreamReader:
             assert not isinstance(event_or_signal, CursorSignal), event_or_signal
             return self._track(event_or_signal)
 
+    def read(self, limit: int) -> list[Event]:
+        """A run of up to `limit` events available now (disk and memory); fewer when caught up.
+
+        The hot path of a stream: one call hands out a run of markers and items instead of one.
+        """
+        assert limit > 0, limit
+        events: list[Event] = []
+        while len(events) < limit:  # bounded by limit
+            event = self.next()
+            if event is CAUGHT_UP:
+                break
+            assert not isinstance(event, CursorSignal), event
+            events.append(event)
+        return events
+
     def __iter__(self) -> Iterator[Event]:
         """Iterate what is available now (disk and memory); stops when caught up."""
         while True:  # bounded by the items queued and stored
@@ -157,7 +175,9 @@ class StreamReader:
     def _register(self) -> Cursor:
         """Register at the position; start a backfill to the store's high seqno if needed."""
         self.stats["registrations"] += 1
-        registration = self._manager.register_cursor(self._name, self._position, kind=self._kind)
+        registration = self._manager.register_cursor(
+            self._name, self._position, kind=self._kind, droppable=self._droppable
+        )
         if registration.needs_backfill:
             assert registration.backfill_start == self._position + 1, registration
             assert registration.backfill_end is not None, registration

@@ -5,8 +5,8 @@ Contract: a reader of the mutation manager (memory cursor, disk backfill or `Str
 [snap_start, snap_end] and increase strictly. A reader holds a consistent view only once it has
 read the item at snap_end (or learnt there is none), dcp-wire.md §7.2.
 
-The flag values are those of the DCP snapshot marker (dcp-wire.md §7.2, marker flags u32). They are
-repeated here, not imported, because checkpoint/ sits below protocol/ (ARCHITECTURE.md, layout).
+The flag values are the DCP snapshot marker's (dcp-wire.md §7.2, marker flags u32), taken from
+the protocol layer below this one, so the producer copies them into a marker unchanged.
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ import dataclasses
 import enum
 from typing import Final
 
-MARKER_FLAG_MEMORY: Final = 0x01  # items come from in-memory checkpoints
-MARKER_FLAG_DISK: Final = 0x02  # items come from a disk backfill
-MARKER_FLAG_CHECKPOINT: Final = 0x04  # the snapshot is a whole checkpoint (starts at its snapStart)
+from changefeed.protocol.snapshot_marker import MarkerFlag
+
+MARKER_FLAG_MEMORY: Final = int(MarkerFlag.MEMORY)  # items come from in-memory checkpoints
+MARKER_FLAG_DISK: Final = int(MarkerFlag.DISK)  # items come from a disk backfill
+# The snapshot is a whole checkpoint (it starts at the checkpoint's snap_start).
+MARKER_FLAG_CHECKPOINT: Final = int(MarkerFlag.CHECKPOINT)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

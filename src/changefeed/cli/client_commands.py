@@ -32,10 +32,9 @@ from changefeed.consumer import (
     StreamEnded,
     StreamRefused,
 )
-from changefeed.consumer.connection import Connection
-from changefeed.consumer.handshake import authenticate, hello, select_bucket
+from changefeed.consumer.handshake import connect
 from changefeed.protocol.kv import encode_request
-from changefeed.protocol.opcode import Feature, Opcode
+from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.status import Status
 
 
@@ -308,11 +307,10 @@ def stats(
     """Print STAT GROUP of a node ("", "vbucket-seqno [vb]", "failovers [vb]", "dcp")."""
 
     async def main() -> dict[str, str]:
-        conn = await Connection.open(host, port)
+        conn = await connect(
+            host, port, agent="changefeed-stats", user=user, password=password, bucket=bucket
+        )
         try:
-            await hello(conn, "changefeed-stats", [Feature.XERROR, Feature.SELECT_BUCKET])
-            await authenticate(conn, user, password)
-            await select_bucket(conn, bucket)
             opaque = conn.next_opaque()
             request = encode_request(Opcode.STAT, opaque=opaque, key=group.encode())
             frames = await conn.request_many(

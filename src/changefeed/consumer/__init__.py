@@ -1,7 +1,8 @@
 """DCP consumer library and SDK-style KV client (asyncio).
 
 ``DcpClient`` streams vbuckets with rollback handling, flow control and noops; ``SessionState``
-is the JSON resume point; ``KvClient`` writes and reads keys. ``sync`` has blocking facades.
+is the JSON resume point; ``KvClient`` writes and reads keys and answers each write with the
+``MutationResult`` the node built (one class on both sides of the wire, protocol/kv.py).
 """
 
 from changefeed.consumer.dcp_client import ClientConfig, DcpClient
@@ -15,8 +16,9 @@ from changefeed.consumer.events import (
     StreamOpened,
     StreamRefused,
 )
-from changefeed.consumer.kv_client import GetResult, KvClient, MutationResult
+from changefeed.consumer.kv_client import GetResult, KvClient
 from changefeed.consumer.session import SessionState, VbSession
+from changefeed.protocol.kv import MutationResult
 
 __all__ = [
     "Changes",

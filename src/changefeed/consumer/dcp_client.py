@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 
+from changefeed import limits
 from changefeed.consumer.connection import CloseReason, Connection, ConnectionClosedError
 from changefeed.consumer.events import (
     Changes,
@@ -34,7 +35,7 @@ from changefeed.consumer.events import (
     StreamOpened,
     StreamRefused,
 )
-from changefeed.consumer.handshake import authenticate, call, hello, select_bucket
+from changefeed.consumer.handshake import call, connect
 from changefeed.consumer.session import SessionState, VbSession
 from changefeed.failover import FailoverLog
 from changefeed.protocol.batch import Batch, ChangeColumns
@@ -44,6 +45,7 @@ from changefeed.protocol.dcp import (
     OpenFlag,
     StreamFlag,
     StreamRequest,
+    StreamRole,
     decode_failover_log,
     decode_rollback_seqno,
     decode_stream_end,
@@ -59,7 +61,6 @@ from changefeed.protocol.snapshot_marker import MarkerFlag, decode_snapshot_mark
 from changefeed.protocol.status import Status
 
 SEQNO_FOREVER = 0xFFFF_FFFF_FFFF_FFFF
-EVENT_QUEUE_MAX = 256  # events (a Changes event holds up to one socket read of items)
 RECONNECT_ATTEMPTS_MAX = 60  # with the backoff capped at 5 s: about 5 minutes
 Start = Literal["beginning", "now"] | SessionState
 
@@ -82,6 +83,9 @@ class ClientConfig:
     # any consumer). False: to the node's seqno exactly, for sinks that re-read the keys they
     # hold above it from the node (the Spark mirror does).
     rollback_to_snapshot: bool = True
+    # Who reads (DCP_OPEN): application streams may fall back to disk under memory pressure;
+    # REPLICA is for a cluster's replica vbuckets pulling from their active.
+    role: StreamRole = StreamRole.APPLICATION
 
 
 class DcpClient:
@@ -97,13 +101,12 @@ class DcpClient:
         self._requests: dict[int, VbSession] = {}
         self._opaque_vb: dict[int, int] = {}
         self._vbuckets: list[int] = []
-        # Bounded by pausing the socket at EVENT_QUEUE_MAX (plus the events of one read).
+        # Bounded by pausing the socket at limits.EVENT_QUEUE_MAX (plus the events of one read).
         self._events: deque[Event] = deque()
         self._event_ready = asyncio.Event()
         self._conn: Connection | None = None
         self._unacked_bytes = 0
         self._rng = rng or random.Random()
-        self._open_streams: set[int] = set()
         self._end_seqnos: dict[int, int] = {}
 
     async def __aenter__(self) -> DcpClient:
@@ -116,14 +119,16 @@ class DcpClient:
     async def connect(self) -> None:
         """Open the connection, negotiate, authenticate, select the bucket, DCP_OPEN."""
         cfg = self.config
-        conn = await Connection.open(cfg.host, cfg.port)
+        conn = await connect(
+            cfg.host, cfg.port, agent=cfg.name, user=cfg.user, password=cfg.password,
+            bucket=cfg.bucket, features=[Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON],
+        )  # fmt: skip
         try:
-            await hello(conn, cfg.name, [Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON])
-            await authenticate(conn, cfg.user, cfg.password)
-            await select_bucket(conn, cfg.bucket)
             opaque = conn.next_opaque()
             flags = OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES
-            await _expect_ok(conn, encode_dcp_open(DcpOpen(opaque, cfg.name, flags)), opaque)
+            await _expect_ok(
+                conn, encode_dcp_open(DcpOpen(opaque, cfg.name, flags, role=cfg.role)), opaque
+            )
             for key, value in self._controls():
                 opaque = conn.next_opaque()
                 await _expect_ok(conn, encode_dcp_control(DcpControl(opaque, key, value)), opaque)
@@ -209,7 +214,7 @@ class DcpClient:
                 self._event_ready.clear()
                 await self._event_ready.wait()
             event = self._events.popleft()
-            if len(self._events) <= EVENT_QUEUE_MAX // 2 and self._conn is not None:
+            if len(self._events) <= limits.EVENT_QUEUE_MAX // 2 and self._conn is not None:
                 self._conn.resume_reading()
             self._apply(event)
             yield event
@@ -229,8 +234,6 @@ class DcpClient:
             self.session.get(event.vbucket).rollback_to(event.seqno)
         elif isinstance(event, StreamOpened):
             self.session.get(event.vbucket).failover_log = FailoverLog(event.failover_log)
-        elif isinstance(event, StreamEnded):
-            self._open_streams.discard(event.vbucket)
 
     async def _reconnect(self) -> None:
         """Reconnect with jittered backoff, then resume every stream from ``self.session``.
@@ -306,7 +309,6 @@ class DcpClient:
         if frame.status == Status.SUCCESS:
             log = decode_failover_log(frame.value)
             self._requests[vb].failover_log = FailoverLog(log)
-            self._open_streams.add(vb)
             self._put(StreamOpened(vb, log))
         elif frame.status == Status.ROLLBACK:
             server_seqno = decode_rollback_seqno(frame.value)
@@ -323,7 +325,7 @@ class DcpClient:
     def _put(self, event: Event) -> None:
         self._events.append(event)
         self._event_ready.set()
-        if len(self._events) >= EVENT_QUEUE_MAX and self._conn is not None:
+        if len(self._events) >= limits.EVENT_QUEUE_MAX and self._conn is not None:
             self._conn.pause_reading()  # resumed by events() once the app catches up
 
     def _send(self, data: bytes) -> None:

@@ -1,8 +1,18 @@
-"""Connection set-up shared by the KV and DCP clients: HELLO, SASL, SELECT_BUCKET
-(dcp-wire.md §3). SCRAM uses ``scramp``; PLAIN is for servers that offer nothing better.
+"""Connection set-up: HELLO, SASL, SELECT_BUCKET (dcp-wire.md §3), in one place.
+
+``handshake`` runs the three steps on an open connection and ``connect`` opens one and runs
+them: every client in the package (``KvClient``, ``DcpClient``, the Spark planner, ``changefeed
+stats``), the tests and the benchmarks set up their connections through these two. The steps
+stay public for tests that stop part-way on purpose (an unauthenticated connection, a failed
+login). SCRAM uses ``scramp``; PLAIN is for servers that offer nothing better.
+
+What it does not do: retry, reconnect, or send anything after SELECT_BUCKET (DCP_OPEN and the
+rest belong to the clients).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from scramp import ScramClient
 
@@ -10,11 +20,78 @@ from changefeed.consumer.connection import Connection
 from changefeed.protocol.errors import AuthError, error_for_status
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.kv import decode_hello, encode_hello, encode_request
-from changefeed.protocol.opcode import Opcode
+from changefeed.protocol.opcode import Feature, Opcode
 from changefeed.protocol.sasl import SCRAMP_NAMES, decode_mechanisms, encode_plain
 from changefeed.protocol.status import Status
 
 MECHANISM_PREFERENCE = ("SCRAM-SHA512", "SCRAM-SHA256", "PLAIN")
+# What every connection asks for: extended errors, and SELECT_BUCKET (which handshake sends).
+BASE_FEATURES: tuple[int, ...] = (Feature.XERROR, Feature.SELECT_BUCKET)
+
+
+async def handshake(
+    conn: Connection,
+    *,
+    agent: str,
+    user: str,
+    password: str,
+    bucket: str,
+    features: Iterable[int] = BASE_FEATURES,
+) -> set[int]:
+    """HELLO, SASL authentication, SELECT_BUCKET: what a connection does before its first
+    command (dcp-wire.md §3).
+
+    Args:
+        conn: a connection that has sent nothing yet.
+        agent: the HELLO agent name (the node logs it; a DCP client passes its DCP name).
+        user, password: the credentials; the best mechanism both sides support is used.
+        bucket: the bucket to select.
+        features: HELLO features to ask for, in order.
+
+    Returns:
+        the features the server enabled.
+
+    Raises:
+        AuthError: wrong credentials, or no common SASL mechanism.
+        StatusError: HELLO or SELECT_BUCKET refused (e.g. no such bucket).
+    """
+    enabled = await hello(conn, agent, list(features))
+    await authenticate(conn, user, password)
+    await select_bucket(conn, bucket)
+    return enabled
+
+
+async def connect(
+    host: str,
+    port: int,
+    *,
+    agent: str,
+    user: str,
+    password: str,
+    bucket: str,
+    features: Iterable[int] = BASE_FEATURES,
+    timeout_s: float = 10.0,
+) -> Connection:
+    """Open a connection and run ``handshake`` on it; it is closed again if any step fails.
+
+    Args:
+        host, port: the node.
+        timeout_s: for opening the TCP connection.
+        agent, user, password, bucket, features: as ``handshake``.
+
+    Raises:
+        OSError, TimeoutError: the node cannot be reached.
+        AuthError, StatusError: as ``handshake``.
+    """
+    conn = await Connection.open(host, port, timeout_s=timeout_s)
+    try:
+        await handshake(
+            conn, agent=agent, user=user, password=password, bucket=bucket, features=features
+        )
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
 
 
 async def call(
@@ -84,4 +161,5 @@ async def _sasl(
 
 
 async def select_bucket(conn: Connection, bucket: str) -> None:
+    """Select ``bucket`` for the commands that follow (after ``authenticate``)."""
     await call(conn, Opcode.SELECT_BUCKET, key=bucket.encode())

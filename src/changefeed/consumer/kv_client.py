@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from changefeed.consumer.connection import Connection
-from changefeed.consumer.handshake import authenticate, call, hello, select_bucket
+from changefeed.consumer.handshake import call, connect
 from changefeed.protocol.errors import error_for_status
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.kv import (
+    MutationResult,
     StoreCommand,
     decode_get_response_flags,
     decode_mutation_token,
@@ -33,14 +34,6 @@ from changefeed.vbmap import vbucket_for_key
 Durability = Literal["none", "persist"]
 PIPELINE_DEPTH_MAX = 1024  # requests in flight per upsert_many window
 PERSIST_POLL_S = 0.002
-
-
-@dataclass(frozen=True, slots=True)
-class MutationResult:
-    cas: int
-    vbucket: int
-    vb_uuid: int
-    seqno: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +62,12 @@ class KvClient:
         user: str = "Administrator",
         password: str = "password",
     ) -> KvClient:
-        conn = await Connection.open(host, port)
+        features = [Feature.MUTATION_SEQNO, Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON]
+        conn = await connect(
+            host, port, agent="changefeed-kv", user=user, password=password, bucket=bucket,
+            features=features,
+        )  # fmt: skip
         try:
-            features = [Feature.MUTATION_SEQNO, Feature.XERROR, Feature.SELECT_BUCKET]
-            await hello(conn, "changefeed-kv", [*features, Feature.JSON])
-            await authenticate(conn, user, password)
-            await select_bucket(conn, bucket)
             config = json.loads((await call(conn, Opcode.GET_CLUSTER_CONFIG)).value)
             vbuckets = len(config["vBucketServerMap"]["vBucketMap"])
         except BaseException:
@@ -207,4 +200,4 @@ def _mutation_result(response: Frame, vb: int) -> MutationResult:
     _check(response)
     token = decode_mutation_token(response.extras)
     uuid, seqno = token if token is not None else (0, 0)
-    return MutationResult(response.cas, vb, uuid, seqno)
+    return MutationResult(vbucket=vb, seqno=seqno, cas=response.cas, vb_uuid=uuid)

@@ -1,9 +1,11 @@
 """``DcpProducer``: the DCP side of one connection — controls, streams, flow control, noops.
 
-No sockets: the server's connection calls ``pump`` to get frames to write and feeds it acks,
-noop replies and the clock. Streams are served round-robin in quanta so one busy vbucket cannot
-starve the others; a pump never produces more than the flow-control window allows (plus one
-message, dcp-wire.md §8.1), so a slow consumer cannot grow server memory.
+No sockets: the server's connection hands it stream requests and gets a typed outcome back,
+calls ``pump`` to get frames to write and feeds it acks, noop replies and the clock. The producer
+owns its streams: it decides a request (stream_request.py), opens the reader through its
+`VbucketSource` and builds the stream. Streams are served round-robin in quanta so one busy
+vbucket cannot starve the others; a pump never produces more than the flow-control window allows
+(plus one message, dcp-wire.md §8.1), so a slow consumer cannot grow server memory.
 """
 
 from __future__ import annotations
@@ -11,15 +13,32 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Protocol
 
+from changefeed import limits
+from changefeed.checkpoint import CursorKind, StreamReader
+from changefeed.producer.encoder import DcpEncoder
 from changefeed.producer.flow_control import FlowControl
 from changefeed.producer.item_encoding import ItemOptions
-from changefeed.producer.stream import ActiveStream, StreamState
-from changefeed.protocol.dcp import OpenFlag, StreamEndReason, encode_dcp_noop
+from changefeed.producer.stream import Stream
+from changefeed.producer.stream_machine import StreamMachine
+from changefeed.producer.stream_request import (
+    Accepted,
+    Refused,
+    RollbackTo,
+    VbucketView,
+    decide_stream_request,
+)
+from changefeed.protocol.dcp import (
+    OpenFlag,
+    StreamEndReason,
+    StreamRequest,
+    StreamRole,
+    encode_dcp_noop,
+)
 from changefeed.protocol.snapshot_marker import MarkerVersion
 from changefeed.protocol.status import Status
 
-QUANTUM_BYTES = 64 * 1024  # per stream per round: fairness vs per-call overhead
 NOOP_INTERVAL_DEFAULT_S = 20.0  # dcp-wire.md §8.2, when never set
 NOOP_INTERVAL_MIN_S = 0.1  # connection_manager_interval
 NOOP_OPAQUE_FIRST = 10_000_000  # dcp-wire.md §7.9
@@ -53,15 +72,61 @@ KNOWN_CONTROLS = frozenset(
 )
 
 
+class VbucketSource(Protocol):
+    """What a producer needs of the node's vbuckets (the server's bucket implements it)."""
+
+    def vbucket_view(self, vb: int) -> VbucketView | None:
+        """The vbucket's state, seqnos and failover log now; None if it does not exist here."""
+        ...
+
+    def open_reader(
+        self,
+        vb: int,
+        name: str,
+        start_seqno: int,
+        *,
+        kind: CursorKind,
+        droppable: bool,
+        end_seqno: int,
+    ) -> StreamReader:
+        """A reader of every change of `vb` after `start_seqno`."""
+        ...
+
+
+_CURSOR_KIND = {StreamRole.APPLICATION: CursorKind.STREAM, StreamRole.REPLICA: CursorKind.REPLICA}
+
+
 class DcpProducer:
+    """The producer side of one DCP connection.
+
+    Args:
+        name: the connection name from DCP_OPEN (cursor names and logs).
+        flags: DCP_OPEN flags; must include Producer.
+        source: the vbuckets streams read from.
+        role: who reads (DCP_OPEN); decides the cursor kind and default droppability.
+        clock: monotonic seconds (noops, idle time); injected so tests replay.
+        streams_max: streams this connection may hold at once.
+    """
+
     def __init__(
-        self, name: str, flags: int, *, clock: Callable[[], float] = time.monotonic
+        self,
+        name: str,
+        flags: int,
+        *,
+        source: VbucketSource,
+        role: StreamRole = StreamRole.APPLICATION,
+        clock: Callable[[], float] = time.monotonic,
+        streams_max: int = limits.STREAMS_PER_CONNECTION_MAX,
     ) -> None:
         assert flags & OpenFlag.PRODUCER, flags
+        assert streams_max > 0, streams_max
         self.name = name
         self.flags = flags
+        self.role = role
         self.clock = clock
-        self.streams: dict[int, ActiveStream] = {}
+        self._source = source
+        self._streams_max = streams_max
+        self.streams: dict[int, Stream] = {}
         self.flow = FlowControl()
         self.options = ItemOptions(
             delete_times=bool(flags & OpenFlag.INCLUDE_DELETE_TIMES),
@@ -70,7 +135,8 @@ class DcpProducer:
         self.marker_version = MarkerVersion.V1
         self.stream_ids_enabled = False
         self.send_stream_end_on_close = False
-        self.cursor_dropping = "replication" not in name  # dcp-wire.md §10
+        # dcp-wire.md §10: application cursors may be dropped, replica cursors by request only.
+        self.cursor_dropping = role is StreamRole.APPLICATION
         self.noop_enabled = False
         self.noop_interval_s = NOOP_INTERVAL_DEFAULT_S
         self._noop_opaque = NOOP_OPAQUE_FIRST
@@ -95,12 +161,57 @@ class DcpProducer:
 
     def has_stream(self, vb: int) -> bool:
         stream = self.streams.get(vb)
-        return stream is not None and stream.state is StreamState.ACTIVE
+        return stream is not None and not stream.ended
 
-    def add_stream(self, stream: ActiveStream) -> None:
+    def stream_request(self, request: StreamRequest) -> Accepted | RollbackTo | Refused:
+        """Decide DCP_STREAM_REQ and, when accepted, start the stream.
+
+        Returns:
+            The outcome the connection answers with: the failover log (Accepted), ROLLBACK with
+            a seqno (RollbackTo), or an error status (Refused).
+        """
+        vb = request.vbucket
+        live = sum(1 for stream in self.streams.values() if not stream.ended)
+        if live >= self._streams_max and not self.has_stream(vb):
+            return Refused(
+                Status.ENOMEM, f"connection holds {live} streams, the most allowed (streams_max)"
+            )
+        view = self._source.vbucket_view(vb)
+        outcome = decide_stream_request(
+            request,
+            view,
+            stream_exists=self.has_stream(vb),
+            stream_ids_enabled=self.stream_ids_enabled,
+        )
+        if isinstance(outcome, Accepted):
+            assert view is not None, vb
+            self._add_stream(self._new_stream(request, outcome, view.purge_seqno))
+        return outcome
+
+    def _new_stream(self, request: StreamRequest, accepted: Accepted, purge_seqno: int) -> Stream:
+        vb = request.vbucket
+        reader = self._source.open_reader(
+            vb,
+            f"dcp:{self.name}:{vb}:{id(self)}",
+            accepted.start_seqno,
+            kind=_CURSOR_KIND[self.role],
+            droppable=self.cursor_dropping,
+            end_seqno=accepted.end_seqno,
+        )
+        encoder = DcpEncoder(
+            vb,
+            request.opaque,
+            self.options,
+            marker_version=self.marker_version,
+            stream_id=request.stream_id,
+        )
+        machine = StreamMachine(accepted.start_seqno, accepted.end_seqno)
+        return Stream(vb, reader=reader, machine=machine, encoder=encoder, purge_seqno=purge_seqno)
+
+    def _add_stream(self, stream: Stream) -> None:
         old = self.streams.get(stream.vb)
         if old is not None:
-            assert old.state is StreamState.ENDED, old.vb
+            assert old.ended, old.vb
             old.close()
         self.streams[stream.vb] = stream
         if stream.vb not in self._rotation:
@@ -109,7 +220,7 @@ class DcpProducer:
     def close_stream(self, vb: int) -> Status:
         """CLOSE_STREAM: end the stream; a STREAM_END(CLOSED) follows only if asked for."""
         stream = self.streams.get(vb)
-        if stream is None or stream.state is StreamState.ENDED:
+        if stream is None or stream.ended:
             return Status.KEY_ENOENT
         if self.send_stream_end_on_close:
             stream.end(StreamEndReason.CLOSED)
@@ -142,16 +253,34 @@ class DcpProducer:
             vb = self._rotation.pop(0)
             self._rotation.append(vb)
             stream = self.streams[vb]
-            budget = min(QUANTUM_BYTES, bytes_max - written, max(1, self.flow.room_bytes))
+            room = max(1, self.flow.room_bytes)
+            budget = min(limits.STREAM_QUANTUM_BYTES, bytes_max - written, room)
             produced = stream.fill(out, budget) if stream.ready else 0
             self.flow.sent(produced)
             written += produced
-            if stream.state is StreamState.ENDED:
+            if stream.ended:
                 self._remove(vb)
             idle_rounds = 0 if produced else idle_rounds + 1
             if idle_rounds >= len(self._rotation):
                 break
         return written
+
+    def stats(self) -> dict[str, int]:
+        """This connection's counters, for STAT dcp and /metrics."""
+        return {
+            "streams": sum(1 for stream in self.streams.values() if not stream.ended),
+            "unacked_bytes": self.flow.outstanding_bytes,
+            "acked_bytes": self.flow.acked_bytes_total,
+        }
+
+    def lag_items(self) -> dict[int, int]:
+        """Per streamed vbucket: seqnos between the last one sent and the vbucket's high seqno."""
+        lags: dict[int, int] = {}
+        for vb, stream in self.streams.items():
+            view = self._source.vbucket_view(vb)
+            behind = 0 if view is None else view.high_seqno - stream.last_sent_seqno
+            lags[vb] = max(0, behind)
+        return lags
 
     def on_buffer_ack(self, nbytes: int) -> None:
         self.flow.ack(nbytes)

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from changefeed.failover import FailoverLog
 from changefeed.protocol.dcp import StreamFlag, StreamRequest
 from changefeed.protocol.status import Status
+from changefeed.vbucket_state import VBucketState
 
 
 @dataclass(frozen=True, slots=True)
 class VbucketView:
     """What the decision needs to know about the vbucket at request time."""
 
-    state: str  # "active" | "replica" | "pending" | "dead"
+    state: VBucketState
     high_seqno: int
     persisted_seqno: int
     purge_seqno: int
@@ -39,13 +40,17 @@ class RollbackTo:
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
-    """The stream to run: send ``(start_seqno, end_seqno]`` starting with a marker at start."""
+    """The stream to run: send ``(start_seqno, end_seqno]`` starting with a marker at start.
+
+    ``failover_log`` is the vbucket's log at acceptance, the body of the success response.
+    """
 
     start_seqno: int
     end_seqno: int
     snap_start: int
     snap_end: int
     vb_uuid: int
+    failover_log: tuple[tuple[int, int], ...]
 
 
 def decide_stream_request(
@@ -57,9 +62,9 @@ def decide_stream_request(
 ) -> Accepted | RollbackTo | Refused:
     """Apply §6.2 checks 1–9 and the rollback rules (§9) to ``request``."""
     flags = request.flags
-    if vb is None or vb.state not in ("active", "replica"):
+    if vb is None or not vb.state.streamable:
         return Refused(Status.NOT_MY_VBUCKET, f"vbucket {request.vbucket} is not served here")
-    if flags & StreamFlag.ACTIVE_VB_ONLY and vb.state != "active":
+    if flags & StreamFlag.ACTIVE_VB_ONLY and vb.state is not VBucketState.ACTIVE:
         return Refused(Status.NOT_MY_VBUCKET, f"vbucket {request.vbucket} is {vb.state}")
     start, end = request.start_seqno, request.end_seqno
     snap_start, snap_end, uuid = request.snap_start, request.snap_end, request.vb_uuid
@@ -99,4 +104,5 @@ def decide_stream_request(
         return Refused(Status.ERANGE, f"start {start} > high seqno {vb.high_seqno}")
     if start == snap_start and snap_end > vb.high_seqno:
         snap_end = start  # §6.2 step 9: clamp rather than fail
-    return Accepted(start, end, snap_start, snap_end, vb.failover_log.latest[0])
+    log = vb.failover_log
+    return Accepted(start, end, snap_start, snap_end, log.latest[0], tuple(log.entries))

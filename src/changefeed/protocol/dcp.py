@@ -9,6 +9,7 @@ the producer's.
 
 from __future__ import annotations
 
+import enum
 import json
 import struct
 from dataclasses import dataclass, field
@@ -80,7 +81,10 @@ class StreamEndReason(IntEnum):
     LOST_PRIVILEGES = 8
 
 
-class VbucketState(IntEnum):
+class WireVbucketState(IntEnum):
+    """vbucket_state_t on the wire (SET_VBUCKET_STATE, GET_ALL_VB_SEQNOS filter); the store's
+    and every layer's enum is `changefeed.vbucket_state.VBucketState`."""
+
     ACTIVE = 1
     REPLICA = 2
     PENDING = 3
@@ -101,12 +105,30 @@ def _require(condition: bool, message: str, status: Status = Status.EINVAL) -> N
 # -- DCP_OPEN ---------------------------------------------------------------------------------
 
 
+class StreamRole(enum.StrEnum):
+    """Who reads a producer connection's streams; given at DCP_OPEN, never guessed from a name.
+
+    APPLICATION: a client (Spark, `changefeed stream`); its cursors may be dropped under memory
+        pressure, the stream then continues from disk.
+    REPLICA: a replica vbucket of the cluster pulling from its active; its cursors are kept
+        unless the connection allows cursor dropping (dcp-wire.md §10).
+
+    Carried as the key ``stream_role`` of the DCP_OPEN JSON value, a changefeed extension beside
+    Couchbase's ``consumer_name``: kv_engine recognises replication by a "replication" substring
+    of the connection name, which any client can hit by accident.
+    """
+
+    APPLICATION = "application"
+    REPLICA = "replica"
+
+
 @dataclass(frozen=True, slots=True)
 class DcpOpen:
     opaque: int
     name: str
     flags: int
     consumer_name: str | None = None
+    role: StreamRole = StreamRole.APPLICATION
 
 
 def encode_dcp_open(message: DcpOpen) -> bytes:
@@ -114,8 +136,13 @@ def encode_dcp_open(message: DcpOpen) -> bytes:
         raise ValueError("DCP_OPEN needs a connection name")
     value = b""
     datatype = 0
+    body: dict[str, str] = {}
     if message.consumer_name is not None:
-        value = json.dumps({"consumer_name": message.consumer_name}).encode()
+        body["consumer_name"] = message.consumer_name
+    if message.role is not StreamRole.APPLICATION:
+        body["stream_role"] = message.role.value
+    if body:
+        value = json.dumps(body).encode()
         datatype = Datatype.JSON
     return encode_frame(
         Magic.REQUEST,
@@ -140,13 +167,21 @@ def decode_dcp_open(frame: Frame) -> DcpOpen:
         _require(bool(flags & OpenFlag.INCLUDE_XATTRS), "IncludeDeletedUserXattrs needs Xattrs")
     name = _utf8(frame.key, "connection name")
     consumer_name = None
+    role = StreamRole.APPLICATION
     if frame.value:
         _require(frame.datatype == Datatype.JSON, "DCP_OPEN value must have datatype JSON")
         body = decode_json_object(frame.value, "DCP_OPEN value")
-        _require(set(body) <= {"consumer_name"}, f"DCP_OPEN value keys {sorted(body)}")
-        consumer_name = body.get("consumer_name")
-        _require(isinstance(consumer_name, str), "consumer_name must be a string")
-    return DcpOpen(frame.opaque, name, flags, consumer_name)
+        keys = sorted(body)
+        _require(set(body) <= {"consumer_name", "stream_role"}, f"DCP_OPEN value keys {keys}")
+        if "consumer_name" in body:
+            consumer_name = body["consumer_name"]
+            _require(isinstance(consumer_name, str), "consumer_name must be a string")
+        if "stream_role" in body:
+            raw_role = body["stream_role"]
+            roles = [r.value for r in StreamRole]
+            _require(raw_role in roles, f"stream_role {str(raw_role)[:40]!r} not in {roles}")
+            role = StreamRole(raw_role)
+    return DcpOpen(frame.opaque, name, flags, consumer_name, role)
 
 
 # -- DCP_CONTROL ------------------------------------------------------------------------------
@@ -338,7 +373,7 @@ def decode_buffer_ack(frame: Frame) -> int:
     return int(U32.unpack(frame.extras)[0])
 
 
-def encode_set_vbucket_state(vbucket: int, opaque: int, state: VbucketState) -> bytes:
+def encode_set_vbucket_state(vbucket: int, opaque: int, state: WireVbucketState) -> bytes:
     return encode_frame(
         Magic.REQUEST,
         Opcode.DCP_SET_VBUCKET_STATE,
@@ -348,10 +383,10 @@ def encode_set_vbucket_state(vbucket: int, opaque: int, state: VbucketState) -> 
     )
 
 
-def decode_set_vbucket_state(frame: Frame) -> VbucketState:
+def decode_set_vbucket_state(frame: Frame) -> WireVbucketState:
     _require(len(frame.extras) == 1, "DCP_SET_VBUCKET_STATE extras must be 1 byte")
     try:
-        return VbucketState(frame.extras[0])
+        return WireVbucketState(frame.extras[0])
     except ValueError:
         raise ProtocolError(f"unknown vbucket state {frame.extras[0]}") from None
 

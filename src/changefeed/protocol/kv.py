@@ -157,6 +157,21 @@ def decode_key_only(frame: Frame) -> bytes:
     return frame.key
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MutationResult:
+    """What a write answers, on both sides of the wire: the vbucket it went to, the seqno and
+    CAS it got, and the vb_uuid of the history branch it is on (the mutation token).
+
+    The node builds it when it takes a write; a client decodes it from the response (CAS from
+    the header, token from the extras when MutationSeqno was negotiated, else vb_uuid and seqno 0).
+    """
+
+    vbucket: int
+    seqno: int
+    cas: int
+    vb_uuid: int
+
+
 def encode_mutation_token(vb_uuid: int, seqno: int) -> bytes:
     """Extras of a SET/DELETE response when MutationSeqno was negotiated."""
     return MUTATION_TOKEN.pack(vb_uuid, seqno)

@@ -1,8 +1,9 @@
 """A bucket on a node: the store, its vbuckets, the flusher task, and status mapping.
 
-Translates between the wire (vbucket ids, memcached expiry rules, status codes) and the vbucket
-layer (``changefeed.vbucket``): vbucket errors become the ``StatusError`` the client receives.
-One asyncio task flushes every vbucket with queued items (group commit per vbucket batch).
+Translates between the wire (vbucket ids, memcached expiry rules) and the vbucket layer
+(``changefeed.vbucket``), whose errors already are the ``StatusError`` the client receives. One
+asyncio task flushes every vbucket with queued items (group commit per vbucket batch). It is the
+`VbucketSource` DCP producers read from. Clock and RNG come in through `open`, so a test replays.
 """
 
 from __future__ import annotations
@@ -10,77 +11,78 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from changefeed.checkpoint import CursorKind, MemoryBudget, StreamReader, Wakeup
 from changefeed.producer.stream_request import VbucketView
-from changefeed.protocol import errors as wire
-from changefeed.protocol.kv import ObserveSeqnoResult, StoreCommand
+from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError
+from changefeed.protocol.kv import MutationResult, ObserveSeqnoResult, StoreCommand
 from changefeed.protocol.opcode import Opcode
 from changefeed.server.config import NodeConfig
 from changefeed.storage import Store
-from changefeed.vbucket import (
-    Document,
-    InvalidArgumentError,
-    KeyExistsError,
-    KeyNotFoundError,
-    MutationResult,
-    NotMyVbucketError,
-    TemporaryFailureError,
-    VBucket,
-    VBucketError,
-    VBucketState,
-)
+from changefeed.vbucket import Document, VBucket
+from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState
 
 log = logging.getLogger("changefeed.bucket")
 
 RELATIVE_EXPIRY_MAX_S = 30 * 24 * 3600  # memcached: up to 30 days is relative, above absolute
 FLUSH_IDLE_S = 0.005
 
-_STATUS_OF: dict[type[VBucketError], type[wire.StatusError]] = {
-    NotMyVbucketError: wire.NotMyVbucketError,
-    KeyNotFoundError: wire.KeyNotFoundError,
-    KeyExistsError: wire.KeyExistsError,
-    InvalidArgumentError: wire.InvalidArgumentsError,
-    TemporaryFailureError: wire.TemporaryFailureError,
-}
-_STATE_FILTER = {
-    1: VBucketState.ACTIVE,
-    2: VBucketState.REPLICA,
-    3: VBucketState.PENDING,
-    4: VBucketState.DEAD,
-}
-
-
-@contextlib.contextmanager
-def _as_status() -> Iterator[None]:
-    try:
-        yield
-    except VBucketError as error:
-        raise _STATUS_OF.get(type(error), wire.InternalError)(str(error)) from error
-
 
 class Bucket:
-    def __init__(self, name: str, store: Store, vbuckets: dict[int, VBucket], budget: MemoryBudget):
+    def __init__(
+        self,
+        name: str,
+        store: Store,
+        vbuckets: dict[int, VBucket],
+        budget: MemoryBudget,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.name = name
         self.store = store
         self.vbuckets = vbuckets
         self.budget = budget
+        self._clock = clock
         self._flush_task: asyncio.Task[None] | None = None
         self._dirty = asyncio.Event()
 
     @classmethod
-    def open(cls, config: NodeConfig) -> Bucket:
-        """Open (recover) the bucket's store and every vbucket of the node."""
+    def open(
+        cls,
+        config: NodeConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> Bucket:
+        """Open (recover) the bucket's store and every vbucket of the node.
+
+        Args:
+            config: sizes, paths and durability.
+            clock: wall-clock seconds for CAS, expiry and delete times (one clock for all).
+            rng: draws vb_uuids; pass a seeded one for a replayable run.
+        """
         store = Store(
             config.data_dir / config.bucket,
             map_size_bytes=config.map_size_bytes,
             durable=config.durable,
         )
         budget = MemoryBudget(config.checkpoint_quota_bytes)
-        vbuckets = {vb: VBucket(store, vb, budget=budget) for vb in range(config.vbuckets)}
-        return cls(config.bucket, store, vbuckets, budget)
+        vbuckets = {
+            vb: VBucket(
+                store,
+                vb,
+                clock=clock,
+                rng=rng,
+                budget=budget,
+                checkpoint_max_bytes=config.checkpoint_max_bytes,
+                flush_batch_bytes_max=config.flush_batch_bytes,
+            )
+            for vb in range(config.vbuckets)
+        }
+        return cls(config.bucket, store, vbuckets, budget, clock=clock)
 
     def start(self) -> None:
         for vb in self.vbuckets.values():
@@ -114,31 +116,22 @@ class Bucket:
     def vbucket(self, vb: int) -> VBucket:
         found = self.vbuckets.get(vb)
         if found is None:
-            raise wire.NotMyVbucketError(f"vbucket {vb} does not exist")
+            raise NotMyVbucketError(f"vbucket {vb} does not exist")
         return found
 
     def store_command(self, command: StoreCommand) -> MutationResult:
         vb = self.vbucket(command.vbucket)
-        expiry = absolute_expiry(command.expiry)
-        with _as_status():
-            if command.opcode == Opcode.ADD:
-                return vb.add(
-                    command.key,
-                    command.value,
-                    flags=command.flags,
-                    expiry=expiry,
-                    datatype=command.datatype,
-                )
-            if command.opcode == Opcode.REPLACE:
-                return vb.replace(
-                    command.key,
-                    command.value,
-                    flags=command.flags,
-                    expiry=expiry,
-                    datatype=command.datatype,
-                    cas=command.cas,
-                )
-            return vb.set(
+        expiry = absolute_expiry(command.expiry, self._clock())
+        if command.opcode == Opcode.ADD:
+            return vb.add(
+                command.key,
+                command.value,
+                flags=command.flags,
+                expiry=expiry,
+                datatype=command.datatype,
+            )
+        if command.opcode == Opcode.REPLACE:
+            return vb.replace(
                 command.key,
                 command.value,
                 flags=command.flags,
@@ -146,16 +139,22 @@ class Bucket:
                 datatype=command.datatype,
                 cas=command.cas,
             )
+        return vb.set(
+            command.key,
+            command.value,
+            flags=command.flags,
+            expiry=expiry,
+            datatype=command.datatype,
+            cas=command.cas,
+        )
 
     def delete(self, vb: int, key: bytes, *, cas: int = 0) -> MutationResult:
-        with _as_status():
-            return self.vbucket(vb).delete(key, cas=cas)
+        return self.vbucket(vb).delete(key, cas=cas)
 
     def get(self, vb: int, key: bytes) -> Document:
-        with _as_status():
-            document = self.vbucket(vb).get(key)
+        document = self.vbucket(vb).get(key)
         if document is None:
-            raise wire.KeyNotFoundError(f"key {key[:64]!r} not found")
+            raise KeyNotFoundError(f"key {key[:64]!r} not found")
         return document
 
     # -- seqnos and failover logs -------------------------------------------------------------
@@ -168,7 +167,7 @@ class Bucket:
         return v.high_seqno, v.persisted_seqno, v.purge_seqno
 
     def vb_seqnos(self, state_filter: int) -> list[tuple[int, int]]:
-        wanted = _STATE_FILTER.get(state_filter)
+        wanted = STATE_BY_WIRE_VALUE.get(state_filter)
         return [
             (vb, v.high_seqno)
             for vb, v in sorted(self.vbuckets.items())
@@ -193,15 +192,21 @@ class Bucket:
         v = self.vbuckets.get(vb)
         if v is None:
             return None
-        return VbucketView(
-            v.state.value, v.high_seqno, v.persisted_seqno, v.purge_seqno, v.failover_log
-        )
+        return VbucketView(v.state, v.high_seqno, v.persisted_seqno, v.purge_seqno, v.failover_log)
 
     def open_reader(
-        self, vb: int, name: str, start_seqno: int, *, droppable: bool, end_seqno: int
+        self,
+        vb: int,
+        name: str,
+        start_seqno: int,
+        *,
+        kind: CursorKind,
+        droppable: bool,
+        end_seqno: int,
     ) -> StreamReader:
-        kind = CursorKind.STREAM if droppable else CursorKind.REPLICA
-        return self.vbucket(vb).stream(name, start_seqno, kind=kind, end_seqno=end_seqno)
+        return self.vbucket(vb).stream(
+            name, start_seqno, kind=kind, droppable=droppable, end_seqno=end_seqno
+        )
 
     def wakeup(self, vb: int) -> Wakeup:
         return self.vbucket(vb).manager.wakeup
@@ -237,8 +242,11 @@ class Bucket:
                 yield f"vb_{vb}:{i}:seq", str(seqno)
 
 
-def absolute_expiry(expiry: int, now: float | None = None) -> int:
-    """Memcached rule: 0 never expires, <= 30 days is relative seconds, else a Unix time."""
+def absolute_expiry(expiry: int, now: float) -> int:
+    """Memcached rule: 0 never expires, <= 30 days is relative seconds, else a Unix time.
+
+    `now` is the vbucket's clock, the one expiry is later checked against.
+    """
     if expiry == 0 or expiry > RELATIVE_EXPIRY_MAX_S:
         return expiry
-    return int(now if now is not None else time.time()) + expiry
+    return int(now) + expiry

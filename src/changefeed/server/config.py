@@ -8,7 +8,7 @@ silently ignored).
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,13 @@ class NodeConfig:
     vbuckets: int = 64  # Couchbase uses 1024; 64 keeps a laptop node light
     durable: bool = True  # fsync each flush batch (False: survives kill -9, not power loss)
     checkpoint_quota_bytes: int = 256 * 1024 * 1024  # memory for all checkpoints of the bucket
-    checkpoint_max_items: int = 10_000  # items before a new checkpoint is forced
-    flush_batch_items: int = 10_000  # group-commit size of the flusher
+    # The open checkpoint is closed once it holds this many accounted bytes (limits.py).
+    checkpoint_max_bytes: int = limits.CHECKPOINT_MAX_BYTES_DEFAULT
+    flush_batch_bytes: int = limits.FLUSH_BATCH_BYTES_MAX  # accounted bytes per group commit
     noop_idle_timeout_s: float = 360.0  # dcp_idle_timeout (dcp-wire.md §8.2)
     map_size_bytes: int = limits.STORAGE_MAP_SIZE_BYTES_DEFAULT
     users_file: Path | None = None  # default: <data_dir>/users.json
     log_level: str = "INFO"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def users_path(self) -> Path:
@@ -48,7 +48,37 @@ class NodeConfig:
             raise ConfigError("ports must be 0..65535")
         if self.checkpoint_quota_bytes < 1024 * 1024:
             raise ConfigError("checkpoint_quota_bytes must be at least 1 MiB")
+        if self.checkpoint_max_bytes <= 0:
+            raise ConfigError(f"checkpoint_max_bytes {self.checkpoint_max_bytes} must be positive")
+        if not 0 < self.flush_batch_bytes <= limits.STORAGE_BATCH_BYTES_MAX // 64:
+            raise ConfigError(
+                f"flush_batch_bytes {self.flush_batch_bytes} must be 1.."
+                f"{limits.STORAGE_BATCH_BYTES_MAX // 64}"
+            )
+        if self.noop_idle_timeout_s <= 0:
+            raise ConfigError(f"noop_idle_timeout_s {self.noop_idle_timeout_s} must be positive")
         return self
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+    "Path": (Path,),
+    "Path | None": (Path, type(None)),
+}
+
+
+def _check_type(key: str, value: object, annotation: object, path: Path | None) -> None:
+    """A value of the wrong type is an error naming the key, not a crash later."""
+    wanted = _TYPES.get(str(annotation))
+    assert wanted is not None, (key, annotation)  # every field's annotation is listed above
+    wrong_bool = isinstance(value, bool) and bool not in wanted
+    if wrong_bool or not isinstance(value, wanted):
+        where = f" in {path}" if path else ""
+        names = " or ".join(kind.__name__ for kind in wanted)
+        raise ConfigError(f"config key {key!r}{where} must be {names}, not {value!r}")
 
 
 def load_config(path: Path | None, **overrides: Any) -> NodeConfig:
@@ -72,6 +102,8 @@ def load_config(path: Path | None, **overrides: Any) -> NodeConfig:
     for key in ("data_dir", "users_file"):
         if isinstance(values.get(key), str):
             values[key] = Path(values[key])
+    for key, value in values.items():
+        _check_type(key, value, known[key].type, path)
     try:
         return replace(NodeConfig(), **values).validate()
     except TypeError as error:

@@ -4,8 +4,10 @@ An asyncio ``Protocol``: ``data_received`` feeds a ``FrameReader`` and dispatche
 through a table of handlers. Unauthenticated connections may only HELLO, list mechanisms and
 authenticate (and NOOP). Bad frames get an error status when the connection can still be
 trusted to stay in sync (a decodable frame with bad contents), else the connection is closed
-(broken framing) — never a crash (invariant 5). After DCP_OPEN the connection also runs a pump
-task that writes stream frames while the transport is not paused (backpressure).
+(broken framing) — never a crash (invariant 5). After DCP_OPEN the connection also runs a
+`DcpPump` that writes stream frames while the transport is not paused (backpressure). Handlers
+reach the node's state only through the `ServerContext` the connection was built with; an
+operating error is a `StatusError` whose status is the reply (one hierarchy, protocol/errors.py).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from changefeed import limits
+from changefeed.producer.producer import DcpProducer
+from changefeed.producer.stream_request import Accepted, Refused, RollbackTo
 from changefeed.protocol.dcp import (
     OpenFlag,
     decode_buffer_ack,
@@ -30,6 +33,7 @@ from changefeed.protocol.errors import ProtocolError, StatusError
 from changefeed.protocol.frame import Frame, encode_response
 from changefeed.protocol.kv import (
     GET_RESPONSE_EXTRAS,
+    MutationResult,
     decode_hello,
     decode_key_only,
     decode_observe_seqno_request,
@@ -43,12 +47,10 @@ from changefeed.protocol.kv import (
 from changefeed.protocol.opcode import Feature, Opcode
 from changefeed.protocol.reader import CLOSED, NEED_DATA, FrameReader
 from changefeed.protocol.status import Status
-from changefeed.server.sasl_session import SaslSession
-
-if TYPE_CHECKING:
-    from changefeed.server.dcp_session import DcpSession
-    from changefeed.server.node import Node
-    from changefeed.vbucket import MutationResult
+from changefeed.server.authenticator import SaslAuthenticator
+from changefeed.server.context import ServerContext
+from changefeed.server.dcp_pump import DcpPump
+from changefeed.server.stats import cluster_config, stat_group
 
 log = logging.getLogger("changefeed.server")
 
@@ -69,15 +71,17 @@ Handler = Callable[["ClientConnection", Frame], None]
 
 
 class ClientConnection(asyncio.Protocol):
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    """One client's connection; also the `FrameSink` its DCP pump writes to."""
+
+    def __init__(self, context: ServerContext) -> None:
+        self.context = context
         # Until SASL succeeds a peer may only send small frames (limits.py explains why).
         self.reader = FrameReader(limits.UNAUTHENTICATED_FRAME_SIZE_MAX)
         self.transport: asyncio.Transport | None = None
-        self.sasl = SaslSession(node.users)
+        self.sasl = SaslAuthenticator(context.users)
         self.features: set[int] = set()
         self.bucket_selected = False
-        self.dcp: DcpSession | None = None
+        self.dcp: DcpPump | None = None
         self.peer = "?"
         self.writable = asyncio.Event()
         self.writable.set()
@@ -88,12 +92,13 @@ class ClientConnection(asyncio.Protocol):
         # uvloop's TCPTransport is not an asyncio.Transport subclass; it has the same methods.
         self.transport = transport  # type: ignore[assignment]
         self.peer = str(transport.get_extra_info("peername"))
-        self.node.connections.add(self)
+        self.context.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.node.connections.discard(self)
+        self.context.connections.discard(self)
         if self.dcp is not None:
             self.dcp.close()
+            self.context.dcp.unregister(self.dcp)
             self.dcp = None
         self.writable.set()
 
@@ -124,6 +129,10 @@ class ClientConnection(asyncio.Protocol):
     def send(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+
+    def write_frames(self, frames: list[bytes]) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(frames)
 
     def reply(
         self,
@@ -211,7 +220,7 @@ def _after_sasl(c: ClientConnection) -> None:
 
 
 def _select_bucket(c: ClientConnection, f: Frame) -> None:
-    if f.key.decode(errors="replace") != c.node.bucket.name:
+    if f.key.decode(errors="replace") != c.context.bucket.name:
         c.reply(f, Status.KEY_ENOENT, value=b"no such bucket")
         return
     c.bucket_selected = True
@@ -221,13 +230,13 @@ def _select_bucket(c: ClientConnection, f: Frame) -> None:
 def _store(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     command = decode_store(f)
-    _reply_mutation(c, f, c.node.bucket.store_command(command))
+    _reply_mutation(c, f, c.context.bucket.store_command(command))
 
 
 def _delete(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     key = decode_key_only(f)
-    _reply_mutation(c, f, c.node.bucket.delete(f.vbucket, key, cas=f.cas))
+    _reply_mutation(c, f, c.context.bucket.delete(f.vbucket, key, cas=f.cas))
 
 
 def _reply_mutation(c: ClientConnection, f: Frame, result: MutationResult) -> None:
@@ -241,7 +250,7 @@ def _reply_mutation(c: ClientConnection, f: Frame, result: MutationResult) -> No
 def _get(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     key = decode_key_only(f)
-    item = c.node.bucket.get(f.vbucket, key)
+    item = c.context.bucket.get(f.vbucket, key)
     c.reply(
         f,
         extras=GET_RESPONSE_EXTRAS.pack(item.flags),
@@ -253,7 +262,7 @@ def _get(c: ClientConnection, f: Frame) -> None:
 
 def _stat(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
-    for name, value in c.node.stats(f.key.decode(errors="replace")):
+    for name, value in stat_group(c.context, f.key.decode(errors="replace")):
         c.reply(f, key=name.encode(), value=value.encode())
     c.reply(f)  # an empty key and value end the stat list
 
@@ -261,13 +270,13 @@ def _stat(c: ClientConnection, f: Frame) -> None:
 def _all_vb_seqnos(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     state = decode_vb_state_filter(f)
-    c.reply(f, value=encode_vb_seqnos(c.node.bucket.vb_seqnos(state)))
+    c.reply(f, value=encode_vb_seqnos(c.context.bucket.vb_seqnos(state)))
 
 
 def _observe_seqno(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     uuid = decode_observe_seqno_request(f)
-    c.reply(f, value=encode_observe_seqno_result(c.node.bucket.observe_seqno(f.vbucket, uuid)))
+    c.reply(f, value=encode_observe_seqno_result(c.context.bucket.observe_seqno(f.vbucket, uuid)))
 
 
 def _failover_log(c: ClientConnection, f: Frame) -> None:
@@ -275,11 +284,11 @@ def _failover_log(c: ClientConnection, f: Frame) -> None:
     if f.opcode == Opcode.DCP_GET_FAILOVER_LOG and c.dcp is None:
         c.reply(f, Status.EINVAL, value=b"not a DCP connection")
         return
-    c.reply(f, value=encode_failover_log(c.node.bucket.failover_log(f.vbucket)))
+    c.reply(f, value=encode_failover_log(c.context.bucket.failover_log(f.vbucket)))
 
 
 def _cluster_config(c: ClientConnection, f: Frame) -> None:
-    config = c.node.cluster_config()
+    config = cluster_config(c.context)
     c.reply(f, value=json.dumps(config).encode(), datatype=1)
 
 
@@ -295,14 +304,25 @@ def _dcp_open(c: ClientConnection, f: Frame) -> None:
     if not message.flags & OpenFlag.PRODUCER:
         c.reply(f, Status.NOT_SUPPORTED, value=b"consumer connections are not supported")
         return
-    from changefeed.server.dcp_session import DcpSession
-
-    c.node.kick_dcp_name(message.name)
-    c.dcp = DcpSession(c, message.name, message.flags)
+    context = c.context
+    producer = DcpProducer(
+        message.name,
+        message.flags,
+        source=context.bucket,
+        role=message.role,
+        clock=context.monotonic,
+    )
+    c.dcp = DcpPump(
+        producer,
+        sink=c,
+        wakeup_of=context.bucket.wakeup,
+        idle_timeout_s=context.config.noop_idle_timeout_s,
+    )
+    context.dcp.register(c.dcp)
     c.reply(f)
 
 
-def _dcp_only(f: Frame, c: ClientConnection) -> DcpSession:
+def _dcp_only(f: Frame, c: ClientConnection) -> DcpPump:
     if c.dcp is None:
         raise ProtocolError(f"{Opcode(f.opcode).name} on a non-DCP connection", Status.EINVAL)
     return c.dcp
@@ -317,15 +337,13 @@ def _dcp_control(c: ClientConnection, f: Frame) -> None:
 
 def _dcp_stream_req(c: ClientConnection, f: Frame) -> None:
     dcp = _dcp_only(f, c)
-    outcome = dcp.stream_request(decode_stream_request(f))
-    if isinstance(outcome, int):
-        c.reply(f, Status.ROLLBACK, value=encode_rollback_seqno(outcome))
-    elif isinstance(outcome, list):
-        c.reply(f, value=encode_failover_log(outcome))
-        dcp.wake()
-    else:
-        status, message = outcome
-        c.reply(f, status, value=message.encode())
+    match dcp.stream_request(decode_stream_request(f)):
+        case Accepted(failover_log=entries):
+            c.reply(f, value=encode_failover_log(list(entries)))
+        case RollbackTo(seqno=seqno):
+            c.reply(f, Status.ROLLBACK, value=encode_rollback_seqno(seqno))
+        case Refused(status=status, message=message):
+            c.reply(f, status, value=message.encode())
 
 
 def _dcp_close_stream(c: ClientConnection, f: Frame) -> None:

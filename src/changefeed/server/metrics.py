@@ -7,29 +7,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from changefeed.server.node import Node
+from changefeed.server.context import ServerContext
 
 
 class NodeCollector(Collector):
-    def __init__(self, node: Node) -> None:
-        self._node = node
+    def __init__(self, context: ServerContext) -> None:
+        self._context = context
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        node = self._node
-        bucket = node.bucket
-        yield _gauge("changefeed_connections", "Open client connections.", len(node.connections))
-        yield _gauge(
-            "changefeed_dcp_streams",
-            "Active DCP streams.",
-            sum(len(c.dcp.producer.streams) for c in node.connections if c.dcp is not None),
-        )
+        context = self._context
+        bucket = context.bucket
+        yield _gauge("changefeed_connections", "Open client connections.", len(context.connections))
+        yield _gauge("changefeed_dcp_streams", "Active DCP streams.", context.dcp.streams_total())
         yield _gauge("changefeed_items", "Live items in the bucket.", bucket.item_count())
         yield _gauge(
             "changefeed_checkpoint_memory_bytes",
@@ -46,13 +40,8 @@ class NodeCollector(Collector):
             "Seqnos a DCP stream is behind the vbucket's high seqno.",
             labels=["connection", "vbucket"],
         )
-        for conn in node.connections:
-            if conn.dcp is None:
-                continue
-            for vb, stream in conn.dcp.producer.streams.items():
-                high = bucket.vbucket_view(vb)
-                behind = 0 if high is None else high.high_seqno - stream.last_sent_seqno
-                lag.add_metric([conn.dcp.name, str(vb)], max(0, behind))
+        for name, vb, behind in context.dcp.lags():
+            lag.add_metric([name, str(vb)], behind)
         yield lag
 
 
@@ -72,10 +61,10 @@ def _per_vb_gauges() -> list[tuple[str, str, Callable[..., float]]]:
     ]
 
 
-async def serve_metrics(node: Node, host: str, port: int) -> asyncio.Server:
+async def serve_metrics(context: ServerContext, host: str, port: int) -> asyncio.Server:
     """Serve ``GET /metrics`` on the node's event loop (so collection never races the loop)."""
     registry = CollectorRegistry()
-    registry.register(NodeCollector(node))
+    registry.register(NodeCollector(context))
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

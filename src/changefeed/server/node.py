@@ -10,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable
 
 from changefeed.server.bucket import Bucket
 from changefeed.server.config import NodeConfig
 from changefeed.server.connection import ClientConnection
+from changefeed.server.context import ServerContext
 from changefeed.server.metrics import serve_metrics
-from changefeed.server.users import Users, UsersError
+from changefeed.server.users import Users
 
 log = logging.getLogger("changefeed.node")
 
@@ -44,35 +47,53 @@ def load_or_create_users(config: NodeConfig) -> Users:
 
 
 class Node:
-    def __init__(self, config: NodeConfig) -> None:
+    """One node: builds the `ServerContext` its connections share and runs the listeners.
+
+    Args:
+        config: the node's configuration.
+        clock: wall-clock seconds (CAS, expiry, delete times); inject to replay a test.
+        rng: draws vb_uuids; a seeded one makes failover logs replayable.
+        monotonic: seconds for timeouts and DCP noops.
+    """
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         config.data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            self.users = load_or_create_users(config)
-        except UsersError:
-            raise
-        self.bucket = Bucket.open(config)
-        self.connections: set[ClientConnection] = set()
-        self.port = config.port
+        users = load_or_create_users(config)
+        bucket = Bucket.open(config, clock=clock, rng=rng)
+        self.context = ServerContext(config, users, bucket, monotonic=monotonic, port=config.port)
         self._server: asyncio.Server | None = None
         self._metrics: asyncio.Server | None = None
         self._stopped = asyncio.Event()
 
+    @property
+    def port(self) -> int:
+        """The bound KV port (config.port until listening; that may be 0 = any)."""
+        return self.context.port
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.bucket.start()
+        context = self.context
+        context.bucket.start()
         self._server = await loop.create_server(
-            lambda: ClientConnection(self), self.config.host, self.config.port
+            lambda: ClientConnection(context), self.config.host, self.config.port
         )
-        self.port = self._server.sockets[0].getsockname()[1]
+        context.port = self._server.sockets[0].getsockname()[1]
         if self.config.metrics_port:
-            self._metrics = await serve_metrics(self, self.config.host, self.config.metrics_port)
+            self._metrics = await serve_metrics(context, self.config.host, self.config.metrics_port)
         log.info(
             "serving bucket %r (%d vbuckets) on %s:%d, data in %s",
-            self.bucket.name,
+            context.bucket.name,
             self.config.vbuckets,
             self.config.host,
-            self.port,
+            context.port,
             self.config.data_dir,
         )
 
@@ -97,54 +118,7 @@ class Node:
             self._server.close()
         if self._metrics is not None:
             self._metrics.close()
-        for conn in list(self.connections):
+        for conn in list(self.context.connections):
             conn.close()
         await asyncio.sleep(0)
-        await self.bucket.close()
-
-    def kick_dcp_name(self, name: str) -> None:
-        """A DCP name reused by a new connection kicks the old one (dcp-wire.md §4)."""
-        for conn in list(self.connections):
-            if conn.dcp is not None and conn.dcp.name == name:
-                log.info("DCP name %r reused: closing the older connection", name)
-                conn.close()
-
-    def stats(self, group: str) -> Iterator[tuple[str, str]]:
-        """STAT groups: "" (general), "vbucket-seqno [vb]", "failovers [vb]", "dcp"."""
-        parts = group.split()
-        name = parts[0] if parts else ""
-        vbs = [int(parts[1])] if len(parts) > 1 and parts[1].isdigit() else None
-        if name == "":
-            yield "curr_connections", str(len(self.connections))
-            yield "curr_items", str(self.bucket.item_count())
-            yield "vb_active_num", str(len(self.bucket.vbucket_ids()))
-            yield "checkpoint_memory_bytes", str(self.bucket.checkpoint_memory_bytes())
-        elif name == "vbucket-seqno":
-            yield from self.bucket.seqno_stats(vbs)
-        elif name == "failovers":
-            yield from self.bucket.failover_stats(vbs)
-        elif name == "dcp":
-            for conn in self.connections:
-                if conn.dcp is None:
-                    continue
-                p = conn.dcp.producer
-                yield f"{p.name}:streams", str(len(p.streams))
-                yield f"{p.name}:unacked_bytes", str(p.flow.outstanding_bytes)
-                yield f"{p.name}:acked_bytes", str(p.flow.acked_bytes_total)
-
-    def cluster_config(self) -> dict[str, object]:
-        """A Couchbase-style cluster map for this single node (every vbucket active here)."""
-        server = f"{self.config.host}:{self.port}"
-        return {
-            "rev": 1,
-            "name": self.bucket.name,
-            "nodeLocator": "vbucket",
-            "nodes": [{"hostname": f"{self.config.host}:8091", "ports": {"direct": self.port}}],
-            "nodesExt": [{"hostname": self.config.host, "services": {"kv": self.port}}],
-            "vBucketServerMap": {
-                "hashAlgorithm": "CRC",
-                "numReplicas": 0,
-                "serverList": [server],
-                "vBucketMap": [[0] for _ in range(self.config.vbuckets)],
-            },
-        }
+        await self.context.bucket.close()

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from changefeed.consumer.connection import Connection
-from changefeed.consumer.handshake import authenticate, call, hello, select_bucket
+from changefeed.consumer.handshake import call, connect
 from changefeed.protocol.dcp import decode_failover_log, encode_get_failover_log
 from changefeed.protocol.errors import error_for_status
 from changefeed.protocol.kv import decode_vb_seqnos
-from changefeed.protocol.opcode import Feature, Opcode
+from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.status import Status
 from changefeed.spark.offsets import Offsets, VbOffset
 from changefeed.spark.options import SourceOptions
@@ -20,11 +19,11 @@ from changefeed.spark.options import SourceOptions
 
 async def fetch_latest(options: SourceOptions) -> tuple[Offsets, int]:
     """Return ``({vb: VbOffset at the high seqno}, number of vbuckets in the bucket)``."""
-    conn = await Connection.open(options.host, options.port)
+    conn = await connect(
+        options.host, options.port, agent="changefeed-spark", user=options.user,
+        password=options.password, bucket=options.bucket,
+    )  # fmt: skip
     try:
-        await hello(conn, "changefeed-spark", [Feature.XERROR, Feature.SELECT_BUCKET])
-        await authenticate(conn, options.user, options.password)
-        await select_bucket(conn, options.bucket)
         seqnos = dict(decode_vb_seqnos((await call(conn, Opcode.GET_ALL_VB_SEQNOS)).value))
         total = max(seqnos) + 1 if seqnos else 0
         wanted = options.vbucket_ids(total)

@@ -31,6 +31,7 @@ from changefeed.storage.record import (
     encode_stored,
 )
 from changefeed.storage.vbmeta import VbState, check_failover_log, check_state, encode_vbstate
+from changefeed.vbucket_state import VBucketState
 
 if TYPE_CHECKING:
     import lmdb
@@ -152,7 +153,7 @@ class WriteBatch:
         self,
         vb: int,
         *,
-        state: str | None = None,
+        state: VBucketState | str | None = None,
         failover_log: list[tuple[int, int]] | None = None,
         snap_start: int | None = None,
         snap_end: int | None = None,
@@ -173,13 +174,19 @@ class WriteBatch:
         row = self._rows.get(vb) or self._committed.get(vb)
         if row is None and state is None:
             raise ValueError(f"vb {vb} is new: set_vbucket_meta needs its state")
-        new_state = check_state(state) if state is not None else row.state if row else ""
+        if state is not None:
+            new_state = check_state(state)
+        else:
+            assert row is not None, vb
+            new_state = row.state
         log = check_failover_log(failover_log) if failover_log is not None else None
         start = snap_start if snap_start is not None else row.snap_start if row else 0
         end = snap_end if snap_end is not None else row.snap_end if row else 0
         if not (type(start) is int and type(end) is int and 0 <= start <= end <= _U64_MAX):
             raise ValueError(f"vb {vb}: snapshot range {start!r}..{end!r} is not u64 start <= end")
-        working = self._row(vb) if row is not None else self._rows.setdefault(vb, VbState(""))
+        working = (
+            self._row(vb) if row is not None else self._rows.setdefault(vb, VbState(new_state))
+        )
         working.state = new_state
         working.failover_log = log if log is not None else working.failover_log
         working.snap_start, working.snap_end = start, end

@@ -23,8 +23,9 @@ from typing import Final
 
 from changefeed import limits
 from changefeed.storage.errors import CorruptRecordError
+from changefeed.vbucket_state import VBucketState
 
-VB_STATES: Final = ("active", "replica", "pending", "dead")
+VB_STATES: Final = tuple(state.value for state in VBucketState)
 _ENCODING_VERSION: Final = 1
 _U64_MAX: Final = 0xFFFF_FFFF_FFFF_FFFF
 _COUNTERS: Final = ("high_seqno", "purge_seqno", "snap_start", "snap_end", "item_count")
@@ -35,14 +36,14 @@ class VBucketMeta:
     """What the store holds for one vbucket, as of the last committed batch.
 
     Attributes:
-        state: "active", "replica", "pending" or "dead".
+        state: the vbucket state (a `VBucketState`).
         failover_log: (vb_uuid, seqno) entries as stored (newest first by convention); a copy.
         high_seqno: highest seqno written (or the rollback point after a rollback).
         purge_seqno: highest seqno of a tombstone compaction removed (0 if none).
         snap_start, snap_end: the snapshot range last set with `set_vbucket_meta`.
     """
 
-    state: str
+    state: VBucketState
     failover_log: list[tuple[int, int]]
     high_seqno: int
     purge_seqno: int
@@ -54,7 +55,7 @@ class VBucketMeta:
 class VbState:
     """The store's mutable copy of one vbucket's metadata (VBucketMeta plus item_count)."""
 
-    state: str
+    state: VBucketState
     failover_log: tuple[tuple[int, int], ...] = ()
     high_seqno: int = 0
     purge_seqno: int = 0
@@ -89,11 +90,11 @@ class VbState:
         return None
 
 
-def check_state(state: str) -> str:
-    """Return `state` if it is a vbucket state; raises ValueError otherwise."""
+def check_state(state: VBucketState | str) -> VBucketState:
+    """Return `state` as a `VBucketState`; raises ValueError if it is not one."""
     if state not in VB_STATES:
         raise ValueError(f"vbucket state {state!r} not in {VB_STATES}")
-    return state
+    return VBucketState(state)
 
 
 def check_failover_log(entries: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -143,8 +144,12 @@ def decode_vbstate(vb: int, data: bytes | memoryview) -> VbState:
         failover_log = check_failover_log([tuple(entry) for entry in log])
     except ValueError as error:
         raise CorruptRecordError(vb, None, str(error)) from None
+    if document["state"] not in VB_STATES:
+        raise CorruptRecordError(
+            vb, None, f"vbucket state {document['state']!r} not in {VB_STATES}"
+        )
     row = VbState(
-        state=document["state"],
+        state=VBucketState(document["state"]),
         failover_log=failover_log,
         **{name: document[name] for name in _COUNTERS},
     )

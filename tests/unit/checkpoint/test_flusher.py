@@ -138,24 +138,6 @@ def test_wait_persisted_resolves_in_seqno_order_and_times_out(store: CountingSto
     assert asyncio.run(scenario()) == [False, True, True, True]
 
 
-def test_run_flushes_in_the_background_until_stopped(store: CountingStore) -> None:
-    manager = CheckpointManager(VB)
-    flusher = Flusher(manager, store)
-    model = Model()
-
-    async def scenario() -> bool:
-        task = asyncio.ensure_future(flusher.run(idle_wait_s=1.0))
-        await asyncio.sleep(0)
-        fill(manager, model, 25)
-        persisted = await flusher.wait_persisted(25, 5.0)
-        flusher.stop()
-        await asyncio.wait_for(task, 5.0)
-        return persisted
-
-    assert asyncio.run(scenario())
-    assert store_view(store) == model.latest()
-
-
 def test_a_deduplicated_write_is_persisted_only_with_its_replacement(
     store: CountingStore,
 ) -> None:

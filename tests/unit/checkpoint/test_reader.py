@@ -173,3 +173,23 @@ def test_start_at_high_seqno_reads_only_new_items(store: Store) -> None:
     found = drain(reader, check)
     assert found == [(41, 41, MEMORY_CHECKPOINT), (42, 43, MEMORY_CHECKPOINT)]
     assert check.view == node.model.latest()
+
+
+@pytest.mark.parametrize("run", [1, 2, 7, 64])
+def test_read_hands_out_runs_equal_to_next_one_by_one(store: Store, run: int) -> None:
+    """A run from `read` is exactly what `next` would have returned, across memory recovery
+    and the disk backfill that follows it."""
+    node = Node(store, quota_items=60)
+    single = StreamReader(node.manager, store, name="single", start_seqno=0)
+    runs = StreamReader(node.manager, store, name="runs", start_seqno=0)
+    node.write(400, flush_every=25)  # the quota drops both cursors: both go through disk
+    one_by_one = list(single)
+    by_runs = []
+    while batch := runs.read(run):  # bounded: each round reads >= 1 event or stops
+        assert len(batch) <= run
+        by_runs.extend(batch)
+    assert by_runs == one_by_one
+    assert runs.next() is CAUGHT_UP
+    assert runs.stats["backfills"] >= 1
+    single.close()
+    runs.close()

@@ -4,6 +4,7 @@ get failover log. Round trips through the reader, exact layouts, and hostile inp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 
@@ -21,7 +22,8 @@ from changefeed.protocol.dcp import (
     StreamEndReason,
     StreamFlag,
     StreamRequest,
-    VbucketState,
+    StreamRole,
+    WireVbucketState,
     decode_buffer_ack,
     decode_dcp_control,
     decode_dcp_open,
@@ -43,6 +45,7 @@ from changefeed.protocol.dcp import (
     encode_stream_end,
     encode_stream_request,
 )
+from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import Frame, encode_response
 from changefeed.protocol.opcode import Datatype, Magic, Opcode
 from changefeed.protocol.status import Status
@@ -83,7 +86,16 @@ def test_open_layout() -> None:
 
 
 @SETTINGS
-@given(st.builds(DcpOpen, u32, text, valid_open_flags, st.none() | st.text(max_size=20)))
+@given(
+    st.builds(
+        DcpOpen,
+        u32,
+        text,
+        valid_open_flags,
+        st.none() | st.text(max_size=20),
+        st.sampled_from(list(StreamRole)),
+    )
+)
 def test_open_round_trip(message: DcpOpen) -> None:
     feed_three_ways(encode_dcp_open(message), [message], decode=decode_dcp_open)
 
@@ -92,6 +104,25 @@ def test_open_consumer_name_is_json_value() -> None:
     frame = decode_single(encode_dcp_open(DcpOpen(1, "n", 0, consumer_name="rep")))
     assert frame.datatype == Datatype.JSON
     assert json.loads(frame.value) == {"consumer_name": "rep"}
+
+
+def test_open_stream_role_is_a_json_key_and_defaults_to_application() -> None:
+    frame = decode_single(encode_dcp_open(DcpOpen(1, "n", 1, role=StreamRole.REPLICA)))
+    assert json.loads(frame.value) == {"stream_role": "replica"}
+    assert decode_dcp_open(frame).role is StreamRole.REPLICA
+    plain = decode_single(encode_dcp_open(DcpOpen(1, "replication:x", 1)))
+    assert plain.value == b""
+    assert decode_dcp_open(plain).role is StreamRole.APPLICATION  # the name does not decide
+
+
+@pytest.mark.parametrize("role", ['"leader"', "7", "null", '["replica"]'])
+def test_open_unknown_stream_role_is_einval_naming_it(role: str) -> None:
+    frame = decode_single(encode_dcp_open(DcpOpen(1, "n", 1, role=StreamRole.REPLICA)))
+    bad = dataclasses.replace(frame, value=f'{{"stream_role": {role}}}'.encode())
+    with pytest.raises(ProtocolError) as error:
+        decode_dcp_open(bad)
+    assert error.value.status == Status.EINVAL
+    assert "stream_role" in str(error.value)
 
 
 def _open(
@@ -437,8 +468,8 @@ def test_buffer_ack_encoder_misuse(acked: int) -> None:
 
 
 @SETTINGS
-@given(u16, u32, st.sampled_from(list(VbucketState)))
-def test_set_vbucket_state_round_trip(vbucket: int, opaque: int, state: VbucketState) -> None:
+@given(u16, u32, st.sampled_from(list(WireVbucketState)))
+def test_set_vbucket_state_round_trip(vbucket: int, opaque: int, state: WireVbucketState) -> None:
     wire = encode_set_vbucket_state(vbucket, opaque, state)
     [frame] = feed_three_ways(wire, [state], decode=decode_set_vbucket_state)
     assert (frame.vbucket, frame.opaque, frame.extras) == (vbucket, opaque, bytes((state,)))

@@ -36,7 +36,28 @@ def test_protocol_error_defaults_to_einval_and_keeps_status() -> None:
     assert not isinstance(error, ValueError)  # our own misuse is ValueError, never this
 
 
-@pytest.mark.parametrize("cls", _all_subclasses(), ids=lambda c: c.__name__)
+def _wire_classes() -> list[type[StatusError]]:
+    """The classes a client decodes a status into: those declared in protocol/errors.py.
+
+    Layers above may refine one (CheckpointMemoryFullError is a TemporaryFailureError); a
+    refinement keeps its parent's status and a client decodes the parent.
+    """
+    return [cls for cls in _all_subclasses() if cls.__module__ == "changefeed.protocol.errors"]
+
+
+def test_refinements_in_other_layers_keep_their_parents_status() -> None:
+    import changefeed.checkpoint  # noqa: F401 - defines a refinement
+
+    refinements = [cls for cls in _all_subclasses() if cls not in _wire_classes()]
+    assert refinements, "expected at least CheckpointMemoryFullError"
+    for cls in refinements:
+        parent = next(base for base in cls.__mro__[1:] if base in _wire_classes())
+        assert cls.status == parent.status, (cls, parent)
+        assert cls.retriable == parent.retriable, (cls, parent)
+        assert type(error_for_status(cls.status)) is parent
+
+
+@pytest.mark.parametrize("cls", _wire_classes(), ids=lambda c: c.__name__)
 def test_registry_maps_every_subclass(cls: type[StatusError]) -> None:
     error = error_for_status(cls.status, "context")
     assert type(error) is cls
@@ -45,7 +66,7 @@ def test_registry_maps_every_subclass(cls: type[StatusError]) -> None:
 
 
 def test_registry_statuses_are_unique() -> None:
-    statuses = [cls.status for cls in _all_subclasses()]
+    statuses = [cls.status for cls in _wire_classes()]
     assert len(statuses) == len(set(statuses))
     assert len(statuses) >= 18
 
@@ -66,7 +87,7 @@ def test_success_is_not_an_error() -> None:
 
 
 def test_retriable_policy() -> None:
-    retriable = {cls.__name__ for cls in _all_subclasses() if cls.retriable}
+    retriable = {cls.__name__ for cls in _wire_classes() if cls.retriable}
     assert retriable == {
         "NotMyVbucketError",
         "OutOfMemoryError",

@@ -36,7 +36,7 @@ from changefeed.protocol.dcp import (
     StreamEnd,
     StreamEndReason,
     StreamRequest,
-    VbucketState,
+    WireVbucketState,
 )
 from changefeed.protocol.dcp_items import Deletion, Expiration, Mutation, SeqnoAdvanced
 from changefeed.protocol.errors import ProtocolError
@@ -239,7 +239,7 @@ BUILDERS: list[Callable[[random.Random], bytes]] = [
     lambda r: dcp.encode_close_stream(_u(r, 16), _u(r, 32), _sid(r)),
     lambda r: dcp.encode_dcp_noop(_u(r, 32)),
     lambda r: dcp.encode_buffer_ack(r.randint(1, 2**32 - 1)),
-    lambda r: dcp.encode_set_vbucket_state(_u(r, 16), _u(r, 32), r.choice(list(VbucketState))),
+    lambda r: dcp.encode_set_vbucket_state(_u(r, 16), _u(r, 32), r.choice(list(WireVbucketState))),
     lambda r: dcp.encode_get_failover_log(_u(r, 16), _u(r, 32), dcp=r.random() < 0.5),
     lambda r: dcp.encode_dcp_open(
         DcpOpen(

@@ -22,7 +22,9 @@ from changefeed.server.users import ITERATIONS, SCRAM_MECHANISMS, Users
 MECHANISMS = ("SCRAM-SHA512", "SCRAM-SHA256", "PLAIN")
 
 
-class SaslSession:
+class SaslAuthenticator:
+    """One connection's SASL exchange; `user` is set once it succeeded."""
+
     def __init__(self, users: Users) -> None:
         self._users = users
         self._scram: ScramServer | None = None

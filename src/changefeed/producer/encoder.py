@@ -1,0 +1,99 @@
+"""How a stream's output is encoded, behind one small interface.
+
+A `Stream` decides *what* to send (markers, runs of items, the end); a `StreamEncoder` decides
+*how*: `DcpEncoder` produces DCP frames for a socket today, and an Arrow encoder for the
+shared-memory fan-out can produce record batches from the same calls. Each method appends to
+`out` and returns the bytes it appended, which the producer counts against flow control.
+
+Not here: flow-control accounting (flow_control.py), stream state (stream_machine.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from changefeed.checkpoint import Item, SnapshotStart
+from changefeed.producer.item_encoding import ItemOptions, encode_item
+from changefeed.protocol.dcp import StreamEnd, StreamEndReason, encode_stream_end
+from changefeed.protocol.snapshot_marker import (
+    MarkerVersion,
+    SnapshotMarker,
+    encode_snapshot_marker,
+)
+
+
+class StreamEncoder(Protocol):
+    """The output side of one stream."""
+
+    def snapshot_marker(self, out: list[bytes], marker: SnapshotStart, purge_seqno: int) -> int:
+        """Append a snapshot marker; returns bytes appended."""
+        ...
+
+    def items(self, out: list[bytes], items: Sequence[Item], bytes_max: int) -> tuple[int, int]:
+        """Append items from the front of `items` until `bytes_max` bytes are appended (at least
+        one item: a message may overshoot the window, dcp-wire.md §8.1).
+
+        Returns:
+            (items encoded, bytes appended).
+        """
+        ...
+
+    def stream_end(self, out: list[bytes], reason: StreamEndReason) -> int:
+        """Append the end of the stream; returns bytes appended."""
+        ...
+
+
+class DcpEncoder:
+    """DCP frames for one stream: its vbucket, opaque, stream-id and the connection's options."""
+
+    def __init__(
+        self,
+        vb: int,
+        opaque: int,
+        options: ItemOptions,
+        *,
+        marker_version: MarkerVersion = MarkerVersion.V1,
+        stream_id: int | None = None,
+    ) -> None:
+        self.vb = vb
+        self.opaque = opaque
+        self.options = options
+        self.marker_version = marker_version
+        self.stream_id = stream_id
+
+    def snapshot_marker(self, out: list[bytes], marker: SnapshotStart, purge_seqno: int) -> int:
+        v2_2 = self.marker_version is MarkerVersion.V2_2
+        frame = encode_snapshot_marker(
+            SnapshotMarker(
+                self.vb,
+                self.opaque,
+                marker.snap_start,
+                marker.snap_end,
+                marker.flags,
+                purge_seqno=purge_seqno if v2_2 else 0,
+                version=self.marker_version,
+                stream_id=self.stream_id,
+            )
+        )
+        out.append(frame)
+        return len(frame)
+
+    def items(self, out: list[bytes], items: Sequence[Item], bytes_max: int) -> tuple[int, int]:
+        assert items, "a run holds at least one item"
+        vb, opaque, options, stream_id = self.vb, self.opaque, self.options, self.stream_id
+        written = 0
+        count = 0
+        for item in items:  # bounded by the run
+            frame = encode_item(item, vb, opaque, options, stream_id)
+            out.append(frame)
+            written += len(frame)
+            count += 1
+            if written >= bytes_max:
+                break
+        return count, written
+
+    def stream_end(self, out: list[bytes], reason: StreamEndReason) -> int:
+        frame = encode_stream_end(StreamEnd(self.vb, self.opaque, reason, self.stream_id))
+        out.append(frame)
+        return len(frame)
