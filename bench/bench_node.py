@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from changefeed.cli.node_process import NodeProcess
 from changefeed.consumer import (
     Changes,
     ClientConfig,
@@ -74,7 +75,7 @@ from changefeed.consumer import (
 )
 from changefeed.consumer.connection import Connection
 from changefeed.consumer.dcp_client import SEQNO_FOREVER
-from changefeed.consumer.handshake import authenticate, hello, select_bucket
+from changefeed.consumer.handshake import handshake
 from changefeed.consumer.kv_client import PIPELINE_DEPTH_MAX, Durability
 from changefeed.protocol.dcp import (
     DcpControl,
@@ -85,13 +86,12 @@ from changefeed.protocol.dcp import (
     encode_dcp_open,
     encode_stream_request,
 )
-from changefeed.protocol.opcode import Feature
 from changefeed.protocol.snapshot_marker import MarkerFlag
 from changefeed.protocol.status import Status
 from changefeed.vbmap import vbucket_for_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from node_bench_procs import NodeProcess, RedisProcess, SpySampler, stop_children, top_self_time
+from node_bench_procs import RedisProcess, SpySampler, node_process, stop_children, top_self_time
 
 VBUCKETS = 64
 VALUE_BYTES = 100
@@ -297,9 +297,10 @@ async def park_cursors(port: int) -> Connection:
     conn = await Connection.open("127.0.0.1", port)
     try:
         async with asyncio.timeout(PARK_DEADLINE_S):
-            await hello(conn, "bench:parked", [Feature.XERROR, Feature.SELECT_BUCKET])
-            await authenticate(conn, "Administrator", "password")
-            await select_bucket(conn, "default")
+            await handshake(
+                conn, agent="bench:parked", user="Administrator", password="password",
+                bucket="default",
+            )  # fmt: skip
             opened = DcpOpen(conn.next_opaque(), "bench:parked", OpenFlag.PRODUCER)
             await _expect_ok(conn, encode_dcp_open(opened))
             control = DcpControl(conn.next_opaque(), "connection_buffer_size", "1")
@@ -420,11 +421,13 @@ def bench_ours(
     high_seqnos = per_vbucket_counts(items)
     out: dict[str, Any] = {}
     # (a) ingest, durability none, default (durable) node; then (b) stream it from disk.
-    with NodeProcess(work / "disk", vbuckets=VBUCKETS) as node:
+    with node_process(work / "disk", vbuckets=VBUCKETS) as node:
         log(f"ingest none, default node: {n:,} items")
         out["ingest_none"] = run_loop(ingest(node.port, node.pid, items, "none"))
         log(f"  {rate(n, out['ingest_none'])}")
-        out["stop_s"] = node.stop()
+        stopping = time.perf_counter()
+        node.stop()
+        out["stop_s"] = time.perf_counter() - stopping
         log(f"  clean stop (SIGTERM) in {out['stop_s']:.1f} s; restart; stream from disk")
         node.start()
         out["disk"] = run_loop(stream_all(node.port, node.pid, high_seqnos, args.buffer_bytes))
@@ -433,7 +436,7 @@ def bench_ours(
     # (b) memory: parked cursors + a quota far above the load keep every item in the
     # checkpoints. Its load is also the durability-none figure of a --no-durable node.
     flags = ["--checkpoint-quota-bytes", str(MEMORY_QUOTA_BYTES), "--no-durable"]
-    with NodeProcess(work / "memory", vbuckets=VBUCKETS, extra=flags) as node:
+    with node_process(work / "memory", vbuckets=VBUCKETS, extra=flags) as node:
         log(f"park cursors, load {n:,} items (--no-durable node), stream from memory")
         load, result = run_loop(
             load_then_stream_memory(node.port, node.pid, items, args.buffer_bytes)
@@ -445,7 +448,7 @@ def bench_ours(
     # (a) ingest, durability persist, on a fresh default node.
     persist_items = items[: args.persist_items] if args.persist_items else items
     out["persist_n"] = len(persist_items)
-    with NodeProcess(work / "persist", vbuckets=VBUCKETS) as node:
+    with node_process(work / "persist", vbuckets=VBUCKETS) as node:
         log(f"ingest persist, default node: {len(persist_items):,} items")
         out["ingest_persist"] = run_loop(ingest(node.port, node.pid, persist_items, "persist"))
         log(f"  {rate(len(persist_items), out['ingest_persist'])}")
@@ -483,7 +486,7 @@ def profile_streams(args: argparse.Namespace, items: list[tuple[bytes, bytes]], 
     memory_flags = ["--checkpoint-quota-bytes", str(MEMORY_QUOTA_BYTES), "--no-durable"]
     for label, flags in (("disk", ["--no-durable"]), ("memory", memory_flags)):
         spy_dir = work / f"spy-{label}"
-        with NodeProcess(work / f"profile-{label}", vbuckets=VBUCKETS, extra=flags) as node:
+        with node_process(work / f"profile-{label}", vbuckets=VBUCKETS, extra=flags) as node:
             log(f"profile {label}: load {n:,} items (--no-durable node)")
             if label == "disk":
                 run_loop(ingest(node.port, node.pid, items, "none"))
@@ -701,7 +704,7 @@ def main() -> None:
             ours = bench_ours(args, items, work)
             redis = {} if args.no_redis else bench_redis(items, ours["persist_n"], work)
     except BaseException:
-        log(f"failed: kept {work} (node logs: *.log, data directories) for inspection")
+        log(f"failed: kept {work} (node logs: */node.log, data directories) for inspection")
         raise
     shutil.rmtree(work, ignore_errors=True)
     if args.profile:

@@ -42,9 +42,7 @@ import os
 import platform
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -57,6 +55,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from changefeed.cli.node_process import NodeProcess
 from changefeed.consumer import KvClient
 from changefeed.protocol.errors import TemporaryFailureError
 from changefeed.spark import MirrorWriter, read_mirror
@@ -67,6 +66,7 @@ LOADERS = 4  # concurrent KV connections while loading (the node is one process,
 WINDOW = 4096  # upserts per upsert_many call
 QUERY_DEADLINE_S = 3600.0
 NODE_START_S = 60.0
+NODE_STOP_S = 120.0
 SAMPLE_KEYS = 200
 LATENCY_DRAIN_S = 5.0
 
@@ -74,44 +74,15 @@ LATENCY_DRAIN_S = 5.0
 # -- node --------------------------------------------------------------------------------------
 
 
-class Node:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Node:
-        ready = self.root / "ready"
-        script = Path(sys.executable).parent / "changefeed"
-        command = [
-            str(script), "serve", "--data-dir", str(self.root / "data"), "--port", "0",
-            "--ready-file", str(ready), "--vbuckets", str(VBUCKETS), "--no-durable",
-            "--log-level", "WARNING",
-        ]  # fmt: skip
-        with open(self.root / "node.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + NODE_START_S
-        while not (ready.exists() and ready.read_text().strip().isdigit()):  # bounded
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"node did not start: {(self.root / 'node.log').read_text()}")
-            time.sleep(0.05)
-        self.port = int(ready.read_text())
-        return self
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def options(self, **extra: str) -> dict[str, str]:
-        return {"cluster": f"127.0.0.1:{self.port}", **extra}
+def start_node(root: Path) -> NodeProcess:
+    """A started node under ``root``: 64 vbuckets, ``--no-durable``, warnings-only logging."""
+    return NodeProcess(
+        root,
+        vbuckets=VBUCKETS,
+        args=["--no-durable", "--log-level", "WARNING"],
+        ready_timeout_s=NODE_START_S,
+        stop_timeout_s=NODE_STOP_S,
+    ).start()
 
 
 def key_of(n: int) -> bytes:
@@ -216,8 +187,8 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def changefeed_df(spark: Any, node: Node, max_offsets: int) -> Any:
-    options = node.options(maxOffsetsPerTrigger=str(max_offsets), partitions="2")
+def changefeed_df(spark: Any, node: NodeProcess, max_offsets: int) -> Any:
+    options = node.source_options(maxOffsetsPerTrigger=str(max_offsets), partitions="2")
     return spark.readStream.format("changefeed").options(**options).load()
 
 
@@ -336,26 +307,26 @@ def warm_up(spark: Any, work: Path) -> None:
     """One small run of each kind first: JIT, Python worker pools, Delta code paths."""
     root = work / "warm-up"
     root.mkdir()
-    node = Node(root).start()
+    node = start_node(root)
     try:
         asyncio.run(_load(node.port, 20_000))
         run_to_mirror(
             "warm-up", changefeed_df(spark, node, 10_000), root / "t1", root / "c1",
-            node.options(), rows=20_000, available_now=True,
+            node.source_options(), rows=20_000, available_now=True,
         )  # fmt: skip
         run_to_mirror(
             "warm-up", rate_df(spark, 10_000), root / "t2", root / "c2",
-            node.options(), rows=20_000, available_now=False,
+            node.source_options(), rows=20_000, available_now=False,
         )  # fmt: skip
     finally:
-        node.stop()
+        node.stop(check=False)
         shutil.rmtree(root, ignore_errors=True)
 
 
 def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: list[str]) -> None:
     root = work / f"n{n}"
     root.mkdir()
-    node = Node(root).start()
+    node = start_node(root)
     try:
         started = time.perf_counter()
         asyncio.run(_load(node.port, n))
@@ -367,7 +338,7 @@ def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: li
             changefeed_df(spark, node, args.max_offsets),
             root / "cf-tables",
             root / "cf-ck",
-            node.options(),
+            node.source_options(),
             rows=n,
             available_now=True,
         )
@@ -384,7 +355,7 @@ def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: li
             rate_df(spark, args.max_offsets),
             root / "rate-tables",
             root / "rate-ck",
-            node.options(),
+            node.source_options(),
             rows=n,
             available_now=False,
         )
@@ -411,7 +382,7 @@ def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: li
             pairs.append((cf_noop, rate_noop))
         table(out, pairs)
     finally:
-        node.stop()
+        node.stop(check=False)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -470,7 +441,7 @@ def bench_latency(spark: Any, args: argparse.Namespace, work: Path, out: list[st
     """End-to-end latency write -> visible in the mirror, under a steady write rate."""
     root = work / "latency"
     root.mkdir()
-    node = Node(root).start()
+    node = start_node(root)
     try:
         say(out, f"\n## latency: {args.latency_rate:,} changes/s for {args.latency_s:.0f} s")
         asyncio.run(_load(node.port, 10_000))  # a mirror to merge into
@@ -501,17 +472,22 @@ def bench_latency(spark: Any, args: argparse.Namespace, work: Path, out: list[st
                 f"{len(seconds) / args.latency_s:>9,.0f}",
             )
     finally:
-        node.stop()
+        node.stop(check=False)
         shutil.rmtree(root, ignore_errors=True)
 
 
 def _latency_query(
-    df: Any, root: Path, node: Node, probe: LatencyProbe, writes: bool, args: argparse.Namespace
+    df: Any,
+    root: Path,
+    node: NodeProcess,
+    probe: LatencyProbe,
+    writes: bool,
+    args: argparse.Namespace,
 ) -> list[float]:
     """Run ``df`` into a mirror with the default trigger; measure the changes written in a
     window of ``args.latency_s`` after a warm-up (the steady writer runs then, if ``writes``),
     until they reached the mirror; returns triggerExecution ms of the batches meanwhile."""
-    writer = TimedWriter(MirrorWriter(root / "tables", node.options()), probe)
+    writer = TimedWriter(MirrorWriter(root / "tables", node.source_options()), probe)
     query = (
         df.writeStream.foreachBatch(writer)
         .option("checkpointLocation", str(root / "ck"))

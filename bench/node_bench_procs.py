@@ -1,7 +1,10 @@
-"""Processes ``bench_node.py`` starts: a changefeed node, a redis-server, a py-spy sampler.
+"""Processes ``bench_node.py`` starts besides the node: a redis-server, a py-spy sampler.
 
-Each is a context manager that stops its process on exit, whatever happened, and every wait
-has a deadline. Nothing here measures anything.
+The node is ``changefeed.cli.node_process.NodeProcess``, the launcher the demo and the tests use
+(``node_process`` below sets the benchmark's flags and deadlines). Each is a context manager
+that stops its process on exit, whatever happened, and every wait has a deadline;
+``stop_children`` stops them all, nodes included, when a run is abandoned. Nothing here
+measures anything.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 from typing import IO
+
+from changefeed.cli.node_process import NodeProcess, stop_all
 
 # Every child started here and not yet reaped, for stop_children() on SIGTERM/SIGINT.
 LIVE: set[subprocess.Popen[bytes]] = set()
@@ -60,77 +65,24 @@ def _stop(proc: subprocess.Popen[bytes], deadline_s: float, sig: int = signal.SI
 
 
 def stop_children(deadline_s: float = 20.0) -> None:
-    """Stop every child still running (from a signal handler: the run is being abandoned)."""
+    """Stop every child still running, nodes too (from a signal handler: the run is being
+    abandoned)."""
+    stop_all(timeout_s=deadline_s)
     for proc in list(LIVE):
         with contextlib.suppress(RuntimeError, OSError):
             _stop(proc, deadline_s)
 
 
-class NodeProcess:
-    """``changefeed serve`` on a free loopback port; ``stop()`` / ``start()`` restart it."""
-
-    def __init__(self, data_dir: Path, *, vbuckets: int, extra: list[str] | None = None) -> None:
-        self.data_dir = data_dir
-        self.vbuckets = vbuckets
-        self.extra = extra or []
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
-        self.log_path = data_dir.parent / f"{data_dir.name}.log"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def start(self) -> None:
-        assert self.proc is None or self.proc.poll() is not None, "already running"
-        ready = self.data_dir.parent / f"{self.data_dir.name}.ready"
-        ready.unlink(missing_ok=True)
-        command = [
-            _bin("changefeed"), "serve", "--data-dir", str(self.data_dir), "--port", "0",
-            "--ready-file", str(ready), "--vbuckets", str(self.vbuckets), "--log-level",
-            "WARNING", *self.extra,
-        ]  # fmt: skip
-        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = _spawn(command, log)
-        deadline = time.monotonic() + READY_DEADLINE_S
-        while True:  # bounded by the deadline
-            if ready.exists() and ready.read_text().strip():
-                self.port = int(ready.read_text())
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"node exited with {self.proc.returncode}; see {self.log_path}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"node not ready in {READY_DEADLINE_S} s; see {self.log_path}")
-            time.sleep(POLL_S)
-
-    def stop(self) -> float:
-        """Clean stop (SIGTERM); returns seconds taken. Raises if the exit was not clean."""
-        assert self.proc is not None
-        started = time.perf_counter()
-        _stop(self.proc, STOP_DEADLINE_S)
-        if self.proc.returncode != 0:
-            raise RuntimeError(f"node exited with {self.proc.returncode}; see {self.log_path}")
-        return time.perf_counter() - started
-
-    def __enter__(self) -> NodeProcess:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if self.proc is None:
-            return
-        running = self.proc.poll() is None
-        _stop(self.proc, STOP_DEADLINE_S)
-        if exc_type is None and self.proc.returncode != 0:
-            raise RuntimeError(f"node exited with {self.proc.returncode}; see {self.log_path}")
-        if exc_type is not None:  # say what the node was doing when the run failed
-            state = "was running" if running else f"had exited with {self.proc.returncode}"
-            tail = self.log_path.read_text(errors="replace").splitlines()[-20:]
-            print(f"# node pid {self.proc.pid} {state}; {self.log_path} ends:", file=sys.stderr)
-            print("\n".join(f"#   {line}" for line in tail), file=sys.stderr)
+def node_process(root: Path, *, vbuckets: int, extra: list[str] | None = None) -> NodeProcess:
+    """A node for the benchmark under ``root`` (not started: use it in a ``with`` block), with
+    warnings-only logging and the benchmark's deadlines."""
+    return NodeProcess(
+        root,
+        vbuckets=vbuckets,
+        args=["--log-level", "WARNING", *(extra or [])],
+        ready_timeout_s=READY_DEADLINE_S,
+        stop_timeout_s=STOP_DEADLINE_S,
+    )
 
 
 def free_port() -> int:

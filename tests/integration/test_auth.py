@@ -8,15 +8,15 @@ import asyncio
 import pytest
 from scramp import ScramClient
 
+from changefeed.cli.node_process import NodeProcess
 from changefeed.consumer import ClientConfig, DcpClient
 from changefeed.protocol.errors import AuthError, error_for_status
 from changefeed.protocol.kv import encode_request
 from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.sasl import SCRAMP_NAMES, encode_plain
 from changefeed.protocol.status import Status
-
-from .conftest import NodeFactory
-from .harness import HOST, NodeProcess, kv_connect, raw_connection
+from support.clients import HOST, kv_connect, raw_connection
+from support.nodes import NodeFactory
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,20 +10,9 @@ import time
 import pytest
 
 from changefeed.consumer import DcpClient
-
-from .conftest import NodeFactory
-from .harness import (
-    HOST,
-    Mirror,
-    dcp_config,
-    drain,
-    high_seqnos,
-    kv_connect,
-    raw_connection,
-    server_state,
-    stats,
-    stream_to_latest,
-)
+from support.clients import HOST, dcp_config, high_seqnos, kv_connect, raw_connection, stats
+from support.consumer import StreamedState, drain, server_state, stream_to_latest
+from support.nodes import NodeFactory
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -74,7 +63,7 @@ def test_sigterm_flushes_and_keeps_history(nodes: NodeFactory, rng: random.Rando
         live = truth.values()
         assert all(live.get(k) == v for k, v in model.items())
         # The consumer from before the restart resumes without rollback.
-        resumed, _ = await stream_to_latest(node, start=session, mirror=Mirror())
+        resumed, _ = await stream_to_latest(node, start=session, state=StreamedState())
         assert not resumed.rollbacks, resumed.rollbacks
         assert resumed.items == 20000, resumed.items
 
@@ -93,9 +82,9 @@ def test_stop_during_disk_backfill(nodes: NodeFactory) -> None:
         client = DcpClient(dcp_config(node, to_latest=True, buffer_bytes=64 * 1024))
         await client.connect()
         await client.stream(list(range(4)))
-        mirror = Mirror()
-        await drain(client, mirror, lambda c, m: False, stop_after_items=5000)
-        assert any(flags & 0x02 for _, _, _, flags in mirror.markers)
+        streamed = StreamedState()
+        await drain(client, streamed, lambda c, m: False, stop_after_items=5000)
+        assert any(flags & 0x02 for _, _, _, flags in streamed.markers)
         code = node.stop(timeout_s=30)
         assert code == 0, node.log_tail()
         await client.close()

@@ -14,22 +14,13 @@ import random
 
 import pytest
 
+from changefeed.cli.node_process import NodeProcess
 from changefeed.consumer import DcpClient, Event, SessionState, Snapshot
+from support.clients import dcp_config, kv_connect, upsert_retrying
+from support.consumer import StreamedState, drain, server_state, stream_to_latest
+from support.nodes import NodeFactory
 
-from .conftest import NodeFactory
-from .harness import (
-    Mirror,
-    NodeProcess,
-    assert_matches_model,
-    assert_resumed_after,
-    assert_same_state,
-    dcp_config,
-    drain,
-    kv_connect,
-    server_state,
-    stream_to_latest,
-    upsert_retrying,
-)
+from .harness import assert_matches_model, assert_resumed_after, assert_same_state
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,11 +34,11 @@ async def trickle(node: NodeProcess, model: dict[bytes, bytes | None]) -> None:
             await asyncio.sleep(0.01)
 
 
-def after_marker(last: list[Event], mirror: Mirror) -> bool:
+def after_marker(last: list[Event], streamed: StreamedState) -> bool:
     event = last[-1] if last else None
-    if mirror.items < 6500 or not isinstance(event, Snapshot):
+    if streamed.items < 6500 or not isinstance(event, Snapshot):
         return False
-    return event.vbucket in mirror.received
+    return event.vbucket in streamed.received
 
 
 @pytest.mark.parametrize("stop", ["mid-snapshot", "after-marker", "mid-disk-snapshot"])
@@ -67,7 +58,7 @@ def test_consumer_restart_from_saved_json(
             node.restart(clean=True)  # memory is empty: the first life reads a disk backfill
 
         # First life: stop part-way (after about half of the items, or right after a marker).
-        first = Mirror()
+        first = StreamedState()
         config = dcp_config(node, buffer_bytes=64 * 1024, to_latest=stop != "after-marker")
         async with DcpClient(config) as client:
             await client.stream(vbs)
@@ -105,8 +96,8 @@ def test_consumer_restart_from_saved_json(
             model.update(extra)
 
         # Second life: a new client from the JSON alone.
-        second = Mirror()
-        second, _ = await stream_to_latest(node, start=SessionState.from_json(saved), mirror=second)
+        second = StreamedState()
+        second, _ = await stream_to_latest(node, start=SessionState.from_json(saved), state=second)
         assert not second.rollbacks, second.rollbacks
         assert_resumed_after(second, {}, state)
         for vb in vbs:
@@ -117,9 +108,9 @@ def test_consumer_restart_from_saved_json(
             both = first.received.get(vb, []) + second.received.get(vb, [])
             assert len(both) == len(set(both)), f"vb {vb}: a seqno arrived twice"
 
-        combined = Mirror()
-        for mirror in (first, second):
-            for vb, changes in mirror.history.items():
+        combined = StreamedState()
+        for streamed in (first, second):
+            for vb, changes in streamed.history.items():
                 combined.history.setdefault(vb, []).extend(changes)
         assert_matches_model(combined, model)
         assert_same_state(combined, await server_state(node), what="resumed consumer")

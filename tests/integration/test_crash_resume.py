@@ -17,21 +17,11 @@ import pytest
 
 from changefeed.consumer import DcpClient, SessionState
 from changefeed.consumer.connection import ConnectionClosedError
+from support.clients import dcp_config, high_seqnos, kv_connect
+from support.consumer import StreamedState, drain, reached, server_state, stream_to_latest
+from support.nodes import NodeFactory
 
-from .conftest import NodeFactory
-from .harness import (
-    Mirror,
-    assert_resumed_after,
-    assert_same_state,
-    dcp_config,
-    drain,
-    high_seqnos,
-    kv_connect,
-    mark,
-    reached,
-    server_state,
-    stream_to_latest,
-)
+from .harness import assert_resumed_after, assert_same_state, mark
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,16 +37,16 @@ def test_resume_after_kill_9(nodes: NodeFactory, rng: random.Random) -> None:
             await kv.upsert_many(items, durability="persist")
             certain.update(items)
 
-        mirror_a, session_a = await stream_to_latest(node)
+        streamed_a, session_a = await stream_to_latest(node)
         saved_a = session_a.to_json()
 
         # Consumer B follows live (no end seqno) through everything that comes next.
         client_b = DcpClient(dcp_config(node, to_latest=False, buffer_bytes=256 * 1024))
         await client_b.connect()
         await client_b.stream(vbs)
-        mirror_b = Mirror()
+        streamed_b = StreamedState()
         task_b = asyncio.get_running_loop().create_task(
-            drain(client_b, mirror_b, lambda c, m: False, timeout_s=120)
+            drain(client_b, streamed_b, lambda c, m: False, timeout_s=120)
         )
 
         async with await kv_connect(node) as kv:
@@ -101,26 +91,26 @@ def test_resume_after_kill_9(nodes: NodeFactory, rng: random.Random) -> None:
             assert key in uncertain and live[key] in uncertain[key], key
 
         # A resumes from its saved JSON: every change after its state, or a rollback first.
-        marked = mark(mirror_a)
-        mirror_a, _ = await stream_to_latest(
-            node, start=SessionState.from_json(saved_a), mirror=mirror_a
+        marked = mark(streamed_a)
+        streamed_a, _ = await stream_to_latest(
+            node, start=SessionState.from_json(saved_a), state=streamed_a
         )
-        assert_resumed_after(mirror_a, marked, SessionState.from_json(saved_a))
-        assert_same_state(mirror_a, truth, what="consumer A (saved session)")
+        assert_resumed_after(streamed_a, marked, SessionState.from_json(saved_a))
+        assert_same_state(streamed_a, truth, what="consumer A (saved session)")
 
         # B catches up to the new high seqnos after its automatic reconnect.
         targets = await high_seqnos(node)
         async with asyncio.timeout(60):
-            while not reached(targets)(client_b, mirror_b):
+            while not reached(targets)(client_b, streamed_b):
                 assert not task_b.done(), task_b
                 await asyncio.sleep(0.05)
         task_b.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task_b
         await client_b.close()
-        assert mirror_b.disconnects >= 1
-        assert_same_state(mirror_b, truth, what="consumer B (live through the crash)")
-        print(f"A rollbacks {mirror_a.rollbacks}; B rollbacks {mirror_b.rollbacks}")
+        assert streamed_b.disconnects >= 1
+        assert_same_state(streamed_b, truth, what="consumer B (live through the crash)")
+        print(f"A rollbacks {streamed_a.rollbacks}; B rollbacks {streamed_b.rollbacks}")
 
     asyncio.run(scenario())
     assert node.errors_in_log() == []
@@ -136,12 +126,12 @@ def run_crash_cycles(nodes: NodeFactory, rng: random.Random, cycles: int) -> Non
         live = DcpClient(dcp_config(node, to_latest=False, buffer_bytes=128 * 1024))
         await live.connect()
         await live.stream(vbs)
-        live_mirror = Mirror()
+        live_streamed = StreamedState()
         live_task = asyncio.get_running_loop().create_task(
-            drain(live, live_mirror, lambda c, m: False, timeout_s=600)
+            drain(live, live_streamed, lambda c, m: False, timeout_s=600)
         )
         saved = None
-        saver = Mirror()
+        saver = StreamedState()
         for cycle in range(cycles):
 
             async def writes(cycle: int = cycle) -> None:
@@ -162,7 +152,7 @@ def run_crash_cycles(nodes: NodeFactory, rng: random.Random, cycles: int) -> Non
             if cycle % 2:  # the saver comes and goes from its JSON while the node is busy
                 start = SessionState.from_json(saved) if saved else "beginning"
                 marked = mark(saver)
-                saver, session = await stream_to_latest(node, start=start, mirror=saver)
+                saver, session = await stream_to_latest(node, start=start, state=saver)
                 if saved:
                     assert_resumed_after(saver, marked, SessionState.from_json(saved))
                 saved = session.to_json()
@@ -173,19 +163,19 @@ def run_crash_cycles(nodes: NodeFactory, rng: random.Random, cycles: int) -> Non
         truth = await server_state(node)
         targets = await high_seqnos(node)
         async with asyncio.timeout(120):
-            while not reached(targets)(live, live_mirror):
+            while not reached(targets)(live, live_streamed):
                 assert not live_task.done(), live_task
                 await asyncio.sleep(0.05)
         live_task.cancel()
         await asyncio.gather(live_task, return_exceptions=True)
         await live.close()
-        assert_same_state(live_mirror, truth, what="live consumer through the crashes")
+        assert_same_state(live_streamed, truth, what="live consumer through the crashes")
         start = SessionState.from_json(saved) if saved else "beginning"
-        saver, _ = await stream_to_latest(node, start=start, mirror=saver)
+        saver, _ = await stream_to_latest(node, start=start, state=saver)
         assert_same_state(saver, truth, what="consumer resuming from JSON each cycle")
         print(
-            f"{cycles} crashes: live saw {live_mirror.disconnects} disconnects, "
-            f"{len(live_mirror.rollbacks)} rollbacks; saver {len(saver.rollbacks)} rollbacks"
+            f"{cycles} crashes: live saw {live_streamed.disconnects} disconnects, "
+            f"{len(live_streamed.rollbacks)} rollbacks; saver {len(saver.rollbacks)} rollbacks"
         )
 
     asyncio.run(scenario())

@@ -24,21 +24,17 @@ import time
 import pytest
 
 from changefeed import limits
+from changefeed.cli.node_process import NodeProcess
 from changefeed.consumer.handshake import select_bucket
 from changefeed.protocol.opcode import Magic, Opcode
 from changefeed.protocol.reader import FrameReader
 from changefeed.protocol.sasl import encode_plain
 from changefeed.vbmap import vbucket_for_key
+from support.clients import HOST, kv_connect, raw_connection
+from support.consumer import server_state
+from support.nodes import NodeFactory
 
-from .conftest import NodeFactory
-from .harness import (
-    HOST,
-    NodeProcess,
-    kv_connect,
-    raw_connection,
-    rss_sampler,
-    server_state,
-)
+from .harness import rss_sampler
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -7,16 +7,12 @@ import random
 
 import pytest
 
-from .conftest import NodeFactory
-from .harness import (
-    NodeProcess,
-    assert_matches_model,
-    assert_same_state,
-    high_seqnos,
-    kv_connect,
-    server_state,
-    stream_to_latest,
-)
+from changefeed.cli.node_process import NodeProcess
+from support.clients import high_seqnos, kv_connect
+from support.consumer import server_state, stream_to_latest
+from support.nodes import NodeFactory
+
+from .harness import assert_matches_model, assert_same_state
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,18 +52,18 @@ def test_load_then_stream_everything_from_the_beginning(
 
     async def scenario() -> None:
         model = await load(node, rng, keys=4000, updates=1500, deletes=600)
-        mirror, session = await stream_to_latest(node)
-        assert mirror.opened == set(range(16)), mirror.opened
-        assert set(mirror.ended.values()) == {0}, mirror.ended  # STREAM_END OK for every vb
-        assert not mirror.rollbacks, mirror.rollbacks
-        assert_matches_model(mirror, model)
+        streamed, session = await stream_to_latest(node)
+        assert streamed.opened == set(range(16)), streamed.opened
+        assert set(streamed.ended.values()) == {0}, streamed.ended  # STREAM_END OK for every vb
+        assert not streamed.rollbacks, streamed.rollbacks
+        assert_matches_model(streamed, model)
         # The stream from the beginning lands exactly on the high seqno of every vbucket.
         highs = await high_seqnos(node)
         assert {vb: session.get(vb).seqno for vb in highs} == highs
         # A second consumer agrees, and a clean restart (disk backfill only) changes nothing.
         node.restart(clean=True)
         after_restart = await server_state(node)
-        assert_same_state(after_restart, mirror, what="stream after a clean restart")
+        assert_same_state(after_restart, streamed, what="stream after a clean restart")
         assert all(flags & 0x02 for _, _, _, flags in after_restart.markers if flags)
 
     asyncio.run(scenario())

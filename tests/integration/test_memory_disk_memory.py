@@ -15,22 +15,11 @@ import random
 import pytest
 
 from changefeed.consumer import DcpClient, Event, Snapshot
+from support.clients import dcp_config, high_seqnos, kv_connect, upsert_retrying
+from support.consumer import MARKER_DISK, MARKER_MEMORY, StreamedState, drain, reached, server_state
+from support.nodes import NodeFactory
 
-from .conftest import NodeFactory
-from .harness import (
-    MARKER_DISK,
-    MARKER_MEMORY,
-    Mirror,
-    assert_matches_model,
-    assert_same_state,
-    dcp_config,
-    drain,
-    high_seqnos,
-    kv_connect,
-    reached,
-    server_state,
-    upsert_retrying,
-)
+from .harness import assert_matches_model, assert_same_state
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,7 +32,7 @@ def run_memory_disk_memory(nodes: NodeFactory, rng: random.Random, items_total: 
 
     async def scenario() -> None:
         model: dict[bytes, bytes | None] = {}
-        mirror = Mirror()
+        streamed = StreamedState()
         slow = {"on": True}
 
         async def slow_reader(event: Event) -> None:
@@ -54,7 +43,7 @@ def run_memory_disk_memory(nodes: NodeFactory, rng: random.Random, items_total: 
         await client.connect()
         await client.stream(vbs)
         reader = asyncio.get_running_loop().create_task(
-            drain(client, mirror, lambda c, m: False, timeout_s=300, per_event=slow_reader)
+            drain(client, streamed, lambda c, m: False, timeout_s=300, per_event=slow_reader)
         )
 
         async with await kv_connect(node) as kv:
@@ -65,11 +54,11 @@ def run_memory_disk_memory(nodes: NodeFactory, rng: random.Random, items_total: 
         slow["on"] = False  # catch up at full speed
         targets = await high_seqnos(node)
         async with asyncio.timeout(120):
-            while not reached(targets)(client, mirror):
+            while not reached(targets)(client, streamed):
                 assert not reader.done(), reader
                 await asyncio.sleep(0.05)
-        disk_at = next((i for i, m in enumerate(mirror.markers) if m[3] & MARKER_DISK), None)
-        assert disk_at is not None, f"no disk snapshot among {len(mirror.markers)} markers"
+        disk_at = next((i for i, m in enumerate(streamed.markers) if m[3] & MARKER_DISK), None)
+        assert disk_at is not None, f"no disk snapshot among {len(streamed.markers)} markers"
 
         # Writes after the catch-up arrive from memory again.
         async with await kv_connect(node) as kv:
@@ -78,23 +67,23 @@ def run_memory_disk_memory(nodes: NodeFactory, rng: random.Random, items_total: 
             model.update(tail)
         targets = await high_seqnos(node)
         async with asyncio.timeout(60):
-            while not reached(targets)(client, mirror):
+            while not reached(targets)(client, streamed):
                 assert not reader.done(), reader
                 await asyncio.sleep(0.02)
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
         await client.close()
 
-        memory_after = [m for m in mirror.markers[disk_at:] if m[3] & MARKER_MEMORY]
+        memory_after = [m for m in streamed.markers[disk_at:] if m[3] & MARKER_MEMORY]
         assert memory_after, "no memory snapshot after the disk snapshot"
-        disk_markers = sum(1 for m in mirror.markers if m[3] & MARKER_DISK)
+        disk_markers = sum(1 for m in streamed.markers if m[3] & MARKER_DISK)
         print(
-            f"{mirror.items} items, {len(mirror.markers)} markers, {disk_markers} from disk; "
+            f"{streamed.items} items, {len(streamed.markers)} markers, {disk_markers} from disk; "
             f"first disk marker #{disk_at}"
         )
-        assert not mirror.rollbacks
-        assert_matches_model(mirror, model)
-        assert_same_state(mirror, await server_state(node), what="slow consumer")
+        assert not streamed.rollbacks
+        assert_matches_model(streamed, model)
+        assert_same_state(streamed, await server_state(node), what="slow consumer")
 
     asyncio.run(scenario())
     assert node.errors_in_log() == []

@@ -28,19 +28,11 @@ import random
 import pytest
 
 from changefeed.consumer import SessionState
+from support.clients import high_seqnos, kv_connect, upsert_retrying
+from support.consumer import StreamedState, server_state, stream_to_latest
+from support.nodes import NodeFactory
 
-from .conftest import NodeFactory
-from .harness import (
-    Mirror,
-    assert_resumed_after,
-    assert_same_state,
-    high_seqnos,
-    kv_connect,
-    mark,
-    server_state,
-    stream_to_latest,
-    upsert_retrying,
-)
+from .harness import assert_resumed_after, assert_same_state, mark
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -63,13 +55,13 @@ def test_rollback_after_restoring_an_old_copy(
     old_copy = node.root / "old-copy"
 
     async def scenario() -> None:
-        mirror = Mirror()
+        streamed = StreamedState()
         session = None
         async with await kv_connect(node) as kv:
             w0 = [(b"k-%05d" % i, b"W0-%d" % i) for i in range(2000)]
             await upsert_retrying(kv, w0, durability="persist")
         if shape == "incremental":
-            mirror, session = await stream_to_latest(node, mirror=mirror)
+            streamed, session = await stream_to_latest(node, state=streamed)
 
         if copy == "stopped":
             node.stop()
@@ -86,7 +78,9 @@ def test_rollback_after_restoring_an_old_copy(
                 key = b"k-%05d" % rng.randrange(2000)
                 if (await kv.upsert(key, b"W1-x")).seqno and rng.random() < 0.3:
                     await kv.remove(key)
-        mirror, session = await stream_to_latest(node, start=session or "beginning", mirror=mirror)
+        streamed, session = await stream_to_latest(
+            node, start=session or "beginning", state=streamed
+        )
         high_w1 = await high_seqnos(node)
         saved = session.to_json()
 
@@ -103,15 +97,17 @@ def test_rollback_after_restoring_an_old_copy(
         print(f"{copy}/{shape}/{w2}: high old {high_old}\n W1 {high_w1}\n W2 {high_w2}")
         print(f" ahead {ahead}")
 
-        marked = mark(mirror)
-        mirror, _ = await stream_to_latest(node, start=SessionState.from_json(saved), mirror=mirror)
-        assert_resumed_after(mirror, marked, SessionState.from_json(saved))
-        rolled = sorted({vb for vb, _ in mirror.rollbacks})
-        print(f"rollbacks {mirror.rollbacks}")
+        marked = mark(streamed)
+        streamed, _ = await stream_to_latest(
+            node, start=SessionState.from_json(saved), state=streamed
+        )
+        assert_resumed_after(streamed, marked, SessionState.from_json(saved))
+        rolled = sorted({vb for vb, _ in streamed.rollbacks})
+        print(f"rollbacks {streamed.rollbacks}")
         truth = await server_state(node)
         assert rolled, "the consumer holds W1 items the node lost, but got no Rollback"
         assert_same_state(
-            mirror, truth, what=f"consumer after diverged history ({copy}, {shape}, {w2})"
+            streamed, truth, what=f"consumer after diverged history ({copy}, {shape}, {w2})"
         )
 
     asyncio.run(scenario())

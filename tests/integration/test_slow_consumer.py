@@ -15,19 +15,11 @@ import random
 import pytest
 
 from changefeed.consumer import DcpClient
+from support.clients import dcp_config, high_seqnos, kv_connect, upsert_retrying
+from support.consumer import StreamedState, drain, reached
+from support.nodes import NodeFactory
 
-from .conftest import NodeFactory
-from .harness import (
-    Mirror,
-    assert_matches_model,
-    dcp_config,
-    drain,
-    high_seqnos,
-    kv_connect,
-    reached,
-    rss_sampler,
-    upsert_retrying,
-)
+from .harness import assert_matches_model, rss_sampler
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -71,13 +63,13 @@ def run_slow_consumer(nodes: NodeFactory, rng: random.Random, items_total: int) 
         assert peak - baseline < RSS_GROWTH_MAX_BYTES + mapped, (baseline, peak, mapped)
 
         # Now catch up: every item arrives.
-        mirror = Mirror()
+        streamed = StreamedState()
         targets = await high_seqnos(node)
-        await drain(client, mirror, reached(targets), timeout_s=120)
+        await drain(client, streamed, reached(targets), timeout_s=120)
         await client.close()
-        assert not mirror.rollbacks
-        assert_matches_model(mirror, model)
-        print(f"caught up: {mirror.items} items, {len(mirror.markers)} snapshots")
+        assert not streamed.rollbacks
+        assert_matches_model(streamed, model)
+        print(f"caught up: {streamed.items} items, {len(streamed.markers)} snapshots")
 
     asyncio.run(scenario())
     assert node.errors_in_log() == []

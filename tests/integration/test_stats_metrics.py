@@ -8,9 +8,9 @@ import re
 import pytest
 
 from changefeed.consumer import DcpClient
-
-from .conftest import NodeFactory
-from .harness import HOST, Mirror, dcp_config, drain, free_port, kv_connect, raw_connection, stats
+from support.clients import HOST, dcp_config, free_port, kv_connect, raw_connection, stats
+from support.consumer import StreamedState, drain
+from support.nodes import NodeFactory
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -66,8 +66,8 @@ def test_stats_and_metrics(nodes: NodeFactory) -> None:
         client = DcpClient(dcp_config(node, to_latest=False))
         await client.connect()
         await client.stream([0, 1])
-        mirror = Mirror()
-        await drain(client, mirror, lambda c, m: {0, 1} <= m.opened, timeout_s=10)
+        streamed = StreamedState()
+        await drain(client, streamed, lambda c, m: {0, 1} <= m.opened, timeout_s=10)
         status, body = await http_get(metrics_port, "/metrics")
         assert status == 200, body[:200]
         highs = {int(vb): float(v) for vb, v in METRIC_LINE.findall(body)}

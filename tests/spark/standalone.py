@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,17 +23,11 @@ from typing import Any
 import pyspark
 
 from changefeed.spark.session import CONF_DIR
+from support.clients import free_port
 
 SPARK_HOME = Path(pyspark.__file__).parent
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class Standalone:

@@ -29,12 +29,12 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
+from changefeed.cli.node_process import NodeProcess
 from changefeed.spark.mirror import APP_ID
+from support.nodes import NodeFactory
 
-from .conftest import NodeFactory
 from .helpers import (
     Model,
-    Node,
     assert_changelog_once,
     assert_mirror_matches,
     processes_in_group,
@@ -51,7 +51,7 @@ RUN_TIMEOUT_S = 240.0
 class Driver:
     """Runs of ``mirror_driver.py`` against one node, tables and checkpoint under ``root``."""
 
-    def __init__(self, node: Node, root: Path) -> None:
+    def __init__(self, node: NodeProcess, root: Path) -> None:
         self.node = node
         self.root = root
         self.tables = root / "tables"

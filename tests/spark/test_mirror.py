@@ -20,8 +20,8 @@ from deltalake import DeltaTable
 from changefeed.spark import ARROW_SCHEMA, MirrorWriter, read_mirror
 from changefeed.spark.mirror import APP_ID
 from changefeed.vbmap import vbucket_for_key
+from support.nodes import NodeFactory
 
-from .conftest import NodeFactory
 from .helpers import changelog, store_state, table_state, write
 
 VBUCKETS = 16
@@ -164,7 +164,7 @@ def test_rollback_rows_re_read_what_the_lost_history_touched(
     20; the node now holds another history. Keys of other vbuckets stay as they were."""
     node = nodes(vbuckets=VBUCKETS, args=["--no-durable"])
     path = tmp_path / "tables"
-    writer = MirrorWriter(path, node.options())
+    writer = MirrorWriter(path, node.source_options())
     common, lost_only, deleted, overwritten, late, same = keys_in(3, 6, "r")
     (other_key,) = keys_in(5, 1, "o")
     # The node's current state (the surviving history, plus its own new writes).
@@ -231,7 +231,7 @@ def test_rollback_rows_re_read_what_the_lost_history_touched(
     assert seqnos[common] == 10, "a key below the rollback seqno is not re-read"
     logged = changelog(path)
     assert pc.sum(pc.equal(logged.column("op"), "rollback")).as_py() == 1
-    truth = store_state(node.port, node.vbuckets)
+    truth = store_state(node)
     assert {k: v for k, v in truth.items() if vb(k) == 3 and k != late} == {
         k: v for k, v in got.items() if vb(k) == 3 and k != late
     }
@@ -240,7 +240,7 @@ def test_rollback_rows_re_read_what_the_lost_history_touched(
 def test_rollback_to_zero_rebuilds_the_vbucket(tmp_path: Path, nodes: NodeFactory) -> None:
     node = nodes(vbuckets=VBUCKETS, args=["--no-durable"])
     path = tmp_path / "tables"
-    writer = MirrorWriter(path, node.options())
+    writer = MirrorWriter(path, node.source_options())
     keys = keys_in(7, 40, "z")
     write(node.port, [(k, b"node-" + k.encode()) for k in keys[:25]])
     writer.write(batch(*(change(i + 1, k, b"mirror-" + k.encode()) for i, k in enumerate(keys))), 0)

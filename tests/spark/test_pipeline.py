@@ -16,12 +16,12 @@ from typing import Any
 import pyarrow.compute as pc
 import pytest
 
+from changefeed.cli.node_process import NodeProcess
 from changefeed.spark import MirrorWriter
+from support.nodes import NodeFactory
 
-from .conftest import NodeFactory
 from .helpers import (
     Model,
-    Node,
     assert_changelog_once,
     assert_mirror_matches,
     changelog,
@@ -35,9 +35,9 @@ from .helpers import (
 FAST_NODE = ["--no-durable"]  # these tests never crash the machine, only processes
 
 
-def run_mirror(spark: Any, node: Node, root: Path, **options: str) -> list[dict[str, Any]]:
+def run_mirror(spark: Any, node: NodeProcess, root: Path, **options: str) -> list[dict[str, Any]]:
     """One availableNow run of readStream -> foreachBatch(MirrorWriter); returns its progress."""
-    opts = node.options(**options)
+    opts = node.source_options(**options)
     query = (
         spark.readStream.format("changefeed")
         .options(**opts)
@@ -109,10 +109,10 @@ def test_batch_read_equals_store(spark: Any, nodes: NodeFactory, rng: random.Ran
     model: Model = {}
     write(node.port, workload(rng, 15_000, keys=5000, delete_ratio=0.15), model)
 
-    rows = spark.read.format("changefeed").options(**node.options()).load()
+    rows = spark.read.format("changefeed").options(**node.source_options()).load()
     got = {r["key"]: bytes(r["value"]) for r in rows.select("key", "value").collect()}
     assert rows.count() == len(got), "a key appears twice in the batch read"
-    truth = store_state(node.port, node.vbuckets)
+    truth = store_state(node)
     problem = diff(got, truth)
     assert not problem, f"batch read differs from the store: {problem}"
     assert not diff(truth, live(model)), diff(truth, live(model))

@@ -12,24 +12,25 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from changefeed.cli.node_process import NodeProcess
 from changefeed.spark.node_state import fetch_latest_sync
 from changefeed.spark.offsets import VbOffset
 from changefeed.spark.options import SourceOptions
 from changefeed.spark.reading import DataLossError, VbRange, read_ranges_sync
 from changefeed.spark.schema import ARROW_SCHEMA
+from support.nodes import NodeFactory
 
-from .conftest import NodeFactory
-from .helpers import Node, write
+from .helpers import write
 
 FAST_NODE = ["--no-durable"]
 
 
-def read(node: Node, ranges: list[VbRange], **options: str) -> pa.Table:
-    parsed = SourceOptions.parse(node.options(**options))
+def read(node: NodeProcess, ranges: list[VbRange], **options: str) -> pa.Table:
+    parsed = SourceOptions.parse(node.source_options(**options))
     return pa.Table.from_batches(list(read_ranges_sync(parsed, ranges)), ARROW_SCHEMA)
 
 
-def unique_keys(node: Node, count: int, tag: str) -> None:
+def unique_keys(node: NodeProcess, count: int, tag: str) -> None:
     write(node.port, [(f"{tag}-{i:06d}", f"{tag}-{i}".encode()) for i in range(count)])
 
 
@@ -37,7 +38,7 @@ def unique_keys(node: Node, count: int, tag: str) -> None:
 def test_a_range_ends_at_its_end_seqno_from_memory_and_from_disk(nodes: NodeFactory) -> None:
     node = nodes(vbuckets=4, args=FAST_NODE)
     unique_keys(node, 4000, "a")  # every key new: no deduplication, seqnos 1..high all present
-    latest, _ = fetch_latest_sync(SourceOptions.parse(node.options()))
+    latest, _ = fetch_latest_sync(SourceOptions.parse(node.source_options()))
     for source in ("memory", "disk"):
         if source == "disk":
             node.stop()
@@ -58,16 +59,16 @@ def test_a_history_behind_the_start_rolls_back_instead_of_erange(nodes: NodeFact
     node.stop()
     old = node.copy_data(node.root / "old")
     node.start()
-    common, _ = fetch_latest_sync(SourceOptions.parse(node.options()))
+    common, _ = fetch_latest_sync(SourceOptions.parse(node.source_options()))
     unique_keys(node, 2000, "w1")
-    lost, _ = fetch_latest_sync(SourceOptions.parse(node.options()))
+    lost, _ = fetch_latest_sync(SourceOptions.parse(node.source_options()))
     node.stop()
     node.restore_data(old)
     node.start()
     node.kill()  # the restart after a crash opens a new branch (a new failover entry)
     node.start()
     unique_keys(node, 400, "w2")
-    latest, _ = fetch_latest_sync(SourceOptions.parse(node.options()))
+    latest, _ = fetch_latest_sync(SourceOptions.parse(node.source_options()))
     assert all(latest[vb].seqno < lost[vb].seqno for vb in latest), (latest, lost)
     assert all(latest[vb].vb_uuid != lost[vb].vb_uuid for vb in latest)
 
@@ -86,7 +87,7 @@ def test_a_history_behind_the_start_rolls_back_instead_of_erange(nodes: NodeFact
 def test_rollback_to_zero_obeys_fail_on_data_loss(nodes: NodeFactory) -> None:
     node = nodes(vbuckets=4, args=FAST_NODE)
     unique_keys(node, 400, "a")
-    latest, _ = fetch_latest_sync(SourceOptions.parse(node.options()))
+    latest, _ = fetch_latest_sync(SourceOptions.parse(node.source_options()))
     unknown_branch = VbOffset(12345, 50, 50, 50)  # a vb_uuid the node never had
     ranges = [VbRange(vb, unknown_branch, o.seqno, o.vb_uuid) for vb, o in latest.items()]
     with pytest.raises(DataLossError, match="failOnDataLoss=false"):

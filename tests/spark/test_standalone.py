@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from .conftest import NodeFactory
+from support.nodes import NodeFactory
+
 from .helpers import Model, assert_changelog_once, assert_mirror_matches, store_state, workload
 from .helpers import write as write_ops
 from .standalone import Standalone
@@ -70,9 +71,9 @@ def test_pipeline_on_a_standalone_cluster(
     assert_mirror_matches(tmp_path / "tables", node, model)
     assert_changelog_once(tmp_path / "tables")
 
-    snapshot = spark.read.format("changefeed").options(**node.options(partitions="4")).load()
+    snapshot = spark.read.format("changefeed").options(**node.source_options(partitions="4")).load()
     got = {r["key"]: bytes(r["value"]) for r in snapshot.select("key", "value").collect()}
-    assert got == store_state(node.port, node.vbuckets)
+    assert got == store_state(node)
 
 
 @pytest.mark.slow

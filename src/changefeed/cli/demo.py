@@ -44,14 +44,16 @@ class DemoCluster:
     nodes: list[NodeProcess] = field(default_factory=list)
 
     def start(self) -> str:
-        node = NodeProcess(self.data_dir / "node0", vbuckets=self.vbuckets, extra=["--no-durable"])
+        node = NodeProcess(self.data_dir / "node0", vbuckets=self.vbuckets, args=["--no-durable"])
+        self.nodes.append(node)  # before start: stop() reaps it even if start fails part-way
         node.start()
-        self.nodes.append(node)
-        return f"127.0.0.1:{node.port}"
+        return node.address
 
     def stop(self) -> None:
+        """SIGTERM each node (SIGKILL if it hangs); an unclean exit raises."""
         for node in self.nodes:
-            node.stop()
+            if node.process is not None:
+                node.stop()
 
 
 @dataclass
