@@ -1,6 +1,7 @@
-"""``changefeed demo``: the main job on the embedded single-node default.
+"""``changefeed demo``: the main job on the single-node default (no etcd, no cluster).
 
-1. start a node (its own process) in a temporary data directory;
+1. start one node as a child process (`changefeed serve`, as in production) in a temporary
+   data directory;
 2. load a realistic workload over the KV protocol — inserts, updates, deletes, and documents
    that expire — with a progress bar;
 3. run the Spark streaming mirror (local Spark, availableNow, several micro-batches), stop the
@@ -37,7 +38,7 @@ EXPIRY_S = 3  # documents loaded with this TTL expire during the demo
 
 @dataclass
 class DemoCluster:
-    """The nodes of the demo: one embedded node today."""
+    """The nodes of the demo: one node process today."""
 
     data_dir: Path
     vbuckets: int
