@@ -104,11 +104,20 @@ class StreamMachine:
 
     def item(self, seqno: int) -> None:
         """An item with `seqno` is being sent; the snapshot or the stream may be complete."""
-        assert seqno > self.last_sent_seqno, (seqno, self.last_sent_seqno)
-        assert seqno <= self.snap_end, (seqno, self.snap_end)
+        self.items(seqno, seqno)
+
+    def items(self, first_seqno: int, last_seqno: int) -> None:
+        """A run of items from `first_seqno` to `last_seqno` (increasing, inside the snapshot;
+        the reader asserts the order item by item) is being sent.
+
+        One call per run: ITEM leaves the state as it is (see TRANSITIONS), so only the run's
+        last item can change it.
+        """
+        assert first_seqno > self.last_sent_seqno, (first_seqno, self.last_sent_seqno)
+        assert first_seqno <= last_seqno <= self.snap_end, (first_seqno, last_seqno, self.snap_end)
         self._apply(StreamInput.ITEM)
-        self.last_sent_seqno = seqno
-        if seqno == self.snap_end:
+        self.last_sent_seqno = last_seqno
+        if last_seqno == self.snap_end:
             self._apply(StreamInput.SNAPSHOT_DONE)
             if self.snap_end >= self.end_seqno:
                 self.end(StreamEndReason.OK)
