@@ -24,7 +24,15 @@ from changefeed.protocol.snapshot_marker import (
 
 
 class StreamEncoder(Protocol):
-    """The output side of one stream."""
+    """The output side of one stream.
+
+    Attributes:
+        event_bytes_min: the fewest bytes any one marker or item takes; a stream reads ahead
+            no more events than a budget could hold at that size, so a stream throttled by flow
+            control does not move its cursor past what it can send.
+    """
+
+    event_bytes_min: int
 
     def snapshot_marker(self, out: list[bytes], marker: SnapshotStart, purge_seqno: int) -> int:
         """Append a snapshot marker; returns bytes appended."""
@@ -46,6 +54,10 @@ class StreamEncoder(Protocol):
 
 class DcpEncoder:
     """DCP frames for one stream: its vbucket, opaque, stream-id and the connection's options."""
+
+    # The smallest frame a stream sends: a V1 snapshot marker, header + 20 bytes of extras
+    # (dcp-wire.md §7.2); every item frame is larger (header + >= 18 bytes extras + key).
+    event_bytes_min = 24 + 20
 
     def __init__(
         self,

@@ -81,7 +81,9 @@ class Stream:
         machine = self.machine
         while written < bytes_max and machine.live:  # bounded by bytes_max and what is queued
             if self._next == len(self._ahead):
-                self._ahead = self.reader.read(limits.STREAM_RUN_EVENTS_MAX)
+                # No further ahead than the budget could send (+1: the overshoot message).
+                fits = (bytes_max - written) // self.encoder.event_bytes_min + 1
+                self._ahead = self.reader.read(min(limits.STREAM_RUN_EVENTS_MAX, fits))
                 self._next = 0
                 if not self._ahead:
                     break  # caught up

@@ -236,3 +236,21 @@ def test_from_latest_with_nothing_new_ends_at_once(bucket: Bucket) -> None:
     outcome = p.stream_request(request(end=high, flags=StreamFlag.FROM_LATEST))
     assert isinstance(outcome, Accepted)
     assert [describe(f) for f in frames(pump_all(p, iter([4096])))] == [("end", StreamEndReason.OK)]
+
+
+def test_a_flow_controlled_stream_reads_no_further_than_it_sends(bucket: Bucket) -> None:
+    """With a 1-byte window the stream sends one message and its cursor stays there, so it
+    keeps pinning the checkpoints after it (what a parked reader relies on)."""
+    write(bucket, 50)
+    p = producer(bucket)
+    assert p.control("connection_buffer_size", "1")[0] == Status.SUCCESS
+    assert isinstance(p.stream_request(request()), Accepted)
+    out: list[bytes] = []
+    p.pump(out, 1 << 20)
+    assert [describe(f)[0] for f in frames(b"".join(out))] == ["marker"]
+    stream = p.streams[VB]
+    assert stream.reader.last_seqno == 0  # read the marker only, not a run of items
+    assert not p.ready  # the window is full until an ack
+    p.on_buffer_ack(len(out[0]))
+    p.pump(out, 1 << 20)
+    assert stream.last_sent_seqno == stream.reader.last_seqno == 1
