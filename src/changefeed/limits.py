@@ -129,6 +129,19 @@ EVENT_QUEUE_MAX = 256
 assert STREAM_QUANTUM_BYTES <= PUMP_BYTES_MAX, (STREAM_QUANTUM_BYTES, PUMP_BYTES_MAX)
 assert STREAM_RUN_EVENTS_MAX >= 2  # a marker and an item
 
+# --- server/: retrying a store that cannot persist ---------------------------------------------
+
+# After a failed flush commit (disk full, I/O error) the flusher retries after a backoff that
+# doubles from MIN to MAX: the first retry comes at once for a transient error, and a full disk
+# costs one failed commit every 5 s, not a busy loop. Freed space is noticed within MAX.
+FLUSH_RETRY_BACKOFF_MIN_S = 0.05
+FLUSH_RETRY_BACKOFF_MAX_S = 5.0
+
+# A failing store logs at most one line per interval (it would otherwise log every retry).
+FLUSH_FAILURE_LOG_INTERVAL_S = 30.0
+
+assert 0 < FLUSH_RETRY_BACKOFF_MIN_S < FLUSH_RETRY_BACKOFF_MAX_S <= FLUSH_FAILURE_LOG_INTERVAL_S
+
 # --- server/: what an unauthenticated peer may make the node buffer --------------------------
 
 # Largest frame body a connection may declare before it has authenticated. What it may send then

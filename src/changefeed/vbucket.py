@@ -336,8 +336,16 @@ class VBucket:
         return self.flusher.flush()
 
     def close(self) -> None:
-        """Flush and free checkpoint memory (node stopping, vbucket moved away)."""
+        """Flush and free checkpoint memory (node stopping, vbucket moved away).
+
+        Raises:
+            StorageError: the flush failed; nothing is freed (call `release` to give up).
+        """
         self.flusher.flush()
+        self.manager.close()
+
+    def release(self) -> None:
+        """Free checkpoint memory without flushing (after a flush that failed at shutdown)."""
         self.manager.close()
 
     # -- internals ------------------------------------------------------------------------------

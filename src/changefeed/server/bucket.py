@@ -21,7 +21,8 @@ from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError
 from changefeed.protocol.kv import MutationResult, ObserveSeqnoResult, StoreCommand
 from changefeed.protocol.opcode import Opcode
 from changefeed.server.config import NodeConfig
-from changefeed.storage import Store
+from changefeed.server.persistence import PersistenceHealth
+from changefeed.storage import StorageError, Store
 from changefeed.vbucket import Document, VBucket
 from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState
 
@@ -48,6 +49,7 @@ class Bucket:
         self._clock = clock
         self._flush_task: asyncio.Task[None] | None = None
         self._dirty = asyncio.Event()
+        self.persistence = PersistenceHealth()
 
     @classmethod
     def open(
@@ -68,7 +70,10 @@ class Bucket:
             config.data_dir / config.bucket,
             map_size_bytes=config.map_size_bytes,
             durable=config.durable,
+            start_fresh=config.start_fresh,
         )
+        if store.set_aside_to is not None:
+            log.warning("damaged store files moved to %s; starting empty", store.set_aside_to)
         budget = MemoryBudget(config.checkpoint_quota_bytes)
         vbuckets = {
             vb: VBucket(
@@ -89,27 +94,58 @@ class Bucket:
             vb.manager.wakeup.add_callback(self._dirty.set)
         self._flush_task = asyncio.get_running_loop().create_task(self._flush_loop())
 
-    async def close(self) -> None:
+    async def close(self) -> int:
+        """Stop flushing, flush what is queued, close the store.
+
+        The store is marked cleanly shut down only if everything queued was persisted; else
+        the next start treats it as a crash (a new failover entry for every active vbucket,
+        so consumers that saw the lost writes roll back).
+
+        Returns:
+            Items that could not be persisted (0 normally).
+        """
         if self._flush_task is not None:
             self._flush_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._flush_task
+        unpersisted = 0
         for vb in self.vbuckets.values():
-            vb.close()  # flushes what is still queued
-        self.store.close()
+            try:
+                vb.flush()
+            except StorageError as error:
+                lost = vb.high_seqno - vb.persisted_seqno
+                unpersisted += lost
+                log.error("vb %d: %d items not persisted at shutdown: %s", vb.vb, lost, error)
+            vb.release()
+        try:
+            self.store.close(clean=unpersisted == 0)
+        except StorageError as error:
+            log.error("could not record a clean shutdown (the next start recovers): %s", error)
+        return unpersisted
 
     async def _flush_loop(self) -> None:
         while True:  # the bucket's flusher; cancelled by close()
             self._dirty.clear()
-            wrote = 0
-            for vb in self.vbuckets.values():
-                wrote += vb.flusher.flush_batch()
+            try:
+                wrote = self._flush_round()
+            except StorageError as error:
+                await asyncio.sleep(self.persistence.failed(error))
+                continue
             if wrote:
                 await asyncio.sleep(0)
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), 1.0)
             await asyncio.sleep(FLUSH_IDLE_S)  # gather a group commit
+
+    def _flush_round(self) -> int:
+        """One batch of every vbucket with queued items; a failed commit raises (the flusher
+        keeps the batch queued) and is retried by the loop."""
+        wrote = 0
+        for vb in self.vbuckets.values():
+            wrote += vb.flusher.flush_batch()
+        self.persistence.succeeded()
+        return wrote
 
     # -- KV --------------------------------------------------------------------------------------
 
@@ -120,7 +156,9 @@ class Bucket:
         return found
 
     def store_command(self, command: StoreCommand) -> MutationResult:
+        """SET / ADD / REPLACE; TMPFAIL while the store cannot persist."""
         vb = self.vbucket(command.vbucket)
+        self.persistence.check_writable()
         expiry = absolute_expiry(command.expiry, self._clock())
         if command.opcode == Opcode.ADD:
             return vb.add(
@@ -149,7 +187,10 @@ class Bucket:
         )
 
     def delete(self, vb: int, key: bytes, *, cas: int = 0) -> MutationResult:
-        return self.vbucket(vb).delete(key, cas=cas)
+        """DELETE; TMPFAIL while the store cannot persist."""
+        vbucket = self.vbucket(vb)
+        self.persistence.check_writable()
+        return vbucket.delete(key, cas=cas)
 
     def get(self, vb: int, key: bytes) -> Document:
         document = self.vbucket(vb).get(key)
@@ -161,6 +202,13 @@ class Bucket:
 
     def vbucket_ids(self) -> list[int]:
         return sorted(self.vbuckets)
+
+    def state_counts(self) -> dict[VBucketState, int]:
+        """vbuckets per state (every state listed, zero included): STAT vb_<state>_num."""
+        counts = dict.fromkeys(VBucketState, 0)
+        for v in self.vbuckets.values():
+            counts[v.state] += 1
+        return counts
 
     def seqnos(self, vb: int) -> tuple[int, int, int]:
         v = self.vbucket(vb)
@@ -178,7 +226,11 @@ class Bucket:
         return self.vbucket(vb).failover_log.entries
 
     def observe_seqno(self, vb: int, vb_uuid: int) -> ObserveSeqnoResult:
+        """OBSERVE_SEQNO; while the store cannot persist, a TMPFAIL naming the error, so a
+        writer waiting for persistence learns why instead of timing out."""
         v = self.vbucket(vb)
+        if v.persisted_seqno < v.high_seqno:
+            self.persistence.check_writable()
         entries = v.failover_log.entries
         if vb_uuid == v.vb_uuid or vb_uuid not in [u for u, _ in entries]:
             return ObserveSeqnoResult(vb, v.vb_uuid, v.persisted_seqno, v.high_seqno)

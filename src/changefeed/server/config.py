@@ -34,6 +34,9 @@ class NodeConfig:
     flush_batch_bytes: int = limits.FLUSH_BATCH_BYTES_MAX  # accounted bytes per group commit
     noop_idle_timeout_s: float = 360.0  # dcp_idle_timeout (dcp-wire.md §8.2)
     map_size_bytes: int = limits.STORAGE_MAP_SIZE_BYTES_DEFAULT
+    # A damaged data file (missing, empty, truncated) stops the start unless this is set; then
+    # the damaged files are moved aside and the node starts empty (new vbucket histories).
+    start_fresh: bool = False
     users_file: Path | None = None  # default: <data_dir>/users.json
     log_level: str = "INFO"
 

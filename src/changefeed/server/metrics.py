@@ -30,6 +30,16 @@ class NodeCollector(Collector):
             "Bytes held by checkpoints (all vbuckets).",
             bucket.checkpoint_memory_bytes(),
         )
+        yield _gauge(
+            "changefeed_persistence_failing",
+            "1 while flush commits fail (writes are refused with TMPFAIL).",
+            int(bucket.persistence.failing),
+        )
+        yield _gauge(
+            "changefeed_persistence_failures_total",
+            "Flush commits that failed since start.",
+            bucket.persistence.failures_total,
+        )
         for name, help_text, read in _per_vb_gauges():
             family = GaugeMetricFamily(name, help_text, labels=["vbucket"])
             for vb in bucket.vbucket_ids():

@@ -25,6 +25,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from types import TracebackType
 from typing import Final, TypeAlias
 
@@ -33,6 +34,7 @@ import lmdb
 from changefeed import limits
 from changefeed.storage import batch as _batch
 from changefeed.storage.compaction import discard_after, purge_tombstones
+from changefeed.storage.data_file import DamagedStoreError, check_data_file, mark_created, set_aside
 from changefeed.storage.errors import CorruptRecordError, StorageError, StorageFullError
 from changefeed.storage.keys import (
     META_CLEAN,
@@ -56,6 +58,8 @@ class Store:
         path: directory of the environment; created if missing.
         map_size_bytes: the most the environment may ever hold (LMDB's map size; address space
             only, the file grows as needed). Exceeding it raises StorageFullError.
+        start_fresh: when the data file is damaged (missing, empty, truncated: data_file.py),
+            move it aside and start an empty store instead of raising DamagedStoreError.
         durable: whether each commit is flushed to disk before `write_batch` returns.
             True: every commit fsyncs. A committed batch survives `kill -9` and power loss
             (full ACID). Costs one fsync per batch, so group writes into batches.
@@ -71,6 +75,8 @@ class Store:
             "unclean" until `close()` records "clean" again.
 
     Raises:
+        DamagedStoreError: the data file lost data (missing, empty or truncated while the store
+            held data); never opened, so LMDB cannot SIGBUS on it.
         StorageError: the environment cannot be opened (permissions, another open copy in
             this process, a different LMDB version).
         CorruptRecordError: stored vbucket metadata is corrupt.
@@ -84,6 +90,7 @@ class Store:
         *,
         map_size_bytes: int = limits.STORAGE_MAP_SIZE_BYTES_DEFAULT,
         durable: bool = True,
+        start_fresh: bool = False,
     ) -> None:
         if map_size_bytes <= 0:
             raise ValueError(f"map_size_bytes {map_size_bytes} must be positive")
@@ -91,6 +98,13 @@ class Store:
         self._path = os.fspath(path)
         self._batch_open = False
         self._closed = True
+        self.set_aside_to: Path | None = None
+        try:
+            check_data_file(Path(path))
+        except DamagedStoreError:
+            if not start_fresh:
+                raise
+            self.set_aside_to = set_aside(Path(path))
         token_matches = self._shutdown_token_matches()
         with _translated_errors(map_size_bytes):
             self._env = lmdb.open(
@@ -105,6 +119,7 @@ class Store:
         try:
             self.was_clean_shutdown = self._open_databases(token_matches)
             self._rows = self._load_rows()
+            mark_created(Path(path))
         except BaseException:
             self._env.close()
             raise
@@ -181,10 +196,13 @@ class Store:
     ) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Record a clean shutdown, flush to disk and close; later calls do nothing.
+    def close(self, *, clean: bool = True) -> None:
+        """Flush to disk and close, recording a clean shutdown unless `clean` is False; later
+        calls do nothing.
 
-        Scans still open become unusable. Other methods raise StorageError afterwards.
+        Pass `clean=False` when writes the caller acknowledged could not be persisted: the next
+        open then reports an unclean shutdown, as after a crash. Scans still open become
+        unusable. Other methods raise StorageError afterwards.
 
         Raises:
             RuntimeError: a write batch is open.
@@ -198,13 +216,15 @@ class Store:
         self._closed = True
         try:
             with _translated_errors(self._map_size_bytes):
-                with self._env.begin(write=True) as txn:
-                    txn.put(META_SHUTDOWN, META_CLEAN, db=self._meta)
+                if clean:
+                    with self._env.begin(write=True) as txn:
+                        txn.put(META_SHUTDOWN, META_CLEAN, db=self._meta)
                 self._env.sync(True)
         finally:
             self._env.close()
-        with contextlib.suppress(OSError):  # without the token the next open reads unclean
-            self._write_shutdown_token()
+        if clean:
+            with contextlib.suppress(OSError):  # without the token the next open reads unclean
+                self._write_shutdown_token()
 
     # --- writes -------------------------------------------------------------------------------
 
