@@ -135,6 +135,7 @@ class DcpProducer:
         self.marker_version = MarkerVersion.V1
         self.stream_ids_enabled = False
         self.send_stream_end_on_close = False
+        self.v7_status_codes = False  # v7_dcp_status_codes: STREAM_NOT_FOUND for a missing stream
         # dcp-wire.md §10: application cursors may be dropped, replica cursors by request only.
         self.cursor_dropping = role is StreamRole.APPLICATION
         self.noop_enabled = False
@@ -221,7 +222,8 @@ class DcpProducer:
         """CLOSE_STREAM: end the stream; a STREAM_END(CLOSED) follows only if asked for."""
         stream = self.streams.get(vb)
         if stream is None or stream.ended:
-            return Status.KEY_ENOENT
+            # dcp-wire.md §5: with v7 status codes a missing stream is DCP_STREAM_NOT_FOUND.
+            return Status.DCP_STREAM_NOT_FOUND if self.v7_status_codes else Status.KEY_ENOENT
         if self.send_stream_end_on_close:
             stream.end(StreamEndReason.CLOSED)
         else:
@@ -374,6 +376,22 @@ def _set_cursor_dropping(p: DcpProducer, value: str) -> tuple[Status, str]:
     return Status.SUCCESS, ""
 
 
+def _set_v7_status_codes(p: DcpProducer, value: str) -> tuple[Status, str]:
+    if value != "true":
+        return Status.EINVAL, "v7_dcp_status_codes takes 'true'"
+    p.v7_status_codes = True
+    return Status.SUCCESS, ""
+
+
+def _set_backfill_order(p: DcpProducer, value: str) -> tuple[Status, str]:
+    # Backfills are served round-robin with every other stream (the pump's rotation).
+    if value == "round-robin":
+        return Status.SUCCESS, ""
+    if value == "sequential":
+        return Status.NOT_SUPPORTED, "backfill_order 'sequential' is not supported (round-robin)"
+    return Status.EINVAL, "backfill_order takes 'round-robin' or 'sequential'"
+
+
 def _set_priority(p: DcpProducer, value: str) -> tuple[Status, str]:
     if value not in ("high", "medium", "low"):
         return Status.EINVAL, "set_priority takes high, medium or low"
@@ -382,8 +400,8 @@ def _set_priority(p: DcpProducer, value: str) -> tuple[Status, str]:
 
 def _unsupported_or_ok(key: str, value: str) -> tuple[Status, str]:
     """Keys we know but do not implement: NOT_SUPPORTED, as the reference's producer answers."""
-    if key in ("supports_hifi_MFU", "v7_dcp_status_codes", "backfill_order"):
-        return Status.SUCCESS, ""
+    if key == "supports_hifi_MFU":
+        return Status.SUCCESS, ""  # only tells the producer the client can take MFU values
     return Status.NOT_SUPPORTED, f"{key} is not supported by this producer"
 
 
@@ -398,4 +416,6 @@ _CONTROL_HANDLERS: dict[str, Callable[[DcpProducer, str], tuple[Status, str]]] =
     "supports_cursor_dropping": _set_cursor_dropping,
     "supports_cursor_dropping_vulcan": _set_cursor_dropping,
     "set_priority": _set_priority,
+    "v7_dcp_status_codes": _set_v7_status_codes,
+    "backfill_order": _set_backfill_order,
 }

@@ -6,6 +6,10 @@ Each object starts with a byte ``(id << 4) | len``; a nibble of 15 escapes to ``
 
 from __future__ import annotations
 
+import enum
+import struct
+from dataclasses import dataclass
+
 from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.status import Status
 
@@ -101,4 +105,49 @@ def stream_id_of(framing_extras: bytes) -> int | None:
             if stream_id == 0:
                 raise ProtocolError("stream id 0 is invalid", Status.DCP_STREAM_ID_INVALID)
             return stream_id
+    return None
+
+
+class DurabilityLevel(enum.IntEnum):
+    """Levels of the durability frame info (dcp-wire.md §1.3, id 1), as the SDKs send them."""
+
+    MAJORITY = 1
+    MAJORITY_AND_PERSIST_TO_ACTIVE = 2
+    PERSIST_TO_MAJORITY = 3
+
+
+@dataclass(frozen=True, slots=True)
+class DurabilityRequirement:
+    """A write's durability frame: its level and, optionally, the client's timeout."""
+
+    level: DurabilityLevel
+    timeout_ms: int | None = None
+
+
+_TIMEOUT = struct.Struct(">H")
+
+
+def durability_of(framing_extras: bytes) -> DurabilityRequirement | None:
+    """Return the durability requirement in ``framing_extras``, or None when there is none.
+
+    The payload is one level byte, optionally followed by a u16 timeout in milliseconds.
+
+    Raises:
+        ProtocolError: malformed frame infos or a payload of another size (EINVAL), or an
+            unknown level (DURABILITY_INVALID_LEVEL).
+    """
+    if not framing_extras:
+        return None
+    for info_id, payload in decode_frame_infos(framing_extras):
+        if info_id != FRAME_INFO_DURABILITY:
+            continue
+        if len(payload) not in (1, 1 + _TIMEOUT.size):
+            raise ProtocolError(f"durability frame info has {len(payload)} bytes, not 1 or 3")
+        levels = [int(level) for level in DurabilityLevel]
+        if payload[0] not in levels:
+            raise ProtocolError(
+                f"durability level {payload[0]} not in {levels}", Status.DURABILITY_INVALID_LEVEL
+            )
+        timeout_ms = _TIMEOUT.unpack(payload[1:])[0] if len(payload) > 1 else None
+        return DurabilityRequirement(DurabilityLevel(payload[0]), timeout_ms)
     return None

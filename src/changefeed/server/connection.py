@@ -29,8 +29,9 @@ from changefeed.protocol.dcp import (
     encode_failover_log,
     encode_rollback_seqno,
 )
-from changefeed.protocol.errors import ProtocolError, StatusError
+from changefeed.protocol.errors import DurabilityImpossibleError, ProtocolError, StatusError
 from changefeed.protocol.frame import Frame, encode_response
+from changefeed.protocol.frame_info import durability_of
 from changefeed.protocol.kv import (
     GET_RESPONSE_EXTRAS,
     MutationResult,
@@ -227,15 +228,27 @@ def _select_bucket(c: ClientConnection, f: Frame) -> None:
     c.reply(f)
 
 
+def _refuse_durability(f: Frame) -> None:
+    """A durable write needs copies this node does not have: DURABILITY_IMPOSSIBLE, never a
+    success that pretends the level was met (the cluster implements the levels)."""
+    requirement = durability_of(f.framing_extras)
+    if requirement is not None:
+        raise DurabilityImpossibleError(
+            f"durability {requirement.level.name.lower()} needs replicas; this node has none"
+        )
+
+
 def _store(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     command = decode_store(f)
+    _refuse_durability(f)
     _reply_mutation(c, f, c.context.bucket.store_command(command))
 
 
 def _delete(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     key = decode_key_only(f)
+    _refuse_durability(f)
     _reply_mutation(c, f, c.context.bucket.delete(f.vbucket, key, cas=f.cas))
 
 

@@ -19,8 +19,12 @@ def stat_group(context: ServerContext, group: str) -> Iterator[tuple[str, str]]:
     if name == "":
         yield "curr_connections", str(len(context.connections))
         yield "curr_items", str(bucket.item_count())
-        yield "vb_active_num", str(len(bucket.vbucket_ids()))
+        for state, count in bucket.state_counts().items():
+            yield f"vb_{state.value}_num", str(count)
         yield "checkpoint_memory_bytes", str(bucket.checkpoint_memory_bytes())
+        yield "persistence_failing", "1" if bucket.persistence.failing else "0"
+        yield "persistence_failures_total", str(bucket.persistence.failures_total)
+        yield "persistence_error", bucket.persistence.error or ""
     elif name == "vbucket-seqno":
         yield from bucket.seqno_stats(vbs)
     elif name == "failovers":

@@ -254,3 +254,18 @@ def test_a_flow_controlled_stream_reads_no_further_than_it_sends(bucket: Bucket)
     p.on_buffer_ack(len(out[0]))
     p.pump(out, 1 << 20)
     assert stream.last_sent_seqno == stream.reader.last_seqno == 1
+
+
+def test_v7_status_codes_change_what_closing_a_missing_stream_answers(bucket: Bucket) -> None:
+    p = producer(bucket)
+    assert p.close_stream(3) == Status.KEY_ENOENT
+    assert p.control("v7_dcp_status_codes", "true") == (Status.SUCCESS, "")
+    assert p.close_stream(3) == Status.DCP_STREAM_NOT_FOUND
+    assert p.control("v7_dcp_status_codes", "false")[0] == Status.EINVAL
+
+
+def test_backfill_order_is_honest_about_what_it_does(bucket: Bucket) -> None:
+    p = producer(bucket)
+    assert p.control("backfill_order", "round-robin")[0] == Status.SUCCESS
+    assert p.control("backfill_order", "sequential")[0] == Status.NOT_SUPPORTED
+    assert p.control("backfill_order", "random")[0] == Status.EINVAL
