@@ -43,15 +43,17 @@ def assert_resumed_after(
 
 
 def assert_same_state(got: StreamedState, want: StreamedState, *, what: str = "consumer") -> None:
-    """Live keys, values and seqnos equal; a key deleted on one side is absent or deleted."""
-    got_live, want_live = got.live(), want.live()
+    """Live keys equal on every field the stream carries (seqno, value, cas, flags, expiry,
+    rev_seqno, datatype, vbucket); a key deleted on one side is absent or deleted."""
+    got_live = {k: c for k, c in got.latest().items() if not c.deleted}
+    want_live = {k: c for k, c in want.latest().items() if not c.deleted}
     missing = sorted(set(want_live) - set(got_live))
     extra = sorted(set(got_live) - set(want_live))
     differ = sorted(k for k in set(got_live) & set(want_live) if got_live[k] != want_live[k])
     assert not (missing or extra or differ), (
         f"{what} state differs from the server's: {len(missing)} missing (e.g. {missing[:5]}), "
         f"{len(extra)} extra (e.g. {extra[:5]}), {len(differ)} differ "
-        f"(e.g. {[(k, got_live[k][0], want_live[k][0]) for k in differ[:5]]})"
+        f"(e.g. {[(got_live[k], want_live[k]) for k in differ[:3]]})"
     )
 
 

@@ -1,12 +1,15 @@
-"""Helpers of the Spark tests: a seeded workload with its model, the truth as a key -> value
-map, and checks of the Delta mirror and changelog.
+"""Helpers of the Spark tests: a seeded workload with its model, the truth as a key -> document
+map (all metadata), and checks of the Delta mirror and changelog.
 
 Nodes come from the shared ``nodes`` fixture (``tests/support``: ``NodeProcess`` on 127.0.0.1,
 stopped by pid when the test ends), writes go through ``support.clients.upsert_retrying`` and
 the truth through ``support.consumer.server_state``, as in the integration tests. ``write``
-applies a workload through ``KvClient`` and keeps a model (key -> value, None once deleted).
-``store_state`` is the truth as the mirror table holds it (live keys, decoded);
-``assert_mirror_matches`` compares a mirror table with both, key by key.
+applies a workload through ``KvClient`` and keeps a model (key -> value, None once deleted);
+``write_meta`` writes documents with flags and expiry, so metadata checks have something to
+compare.
+``store_state`` is the truth as the mirror table holds it: each live key's ``Doc`` (every
+column: vbucket, seqno, value, cas, flags, expiry, rev_seqno); ``assert_mirror_matches``
+compares a mirror table with it on every column, key by key, and its values with the model.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import asyncio
 import contextlib
 import os
 import random
+from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -23,16 +28,18 @@ from deltalake import DeltaTable
 
 from changefeed.cli.node_process import NodeProcess
 from changefeed.consumer import KvClient
-from changefeed.protocol.errors import KeyNotFoundError
+from changefeed.protocol.errors import KeyNotFoundError, TemporaryFailureError
 from changefeed.spark import read_mirror
-from support.clients import HOST, upsert_retrying
-from support.consumer import server_state
+from changefeed.spark.mirror import MIRROR_COLUMNS
+from support.clients import HOST, TMPFAIL_RETRIES_MAX, upsert_retrying
+from support.consumer import Change, server_state
 
 WRITE_CHUNK = 2000
 TRUTH_TIMEOUT_S = 120.0
 
 Model = dict[str, bytes | None]
 Op = tuple[str, bytes | None]  # (key, value); None deletes
+MetaOp = tuple[str, bytes, int, int]  # (key, value, flags, expiry): an upsert with metadata
 
 
 # -- workload ----------------------------------------------------------------------------------
@@ -84,6 +91,27 @@ def write(port: int, ops: list[Op], model: Model | None = None) -> None:
     asyncio.run(write_async(port, ops, model))
 
 
+async def write_meta_async(port: int, docs: list[MetaOp], model: Model | None = None) -> None:
+    """Upsert each ``(key, value, flags, expiry)`` in order, one at a time (``upsert_many``
+    sends no flags or expiry), retrying on TMPFAIL; update ``model``."""
+    async with await KvClient.connect(HOST, port) as kv:
+        for key, value, flags, expiry in docs:
+            for attempt in range(TMPFAIL_RETRIES_MAX):
+                try:
+                    await kv.upsert(key.encode(), value, flags=flags, expiry=expiry)
+                    break
+                except TemporaryFailureError:
+                    await asyncio.sleep(min(0.05, 0.001 * (attempt + 1)))
+            else:
+                raise TimeoutError("writes kept failing with TMPFAIL")
+    if model is not None:
+        model.update((key, value) for key, value, _, _ in docs)
+
+
+def write_meta(port: int, docs: list[MetaOp], model: Model | None = None) -> None:
+    asyncio.run(write_meta_async(port, docs, model))
+
+
 def live(model: Model) -> dict[str, bytes]:
     return {k: v for k, v in model.items() if v is not None}
 
@@ -91,49 +119,108 @@ def live(model: Model) -> dict[str, bytes]:
 # -- truth ---------------------------------------------------------------------------------------
 
 
+class Doc(NamedTuple):
+    """A live document as the mirror table holds it: every column but the key."""
+
+    vbucket: int
+    seqno: int
+    value: bytes
+    cas: int
+    flags: int  # u32 on the wire, as int32 (the change-row schema's narrowing)
+    expiry: int  # u32 on the wire, as int32
+    rev_seqno: int
+
+
+DOC_COLUMNS = Doc._fields
+assert set(DOC_COLUMNS) == set(MIRROR_COLUMNS) - {"key"}, (DOC_COLUMNS, MIRROR_COLUMNS)
+
+
+def _int32(u32: int) -> int:
+    assert 0 <= u32 < 2**32, u32
+    return u32 - 2**32 if u32 >= 2**31 else u32
+
+
+def doc_of(change: Change) -> Doc:
+    """The mirror row a live change of the truth stream must have become."""
+    assert not change.deleted, change
+    return Doc(
+        change.vbucket, change.seqno, change.value, change.cas, _int32(change.flags),
+        _int32(change.expiry), change.rev_seqno,
+    )  # fmt: skip
+
+
 async def store_state_async(
     node: NodeProcess, *, timeout_s: float = TRUTH_TIMEOUT_S
-) -> dict[str, bytes]:
-    """Every live key and its value: ``server_state`` (a fresh DCP stream of every vbucket from
-    the beginning to its high seqno), keys decoded as the mirror table holds them."""
+) -> dict[str, Doc]:
+    """Every live key and its document with all metadata: ``server_state`` (a fresh DCP stream
+    of every vbucket from the beginning to its high seqno), keys decoded as the mirror table
+    holds them. Deleted keys are left out (the mirror holds no tombstones)."""
     state = await server_state(node, timeout_s=timeout_s)
-    return {key.decode(): value for key, value in state.values().items()}
+    return {
+        key.decode("utf-8", "surrogateescape"): doc_of(change)
+        for key, change in state.latest().items()
+        if not change.deleted
+    }
 
 
-def store_state(node: NodeProcess) -> dict[str, bytes]:
+def store_state(node: NodeProcess) -> dict[str, Doc]:
     return asyncio.run(store_state_async(node))
 
 
-def table_state(table: pa.Table) -> dict[str, bytes]:
+def table_state(table: pa.Table) -> dict[str, Doc]:
+    """key -> Doc of a mirror table (or of any table with the mirror's columns: change rows)."""
     keys = table.column("key").to_pylist()
-    values = table.column("value").to_pylist()
-    assert len(set(keys)) == len(keys), "the mirror holds a key twice"
-    return dict(zip(keys, values, strict=True))
+    assert len(set(keys)) == len(keys), "the table holds a key twice"
+    columns = [table.column(name).to_pylist() for name in DOC_COLUMNS]
+    return {key: Doc(*row) for key, *row in zip(keys, *columns, strict=True)}
 
 
-def diff(got: dict[str, bytes], want: dict[str, bytes]) -> str:
-    """Empty when equal; else counts and examples of missing, extra and differing keys."""
+def table_values(table: pa.Table) -> dict[str, bytes]:
+    """key -> value only (hand-built rows, whose metadata no node ever had)."""
+    return {key: doc.value for key, doc in table_state(table).items()}
+
+
+def values_of(docs: dict[str, Doc]) -> dict[str, bytes]:
+    return {key: doc.value for key, doc in docs.items()}
+
+
+def diff(got: Mapping[str, object], want: Mapping[str, object]) -> str:
+    """Empty when equal; else counts and examples of missing, extra and differing keys. For
+    ``Doc`` values each example names the columns that differ (got vs want)."""
     missing = sorted(set(want) - set(got))
     extra = sorted(set(got) - set(want))
     differ = sorted(k for k in set(got) & set(want) if got[k] != want[k])
     if not (missing or extra or differ):
         return ""
+    examples = [f"{k!r}: {_columns_differing(got[k], want[k])}" for k in differ[:3]]
     return (
         f"{len(missing)} missing (e.g. {missing[:5]}), {len(extra)} extra (e.g. {extra[:5]}), "
-        f"{len(differ)} differ (e.g. {[(k, got[k], want[k]) for k in differ[:3]]})"
+        f"{len(differ)} differ (e.g. {'; '.join(examples)})"
+    )
+
+
+def _columns_differing(got: object, want: object) -> str:
+    if not (isinstance(got, Doc) and isinstance(want, Doc)):
+        return f"got {got!r}, want {want!r}"
+    return ", ".join(
+        f"{name} got {a!r} want {b!r}"
+        for name, a, b in zip(DOC_COLUMNS, got, want, strict=True)
+        if a != b
     )
 
 
 def assert_mirror_matches(
     path: Path, node: NodeProcess, model: Model | None = None
-) -> dict[str, bytes]:
-    """The mirror table equals the store (and the writer's model), key by key; returns it."""
+) -> dict[str, Doc]:
+    """The mirror table equals the store on every column (vbucket, seqno, value, cas, flags,
+    expiry, rev_seqno), key by key, and holds exactly the store's live keys (deletion state);
+    its values equal the writer's model. Returns the mirror."""
     mirror = table_state(read_mirror(path))
     truth = store_state(node)
     problem = diff(mirror, truth)
     assert not problem, f"mirror differs from the store: {problem}"
     if model is not None:
-        problem = diff(truth, live(model))
+        problem = diff(values_of(truth), live(model))
         assert not problem, f"store differs from the writer's model: {problem}"
     return mirror
 

@@ -1,9 +1,10 @@
 """The ``changefeed`` source and the mirror writer on one local[2] session per module.
 
 - ``maxOffsetsPerTrigger`` bounds every micro-batch, and the batches add up to every change;
-- a batch read (``spark.read.format("changefeed")``) equals the store;
+- a batch read (``spark.read.format("changefeed")``) equals the store on every column;
 - a diverged history (a node restored from an old copy of its data directory) reaches the
-  changelog as ``rollback`` rows, and the mirror still equals the store afterwards.
+  changelog as ``rollback`` rows, and the mirror still equals the store afterwards, on every
+  column (seqno, cas, flags, expiry, rev_seqno as well as the value).
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from .helpers import (
     diff,
     live,
     store_state,
+    table_state,
+    values_of,
     workload,
     write,
+    write_meta,
 )
 
 FAST_NODE = ["--no-durable"]  # these tests never crash the machine, only processes
@@ -110,12 +114,11 @@ def test_batch_read_equals_store(spark: Any, nodes: NodeFactory, rng: random.Ran
     write(node.port, workload(rng, 15_000, keys=5000, delete_ratio=0.15), model)
 
     rows = spark.read.format("changefeed").options(**node.source_options()).load()
-    got = {r["key"]: bytes(r["value"]) for r in rows.select("key", "value").collect()}
-    assert rows.count() == len(got), "a key appears twice in the batch read"
+    got = table_state(rows.toArrow())  # every column; a key read twice fails here
     truth = store_state(node)
     problem = diff(got, truth)
     assert not problem, f"batch read differs from the store: {problem}"
-    assert not diff(truth, live(model)), diff(truth, live(model))
+    assert not diff(values_of(truth), live(model)), diff(values_of(truth), live(model))
 
 
 @pytest.mark.parametrize("w2", ["shorter", "longer"])
@@ -131,8 +134,9 @@ def test_rollback_reaches_changelog_and_mirror_equals_store(
     node = nodes(args=FAST_NODE)
     old_copy = tmp_path / "old-copy"
     model: Model = {}
-    w0 = [(f"k-{i:05d}", f"W0-{i}".encode()) for i in range(3000)]
-    write(node.port, w0, model)
+    # W0 with flags and expiries: a re-read key must come back with them, not only its value.
+    w0 = [(f"k-{i:05d}", f"W0-{i}".encode(), i, 3600 if i % 2 else 0) for i in range(3000)]
+    write_meta(node.port, w0, model)
     node.stop()
     node.copy_data(old_copy)
     model_old = dict(model)

@@ -18,7 +18,15 @@ import pytest
 
 from support.nodes import NodeFactory
 
-from .helpers import Model, assert_changelog_once, assert_mirror_matches, store_state, workload
+from .helpers import (
+    Model,
+    assert_changelog_once,
+    assert_mirror_matches,
+    diff,
+    store_state,
+    table_state,
+    workload,
+)
 from .helpers import write as write_ops
 from .standalone import Standalone
 from .test_pipeline import run_mirror
@@ -72,8 +80,8 @@ def test_pipeline_on_a_standalone_cluster(
     assert_changelog_once(tmp_path / "tables")
 
     snapshot = spark.read.format("changefeed").options(**node.source_options(partitions="4")).load()
-    got = {r["key"]: bytes(r["value"]) for r in snapshot.select("key", "value").collect()}
-    assert got == store_state(node)
+    problem = diff(table_state(snapshot.toArrow()), store_state(node))  # every column
+    assert not problem, f"batch read differs from the store: {problem}"
 
 
 @pytest.mark.slow

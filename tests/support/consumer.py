@@ -6,7 +6,10 @@ state before them comes back. It asserts invariant 3 (seqnos only rise within a 
 after a rollback) on every item. (Not to be confused with ``changefeed.spark.mirror``, the Delta
 mirror table: this one is in memory and keeps history.) ``drain`` runs a ``DcpClient`` into a
 ``StreamedState`` until a condition holds, with a deadline. ``server_state`` is the truth: what
-a fresh client streaming every vbucket from the beginning to the latest seqno receives.
+a fresh client streaming every vbucket from the beginning to the latest seqno receives. Each
+``Change`` keeps the whole item (seqno, CAS, flags, expiry, rev_seqno, datatype, deleted), so
+a check can compare metadata and not only values (``latest()``); ``live()`` and ``values()``
+are the value-only views older checks use.
 """
 
 from __future__ import annotations
@@ -43,10 +46,19 @@ TRUTH_TIMEOUT_S = 60.0
 
 @dataclass(slots=True)
 class Change:
+    """One item as the stream sent it: the document and all its metadata (the wire's unsigned
+    values, unchanged). ``value`` is ``b""`` and ``flags``/``expiry`` are 0 for tombstones."""
+
     seqno: int
     key: bytes
     deleted: bool
     value: bytes
+    vbucket: int = 0
+    cas: int = 0
+    flags: int = 0
+    expiry: int = 0
+    rev_seqno: int = 0
+    datatype: int = 0
 
 
 @dataclass
@@ -75,9 +87,11 @@ class StreamedState:
                 assert seqno > last, f"vb {vb}: seqno {seqno} after {last} without a rollback"
                 self.last_seqno[vb] = seqno
                 deleted = cols.opcode[i] in (OP_DELETION, OP_EXPIRATION)
-                self.history.setdefault(vb, []).append(
-                    Change(seqno, cols.key[i], deleted, cols.value[i])
-                )
+                change = Change(
+                    seqno, cols.key[i], deleted, cols.value[i], vb, cols.cas[i], cols.flags[i],
+                    cols.expiry[i], cols.rev_seqno[i], cols.datatype[i],
+                )  # fmt: skip
+                self.history.setdefault(vb, []).append(change)
                 self.received.setdefault(vb, []).append(seqno)
                 self.timeline.setdefault(vb, []).append(("item", seqno))
             self.items += len(cols)
@@ -99,7 +113,8 @@ class StreamedState:
             self.disconnects += 1
 
     def latest(self) -> dict[bytes, Change]:
-        """Newest change per key (deletions included)."""
+        """Newest change per key (deletions included), with all its metadata: the store's
+        current state when ``self`` is ``server_state``'s."""
         out: dict[bytes, Change] = {}
         for changes in self.history.values():
             for change in changes:

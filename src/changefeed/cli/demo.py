@@ -8,7 +8,12 @@
    query mid-way and restart it from its checkpoint (exactly once across the restart);
 4. read every key back through the KV API (expired documents become expirations on access, as
    kv_engine's lazy expiry does) and let the query pick those up;
-5. verify the mirror table equals the store key by key, and print a report.
+5. verify the mirror table equals the store on every column, and print a report (or the
+   differences). The store is read over DCP (``consumer/current_state.py``: each key's newest
+   version, tombstones included) because GET answers no seqno, expiry or rev_seqno: a live key
+   must be in the mirror with the same vbucket, seqno, value, CAS, flags, expiry and rev_seqno,
+   and a deleted one must be absent. The KV read-back of step 4 must agree with it too (same
+   live keys, values, CAS and flags).
 
 The node set-up sits behind ``DemoCluster`` so a multi-node variant only changes that class.
 """
@@ -26,14 +31,21 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
 from changefeed.cli.node_process import NodeProcess
-from changefeed.consumer import KvClient
+from changefeed.consumer import ClientConfig, GetResult, KvClient
+from changefeed.consumer.current_state import Document, read_current_state
 from changefeed.protocol.errors import KeyNotFoundError
 
 EXPIRY_S = 3  # documents loaded with this TTL expire during the demo
+# The columns compared per live key, besides the key itself; deletion state is presence.
+CHECKED_COLUMNS = ("vbucket", "seqno", "value", "cas", "flags", "expiry", "rev_seqno")
+DIFF_EXAMPLES_MAX = 12  # differences printed per kind
+VALUE_SHOWN_BYTES_MAX = 40
+U32_MASK = 0xFFFF_FFFF
 
 
 @dataclass
@@ -111,19 +123,136 @@ async def _one_op(
         await kv.upsert(key, value)
 
 
-async def read_back(port: int, keys: set[bytes]) -> dict[bytes, bytes]:
-    """Every live key's value; expired documents are found missing (and expire on access)."""
+async def read_back(port: int, keys: set[bytes]) -> dict[bytes, GetResult]:
+    """GET every key; expired documents are found missing (and expire on access)."""
     kv = await KvClient.connect("127.0.0.1", port)
-    found: dict[bytes, bytes] = {}
+    found: dict[bytes, GetResult] = {}
     try:
         for key in sorted(keys):
             try:
-                found[key] = (await kv.get(key)).value
+                found[key] = await kv.get(key)
             except KeyNotFoundError:
                 continue
     finally:
         await kv.close()
     return found
+
+
+async def read_store(port: int, vbuckets: int) -> dict[bytes, Document]:
+    """The store's truth: every key's newest version in every vbucket, with its metadata."""
+    return await read_current_state(ClientConfig(port=port), range(vbuckets))
+
+
+@dataclass
+class MirrorCheck:
+    """The mirror table against the store, on every column. Keys are bytes, as on the wire."""
+
+    live: int = 0  # keys live in the store
+    deleted: int = 0  # tombstones in the store
+    missing: list[bytes] = field(default_factory=list)  # live in the store, not in the mirror
+    undeleted: list[bytes] = field(default_factory=list)  # deleted in the store, in the mirror
+    unknown: list[bytes] = field(default_factory=list)  # in the mirror, not in the store at all
+    # key -> (column, mirror's value, store's value) for each column that differs
+    differ: dict[bytes, list[tuple[str, object, object]]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.undeleted or self.unknown or self.differ)
+
+    def summary(self) -> str:
+        return (
+            f"{len(self.missing)} missing, {len(self.undeleted)} deleted in the store but in "
+            f"the mirror, {len(self.unknown)} unknown to the store, {len(self.differ)} differ"
+        )
+
+
+def check_mirror(mirror_table: Any, store: dict[bytes, Document]) -> MirrorCheck:
+    """Compare the mirror (an Arrow table of ``read_mirror``) with ``store`` on every column.
+
+    The mirror's flags and expiry are the wire's u32 narrowed to int32 (change_rows.py); they
+    are widened back here, so differences print as the node has them.
+    """
+    keys = [k.encode("utf-8", "surrogateescape") for k in mirror_table.column("key").to_pylist()]
+    columns = [mirror_table.column(name).to_pylist() for name in CHECKED_COLUMNS]
+    if len(set(keys)) != len(keys):
+        raise click.ClickException("the mirror holds a key twice")
+    mirror = {key: _widened(row) for key, *row in zip(keys, *columns, strict=True)}
+    check = MirrorCheck()
+    for key, doc in sorted(store.items()):
+        if doc.deleted:
+            check.deleted += 1
+            if key in mirror:
+                check.undeleted.append(key)
+            continue
+        check.live += 1
+        held = mirror.get(key)
+        if held is None:
+            check.missing.append(key)
+            continue
+        want = (doc.vbucket, doc.seqno, doc.value, doc.cas, doc.flags, doc.expiry, doc.rev_seqno)
+        differ = [
+            (name, got, wanted)
+            for name, got, wanted in zip(CHECKED_COLUMNS, held, want, strict=True)
+            if got != wanted
+        ]
+        if differ:
+            check.differ[key] = differ
+    check.unknown = sorted(mirror.keys() - store.keys())
+    assert check.live + check.deleted == len(store), (check.live, check.deleted, len(store))
+    return check
+
+
+def _widened(row: list[Any]) -> tuple[Any, ...]:
+    values = dict(zip(CHECKED_COLUMNS, row, strict=True))
+    values["flags"] &= U32_MASK
+    values["expiry"] &= U32_MASK
+    return tuple(values[name] for name in CHECKED_COLUMNS)
+
+
+def check_read_back(read: dict[bytes, GetResult], store: dict[bytes, Document]) -> list[str]:
+    """Where the KV read-back (GET) disagrees with the DCP truth: live keys, value, CAS, flags."""
+    live = {key: doc for key, doc in store.items() if not doc.deleted}
+    problems = [f"{_shown(k)}: GET found it, the store has none" for k in read.keys() - live.keys()]
+    problems += [
+        f"{_shown(k)}: GET found nothing, the store has it" for k in live.keys() - read.keys()
+    ]
+    for key in sorted(read.keys() & live.keys()):
+        got, doc = read[key], live[key]
+        if (got.value, got.cas, got.flags) != (doc.value, doc.cas, doc.flags):
+            problems.append(
+                f"{_shown(key)}: GET value {_shown(got.value)} cas {got.cas} flags {got.flags}, "
+                f"store value {_shown(doc.value)} cas {doc.cas} flags {doc.flags}"
+            )
+    return sorted(problems)
+
+
+def print_differences(console: Console, check: MirrorCheck) -> None:
+    """A readable account of every kind of difference, a few examples each."""
+    console.print(f"[bold red]mirror != store[/]: {check.summary()}")
+    for title, keys in (
+        ("live in the store, missing from the mirror", check.missing),
+        ("deleted in the store, still in the mirror", check.undeleted),
+        ("in the mirror, unknown to the store", check.unknown),
+    ):
+        if keys:
+            shown = ", ".join(_shown(k) for k in keys[:DIFF_EXAMPLES_MAX])
+            console.print(escape(f"  {title} ({len(keys)}): {shown}"))
+    if not check.differ:
+        return
+    table = Table(title=f"columns that differ ({len(check.differ)} keys; first shown)")
+    for heading in ("key", "column", "mirror", "store"):
+        table.add_column(heading)
+    for key in sorted(check.differ)[:DIFF_EXAMPLES_MAX]:
+        for name, got, want in check.differ[key]:
+            table.add_row(escape(_shown(key)), name, escape(_shown(got)), escape(_shown(want)))
+    console.print(table)
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bytes):
+        text = value[:VALUE_SHOWN_BYTES_MAX].decode("utf-8", "backslashreplace")
+        return text + ("…" if len(value) > VALUE_SHOWN_BYTES_MAX else "")
+    return str(value)
 
 
 def run_mirror(spark: Any, options: dict[str, str], tables: Path, checkpoint: Path,
@@ -157,7 +286,7 @@ def run_mirror(spark: Any, options: dict[str, str], tables: Path, checkpoint: Pa
 @click.option("--data-dir", type=click.Path(path_type=Path), help="Keep everything here.")
 @click.option("--seed", default=1, show_default=True)
 def demo(items: int, vbuckets: int, batch_rows: int, data_dir: Path | None, seed: int) -> None:
-    """Node → DCP → Spark → Delta mirror, with a query restart, verified key by key."""
+    """Node → DCP → Spark → Delta mirror, with a query restart, verified on every column."""
     console = Console()
     root = data_dir or Path(tempfile.mkdtemp(prefix="changefeed-demo-"))
     if data_dir is not None and data_dir.exists() and any(data_dir.iterdir()):
@@ -189,32 +318,28 @@ def _demo(console: Console, cluster: DemoCluster, root: Path, items: int, batch_
     console.print(f"[bold]query[/] stopped after {len(progress)} micro-batches; restarting")
     progress += run_mirror(spark, options, tables, checkpoint)
     time.sleep(max(0.0, EXPIRY_S + 0.5 - (time.perf_counter() - started)))
-    store = asyncio.run(read_back(port, load.keys))  # expired documents expire on access
+    read = asyncio.run(read_back(port, load.keys))  # expired documents expire on access
     progress += run_mirror(spark, options, tables, checkpoint)
     elapsed = time.perf_counter() - started
-    _verify_and_report(console, store, tables, progress, elapsed, load)
+    store = asyncio.run(read_store(port, cluster.vbuckets))  # nothing writes any more
+    _verify_and_report(console, read, store, tables, progress, elapsed, load)
 
 
-def _verify_and_report(console: Console, store: dict[bytes, bytes], tables: Path,
+def _verify_and_report(console: Console, read: dict[bytes, GetResult],
+                       store: dict[bytes, Document], tables: Path,
                        progress: list[dict[str, Any]], elapsed: float,
                        load: LoadReport) -> None:  # fmt: skip
     from changefeed.spark import read_mirror
 
-    mirror_table = read_mirror(tables)
-    mirror = dict(
-        zip(
-            (k.encode("utf-8", "surrogateescape") for k in mirror_table.column("key").to_pylist()),
-            mirror_table.column("value").to_pylist(),
-            strict=True,
-        )
-    )
-    missing = store.keys() - mirror.keys()
-    extra = mirror.keys() - store.keys()
-    wrong = [k for k in store.keys() & mirror.keys() if store[k] != mirror[k]]
-    if missing or extra or wrong:
-        raise click.ClickException(
-            f"mirror != store: {len(missing)} missing, {len(extra)} extra, {len(wrong)} differ"
-        )
+    problems = check_read_back(read, store)
+    if problems:
+        for line in problems[:DIFF_EXAMPLES_MAX]:
+            console.print(escape(f"  {line}"))
+        raise click.ClickException(f"KV read-back != store (DCP): {len(problems)} keys differ")
+    check = check_mirror(read_mirror(tables), store)
+    if not check.ok:
+        print_differences(console, check)
+        raise click.ClickException(f"mirror != store: {check.summary()}")
     rows = sum(int(p.get("numInputRows", 0)) for p in progress)
     durations = [
         p["durationMs"].get("triggerExecution", 0) / 1000 for p in progress if p.get("numInputRows")
@@ -228,7 +353,11 @@ def _verify_and_report(console: Console, store: dict[bytes, bytes], tables: Path
     if durations:
         table.add_row("micro-batch latency p50", f"{statistics.median(durations):.2f} s")
     table.add_row("expired documents", f"{len(load.expiring):,}")
-    table.add_row("verified", f"mirror == store: {len(store):,} live keys, 0 differences")
+    table.add_row(
+        "verified",
+        f"mirror == store on all columns ({', '.join(('key', *CHECKED_COLUMNS))}, deletion): "
+        f"{check.live:,} live keys, {check.deleted:,} deleted, 0 differences",
+    )
     table.add_row("tables", f"{tables}/changelog, {tables}/mirror (Delta)")
     console.print(table)
     console.print(

@@ -5,6 +5,7 @@ is the JSON resume point; ``KvClient`` writes and reads keys and answers each wr
 ``MutationResult`` the node built (one class on both sides of the wire, protocol/kv.py).
 """
 
+from changefeed.consumer.current_state import Document, HistoryChangedError, read_current_state
 from changefeed.consumer.dcp_client import ClientConfig, DcpClient
 from changefeed.consumer.events import (
     Changes,
@@ -25,8 +26,10 @@ __all__ = [
     "ClientConfig",
     "DcpClient",
     "Disconnected",
+    "Document",
     "Event",
     "GetResult",
+    "HistoryChangedError",
     "KvClient",
     "MutationResult",
     "Rollback",
@@ -36,4 +39,5 @@ __all__ = [
     "StreamOpened",
     "StreamRefused",
     "VbSession",
+    "read_current_state",
 ]

@@ -14,9 +14,17 @@ Rollbacks: a ``rollback`` row for vbucket V at seqno R means every change of V a
 Rows of this batch after R (before the rollback row) are dropped; keys of V that the mirror holds
 with a seqno above R, and keys of V that an earlier batch changed above R (the changelog: a key
 deleted in the lost history is in no mirror row, yet it may be live again), are re-read from the
-node (its current value, or gone). Re-read keys get
-``seqno = R``: their true seqno is at most R unless a later row of the stream brings them again,
-which then overwrites them, so future rollbacks stay correct.
+node, and a row of the stream after the rollback row wins over the re-read.
+
+A re-read takes each key's newest version with all its metadata (seqno, CAS, flags, expiry,
+rev_seqno) from a DCP stream of V from seqno 0 to the node's high seqno
+(``consumer/current_state.py``), so a re-read row is the node's document, column for column, and
+a later rollback compares true seqnos. GET cannot do this (it answers neither seqno, expiry nor
+rev_seqno) and the node has no GET_META. The stream must start at 0, not at R: a voided key's
+newest version may be older than R. A key the stream does not bring, or brings as a tombstone,
+is deleted from the mirror. The re-read may see versions newer than this batch's end; the next
+batch brings them again, unchanged. It costs one backfill of each rolled-back vbucket per batch
+holding rollback rows (rollbacks are rare), and memory for the re-read keys only.
 """
 
 from __future__ import annotations
@@ -31,15 +39,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
-from changefeed.consumer import KvClient
-from changefeed.consumer.change_rows import CHANGE_ROW_SCHEMA, OP_MUTATION, OP_ROLLBACK
-from changefeed.protocol.errors import KeyNotFoundError
+from changefeed.consumer import ClientConfig
+from changefeed.consumer.change_rows import CHANGE_ROW_SCHEMA, INT64_MAX, OP_MUTATION, OP_ROLLBACK
+from changefeed.consumer.current_state import Document, read_current_state
 from changefeed.spark.options import SourceOptions
 
 log = logging.getLogger("changefeed.mirror")
 
 APP_ID = "changefeed-mirror"
-REFETCH_PIPELINE_MAX = 512  # GETs in flight when a rollback re-reads keys
 # A mirror row is a change row's document columns, key first (the merge key), taken from the
 # change-row schema so the types cannot drift; op and the snapshot range are the stream's, not
 # the document's.
@@ -130,7 +137,7 @@ class MirrorWriter:
     def _final_changes(self, changes: pa.Table, batch_id: int) -> dict[str, _Change]:
         """Each key's last change in the batch, with rollbacks applied (see module docstring)."""
         final: dict[str, _Change] = {}
-        refetch: dict[str, int] = {}  # key -> rollback seqno it is re-read at
+        refetch: dict[str, int] = {}  # key -> its vbucket, to re-read from the node
         history: pa.Table | None = None  # read once per batch, at its first rollback row
         rows = changes.to_pylist()
         for row in rows:
@@ -157,13 +164,13 @@ class MirrorWriter:
     ) -> None:
         for key in [k for k, c in final.items() if c.seqno > seqno and c.vbucket == vb]:
             del final[key]
-            refetch[key] = seqno
+            refetch[key] = vb
         mask = pc.and_(
             pc.equal(history.column("vbucket"), vb), pc.greater(history.column("seqno"), seqno)
         )
         for key in pc.unique(history.filter(mask).column("key")).to_pylist():
             final.pop(key, None)
-            refetch[key] = seqno
+            refetch[key] = vb
         log.info("rollback of vbucket %d to seqno %d: %d keys to re-read", vb, seqno, len(refetch))
 
     def _history(self, batch_id: int) -> pa.Table:
@@ -185,51 +192,60 @@ class MirrorWriter:
         return pa.concat_tables([p.cast(parts[0].schema) for p in parts])
 
     def _refetch(self, keys: dict[str, int]) -> dict[str, _Change]:
+        """The node's current version of each key (``key -> vbucket``), or None if gone."""
         if not keys:
             return {}
-        return asyncio.run(_read_current(SourceOptions.parse(self.options), keys))
+        options = SourceOptions.parse(self.options)
+        config = ClientConfig(
+            host=options.host,
+            port=options.port,
+            bucket=options.bucket,
+            user=options.user,
+            password=options.password,
+        )
+        raw = {key.encode("utf-8", "surrogateescape"): key for key in keys}
+        docs = asyncio.run(read_current_state(config, set(keys.values()), raw.keys()))
+        out: dict[str, _Change] = {}
+        for raw_key, key in raw.items():
+            doc = docs.get(raw_key)
+            if doc is None or doc.deleted:  # purged or never there: gone, like a tombstone
+                seqno = 0 if doc is None else doc.seqno
+                out[key] = _Change(keys[key], seqno, None)
+                continue
+            assert doc.vbucket == keys[key], (key, doc.vbucket, keys[key])
+            out[key] = _Change(doc.vbucket, doc.seqno, _document_row(key, doc))
+        assert len(out) == len(keys), (len(out), len(keys))
+        log.info("re-read %d keys: %d live", len(out), sum(c.row is not None for c in out.values()))
+        return out
 
 
-async def _read_current(options: SourceOptions, keys: dict[str, int]) -> dict[str, _Change]:
-    kv = await KvClient.connect(
-        options.host,
-        options.port,
-        bucket=options.bucket,
-        user=options.user,
-        password=options.password,
-    )
-    out: dict[str, _Change] = {}
+def _document_row(key: str, doc: Document) -> dict[str, Any]:
+    """A mirror row of a live document read from the node, narrowed as change rows are
+    (``consumer/change_rows.py``): flags and expiry u32 -> int32; a CAS above int64 refused.
 
-    async def read_one(key: str, seqno: int) -> None:
-        raw = key.encode("utf-8", "surrogateescape")
-        vb = kv.vbucket_of(raw)
-        try:
-            got = await kv.get(raw)
-        except KeyNotFoundError:
-            out[key] = _Change(vb, seqno, None)
-            return
-        flags = got.flags - 2**32 if got.flags >= 2**31 else got.flags  # u32 -> Spark int
-        row = {
-            "key": key,
-            "vbucket": vb,
-            "seqno": seqno,
-            "value": got.value,
-            "cas": got.cas,
-            "flags": flags,
-            "expiry": 0,
-            "rev_seqno": 0,
-        }
-        out[key] = _Change(vb, seqno, row)
+    Raises:
+        ValueError: the CAS does not fit an int64 (Spark long).
+    """
+    assert not doc.deleted, doc
+    if doc.cas > INT64_MAX:
+        raise ValueError(f"key {key!r}: CAS {doc.cas} does not fit an int64 (Spark long)")
+    row = {
+        "key": key,
+        "vbucket": doc.vbucket,
+        "seqno": doc.seqno,
+        "value": doc.value,
+        "cas": doc.cas,
+        "flags": _int32(doc.flags),
+        "expiry": _int32(doc.expiry),
+        "rev_seqno": doc.rev_seqno,
+    }
+    assert list(row) == MIRROR_SCHEMA.names, list(row)
+    return row
 
-    items = list(keys.items())
-    try:
-        for first in range(0, len(items), REFETCH_PIPELINE_MAX):  # pipelined GETs, bounded
-            window = items[first : first + REFETCH_PIPELINE_MAX]
-            await asyncio.gather(*(read_one(key, seqno) for key, seqno in window))
-    finally:
-        await kv.close()
-    assert len(out) == len(keys), (len(out), len(keys))
-    return out
+
+def _int32(u32: int) -> int:
+    assert 0 <= u32 < 2**32, u32
+    return u32 - 2**32 if u32 >= 2**31 else u32
 
 
 def _mirror_row(row: dict[str, Any]) -> dict[str, Any]:
