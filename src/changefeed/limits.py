@@ -37,9 +37,20 @@ SEQNO_MAX = 0xFFFF_FFFF_FFFF_FFFF
 # knob (py-lmdb's habit); 1M 100-byte items take about 250 MiB with both indexes.
 STORAGE_MAP_SIZE_BYTES_DEFAULT = 8 * 1024 * 1024 * 1024
 
-# Bytes a disk backfill may hold queued for one stream before the disk cursor pauses
-# (kv_engine dcp_backfill_byte_limit = 20 MiB, dcp-wire.md §10).
-BACKFILL_QUEUE_BYTES_MAX = 20 * 1024 * 1024
+# Bytes a disk backfill may hold queued for one stream before the disk cursor pauses (plus one
+# item, so a maximal value still passes alone). kv_engine's dcp_backfill_byte_limit is 20 MiB per
+# connection (dcp-wire.md §10); ours is per running backfill, and BACKFILLS_PER_CONNECTION_MAX of
+# them make a connection's 16 MiB. 4 MiB is ~10k 100-byte items per refill.
+BACKFILL_QUEUE_BYTES_MAX = 4 * 1024 * 1024
+
+# Backfills one DCP connection may run at once; its other streams that need disk wait. With the
+# queue bound above: 16 MiB per connection, however many streams it opens.
+BACKFILLS_PER_CONNECTION_MAX = 4
+BACKFILL_BYTES_PER_CONNECTION_MAX = BACKFILLS_PER_CONNECTION_MAX * BACKFILL_QUEUE_BYTES_MAX
+
+# Backfills the whole node runs at once (over all connections): 64 MiB of queued records, and
+# at most 16 LMDB read transactions held by scans (of STORAGE_READERS_MAX).
+BACKFILLS_PER_NODE_MAX = 16
 
 # Streams a single DCP connection may hold: one per vbucket is the common case.
 STREAMS_PER_CONNECTION_MAX = VBUCKETS_MAX
@@ -49,7 +60,8 @@ assert FRAME_SIZE_MAX > VALUE_SIZE_MAX + KEY_SIZE_MAX + 255 + 255, FRAME_SIZE_MA
 assert FRAME_SIZE_MAX < 2**32, FRAME_SIZE_MAX  # bodylen is a u32
 assert 0 < FAILOVER_LOG_ENTRIES_MAX <= 25
 assert VBUCKETS_MAX <= 2**16  # vbucket id is a u16 on the wire
-assert BACKFILL_QUEUE_BYTES_MAX >= VALUE_SIZE_MAX  # one maximal item always fits
+assert BACKFILL_QUEUE_BYTES_MAX > 0  # a maximal item passes alone (BackfillQueue.push)
+assert 0 < BACKFILLS_PER_CONNECTION_MAX <= BACKFILLS_PER_NODE_MAX
 
 # --- storage/: one LMDB write transaction and its readers ------------------------------------
 
@@ -73,6 +85,7 @@ assert STORED_KEY_SIZE_MAX <= 511 - 2, STORED_KEY_SIZE_MAX  # LMDB key limit min
 assert STORAGE_BATCH_BYTES_MAX >= VALUE_SIZE_MAX + STORED_KEY_SIZE_MAX + 64  # one item always fits
 assert STORAGE_BATCH_BYTES_MAX <= 2**17 * 4096 // 2, STORAGE_BATCH_BYTES_MAX
 assert STORAGE_READERS_MAX >= 126, STORAGE_READERS_MAX  # never below LMDB's own default
+assert BACKFILLS_PER_NODE_MAX < STORAGE_READERS_MAX // 4  # scans leave room for gets and commits
 
 # --- checkpoint/: memory the mutation manager may hold, and how it is given back ------------
 
@@ -152,6 +165,39 @@ UNAUTHENTICATED_FRAME_SIZE_MAX = 16 * 1024
 
 assert KEY_SIZE_MAX + 2 * 255 < UNAUTHENTICATED_FRAME_SIZE_MAX < FRAME_SIZE_MAX
 
+# --- server/: what any client may make the node hold, and for how long ------------------------
+
+# A connection's transport buffers replies up to this many bytes before the node stops reading
+# its requests (asyncio's default high-water mark is 64 KiB; 4 MiB keeps pipelined small GETs
+# flowing). So a client that pipelines GETs and never reads costs at most this plus one reply
+# (<= VALUE_SIZE_MAX): measured before the bound, 60 unread 5 MiB GETs cost +294 MiB.
+WRITE_BUFFER_HIGH_BYTES = 4 * 1024 * 1024
+
+# Bytes of unfinished requests all connections together may hold. Three maximal (20 MiB) values
+# arriving at once fit; 200 connections each 1 MiB into a 20 MiB SET (measured +190 MiB before)
+# cannot. Reading resumes for paused connections once the total is back under the resume mark.
+PARTIAL_REQUEST_BYTES_MAX = 64 * 1024 * 1024
+PARTIAL_REQUEST_BYTES_RESUME = 48 * 1024 * 1024
+
+# A request that started to arrive must be complete within this time (nginx's
+# client_body_timeout is 60 s): a 20 MiB value at 1 MiB/s takes 20 s.
+PARTIAL_FRAME_DEADLINE_S = 30.0
+
+# A new connection must authenticate within this time (HELLO + SASL take milliseconds);
+# otherwise idle unauthenticated sockets exhaust the connection limit (1,100 did, silently).
+AUTH_DEADLINE_S = 10.0
+
+# How often the node checks every connection's deadlines (auth, idle, partial frame).
+DEADLINE_CHECK_INTERVAL_S = 1.0
+
+# Connections a node accepts by default: below the usual 1024-descriptor soft limit minus what
+# LMDB, logs and listeners take. More are accepted and closed at once, with a logged refusal.
+CONNECTIONS_MAX_DEFAULT = 900
+
+assert VALUE_SIZE_MAX < PARTIAL_REQUEST_BYTES_MAX // 3 + 1
+assert 0 < PARTIAL_REQUEST_BYTES_RESUME < PARTIAL_REQUEST_BYTES_MAX
+assert DEADLINE_CHECK_INTERVAL_S < AUTH_DEADLINE_S < PARTIAL_FRAME_DEADLINE_S
+
 # --- spark/ and change rows ------------------------------------------------------------------
 
 # Change rows a reader collects before it hands them on as one Arrow record batch
@@ -166,3 +212,31 @@ assert KEY_SIZE_MAX + 2 * 255 < UNAUTHENTICATED_FRAME_SIZE_MAX < FRAME_SIZE_MAX
 ROWS_PER_BATCH_MAX = 64 * 1024
 
 assert ROWS_PER_BATCH_MAX * 32 * 1024 <= 2**31, ROWS_PER_BATCH_MAX  # 32 KiB average values fit
+
+# --- server/: background compaction and the expiry pager -------------------------------------
+
+# Records one compaction chunk looks at in one LMDB write transaction (Store.compact_chunk). A
+# chunk runs on the event loop between the flusher's commits (LMDB has one writer; the loop
+# serializes them), so it holds the loop and the writer for its duration. Measured (64 vbuckets,
+# 100k tombstones, durable): a chunk of 1024 takes ~3-4 ms (median; ~11 ms worst), ~3 us per
+# purged tombstone and ~0.3 us per mutation passed over; ~250k tombstones/s overall. Smaller
+# chunks cost one commit (an fsync when durable) each; 4096 held the loop ~14-20 ms.
+COMPACTION_CHUNK_RECORDS_MAX = 1024
+
+# Records the expiry pager looks at per pass, over all active vbuckets (later passes resume where
+# it stopped). Measured (64 vbuckets, durable): a pass of 65536 records takes ~45 ms of loop time
+# when nothing is due, ~110 ms when 10 % is, ~0.7 s when everything is (~9 us per expiration:
+# a checkpoint lookup, a store read and a queued item of ~100 bytes, so at most ~6 MiB of
+# checkpoint memory per pass, far under the 256 MiB default quota). At the default 60 s interval
+# a bucket of N records is swept every N / 65536 minutes (1M: ~15 min); Couchbase's pager runs
+# every 10 min over everything in memory.
+EXPIRY_PAGER_RECORDS_PER_PASS_MAX = 65536
+
+# Records per read snapshot of the pager, after which it yields the loop: 256 due documents are
+# expired in ~2.3 ms (measured median); 1024 held the loop ~10-25 ms when all were due.
+EXPIRY_PAGER_CHUNK_RECORDS_MAX = 256
+
+assert 0 < COMPACTION_CHUNK_RECORDS_MAX <= 65536, COMPACTION_CHUNK_RECORDS_MAX
+assert 0 < EXPIRY_PAGER_CHUNK_RECORDS_MAX <= EXPIRY_PAGER_RECORDS_PER_PASS_MAX
+# A pass's expirations fit the checkpoint quota many times over (~100 accounted bytes each).
+assert EXPIRY_PAGER_RECORDS_PER_PASS_MAX * 100 <= 256 * 1024 * 1024 // 32

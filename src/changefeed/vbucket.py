@@ -310,6 +310,24 @@ class VBucket:
             current.rev_seqno,
         )
 
+    def expire_if_due(self, key: bytes) -> bool:
+        """Queue an EXPIRATION for `key` if its newest version has expired (the expiry pager).
+
+        The same path as lazy expiry on access (`_current`), on this vbucket's clock: a key
+        rewritten or deleted since the caller looked is left alone.
+
+        Returns:
+            True if an EXPIRATION was queued; False if the key is live, missing, already a
+            tombstone, the vbucket is not active, or checkpoint memory is full (the next pass
+            or access retries).
+        """
+        if self._state is not VBucketState.ACTIVE:
+            return False
+        high_seqno = self._high_seqno
+        self._current(key)  # queues the expiration when the key is due
+        assert self._high_seqno - high_seqno in (0, 1), (self._high_seqno, high_seqno)
+        return self._high_seqno > high_seqno
+
     def stream(
         self,
         name: str,

@@ -1,8 +1,13 @@
 """``changefeed load``, ``changefeed stream`` and ``changefeed stats``: client-side commands.
 
 ``load`` is a workload generator (count, value size, update/delete ratios, optional rate) with a
-progress bar; ``stream`` prints changes or writes JSON lines, saving and resuming session state;
-``stats`` prints a node's STAT groups (``--json`` for scripts).
+progress bar; ``stream`` appends changes to a file as JSON lines, saving and resuming session
+state; ``stats`` prints a node's STAT groups. Each has ``--json`` for scripts.
+
+Failures print one line naming the node (``host:port``) and what went wrong, never a traceback:
+exit 1 for a runtime failure (unreachable, authentication, an error status, a lost connection),
+2 for a usage error (a malformed ``--vbuckets``, vbuckets the node does not have, an output
+file that would get a second copy of changes).
 """
 
 from __future__ import annotations
@@ -11,16 +16,30 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import random
+import stat
 import sys
+import tempfile
 import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
+from changefeed import limits
 from changefeed.cli.serve import run_loop
 from changefeed.consumer import (
     Changes,
@@ -32,13 +51,43 @@ from changefeed.consumer import (
     StreamEnded,
     StreamRefused,
 )
+from changefeed.consumer.connection import ConnectionClosedError
 from changefeed.consumer.handshake import connect
+from changefeed.protocol.batch import ChangeColumns
+from changefeed.protocol.errors import AuthError, StatusError
 from changefeed.protocol.kv import encode_request
 from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.status import Status
 
+T = TypeVar("T")
+OPS: dict[int, str] = {
+    Opcode.DCP_MUTATION: "mutation",
+    Opcode.DCP_DELETION: "deletion",
+    Opcode.DCP_EXPIRATION: "expiration",
+}
+TAIL_SCAN_BYTES = 64 * 1024  # read back from the end of an output to find its last newline
+# ``stream`` commits (fsync the output, save the state) after this many lines or this long,
+# whichever comes first, and when the stream pauses: a crash repeats at most that many lines
+# plus one read's worth. A commit costs ~5 ms of fsyncs; one per read (~700 changes) cost
+# half the streaming rate, while at ~100k changes/s these make ~10 commits a second.
+COMMIT_LINES_MAX = 10_000
+COMMIT_INTERVAL_S = 0.1
 
-def _connection_options(f: Any) -> Any:
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The node a command talks to, as error messages name it."""
+
+    host: str
+    port: int
+    user: str
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def connection_options(f: Any) -> Any:
     for option in reversed(
         [
             click.option("--host", default="127.0.0.1", show_default=True),
@@ -61,7 +110,7 @@ def _connection_options(f: Any) -> Any:
 
 
 @click.command()
-@_connection_options
+@connection_options
 @click.option("--count", default=100_000, show_default=True, help="Operations to send.")
 @click.option("--value-size", default=100, show_default=True, help="Bytes per value.")
 @click.option("--keys", default=0, help="Key space size (default: count).")
@@ -109,7 +158,7 @@ def load(
         finally:
             await kv.close()
 
-    summary = _run(main())
+    summary = run_against(main(), Target(host, port, user))
     if as_json:
         click.echo(json.dumps(summary))
     else:
@@ -193,15 +242,44 @@ def _value(rng: random.Random, size: int) -> bytes:
     return body + b"x" * pad + b'"}'
 
 
+def _parse_vbuckets(ctx: click.Context, param: click.Parameter, spec: str) -> list[int] | None:
+    """``all`` (None: every vbucket the node has) or a list such as ``0-15,32``, sorted."""
+    if spec == "all":
+        return None
+    wanted: set[int] = set()
+    for part in spec.split(","):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise click.BadParameter(
+                f"{spec!r} is not 'all' or a list of vbuckets and ranges such as 0-15,32"
+            )
+        first, last = int(low), int(high) if dash else int(low)
+        if first > last:
+            raise click.BadParameter(f"{spec!r}: the range {part} runs backwards")
+        if last >= limits.VBUCKETS_MAX:
+            raise click.BadParameter(
+                f"{spec!r}: vbucket {last} is past the most a node has ({limits.VBUCKETS_MAX})"
+            )
+        wanted.update(range(first, last + 1))
+    return sorted(wanted)
+
+
 @click.command()
-@_connection_options
-@click.option("--vbuckets", default="all", show_default=True, help="e.g. 0-15,32 or all.")
+@connection_options
+@click.option(
+    "--vbuckets",
+    "vbucket_list",
+    default="all",
+    show_default=True,
+    callback=_parse_vbuckets,
+    help="e.g. 0-15,32 or all.",
+)
 @click.option("--from", "start", type=click.Choice(["beginning", "now"]), default="beginning")
 @click.option(
     "--state",
     "state_file",
-    type=click.Path(path_type=Path),
-    help="Resume from this state file if it exists; save to it on exit.",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Resume from this state file if it exists; saved after every batch written.",
 )
 @click.option(
     "--follow/--to-latest",
@@ -209,85 +287,287 @@ def _value(rng: random.Random, size: int) -> bytes:
     show_default=True,
     help="Keep streaming, or stop at the high seqnos of the start.",
 )
-@click.option("--output", type=click.File("w"), default="-", help="JSON lines here.")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
+    default="-",
+    help="Append JSON lines to this file (never truncated); '-' is stdout.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (on stderr).")
 def stream(
     host: str,
     port: int,
     bucket: str,
     user: str,
     password: str,
-    vbuckets: str,
+    vbucket_list: list[int] | None,
     start: str,
     state_file: Path | None,
     follow: bool,
-    output: TextIO,
+    output: Path,
+    as_json: bool,
 ) -> None:
-    """Stream changes as JSON lines (one object per change, rollback or stream end)."""
-    resume = None
-    if state_file is not None and state_file.exists():
-        try:
-            resume = SessionState.from_json(state_file.read_text())
-        except ValueError as error:
-            raise click.ClickException(f"{state_file}: {error}") from None
+    """Stream changes as JSON lines (one object per change or rollback).
+
+    The output is appended to, never truncated. With --state, the state is saved atomically
+    after each batch is written and synced, so after a crash (even kill -9) the output is
+    ahead of the state by at most one batch: a rerun with the same --state and --output
+    repeats at most that batch, and first removes a last line the crash left unfinished.
+    """
+    resume = _load_state(state_file)
+    to_stdout = str(output) == "-"
+    if not to_stdout:
+        _check_output(output, state_file, resume)
+    target = Target(host, port, user)
     config = ClientConfig(
         host=host, port=port, bucket=bucket, user=user, password=password, to_latest=not follow
     )
+    show_progress = not (to_stdout or as_json) and Console(stderr=True).is_terminal
 
-    async def main() -> int:
+    async def main(sink: _Sink) -> int:
+        vbs = _check_vbuckets(vbucket_list, await _node_vbuckets(config), target)
         async with DcpClient(config) as client:
-            vbs = await _resolve_vbuckets(client, vbuckets, host, port, bucket, user, password)
             await client.stream(vbs, start=resume if resume is not None else start)  # type: ignore[arg-type]
             try:
-                return await _print_events(client, len(vbs), output, follow)
+                with _stream_progress(show_progress) as progress:
+                    return await _copy_events(client, len(vbs), sink, follow, progress)
+            except asyncio.CancelledError:
+                if sink.error is None:
+                    raise
+                raise sink.error from None  # a commit in a pause failed: it names the file
             finally:
-                if state_file is not None:
-                    state_file.write_text(client.session.to_json())
+                sink.commit(client.session)
 
-    count = _run(main())
-    print(f"{count} changes", file=sys.stderr)
+    with _open_output(output) as handle:
+        sink = _Sink(handle, "stdout" if to_stdout else str(output), state_file)
+        if state_file is not None and resume is None and start == "beginning":
+            # A state before the first line, so a run killed before its first commit leaves
+            # one (see _check_output). Not for --from now: an empty state means the beginning.
+            sink.commit(SessionState())
+        streams = run_against(main(sink), target)
+    summary = {
+        "changes": sink.changes,
+        "rollbacks": sink.rollbacks,
+        "vbuckets": streams,
+        "resumed": resume is not None,
+        "state": None if state_file is None else str(state_file),
+        "output": str(output),
+    }
+    if as_json:
+        click.echo(json.dumps(summary), err=True)
+    else:
+        click.echo(f"{sink.changes} changes", err=True)
 
 
-async def _resolve_vbuckets(
-    client: DcpClient, spec: str, host: str, port: int, bucket: str, user: str, password: str
-) -> list[int]:
-    if spec != "all":
-        out: list[int] = []
-        for part in spec.split(","):
-            low, _, high = part.partition("-")
-            out.extend(range(int(low), int(high or low) + 1))
-        return out
-    kv = await KvClient.connect(host, port, bucket=bucket, user=user, password=password)
-    await kv.close()
-    return list(range(kv.vbuckets))
+def _load_state(state_file: Path | None) -> SessionState | None:
+    if state_file is None or not state_file.exists():
+        return None
+    try:
+        return SessionState.from_json(state_file.read_text())
+    except ValueError as error:
+        raise click.ClickException(f"state file {state_file}: {error}") from None
+    except OSError as error:
+        raise click.ClickException(
+            f"cannot read state file {state_file}: {error.strerror}"
+        ) from None
 
 
-async def _print_events(client: DcpClient, streams: int, output: TextIO, follow: bool) -> int:
-    count = ended = 0
-    async for event in client.events():
-        if isinstance(event, Changes):
-            cols = event.columns
-            for i in range(len(cols)):
-                op = {0x57: "mutation", 0x58: "deletion", 0x59: "expiration"}[cols.opcode[i]]
-                record = {
-                    "vb": cols.vbucket[i],
-                    "seqno": cols.seqno[i],
-                    "op": op,
-                    "key": cols.key[i].decode(errors="replace"),
-                    "cas": cols.cas[i],
-                    "value": _text(cols.value[i]),
-                }
-                output.write(json.dumps(record) + "\n")
-            count += len(cols)
-        elif isinstance(event, Rollback):
-            output.write(
-                json.dumps({"vb": event.vbucket, "op": "rollback", "seqno": event.seqno}) + "\n"
+def _check_output(output: Path, state_file: Path | None, resume: SessionState | None) -> None:
+    """Refuse to add a second copy of changes; trim a line a killed run left unfinished.
+
+    An output that holds lines is appended to only when a state file says where they end.
+    A run from the beginning saves its state before the first line, so even one killed before
+    its first commit leaves a state; one from ``now`` saves it with the first batch.
+    """
+    size = output.stat().st_size if output.exists() else 0
+    if size and resume is None:
+        raise click.BadParameter(
+            f"{output} already holds {size:,} bytes and no --state file says where they end: "
+            "remove it, or pass the --state it was written with",
+            param_hint="'--output'",
+        )
+    if size:
+        trimmed = _trim_unfinished_line(output)
+        if trimmed:
+            click.echo(
+                f"note: removed {trimmed} bytes of an unfinished last line of {output}", err=True
             )
-        elif isinstance(event, StreamEnded | StreamRefused):
-            ended += 1
-            if not follow and ended >= streams:
+
+
+def _trim_unfinished_line(path: Path) -> int:
+    """Cut ``path`` back to just after its last newline; returns the bytes removed.
+
+    Only bytes past the state can be unfinished: the state is saved after the batch is synced.
+    """
+    with open(path, "r+b") as handle:
+        end = handle.seek(0, os.SEEK_END)
+        keep = end
+        while keep > 0:  # bounded: steps back TAIL_SCAN_BYTES at a time to the file's start
+            step = min(TAIL_SCAN_BYTES, keep)
+            handle.seek(keep - step)
+            newline = handle.read(step).rfind(b"\n")
+            if newline >= 0:
+                keep = keep - step + newline + 1
                 break
-    output.flush()
-    return count
+            keep -= step
+        if keep != end:
+            handle.truncate(keep)
+            handle.flush()
+            os.fsync(handle.fileno())
+        assert 0 <= keep <= end, (keep, end)
+        return end - keep
+
+
+@contextlib.contextmanager
+def _open_output(output: Path) -> Any:
+    if str(output) == "-":
+        yield sys.stdout
+        return
+    try:
+        handle = open(output, "a", encoding="utf-8")  # noqa: SIM115 (closed below)
+    except OSError as error:
+        raise click.ClickException(f"cannot open {output}: {error.strerror}") from None
+    with handle:
+        yield handle
+
+
+class _Sink:
+    """Where ``stream`` puts what it reads: JSON lines, and the state saved behind them.
+
+    ``commit`` flushes and fsyncs the output, then replaces the state file atomically (temp
+    file, fsync, rename). So the state never claims a line the output does not hold, and the
+    output holds at most the lines since the last commit beyond it: the batch a crash may
+    repeat. ``written`` commits once ``COMMIT_LINES_MAX`` lines or ``COMMIT_INTERVAL_S`` have
+    gone by (a commit per read would spend more on fsync than on streaming), and when the
+    stream pauses a timer commits what is left.
+
+    The timer runs between steps of the event loop, when the session matches the lines
+    written: ``DcpClient.events()`` applies an event to the session and yields it with no
+    await in between, and the lines of an event are written with no await either.
+    """
+
+    def __init__(self, output: TextIO, name: str, state_file: Path | None) -> None:
+        self._output = output
+        self._name = name
+        self._state_file = state_file
+        self._sync = _is_regular_file(output)
+        self._whole = True  # False while (or after) a write fails part-way
+        self._uncommitted = 0  # lines written since the last commit
+        self._committed_at = time.monotonic()
+        self._timer: asyncio.TimerHandle | None = None
+        self.error: click.ClickException | None = None  # a commit by the timer failed
+        self.changes = 0
+        self.rollbacks = 0
+
+    def write_changes(self, cols: ChangeColumns) -> None:
+        self._write("".join(json.dumps(_record(cols, i)) + "\n" for i in range(len(cols))))
+        self.changes += len(cols)
+        self._uncommitted += len(cols)
+
+    def write_rollback(self, event: Rollback) -> None:
+        line = json.dumps({"vb": event.vbucket, "op": "rollback", "seqno": event.seqno})
+        self._write(line + "\n")
+        self.rollbacks += 1
+        self._uncommitted += 1
+
+    def _write(self, text: str) -> None:
+        self._whole = False
+        try:
+            self._output.write(text)
+        except OSError as error:
+            raise click.ClickException(f"cannot write {self._name}: {error.strerror}") from None
+        self._whole = True
+
+    def written(self, session: SessionState) -> None:
+        """After an event's lines: commit if due, else make sure the pause timer is set.
+
+        Args:
+            session: the client's session, which has taken every event written so far.
+        """
+        due = time.monotonic() - self._committed_at >= COMMIT_INTERVAL_S
+        if due or self._uncommitted >= COMMIT_LINES_MAX:
+            self.commit(session)
+        elif self._timer is None and self._uncommitted:
+            reader = asyncio.current_task()
+            assert reader is not None  # called from the stream's task
+            self._timer = asyncio.get_running_loop().call_later(
+                COMMIT_INTERVAL_S, self._commit_in_pause, session, reader
+            )
+
+    def _commit_in_pause(self, session: SessionState, reader: asyncio.Task[Any]) -> None:
+        self._timer = None
+        try:
+            self.commit(session)
+        except click.ClickException as error:
+            self.error = error  # the reader raises it once cancelled
+            reader.cancel()
+
+    def commit(self, session: SessionState) -> None:
+        """Make the lines written so far durable, then save ``session`` as the state."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._whole:
+            return  # a batch is partly written: the state stays where the output is whole
+        try:
+            self._output.flush()
+            if self._sync:
+                os.fsync(self._output.fileno())
+        except OSError as error:
+            raise click.ClickException(f"cannot write {self._name}: {error.strerror}") from None
+        self._uncommitted = 0
+        self._committed_at = time.monotonic()
+        if self._state_file is None:
+            return
+        try:
+            _save_atomically(self._state_file, session.to_json())
+        except OSError as error:
+            raise click.ClickException(
+                f"cannot save state file {self._state_file}: {error.strerror}"
+            ) from None
+
+
+def _is_regular_file(handle: TextIO) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(handle.fileno()).st_mode)
+    except (OSError, ValueError):  # no file descriptor (a test's captured stdout)
+        return False
+
+
+def _save_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``: a crash leaves the old file or the new one, whole."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power loss
+    finally:
+        os.close(directory)
+
+
+def _record(cols: ChangeColumns, i: int) -> dict[str, Any]:
+    return {
+        "vb": cols.vbucket[i],
+        "seqno": cols.seqno[i],
+        "op": OPS[cols.opcode[i]],
+        "key": _text(cols.key[i]),
+        "cas": cols.cas[i],
+        "rev_seqno": cols.rev_seqno[i],
+        "flags": cols.flags[i],
+        "expiry": cols.expiry[i],
+        "delete_time": cols.delete_time[i],
+        "datatype": cols.datatype[i],
+        "value": _text(cols.value[i]),
+    }
 
 
 def _text(value: bytes) -> str:
@@ -297,8 +577,84 @@ def _text(value: bytes) -> str:
         return "base64:" + base64.b64encode(value).decode()
 
 
+async def _node_vbuckets(config: ClientConfig) -> int:
+    """How many vbuckets the node has (its cluster map)."""
+    kv = await KvClient.connect(
+        config.host, config.port, bucket=config.bucket, user=config.user, password=config.password
+    )
+    await kv.close()
+    return kv.vbuckets
+
+
+def _check_vbuckets(wanted: list[int] | None, vbuckets: int, target: Target) -> list[int]:
+    if wanted is None:
+        return list(range(vbuckets))
+    outside = [vb for vb in wanted if vb >= vbuckets]
+    if outside:
+        raise click.BadParameter(
+            f"vbuckets {_ranges(outside)} are not on {target.address}, which has vbuckets "
+            f"0-{vbuckets - 1}",
+            param_hint="'--vbuckets'",
+        )
+    return wanted
+
+
+def _ranges(vbs: list[int]) -> str:
+    """``[3, 4, 5, 9]`` as ``3-5,9``."""
+    parts: list[str] = []
+    first = previous = vbs[0]
+    for vb in [*vbs[1:], -1]:
+        if vb != previous + 1:
+            parts.append(str(first) if first == previous else f"{first}-{previous}")
+            first = vb
+        previous = vb
+    return ",".join(parts)
+
+
+def _stream_progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("stream"),
+        SpinnerColumn(),
+        TextColumn("{task.completed:,.0f} changes"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+    )
+
+
+async def _copy_events(
+    client: DcpClient, streams: int, sink: _Sink, follow: bool, progress: Progress
+) -> int:
+    """Write events to ``sink``, committing after each batch; returns the streams read.
+
+    Raises:
+        click.ClickException: the node refused a stream.
+    """
+    ended = 0
+    task = progress.add_task("stream", total=None)
+    async for event in client.events():
+        if isinstance(event, Changes):
+            sink.write_changes(event.columns)
+            sink.written(client.session)  # the session has taken this batch already
+            progress.update(task, completed=sink.changes)
+        elif isinstance(event, Rollback):
+            sink.write_rollback(event)
+            sink.written(client.session)
+        elif isinstance(event, StreamRefused):
+            status = Status.name_of(event.status)
+            raise click.ClickException(
+                f"the node refused the stream of vbucket {event.vbucket}: {status} "
+                f"{event.message}".rstrip()
+            )
+        elif isinstance(event, StreamEnded):
+            ended += 1
+            if not follow and ended >= streams:
+                break
+    return streams
+
+
 @click.command()
-@_connection_options
+@connection_options
 @click.argument("group", default="")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 def stats(
@@ -323,7 +679,7 @@ def stats(
         finally:
             await conn.close()
 
-    result = _run(main())
+    result = run_against(main(), Target(host, port, user))
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:
@@ -331,14 +687,31 @@ def stats(
             click.echo(f"{key:40} {value}")
 
 
-def _run(coroutine: Any) -> Any:
-    holder: list[Any] = []
+def run_against(coroutine: Coroutine[Any, Any, T], target: Target) -> T:
+    """Run a command's coroutine; turn what the node (or the network) did into one line.
+
+    Raises:
+        click.ClickException: exit 1, naming ``target`` (click's own exceptions pass through).
+    """
+    holder: list[T] = []
 
     async def wrapper() -> None:
         holder.append(await coroutine)
 
     try:
         run_loop(wrapper())
-    except (OSError, ConnectionError) as error:
-        raise click.ClickException(f"cannot reach the node: {error}") from None
+    except AuthError:
+        raise click.ClickException(
+            f"authentication failed for user {target.user!r} at {target.address}"
+        ) from None
+    except StatusError as error:
+        raise click.ClickException(f"{target.address} answered {error}") from None
+    except ConnectionClosedError as error:
+        raise click.ClickException(f"lost the connection to {target.address}: {error}") from None
+    except TimeoutError:
+        raise click.ClickException(f"{target.address} did not answer in time") from None
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise click.ClickException(f"cannot reach the node at {target.address}: {reason}") from None
+    assert len(holder) == 1, holder
     return holder[0]

@@ -1,16 +1,42 @@
-"""``changefeed serve`` and ``changefeed user``: run a node, manage its users file."""
+"""``changefeed serve`` and ``changefeed user``: run a node, manage its users file.
+
+Errors a user can cure print one line naming the value at fault, never a traceback: a flag or
+config value that is wrong is a usage error (exit 2, as click's own); a port that cannot be
+bound, a data directory that is a file or not writable, a store that cannot be opened are
+runtime failures (exit 1). The checks that need no node (data directory, log level) run before
+the node opens anything.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
+import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import click
 
 from changefeed.server.config import ConfigError, NodeConfig, load_config
+from changefeed.server.privileges import ROLE_PRIVILEGES
 from changefeed.server.users import Users, UsersError
+from changefeed.storage.errors import StorageError
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+PORT = click.IntRange(0, 65535)
+# asyncio and uvloop word a failed bind alike: "error while attempting to bind on address
+# ('127.0.0.1', 11210): address already in use" (IPv6 tuples have four fields).
+_BIND_FAILURE = re.compile(r"bind on address \('([^']*)', (\d+)[^)]*\): (.+)$")
+
+
+class UsageFailure(click.ClickException):
+    """A flag or config value found wrong after parsing: one ``Error:`` line, and exit 2, the
+    code click gives its own usage errors (1 stays for runtime failures)."""
+
+    exit_code = 2
 
 
 def run_loop(coroutine: object) -> None:
@@ -32,35 +58,116 @@ def run_loop(coroutine: object) -> None:
 )
 @click.option("--data-dir", type=click.Path(path_type=Path), help="Default ./data.")
 @click.option("--host", help="Listen address. Default 127.0.0.1.")
-@click.option("--port", type=int, help="KV/DCP port. Default 11210 (0 = any free port).")
+@click.option("--port", type=PORT, help="KV/DCP port. Default 11210 (0 = any free port).")
 @click.option("--vbuckets", type=int, help="Partitions of the bucket. Default 64.")
 @click.option("--bucket", help="Bucket name. Default 'default'.")
-@click.option("--metrics-port", type=int, help="Prometheus /metrics port. Default off.")
+@click.option("--metrics-port", type=PORT, help="Prometheus /metrics port. Default off.")
 @click.option("--checkpoint-quota-bytes", type=int, help="Checkpoint memory. Default 256 MiB.")
 @click.option("--durable/--no-durable", default=None, help="fsync every flush. Default on.")
+@click.option(
+    "--start-fresh",
+    is_flag=True,
+    default=None,
+    help="If the data file is missing, empty or truncated, move it aside and start empty "
+    "(consumers roll back to 0). Without it such a node refuses to start.",
+)
 @click.option("--ready-file", type=click.Path(), help="Write the bound port here once serving.")
-@click.option("--log-level", help="DEBUG, INFO, WARNING. Default INFO.")
+@click.option("--log-level", help="DEBUG, INFO, WARNING, ERROR, CRITICAL. Default INFO.")
 def serve(config_file: Path | None, ready_file: str | None, **flags: object) -> None:
     """Run a node on the embedded single-node default (no cluster metadata service needed)."""
     try:
         config = load_config(config_file, **flags)
     except ConfigError as error:
-        raise click.ClickException(str(error)) from None
+        raise UsageFailure(str(error)) from None
+    level = config.log_level.upper()
+    if level not in LOG_LEVELS:
+        raise UsageFailure(f"log level {config.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    _prepare_data_dir(config.data_dir)
     logging.basicConfig(
-        level=config.log_level.upper(),
+        level=level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    from changefeed.server.node import Node
-
-    async def main() -> None:
-        node = Node(config)
-        await node.run(ready_file=ready_file)
-
     try:
-        run_loop(main())
+        run_loop(_serve(config, ready_file))
     except UsersError as error:
         raise click.ClickException(str(error)) from None
+    except StorageError as error:
+        raise click.ClickException(f"cannot open the store in {config.data_dir}: {error}") from None
+
+
+async def _serve(config: NodeConfig, ready_file: str | None) -> None:
+    from changefeed.server.node import Node
+
+    try:
+        node = Node(config)
+    except OSError as error:  # the users file or the store's files
+        where = f"{error.filename}: " if error.filename is not None else ""
+        raise click.ClickException(f"cannot start the node: {where}{error.strerror}") from None
+    try:
+        await node.run(ready_file=ready_file)
+    except OSError as error:  # from binding a listener or writing the ready file
+        # The store is open: close it cleanly, so the next start is a clean one. Its INFO
+        # lines ("shutting down") would only bury the one line that says what went wrong.
+        logging.disable(logging.INFO)
+        try:
+            await node.stop()
+        finally:
+            logging.disable(logging.NOTSET)
+        raise click.ClickException(_start_failure(error, config)) from None
+
+
+def _start_failure(error: OSError, config: NodeConfig) -> str:
+    """One line naming the address (or file) a node could not start with, and why."""
+    if error.filename is not None:
+        return f"cannot write {error.filename}: {error.strerror}"
+    if isinstance(error, socket.gaierror):
+        return (
+            f"cannot listen on {_address(config.host, config.port)}: host {config.host!r} "
+            f"does not resolve ({error.strerror})"
+        )
+    bind = _BIND_FAILURE.search(str(error))
+    if bind is None:
+        return f"cannot listen on {_address(config.host, config.port)}: {error.strerror or error}"
+    host, port, reason = bind.group(1), int(bind.group(2)), bind.group(3)
+    metrics = config.metrics_port != 0 and port == config.metrics_port != config.port
+    listener = "metrics" if metrics else "KV/DCP"
+    return f"cannot listen on {_address(host, port)} ({listener}): {reason}"
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _prepare_data_dir(path: Path) -> None:
+    """Create the data directory and prove it writable, or fail naming it.
+
+    A probe file is written (and removed) rather than asking ``os.access``: that answers yes
+    to root on any directory, and knows nothing of read-only mounts.
+
+    Raises:
+        click.ClickException: the path is (or lies under) a file, or cannot be written.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        # The nearest path on the way that is there (or a dangling link) but not a directory.
+        there = (p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+        blocker = next((p for p in there if not p.is_dir()), path)
+        if blocker == path:
+            raise click.ClickException(f"data dir {path} is a file, not a directory") from None
+        raise click.ClickException(
+            f"data dir {path} cannot be created: {blocker} is a file, not a directory"
+        ) from None
+    except OSError as error:
+        raise click.ClickException(
+            f"data dir {path} is not writable: cannot create it ({error.strerror})"
+        ) from None
+    try:
+        with tempfile.TemporaryFile(dir=path, prefix=".write-probe."):
+            pass
+    except OSError as error:
+        raise click.ClickException(f"data dir {path} is not writable ({error.strerror})") from None
 
 
 @click.group()
@@ -72,17 +179,28 @@ def user() -> None:
 @click.argument("name")
 @click.option("--password", prompt=True, hide_input=True, confirmation_prompt=True)
 @click.option(
+    "--role",
+    "roles",
+    multiple=True,
+    type=click.Choice(sorted(ROLE_PRIVILEGES)),
+    help="Repeat for several. New users default to admin; an existing user keeps its roles.",
+)
+@click.option(
     "--data-dir", type=click.Path(path_type=Path), default=NodeConfig().data_dir, show_default=True
 )
-def user_add(name: str, password: str, data_dir: Path) -> None:
-    """Add NAME (or change its password)."""
+def user_add(name: str, password: str, roles: tuple[str, ...], data_dir: Path) -> None:
+    """Add NAME (or change its password and, with --role, its roles)."""
+    if not password:
+        raise click.BadParameter("must not be empty", param_hint="'--password'")
     path = NodeConfig(data_dir=data_dir).users_path
     try:
         users = Users.load(path) if path.exists() else Users()
-        users.add(name, password)
+        users.add(name, password, roles=roles or None)
         users.save(path)
     except UsersError as error:
         raise click.ClickException(str(error)) from None
+    except OSError as error:
+        raise click.ClickException(f"cannot write {path}: {error.strerror}") from None
     click.echo(f"user {name} saved in {path}")
 
 
@@ -90,10 +208,15 @@ def user_add(name: str, password: str, data_dir: Path) -> None:
 @click.option(
     "--data-dir", type=click.Path(path_type=Path), default=NodeConfig().data_dir, show_default=True
 )
-def user_list(data_dir: Path) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array of names.")
+def user_list(data_dir: Path, as_json: bool) -> None:
+    """Print the user names, one a line."""
     try:
         users = Users.load(NodeConfig(data_dir=data_dir).users_path)
     except UsersError as error:
         raise click.ClickException(str(error)) from None
+    if as_json:
+        click.echo(json.dumps(users.names()))
+        return
     for name in users.names():
         click.echo(name)

@@ -77,16 +77,45 @@ class Connection:
         return next(self._opaques) & 0xFFFF_FFFF
 
     def send(self, data: bytes) -> None:
-        """Queue bytes for the socket (no response expected)."""
-        if self.closed is not None:
-            raise self.closed
+        """Queue bytes for the socket (no response expected).
+
+        Raises:
+            ConnectionClosedError: the connection is gone (the same error every time).
+        """
+        self._check_open()
         self._writer.write(data)
 
     async def drain(self) -> None:
-        await self._writer.drain()
+        """Wait until the socket takes what was queued.
+
+        Raises:
+            ConnectionClosedError: the connection is gone (the same error every time).
+        """
+        self._check_open()
+        try:
+            await self._writer.drain()
+        except OSError as error:  # asyncio says ConnectionResetError("Connection lost")
+            self._fail(ConnectionClosedError(CloseReason.IO_ERROR, str(error)))
+            self._check_open()
+
+    def _check_open(self) -> None:
+        """Raise the one ``ConnectionClosedError`` if the connection is gone or going.
+
+        The transport closes (a reset seen by a write) before the reader task wakes up to the
+        loss; writing to it then would only make asyncio log "socket.send() raised exception".
+        """
+        if self.closed is None and self._writer.transport.is_closing():
+            self._fail(ConnectionClosedError(CloseReason.IO_ERROR, "connection lost"))
+        if self.closed is not None:
+            raise self.closed
 
     def expect(self, opaque: int) -> asyncio.Future[Frame]:
-        """Register interest in the response with ``opaque`` before sending the request."""
+        """Register interest in the response with ``opaque`` before sending the request.
+
+        Raises:
+            ConnectionClosedError: the connection is gone (nothing would ever answer).
+        """
+        self._check_open()
         assert opaque not in self._pending, opaque
         future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         self._pending[opaque] = future
@@ -175,14 +204,23 @@ class Connection:
         return True
 
     def _fail(self, error: ConnectionClosedError) -> None:
+        """Record why the connection is gone and fail every waiting request with it.
+
+        A caller awaiting one of those requests gets the error; the others (the rest of a
+        pipelined window, requests abandoned by a close) are marked retrieved, so the loop does
+        not report each of them as "Future exception was never retrieved": one loss, one error.
+        """
         if self.closed is None:
             self.closed = error
             if error.reason is not CloseReason.LOCAL and self.on_close is not None:
                 self.on_close(error)
-        for future in self._pending.values():
+        error = self.closed
+        waiting: list[asyncio.Future[Frame] | asyncio.Future[list[Frame]]] = list(
+            self._pending.values()
+        )
+        waiting.extend(many for _, _, many in self._collecting.values())
+        self._pending.clear()
+        for future in waiting:
             if not future.done():
                 future.set_exception(error)
-        self._pending.clear()
-        for _, _, many in self._collecting.values():
-            if not many.done():
-                many.set_exception(error)
+                future.exception()  # marks it retrieved; an awaiting caller still gets it

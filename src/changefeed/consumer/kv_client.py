@@ -19,11 +19,15 @@ from changefeed.consumer.handshake import call, connect
 from changefeed.protocol.errors import error_for_status
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.kv import (
+    CompactDb,
+    CompactionSummary,
     MutationResult,
     StoreCommand,
+    decode_compaction_summary,
     decode_get_response_flags,
     decode_mutation_token,
     decode_observe_seqno_result,
+    encode_compact_db,
     encode_request,
     encode_store,
 )
@@ -170,6 +174,35 @@ class KvClient:
                 newest[result.vbucket] = result
             await asyncio.gather(*(self.wait_persisted(r) for r in newest.values()))
         return results
+
+    async def compact(
+        self,
+        vb: int,
+        *,
+        purge_age_s: float | None = None,
+        drop_deletes: bool = False,
+        timeout_s: float = 600.0,
+    ) -> CompactionSummary:
+        """COMPACT_DB: purge vbucket ``vb``'s old tombstones now; returns once the node is done.
+
+        Args:
+            purge_age_s: purge tombstones deleted at least this long ago. The node compares
+                delete times with its own clock, so this becomes a cutoff time on this host's
+                clock (kv_engine's purge_before_ts); None uses the node's tombstone_purge_age_s.
+            drop_deletes: purge every tombstone, whatever its age.
+
+        Raises:
+            NotMyVbucketError: ``vb`` is not an active vbucket of the node.
+            TimeoutError: no answer within ``timeout_s``.
+        """
+        purge_before_ts = 0  # the node's own purge age
+        if purge_age_s is not None:
+            purge_before_ts = max(1, int(time.time() - purge_age_s) + 1)  # "deleted before"
+        opaque = self._conn.next_opaque()
+        request = CompactDb(vb, opaque, purge_before_ts, drop_deletes=drop_deletes)
+        response = await self._conn.request(encode_compact_db(request), opaque, timeout_s=timeout_s)
+        _check(response)
+        return decode_compaction_summary(response.value)
 
     async def wait_persisted(self, result: MutationResult, *, timeout_s: float = 30.0) -> None:
         """Wait until the node's persisted seqno for the vbucket reaches the write's seqno.

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from changefeed import limits
 from changefeed.checkpoint import CursorKind, StreamReader
+from changefeed.producer.backfill_slots import BackfillSlots
 from changefeed.producer.encoder import DcpEncoder
 from changefeed.producer.flow_control import FlowControl
 from changefeed.producer.item_encoding import ItemOptions
@@ -106,6 +107,8 @@ class DcpProducer:
         role: who reads (DCP_OPEN); decides the cursor kind and default droppability.
         clock: monotonic seconds (noops, idle time); injected so tests replay.
         streams_max: streams this connection may hold at once.
+        backfill_slots: the node's running-backfill slots (a private set if None).
+        backfills_max: backfills this connection may run at once.
     """
 
     def __init__(
@@ -117,6 +120,8 @@ class DcpProducer:
         role: StreamRole = StreamRole.APPLICATION,
         clock: Callable[[], float] = time.monotonic,
         streams_max: int = limits.STREAMS_PER_CONNECTION_MAX,
+        backfill_slots: BackfillSlots | None = None,
+        backfills_max: int = limits.BACKFILLS_PER_CONNECTION_MAX,
     ) -> None:
         assert flags & OpenFlag.PRODUCER, flags
         assert streams_max > 0, streams_max
@@ -126,6 +131,9 @@ class DcpProducer:
         self.clock = clock
         self._source = source
         self._streams_max = streams_max
+        self.backfill_slots = backfill_slots if backfill_slots is not None else BackfillSlots()
+        self._backfills_max = backfills_max
+        self._backfills_running = 0
         self.streams: dict[int, Stream] = {}
         self.flow = FlowControl()
         self.options = ItemOptions(
@@ -213,6 +221,7 @@ class DcpProducer:
         old = self.streams.get(stream.vb)
         if old is not None:
             assert old.ended, old.vb
+            self._give_back_slot(old)
             old.close()
         self.streams[stream.vb] = stream
         if stream.vb not in self._rotation:
@@ -245,7 +254,31 @@ class DcpProducer:
 
     @property
     def ready(self) -> bool:
-        return self.flow.can_send and any(s.ready for s in self.streams.values())
+        if not self.flow.can_send:
+            return False
+        return any(s.ready and self._may_fill(s) for s in self.streams.values())
+
+    def _may_fill(self, stream: Stream) -> bool:
+        """A stream that must read disk needs a backfill slot (held, or free to take)."""
+        if not stream.needs_disk or stream.holds_backfill_slot:
+            return True
+        return self._backfills_running < self._backfills_max and self.backfill_slots.available
+
+    def _take_slot(self, stream: Stream) -> bool:
+        if stream.holds_backfill_slot:
+            return True
+        if self._backfills_running >= self._backfills_max or not self.backfill_slots.take():
+            return False
+        stream.holds_backfill_slot = True
+        self._backfills_running += 1
+        return True
+
+    def _give_back_slot(self, stream: Stream) -> None:
+        if stream.holds_backfill_slot:
+            stream.holds_backfill_slot = False
+            self._backfills_running -= 1
+            assert self._backfills_running >= 0, self._backfills_running
+            self.backfill_slots.give_back()
 
     def pump(self, out: list[bytes], bytes_max: int) -> int:
         """Append frames from ready streams, round-robin, within the window and ``bytes_max``."""
@@ -257,7 +290,11 @@ class DcpProducer:
             stream = self.streams[vb]
             room = max(1, self.flow.room_bytes)
             budget = min(limits.STREAM_QUANTUM_BYTES, bytes_max - written, room)
-            produced = stream.fill(out, budget) if stream.ready else 0
+            produced = 0
+            if stream.ready and (not stream.needs_disk or self._take_slot(stream)):
+                produced = stream.fill(out, budget)
+                if not stream.needs_disk:
+                    self._give_back_slot(stream)  # back in memory (or ended)
             self.flow.sent(produced)
             written += produced
             if stream.ended:
@@ -314,6 +351,7 @@ class DcpProducer:
     def _remove(self, vb: int) -> None:
         stream = self.streams.pop(vb, None)
         if stream is not None:
+            self._give_back_slot(stream)
             stream.close()
         if vb in self._rotation:
             self._rotation.remove(vb)

@@ -43,6 +43,7 @@ class Stream:
         self.encoder = encoder
         self.purge_seqno = purge_seqno
         self.items_sent = 0
+        self.holds_backfill_slot = False  # managed by the producer (backfill_slots.py)
         # Events read but not sent yet: a run of at most STREAM_RUN_EVENTS_MAX, consumed from
         # index _next (a list and an index: cheaper per item than a deque's popleft).
         self._ahead: list[Item | SnapshotStart] = []
@@ -55,6 +56,11 @@ class Stream:
     @property
     def ended(self) -> bool:
         return self.machine.state is StreamState.ENDED
+
+    @property
+    def needs_disk(self) -> bool:
+        """True while the stream reads (or is about to read) a disk backfill."""
+        return self.machine.live and not self.reader.from_memory
 
     @property
     def last_sent_seqno(self) -> int:

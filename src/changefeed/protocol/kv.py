@@ -10,10 +10,15 @@ Layouts::
     GET_ALL_VB_SEQNOS request extras 0, 4 (state filter) or 8; response value: (vb u16, seqno u64)*
     OBSERVE_SEQNO request value: vb_uuid u64; response value: format u8 | vb u16 | vb_uuid u64
         | persisted u64 | current u64 [format 1: | old_vb_uuid u64 | old_seqno u64]
+    COMPACT_DB request (header vbucket = the vbucket) extras 24, kv_engine's CompactDbPayload:
+        purge_before_ts u64 | purge_before_seq u64 | drop_deletes u8 | pad u8 | pad u16
+        | pad u32 (pads 0); no key, no value. Success response value: JSON summary (ours;
+        kv_engine answers with the status only, so a client may ignore it)
 """
 
 from __future__ import annotations
 
+import json
 import struct
 from dataclasses import dataclass
 
@@ -32,7 +37,10 @@ OBSERVE_SEQNO_FAILOVER = struct.Struct(">QQ")
 U16 = struct.Struct(">H")
 U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
+COMPACT_DB_EXTRAS = struct.Struct(">QQBBHI")  # ts, seq, drop_deletes, three pads
 STORE_OPCODES = frozenset((Opcode.SET, Opcode.ADD, Opcode.REPLACE))
+
+assert COMPACT_DB_EXTRAS.size == 24
 
 
 def encode_request(
@@ -251,3 +259,87 @@ def decode_observe_seqno_request(frame: Frame) -> int:
     if len(frame.value) != U64.size:
         raise ProtocolError(f"OBSERVE_SEQNO request value of {len(frame.value)} bytes, not 8")
     return int(U64.unpack(frame.value)[0])
+
+
+# -- COMPACT_DB -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CompactDb:
+    """COMPACT_DB (0x3a): purge the tombstones of one vbucket now; answered when done.
+
+    Attributes:
+        vbucket: the vbucket to compact (the header's vbucket field).
+        opaque: echoed in the response.
+        purge_before_ts: purge tombstones deleted before this Unix time (seconds, the node's
+            clock); 0 asks for the node's own purge age (``tombstone_purge_age_s``).
+        purge_before_seq: purge only tombstones at or below this seqno; 0 means no bound.
+        drop_deletes: purge every tombstone whatever its delete time.
+    """
+
+    vbucket: int
+    opaque: int
+    purge_before_ts: int = 0
+    purge_before_seq: int = 0
+    drop_deletes: bool = False
+
+
+def encode_compact_db(request: CompactDb) -> bytes:
+    extras = COMPACT_DB_EXTRAS.pack(
+        request.purge_before_ts, request.purge_before_seq, int(request.drop_deletes), 0, 0, 0
+    )
+    return encode_request(
+        Opcode.COMPACT_DB, vbucket=request.vbucket, opaque=request.opaque, extras=extras
+    )
+
+
+def decode_compact_db(frame: Frame) -> CompactDb:
+    if len(frame.extras) != COMPACT_DB_EXTRAS.size:
+        raise ProtocolError(f"COMPACT_DB extras of {len(frame.extras)} bytes, not 24")
+    if frame.key or frame.value:
+        raise ProtocolError("COMPACT_DB takes no key and no value")
+    ts, seq, drop_deletes, pad1, pad2, pad3 = COMPACT_DB_EXTRAS.unpack(frame.extras)
+    if drop_deletes > 1 or pad1 or pad2 or pad3:
+        raise ProtocolError(f"COMPACT_DB drop_deletes {drop_deletes} or padding not zero")
+    return CompactDb(frame.vbucket, frame.opaque, ts, seq, bool(drop_deletes))
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionSummary:
+    """What a COMPACT_DB did, the JSON value of its success response.
+
+    Attributes:
+        vbucket: the vbucket compacted.
+        purged: tombstones removed.
+        purge_seqno: the vbucket's purge seqno afterwards.
+        visited: records looked at.
+    """
+
+    vbucket: int
+    purged: int
+    purge_seqno: int
+    visited: int
+
+
+def encode_compaction_summary(summary: CompactionSummary) -> bytes:
+    fields = {
+        "vbucket": summary.vbucket,
+        "purged": summary.purged,
+        "purge_seqno": summary.purge_seqno,
+        "visited": summary.visited,
+    }
+    return json.dumps(fields).encode()
+
+
+def decode_compaction_summary(value: bytes) -> CompactionSummary:
+    """The summary a node sent; a peer's bytes, so every field is checked."""
+    try:
+        raw = json.loads(value)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProtocolError(f"COMPACT_DB response is not JSON: {error}") from None
+    names = ("vbucket", "purged", "purge_seqno", "visited")
+    if not isinstance(raw, dict) or not all(
+        type(raw.get(name)) is int and 0 <= raw[name] <= limits.SEQNO_MAX for name in names
+    ):
+        raise ProtocolError(f"COMPACT_DB response {value[:100]!r} lacks its counters")
+    return CompactionSummary(raw["vbucket"], raw["purged"], raw["purge_seqno"], raw["visited"])

@@ -43,6 +43,7 @@ class Opcode(IntEnum):
     SASL_LIST_MECHS = 0x20
     SASL_AUTH = 0x21
     SASL_STEP = 0x22
+    COMPACT_DB = 0x3A  # kv_engine: compact one vbucket now, answered when done
     GET_ALL_VB_SEQNOS = 0x48
     DCP_OPEN = 0x50
     DCP_ADD_STREAM = 0x51

@@ -33,10 +33,19 @@ class NodeConfig:
     checkpoint_max_bytes: int = limits.CHECKPOINT_MAX_BYTES_DEFAULT
     flush_batch_bytes: int = limits.FLUSH_BATCH_BYTES_MAX  # accounted bytes per group commit
     noop_idle_timeout_s: float = 360.0  # dcp_idle_timeout (dcp-wire.md §8.2)
+    # An authenticated KV (non-DCP) connection with no request for this long is closed; 0: never.
+    idle_timeout_s: float = 300.0
+    # Connections over this are accepted and closed at once, with a logged refusal.
+    max_connections: int = limits.CONNECTIONS_MAX_DEFAULT
     map_size_bytes: int = limits.STORAGE_MAP_SIZE_BYTES_DEFAULT
     # A damaged data file (missing, empty, truncated) stops the start unless this is set; then
     # the damaged files are moved aside and the node starts empty (new vbucket histories).
     start_fresh: bool = False
+    # Compaction (server/compactor.py): tombstones deleted this long ago are purged (Couchbase's
+    # metadata purge interval, 3 days); a consumer resuming below the purge seqno rolls back to 0.
+    tombstone_purge_age_s: float = 3 * 24 * 3600.0
+    compaction_interval_s: float = 3600.0  # how often to look for such tombstones; 0 = never
+    expiry_pager_interval_s: float = 60.0  # expire documents without a read (expiry_pager.py)
     users_file: Path | None = None  # default: <data_dir>/users.json
     log_level: str = "INFO"
 
@@ -48,7 +57,9 @@ class NodeConfig:
         if not 1 <= self.vbuckets <= limits.VBUCKETS_MAX:
             raise ConfigError(f"vbuckets must be 1..{limits.VBUCKETS_MAX}, not {self.vbuckets}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
-            raise ConfigError("ports must be 0..65535")
+            raise ConfigError(
+                f"port {self.port} / metrics_port {self.metrics_port}: ports must be 0..65535"
+            )
         if self.checkpoint_quota_bytes < 1024 * 1024:
             raise ConfigError("checkpoint_quota_bytes must be at least 1 MiB")
         if self.checkpoint_max_bytes <= 0:
@@ -58,8 +69,16 @@ class NodeConfig:
                 f"flush_batch_bytes {self.flush_batch_bytes} must be 1.."
                 f"{limits.STORAGE_BATCH_BYTES_MAX // 64}"
             )
+        if self.idle_timeout_s < 0:
+            raise ConfigError(f"idle_timeout_s {self.idle_timeout_s} must be >= 0 (0: never)")
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections {self.max_connections} must be at least 1")
         if self.noop_idle_timeout_s <= 0:
             raise ConfigError(f"noop_idle_timeout_s {self.noop_idle_timeout_s} must be positive")
+        for key in ("tombstone_purge_age_s", "compaction_interval_s", "expiry_pager_interval_s"):
+            value = getattr(self, key)
+            if not 0 <= value < float("inf"):
+                raise ConfigError(f"{key} {value} must be a number of seconds >= 0")
         return self
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from changefeed import limits
 from changefeed.producer.producer import DcpProducer
@@ -45,12 +47,14 @@ from changefeed.protocol.kv import (
     encode_observe_seqno_result,
     encode_vb_seqnos,
 )
-from changefeed.protocol.opcode import Feature, Opcode
-from changefeed.protocol.reader import CLOSED, NEED_DATA, FrameReader
+from changefeed.protocol.opcode import Feature, Magic, Opcode
+from changefeed.protocol.reader import CLOSED, NEED_DATA, FrameReader, OversizedFrame
 from changefeed.protocol.status import Status
 from changefeed.server.authenticator import SaslAuthenticator
+from changefeed.server.compactor import answer_compact_db
 from changefeed.server.context import ServerContext
 from changefeed.server.dcp_pump import DcpPump
+from changefeed.server.privileges import required_privilege
 from changefeed.server.stats import cluster_config, stat_group
 
 log = logging.getLogger("changefeed.server")
@@ -69,6 +73,18 @@ UNAUTHENTICATED_OPCODES = frozenset(
     {Opcode.HELLO, Opcode.SASL_LIST_MECHS, Opcode.SASL_AUTH, Opcode.SASL_STEP, Opcode.NOOP}
 )
 Handler = Callable[["ClientConnection", Frame], None]
+_REFUSAL_LOG_INTERVAL_S = 10.0  # a connection flood logs one line per interval, not per socket
+_last_refusal_log_s = float("-inf")
+
+
+def _log_refusal(peer: str, connections_max: int) -> None:
+    global _last_refusal_log_s
+    now = time.monotonic()
+    if now - _last_refusal_log_s >= _REFUSAL_LOG_INTERVAL_S:
+        _last_refusal_log_s = now
+        log.warning(
+            "refusing connection from %s: max_connections %d reached", peer, connections_max
+        )
 
 
 class ClientConnection(asyncio.Protocol):
@@ -79,24 +95,51 @@ class ClientConnection(asyncio.Protocol):
         # Until SASL succeeds a peer may only send small frames (limits.py explains why).
         self.reader = FrameReader(limits.UNAUTHENTICATED_FRAME_SIZE_MAX)
         self.transport: asyncio.Transport | None = None
-        self.sasl = SaslAuthenticator(context.users)
+        self.sasl = SaslAuthenticator(
+            context.users, secret=context.node_secret, throttle=context.auth_throttle
+        )
+        # While a SASL exchange hashes off the loop, later frames wait (their order matters).
+        self._sasl_task: asyncio.Task[None] | None = None
+        self.peer_host = ""
         self.features: set[int] = set()
         self.bucket_selected = False
         self.dcp: DcpPump | None = None
         self.peer = "?"
         self.writable = asyncio.Event()
         self.writable.set()
+        now = context.monotonic()
+        self.connected_s = now
+        self.last_request_s = now
+        self.frame_started_s: float | None = None  # when the unfinished request began
+        self._paused_for_replies = False  # reading stopped: replies are backed up
+        self._paused_for_budget = False  # reading stopped: node-wide partial bytes are full
+        self._refused = False
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's TCPTransport is not an asyncio.Transport subclass; it has the same methods.
         self.transport = transport  # type: ignore[assignment]
-        self.peer = str(transport.get_extra_info("peername"))
+        peername = transport.get_extra_info("peername")
+        self.peer = str(peername)
+        if isinstance(peername, tuple) and peername:
+            self.peer_host = str(peername[0])
+        connections_max = self.context.config.max_connections
+        if len(self.context.connections) >= connections_max:
+            self._refused = True
+            _log_refusal(self.peer, connections_max)
+            transport.close()
+            return
+        assert self.transport is not None
+        self.transport.set_write_buffer_limits(high=limits.WRITE_BUFFER_HIGH_BYTES)
         self.context.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.context.connections.discard(self)
+        self.context.partial.release(self)
+        if self._sasl_task is not None:
+            self._sasl_task.cancel()
+            self._sasl_task = None
         if self.dcp is not None:
             self.dcp.close()
             self.context.dcp.unregister(self.dcp)
@@ -104,22 +147,112 @@ class ClientConnection(asyncio.Protocol):
         self.writable.set()
 
     def pause_writing(self) -> None:
+        """Replies are backed up: stop reading requests until the peer reads (bounded replies)."""
         self.writable.clear()
+        self._paused_for_replies = True
+        self._update_reading()
 
     def resume_writing(self) -> None:
         self.writable.set()
+        self._paused_for_replies = False
+        self._update_reading()
+        asyncio.get_running_loop().call_soon(self._process)  # requests held while paused
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         try:
             self.reader.feed(data)
-            while True:  # bounded by the received bytes
+        except ProtocolError as error:
+            self._close_for(error)
+            return
+        self._process()
+
+    def _process(self) -> None:
+        """Dispatch every complete request, unless replies are backed up (then later)."""
+        try:
+            while self.writable.is_set() and self._sasl_task is None:  # bounded by the bytes
                 frame = self.reader.next_frame()
                 if frame is NEED_DATA or frame is CLOSED:
-                    return
-                assert isinstance(frame, Frame)
+                    break
+                self.last_request_s = self.context.monotonic()
+                if isinstance(frame, OversizedFrame):
+                    self._reply_oversized(frame)
+                    continue
+                assert isinstance(frame, Frame), frame
                 self._dispatch(frame)
         except ProtocolError as error:
-            log.warning("closing %s: %s", self.peer, error)
+            self._close_for(error)
+            return
+        self._account_partial()
+
+    def _account_partial(self) -> None:
+        """Track the unfinished request: its start (deadline) and its bytes (node budget)."""
+        if not self.reader.in_frame:
+            self.frame_started_s = None
+        elif self.frame_started_s is None:
+            self.frame_started_s = self.context.monotonic()
+        held = self.reader.buffered_bytes
+        self._paused_for_budget = self.context.partial.update(self, held, self._budget_resumed)
+        self._update_reading()
+
+    def _budget_resumed(self) -> None:
+        self._paused_for_budget = False
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self._paused_for_replies or self._paused_for_budget or self._sasl_task is not None:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
+
+    def run_sasl(self, request: Frame, exchange: Coroutine[Any, Any, tuple[Status, bytes]]) -> None:
+        """Run a SASL step whose hashing happens off the loop; hold later frames until it
+        answers (a client may pipeline a request right behind its SASL_AUTH)."""
+        assert self._sasl_task is None, self.peer
+
+        async def answer() -> None:
+            try:
+                status, value = await exchange
+                _after_sasl(self)
+                self.reply(request, status, value=value)
+            finally:
+                self._sasl_task = None
+                self._update_reading()
+                asyncio.get_running_loop().call_soon(self._process)
+
+        self._sasl_task = asyncio.get_running_loop().create_task(answer())
+        self._update_reading()
+
+    def _reply_oversized(self, frame: OversizedFrame) -> None:
+        request = Frame(Magic.REQUEST, frame.opcode, opaque=frame.opaque)
+        message = f"body of {frame.body_bytes} bytes exceeds {self.reader.frame_size_max}"
+        self.reply(request, Status.E2BIG, value=message.encode())
+
+    def _close_for(self, error: ProtocolError) -> None:
+        log.warning("closing %s: %s", self.peer, error)
+        self.close()
+
+    def check_deadlines(self, now: float) -> None:
+        """Close a connection that did not authenticate in time, sat idle, or left a request
+        unfinished for too long (limits.py gives the figures)."""
+        reason = None
+        if self.sasl.user is None and now - self.connected_s > limits.AUTH_DEADLINE_S:
+            reason = f"not authenticated within {limits.AUTH_DEADLINE_S:.0f} s"
+        elif (
+            self.frame_started_s is not None
+            and now - self.frame_started_s > limits.PARTIAL_FRAME_DEADLINE_S
+        ):
+            reason = f"a request unfinished for {limits.PARTIAL_FRAME_DEADLINE_S:.0f} s"
+        elif self.dcp is None and self.sasl.user is not None:
+            idle_s = self.context.config.idle_timeout_s
+            if idle_s and now - self.last_request_s > idle_s:
+                reason = f"idle for {idle_s:.0f} s"
+        if reason is not None:
+            log.info("closing %s: %s", self.peer, reason)
             self.close()
 
     def eof_received(self) -> bool | None:
@@ -170,6 +303,11 @@ class ClientConnection(asyncio.Protocol):
         if self.sasl.user is None and frame.opcode not in UNAUTHENTICATED_OPCODES:
             self.reply(frame, Status.EACCESS, value=b"authenticate first")
             return
+        needed = required_privilege(frame.opcode)
+        if needed is not None and needed not in self.sasl.privileges:
+            message = f"user {self.sasl.user!r} lacks the {needed.name.lower()} privilege"
+            self.reply(frame, Status.EACCESS, value=message.encode())
+            return
         try:
             handler(self, frame)
         except ProtocolError as error:
@@ -201,23 +339,27 @@ def _list_mechs(c: ClientConnection, f: Frame) -> None:
 
 
 def _sasl_auth(c: ClientConnection, f: Frame) -> None:
-    status, value = c.sasl.auth(f.key.decode(errors="replace"), f.value)
-    if status == Status.AUTH_ERROR:
-        log.warning("authentication failed from %s", c.peer)
-    _after_sasl(c)
-    c.reply(f, status, value=value)
+    mechanism = f.key.decode(errors="replace")
+    c.run_sasl(f, c.sasl.sasl_auth(mechanism, f.value, c.peer_host))
 
 
 def _sasl_step(c: ClientConnection, f: Frame) -> None:
-    status, value = c.sasl.step(f.key.decode(errors="replace"), f.value)
-    _after_sasl(c)
-    c.reply(f, status, value=value)
+    mechanism = f.key.decode(errors="replace")
+    c.run_sasl(f, c.sasl.sasl_step(mechanism, f.value, c.peer_host))
 
 
 def _after_sasl(c: ClientConnection) -> None:
-    """An authenticated peer may send full-size frames (values up to VALUE_SIZE_MAX)."""
+    """An authenticated peer may send full-size frames (values up to VALUE_SIZE_MAX), and a
+    larger one is answered E2BIG and skipped instead of closing the connection. A failed
+    re-authentication drops the identity and with it what the identity allowed."""
     if c.sasl.user is not None:
         c.reader.frame_size_max = limits.FRAME_SIZE_MAX
+        c.reader.skip_oversized = True
+        return
+    c.reader.frame_size_max = limits.UNAUTHENTICATED_FRAME_SIZE_MAX
+    c.reader.skip_oversized = False
+    if c.dcp is not None:  # a stream must not outlive the identity that opened it
+        c.close()
 
 
 def _select_bucket(c: ClientConnection, f: Frame) -> None:
@@ -300,6 +442,16 @@ def _failover_log(c: ClientConnection, f: Frame) -> None:
     c.reply(f, value=encode_failover_log(c.context.bucket.failover_log(f.vbucket)))
 
 
+def _compact_db(c: ClientConnection, f: Frame) -> None:
+    """COMPACT_DB: answered when the vbucket's compaction is done (compactor.py)."""
+    c.require_bucket()
+
+    def reply(status: int, value: bytes, datatype: int) -> None:
+        c.reply(f, status, value=value, datatype=datatype)
+
+    answer_compact_db(c.context.compactor, f, reply)
+
+
 def _cluster_config(c: ClientConnection, f: Frame) -> None:
     config = cluster_config(c.context)
     c.reply(f, value=json.dumps(config).encode(), datatype=1)
@@ -324,6 +476,7 @@ def _dcp_open(c: ClientConnection, f: Frame) -> None:
         source=context.bucket,
         role=message.role,
         clock=context.monotonic,
+        backfill_slots=context.backfill_slots,
     )
     c.dcp = DcpPump(
         producer,
@@ -393,6 +546,7 @@ HANDLERS: dict[int, Handler] = {
     Opcode.GET_FAILOVER_LOG: _failover_log,
     Opcode.DCP_GET_FAILOVER_LOG: _failover_log,
     Opcode.GET_CLUSTER_CONFIG: _cluster_config,
+    Opcode.COMPACT_DB: _compact_db,
     Opcode.DCP_OPEN: _dcp_open,
     Opcode.DCP_CONTROL: _dcp_control,
     Opcode.DCP_STREAM_REQ: _dcp_stream_req,

@@ -68,6 +68,7 @@ class DcpPump:
         self._idle_timeout_s = idle_timeout_s
         self._work = asyncio.Event()
         self._wakeups: dict[int, Wakeup] = {}
+        producer.backfill_slots.add_waiter(self.wake)  # a stream may wait for a backfill slot
         self._task = asyncio.get_running_loop().create_task(self._pump_loop())
 
     @property
@@ -110,6 +111,7 @@ class DcpPump:
             with contextlib.suppress(ValueError):
                 wakeup.remove_callback(self.wake)
         self._wakeups.clear()
+        self.producer.backfill_slots.remove_waiter(self.wake)
         self.producer.close()
 
     async def _pump_loop(self) -> None:

@@ -40,6 +40,7 @@ class NodeCollector(Collector):
             "Flush commits that failed since start.",
             bucket.persistence.failures_total,
         )
+        yield from _background_gauges(context)
         for name, help_text, read in _per_vb_gauges():
             family = GaugeMetricFamily(name, help_text, labels=["vbucket"])
             for vb in bucket.vbucket_ids():
@@ -53,6 +54,24 @@ class NodeCollector(Collector):
         for name, vb, behind in context.dcp.lags():
             lag.add_metric([name, str(vb)], behind)
         yield lag
+
+
+def _background_gauges(context: ServerContext) -> Iterator[GaugeMetricFamily]:
+    """Counters of compaction and of the expiry pager since the node started."""
+    workers = (
+        ("compaction", context.compactor),
+        ("expiry_pager", context.expiry_pager),
+    )
+    for prefix, worker in workers:
+        if worker is None:
+            continue
+        for key, value in worker.counters.items():
+            yield _gauge(f"changefeed_{prefix}_{key}_total", worker.COUNTER_HELP[key], value)
+        yield _gauge(
+            f"changefeed_{prefix}_last_run_seconds",
+            f"Duration of the last {prefix.replace('_', ' ')} run.",
+            worker.last_run_s,
+        )
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

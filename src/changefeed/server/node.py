@@ -15,12 +15,16 @@ import signal
 import time
 from collections.abc import Callable
 
+from changefeed import limits
+from changefeed.server.authenticator import AuthThrottle
 from changefeed.server.bucket import Bucket
+from changefeed.server.compactor import Compactor
 from changefeed.server.config import NodeConfig
 from changefeed.server.connection import ClientConnection
 from changefeed.server.context import ServerContext
+from changefeed.server.expiry_pager import ExpiryPager
 from changefeed.server.metrics import serve_metrics
-from changefeed.server.users import Users
+from changefeed.server.users import Users, load_or_create_node_secret
 
 log = logging.getLogger("changefeed.node")
 
@@ -68,9 +72,30 @@ class Node:
         config.data_dir.mkdir(parents=True, exist_ok=True)
         users = load_or_create_users(config)
         bucket = Bucket.open(config, clock=clock, rng=rng)
-        self.context = ServerContext(config, users, bucket, monotonic=monotonic, port=config.port)
+        # Background work on the bucket's clock (the one delete and expiry times are taken on).
+        self.compactor = Compactor(
+            bucket,
+            clock=clock,
+            interval_s=config.compaction_interval_s,
+            purge_age_s=config.tombstone_purge_age_s,
+        )
+        self.expiry_pager = ExpiryPager(
+            bucket, clock=clock, interval_s=config.expiry_pager_interval_s
+        )
+        self.context = ServerContext(
+            config,
+            users,
+            bucket,
+            monotonic=monotonic,
+            port=config.port,
+            compactor=self.compactor,
+            expiry_pager=self.expiry_pager,
+            node_secret=load_or_create_node_secret(config.data_dir),
+            auth_throttle=AuthThrottle(clock=monotonic),
+        )
         self._server: asyncio.Server | None = None
         self._metrics: asyncio.Server | None = None
+        self._deadlines: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
 
     @property
@@ -82,10 +107,13 @@ class Node:
         loop = asyncio.get_running_loop()
         context = self.context
         context.bucket.start()
+        self.compactor.start()
+        self.expiry_pager.start()
         self._server = await loop.create_server(
             lambda: ClientConnection(context), self.config.host, self.config.port
         )
         context.port = self._server.sockets[0].getsockname()[1]
+        self._deadlines = loop.create_task(self._check_deadlines())
         if self.config.metrics_port:
             self._metrics = await serve_metrics(context, self.config.host, self.config.metrics_port)
         log.info(
@@ -109,6 +137,14 @@ class Node:
         await self._stopped.wait()
         await self.stop()
 
+    async def _check_deadlines(self) -> None:
+        """Every second: close connections past their auth, idle or partial-request deadline."""
+        while True:  # the node's deadline checker; cancelled by stop()
+            await asyncio.sleep(limits.DEADLINE_CHECK_INTERVAL_S)
+            now = self.context.monotonic()
+            for conn in list(self.context.connections):
+                conn.check_deadlines(now)
+
     def request_stop(self) -> None:
         self._stopped.set()
 
@@ -118,7 +154,11 @@ class Node:
             self._server.close()
         if self._metrics is not None:
             self._metrics.close()
+        if self._deadlines is not None:
+            self._deadlines.cancel()
         for conn in list(self.context.connections):
             conn.close()
         await asyncio.sleep(0)
+        await self.expiry_pager.stop()  # before the store closes under them
+        await self.compactor.stop()
         await self.context.bucket.close()

@@ -6,12 +6,17 @@ record (both sides of the index agree, or CorruptRecordError). The caller update
 metadata (purge seqno, high seqno, item count) from what the function returns, in the same
 transaction, so a crash keeps either all of a purge or rollback or none of it.
 
+`purge_tombstones_chunk` is the bounded form: it looks at most at `records_max` records from a
+start seqno and says where the next chunk resumes, so a caller can purge a large vbucket in many
+short transactions (one writer at a time; server/compactor.py runs them between flushes).
+
 Not here: choosing which vbuckets to compact, the clock, committing. Purge does not reclaim
 file space: LMDB reuses freed pages for later writes, and the file never shrinks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from changefeed import limits
@@ -38,12 +43,62 @@ def purge_tombstones(
     Raises:
         CorruptRecordError: a tombstone does not decode, or its by_key entry disagrees.
     """
+    chunk = purge_tombstones_chunk(txn, by_seqno, by_key, vb, delete_time_max)
+    assert chunk.next_seqno is None, chunk
+    return chunk.seqno_purged_max, chunk.purged
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PurgeChunk:
+    """What one bounded purge did in one vbucket.
+
+    Attributes:
+        purged: tombstones removed.
+        seqno_purged_max: highest seqno removed; 0 if none.
+        visited: records looked at (mutations and tombstones).
+        next_seqno: first seqno the next chunk must look at; None when this chunk reached the
+            end of the vbucket or passed `seqno_max`.
+    """
+
+    purged: int
+    seqno_purged_max: int
+    visited: int
+    next_seqno: int | None
+
+
+def purge_tombstones_chunk(
+    txn: lmdb.Transaction[bytes],
+    by_seqno: lmdb._Database,
+    by_key: lmdb._Database,
+    vb: int,
+    delete_time_max: float,
+    *,
+    start_seqno: int = 0,
+    seqno_max: int = limits.SEQNO_MAX,
+    records_max: int | None = None,
+) -> PurgeChunk:
+    """Remove the tombstones of `vb` with delete_time <= `delete_time_max` and seqno in
+    `start_seqno..seqno_max`, looking at no more than `records_max` records (None: no bound).
+
+    Raises:
+        CorruptRecordError: a tombstone does not decode, or its by_key entry disagrees.
+    """
+    assert 0 <= start_seqno <= limits.SEQNO_MAX, start_seqno
+    assert 0 <= seqno_max <= limits.SEQNO_MAX, seqno_max
+    assert records_max is None or records_max > 0, records_max
+    prefix = VB_KEY.pack(vb)
     cursor = txn.cursor(db=by_seqno)
-    cursor.set_range(SEQNO_KEY.pack(vb, 0))
+    cursor.set_range(SEQNO_KEY.pack(vb, start_seqno))
     seqno_purged_max = 0
     purged = 0
-    while (key := cursor.key()) and key[:2] == VB_KEY.pack(vb):
+    visited = 0
+    while (key := cursor.key()) and key[:2] == prefix:  # bounded by the vbucket's records
         seqno = SEQNO_KEY.unpack(key)[1]
+        if seqno > seqno_max:
+            break
+        if visited == records_max:
+            return PurgeChunk(purged, seqno_purged_max, visited, seqno)
+        visited += 1
         data = cursor.value()
         if data[:1] == bytes((TAG_MUTATION,)):
             cursor.next()
@@ -58,7 +113,8 @@ def purge_tombstones(
         assert seqno > seqno_purged_max, (seqno, seqno_purged_max)
         seqno_purged_max = seqno
         purged += 1
-    return seqno_purged_max, purged
+    assert purged <= visited, (purged, visited)
+    return PurgeChunk(purged, seqno_purged_max, visited, None)
 
 
 def discard_after(

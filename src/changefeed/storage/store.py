@@ -10,7 +10,8 @@ Contract:
   `kill -9` at any point the store holds exactly the batches committed before it (durable or
   not); after power loss, see `durable` on `Store`.
 - Per vbucket, written seqnos strictly increase; `high_seqno` moves with the records in the same
-  transaction. Compaction purges old tombstones and raises `purge_seqno`; `rollback` truncates.
+  transaction. Compaction purges old tombstones and raises `purge_seqno` (whole, `compact`, or
+  in bounded chunks, `compact_chunk`); `rollback` truncates.
 - One process, one `Store` per environment, one write batch at a time. Reads (`get`, `scan`)
   see the last committed batch and may run while a batch is being filled. The metadata getters
   answer from an in-memory copy that changes only after a commit.
@@ -33,7 +34,13 @@ import lmdb
 
 from changefeed import limits
 from changefeed.storage import batch as _batch
-from changefeed.storage.compaction import discard_after, purge_tombstones
+from changefeed.storage import expiry as _expiry
+from changefeed.storage.compaction import (
+    PurgeChunk,
+    discard_after,
+    purge_tombstones,
+    purge_tombstones_chunk,
+)
 from changefeed.storage.data_file import DamagedStoreError, check_data_file, mark_created, set_aside
 from changefeed.storage.errors import CorruptRecordError, StorageError, StorageFullError
 from changefeed.storage.keys import (
@@ -306,6 +313,53 @@ class Store:
             purge_seqnos[vb] = row.purge_seqno
         return purge_seqnos
 
+    def compact_chunk(
+        self,
+        vb: int,
+        *,
+        delete_time_max: float,
+        start_seqno: int = 0,
+        seqno_max: int = limits.SEQNO_MAX,
+        records_max: int = limits.COMPACTION_CHUNK_RECORDS_MAX,
+    ) -> PurgeChunk:
+        """One bounded step of compacting `vb`, in one write transaction.
+
+        Purges the tombstones with delete_time <= `delete_time_max` and a seqno in
+        `start_seqno..seqno_max` among at most `records_max` records, and raises the
+        vbucket's purge_seqno to the highest seqno purged in the same transaction: after a
+        crash either both or neither are on disk. Durable like a batch once it returns. Call
+        again from `next_seqno` of the answer until it is None.
+
+        Raises:
+            ValueError: unknown vbucket, a seqno outside 0..SEQNO_MAX, records_max < 1.
+            RuntimeError: a write batch is open (one writer at a time).
+            StorageError, CorruptRecordError: as for a batch; nothing of the chunk was written.
+        """
+        self._require_writable()
+        row = self._known_row(vb).copy()
+        if not (0 <= start_seqno <= limits.SEQNO_MAX and 0 <= seqno_max <= limits.SEQNO_MAX):
+            raise ValueError(f"range {start_seqno}..{seqno_max} outside 0..SEQNO_MAX")
+        if records_max < 1:
+            raise ValueError(f"records_max {records_max} must be at least 1")
+        with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
+            chunk = purge_tombstones_chunk(
+                txn,
+                self._by_seqno,
+                self._by_key,
+                vb,
+                delete_time_max,
+                start_seqno=start_seqno,
+                seqno_max=seqno_max,
+                records_max=records_max,
+            )
+            if chunk.purged:
+                row.purge_seqno = max(row.purge_seqno, chunk.seqno_purged_max)
+                txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=self._vbmeta)
+        self._rows[vb] = row
+        assert row.purge_seqno >= chunk.seqno_purged_max, (row, chunk)
+        assert chunk.visited <= records_max, (chunk, records_max)
+        return chunk
+
     def rollback(self, vb: int, seqno: int) -> None:
         """Discard every record of `vb` with a seqno above `seqno` (a replica rolling back).
 
@@ -385,6 +439,33 @@ class Store:
         with _translated_errors(self._map_size_bytes):
             txn = self._env.begin()
         return _scan(txn, self._by_seqno, vb, start_seqno, end_seqno)
+
+    def find_expired(
+        self, vb: int, *, start_seqno: int, records_max: int, expiry_max: int
+    ) -> _expiry.ExpiryScan:
+        """Keys of live mutations of `vb` with 0 < expiry <= `expiry_max` among the next
+        `records_max` records from `start_seqno` (one read snapshot; expiry.py).
+
+        Raises:
+            ValueError: vb outside 0..VBUCKETS_MAX-1, a seqno outside 0..SEQNO_MAX,
+                records_max < 1.
+            CorruptRecordError: a due record does not decode.
+        """
+        self._require_open()
+        _check_vb(vb)
+        if not 0 <= start_seqno <= limits.SEQNO_MAX:
+            raise ValueError(f"start_seqno {start_seqno} outside 0..SEQNO_MAX")
+        if records_max < 1:
+            raise ValueError(f"records_max {records_max} must be at least 1")
+        with _translated_errors(self._map_size_bytes), self._env.begin() as txn:
+            return _expiry.find_expired(
+                txn,
+                self._by_seqno,
+                vb,
+                start_seqno=start_seqno,
+                records_max=records_max,
+                expiry_max=expiry_max,
+            )
 
     def vbucket_meta(self, vb: int) -> VBucketMeta | None:
         """The vbucket's committed metadata, or None if it was never created."""

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from changefeed.checkpoint import CursorKind
+from changefeed.producer.backfill_slots import BackfillSlots
 from changefeed.producer.producer import DcpProducer
 from changefeed.producer.stream_request import Accepted, Refused, RollbackTo
 from changefeed.protocol.dcp import (
@@ -269,3 +270,40 @@ def test_backfill_order_is_honest_about_what_it_does(bucket: Bucket) -> None:
     assert p.control("backfill_order", "round-robin")[0] == Status.SUCCESS
     assert p.control("backfill_order", "sequential")[0] == Status.NOT_SUPPORTED
     assert p.control("backfill_order", "random")[0] == Status.EINVAL
+
+
+def test_backfills_wait_for_a_slot_and_all_complete(tmp_path: Path) -> None:
+    """With one backfill slot per connection, only one stream reads disk at a time; the
+    others wait (not ready, nothing read) and run once the slot is given back."""
+    config = NodeConfig(data_dir=tmp_path, vbuckets=4, durable=False)
+    first = Bucket.open(config, clock=FakeClock(), rng=random.Random(9))
+    for vb in range(3):
+        write(first, 30, vb)
+    for vbucket in first.vbuckets.values():
+        vbucket.close()  # flushed: after reopening, memory holds nothing and streams backfill
+    first.store.close()
+    bucket = Bucket.open(config, clock=FakeClock(), rng=random.Random(9))
+    try:
+        slots = BackfillSlots(slots_max=8)
+        p = producer(bucket, backfill_slots=slots, backfills_max=1)
+        for vb in range(3):
+            high = bucket.vbucket(vb).high_seqno
+            assert isinstance(p.stream_request(request(vb=vb, end=high, opaque=vb)), Accepted)
+        out: list[bytes] = []
+        p.pump(out, 300)  # a small budget: the first backfill cannot finish in one pump
+        assert slots.in_use == 1
+        assert sum(stream.holds_backfill_slot for stream in p.streams.values()) == 1
+        waiting = [s for s in p.streams.values() if not s.holds_backfill_slot]
+        assert all(s.items_sent == 0 for s in waiting)
+        out += [pump_all(p, iter([300] * 10_000))]
+        per_vb: dict[int, list[tuple[object, ...]]] = {0: [], 1: [], 2: []}
+        for frame in frames(b"".join(out)):
+            per_vb[frame.opaque].append(describe(frame))
+        for vb in range(3):
+            assert per_vb[vb][-1] == ("end", StreamEndReason.OK)
+            assert per_vb[vb][-2][:2] == ("deletion", bucket.vbucket(vb).high_seqno)
+        assert slots.in_use == 0
+    finally:
+        for vbucket in bucket.vbuckets.values():
+            vbucket.close()
+        bucket.store.close()

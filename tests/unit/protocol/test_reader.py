@@ -273,3 +273,44 @@ def test_feed_three_ways_can_fail() -> None:
         feed_three_ways(wire + wire, [right], decode=decode_message)
     with pytest.raises(AssertionError):
         feed_three_ways(wire + b"\x80", [right], decode=decode_message)
+
+
+def test_skip_oversized_answers_once_and_stays_in_sync() -> None:
+    """An oversized request becomes one OversizedFrame; its body is dropped as it arrives
+    (never buffered) and the next frame decodes normally, fed whole or byte by byte."""
+    from changefeed.protocol.frame import encode_frame
+    from changefeed.protocol.opcode import Magic, Opcode
+    from changefeed.protocol.reader import OversizedFrame
+
+    big = encode_frame(Magic.REQUEST, Opcode.SET, opaque=0x1234, key=b"k", value=b"v" * 5000)
+    after = encode_frame(Magic.REQUEST, Opcode.NOOP, opaque=0x99)
+    for step in (len(big) + len(after), 1, 700):
+        reader = FrameReader(1024)
+        reader.skip_oversized = True
+        data = big + after
+        seen: list[object] = []
+        peak = 0
+        for offset in range(0, len(data), step):
+            reader.feed(data[offset : offset + step])
+            peak = max(peak, reader.buffered_bytes)
+            while (frame := reader.next_frame()) is not NEED_DATA:
+                seen.append(frame)
+        assert seen[0] == OversizedFrame(Magic.REQUEST, Opcode.SET, 0x1234, len(big) - 24)
+        assert isinstance(seen[1], Frame)
+        assert seen[1].opcode == Opcode.NOOP
+        assert seen[1].opaque == 0x99
+        assert len(seen) == 2
+        assert peak <= step + 24, (step, peak)  # the body was never held
+
+
+def test_without_skip_oversized_it_is_still_a_poisoning_e2big() -> None:
+    from changefeed.protocol.frame import encode_frame
+    from changefeed.protocol.opcode import Magic, Opcode
+
+    reader = FrameReader(16)
+    reader.feed(encode_frame(Magic.REQUEST, Opcode.SET, key=b"k", value=b"v" * 100))
+    with pytest.raises(ProtocolError) as error:
+        reader.next_frame()
+    assert error.value.status == Status.E2BIG
+    with pytest.raises(ProtocolError):
+        reader.next_frame()
