@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,35 +15,21 @@ from changefeed.protocol.errors import NotMyVbucketError, TemporaryFailureError
 from changefeed.protocol.status import Status
 from changefeed.server.bucket import Bucket
 from changefeed.server.compactor import Compactor, answer_compact_db
-from changefeed.server.config import NodeConfig
 from changefeed.vbucket_state import VBucketState
+from support.buckets import ManualClock, open_bucket
 
 DAY_S = 24 * 3600.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def bucket(tmp_path: Path, clock: Clock) -> Iterator[Bucket]:
-    config = NodeConfig(data_dir=tmp_path, vbuckets=2, durable=False)
-    opened = Bucket.open(config, clock=clock, rng=random.Random(5))
-    try:
+def bucket(tmp_path: Path, clock: ManualClock) -> Iterator[Bucket]:
+    with open_bucket(tmp_path, clock, vbuckets=2, seed=5) as opened:
         yield opened
-    finally:
-        for vbucket in opened.vbuckets.values():
-            vbucket.close()
-        opened.store.close()
 
 
 def write_and_delete(bucket: Bucket, vb: int, keys: list[bytes]) -> None:
@@ -55,13 +40,13 @@ def write_and_delete(bucket: Bucket, vb: int, keys: list[bytes]) -> None:
         vbucket.delete(key)
 
 
-def compactor_of(bucket: Bucket, clock: Clock, **kwargs: object) -> Compactor:
+def compactor_of(bucket: Bucket, clock: ManualClock, **kwargs: object) -> Compactor:
     values: dict[str, object] = {"clock": clock, "interval_s": 0, "purge_age_s": 3 * DAY_S}
     values.update(kwargs)
     return Compactor(bucket, **values)  # type: ignore[arg-type]
 
 
-def test_purges_by_age_on_the_bucket_clock(bucket: Bucket, clock: Clock) -> None:
+def test_purges_by_age_on_the_bucket_clock(bucket: Bucket, clock: ManualClock) -> None:
     write_and_delete(bucket, 0, [b"old-1", b"old-2"])
     bucket.vbucket(0).flush()
     clock.now += 2 * DAY_S
@@ -86,7 +71,9 @@ def test_purges_by_age_on_the_bucket_clock(bucket: Bucket, clock: Clock) -> None
     bucket.store._check_invariants()
 
 
-def test_never_purges_what_is_unflushed_or_still_in_memory(bucket: Bucket, clock: Clock) -> None:
+def test_never_purges_what_is_unflushed_or_still_in_memory(
+    bucket: Bucket, clock: ManualClock
+) -> None:
     vbucket = bucket.vbucket(0)
     write_and_delete(bucket, 0, [b"a", b"b"])  # seqnos 1..4, queued only
     compactor = compactor_of(bucket, clock, purge_age_s=0)
@@ -108,7 +95,7 @@ def test_never_purges_what_is_unflushed_or_still_in_memory(bucket: Bucket, clock
     bucket.store._check_invariants()
 
 
-def test_an_unflushed_tombstone_is_not_purged(bucket: Bucket, clock: Clock) -> None:
+def test_an_unflushed_tombstone_is_not_purged(bucket: Bucket, clock: ManualClock) -> None:
     vbucket = bucket.vbucket(1)
     for key in (b"a", b"b", b"c"):
         vbucket.set(key, b"v")
@@ -132,7 +119,7 @@ def test_an_unflushed_tombstone_is_not_purged(bucket: Bucket, clock: Clock) -> N
     bucket.store._check_invariants()
 
 
-def test_chunks_let_the_loop_run(bucket: Bucket, clock: Clock) -> None:
+def test_chunks_let_the_loop_run(bucket: Bucket, clock: ManualClock) -> None:
     write_and_delete(bucket, 0, [b"k%02d" % i for i in range(20)])
     bucket.vbucket(0).flush()
     compactor = compactor_of(bucket, clock, purge_age_s=0, chunk_records=3)
@@ -154,7 +141,7 @@ def test_chunks_let_the_loop_run(bucket: Bucket, clock: Clock) -> None:
     assert ticks >= 6  # the loop ran between every two chunks
 
 
-def test_only_active_vbuckets(bucket: Bucket, clock: Clock) -> None:
+def test_only_active_vbuckets(bucket: Bucket, clock: ManualClock) -> None:
     write_and_delete(bucket, 1, [b"a"])
     bucket.vbucket(1).flush()
     bucket.vbucket(1).set_state(VBucketState.REPLICA)
@@ -171,7 +158,7 @@ def test_only_active_vbuckets(bucket: Bucket, clock: Clock) -> None:
     assert bucket.store.get(1, b"a") is not None
 
 
-def test_compact_db_is_answered_when_done(bucket: Bucket, clock: Clock) -> None:
+def test_compact_db_is_answered_when_done(bucket: Bucket, clock: ManualClock) -> None:
     from changefeed.protocol.frame import Frame
     from changefeed.protocol.kv import (
         CompactDb,

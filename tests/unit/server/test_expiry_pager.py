@@ -12,35 +12,21 @@ import pytest
 
 from changefeed.checkpoint import Item
 from changefeed.server.bucket import Bucket
-from changefeed.server.config import NodeConfig
 from changefeed.server.expiry_pager import ExpiryPager
 from changefeed.storage import Op
 from changefeed.vbucket_state import VBucketState
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from support.buckets import ManualClock, open_bucket
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture
-def bucket(tmp_path: Path, clock: Clock) -> Iterator[Bucket]:
-    config = NodeConfig(data_dir=tmp_path, vbuckets=4, durable=False)
-    opened = Bucket.open(config, clock=clock, rng=random.Random(7))
-    try:
+def bucket(tmp_path: Path, clock: ManualClock) -> Iterator[Bucket]:
+    with open_bucket(tmp_path, clock, vbuckets=4, seed=7) as opened:
         yield opened
-    finally:
-        for vbucket in opened.vbuckets.values():
-            vbucket.close()
-        opened.store.close()
 
 
 def expirations(bucket: Bucket, vb: int) -> list[bytes]:
@@ -57,7 +43,9 @@ def flush_all(bucket: Bucket) -> None:
         vbucket.flush()
 
 
-def test_expired_documents_become_expirations_without_a_read(bucket: Bucket, clock: Clock) -> None:
+def test_expired_documents_become_expirations_without_a_read(
+    bucket: Bucket, clock: ManualClock
+) -> None:
     expiry = int(clock.now) + 10
     for vb in range(4):
         vbucket = bucket.vbucket(vb)
@@ -91,7 +79,7 @@ def test_expired_documents_become_expirations_without_a_read(bucket: Bucket, clo
     assert dict(pager.stats())["expiry_pager_expired"] == "4"
 
 
-def test_a_rewritten_key_is_left_alone(bucket: Bucket, clock: Clock) -> None:
+def test_a_rewritten_key_is_left_alone(bucket: Bucket, clock: ManualClock) -> None:
     vbucket = bucket.vbucket(2)
     vbucket.set(b"k", b"old", expiry=int(clock.now) + 1)
     vbucket.flush()
@@ -104,7 +92,7 @@ def test_a_rewritten_key_is_left_alone(bucket: Bucket, clock: Clock) -> None:
     assert document.value == b"new"
 
 
-def test_passes_are_bounded_and_resume(bucket: Bucket, clock: Clock) -> None:
+def test_passes_are_bounded_and_resume(bucket: Bucket, clock: ManualClock) -> None:
     expiry = int(clock.now) + 1
     for vb in range(4):
         for i in range(10):
@@ -126,7 +114,7 @@ def test_passes_are_bounded_and_resume(bucket: Bucket, clock: Clock) -> None:
         assert len(expirations(bucket, vb)) == 10
 
 
-def test_only_active_vbuckets(bucket: Bucket, clock: Clock) -> None:
+def test_only_active_vbuckets(bucket: Bucket, clock: ManualClock) -> None:
     bucket.vbucket(3).set(b"k", b"v", expiry=int(clock.now) + 1)
     bucket.vbucket(3).flush()
     bucket.vbucket(3).set_state(VBucketState.REPLICA)
@@ -137,7 +125,7 @@ def test_only_active_vbuckets(bucket: Bucket, clock: Clock) -> None:
     assert expirations(bucket, 3) == []
 
 
-def test_the_schedule_runs_passes_until_stopped(bucket: Bucket, clock: Clock) -> None:
+def test_the_schedule_runs_passes_until_stopped(bucket: Bucket, clock: ManualClock) -> None:
     bucket.vbucket(0).set(b"k", b"v", expiry=int(clock.now) + 1)
     bucket.vbucket(0).flush()
     clock.now += 2
@@ -156,7 +144,7 @@ def test_the_schedule_runs_passes_until_stopped(bucket: Bucket, clock: Clock) ->
     assert expirations(bucket, 0) == [b"k"]
 
 
-def test_no_pass_while_the_store_cannot_persist(bucket: Bucket, clock: Clock) -> None:
+def test_no_pass_while_the_store_cannot_persist(bucket: Bucket, clock: ManualClock) -> None:
     bucket.vbucket(0).set(b"k", b"v", expiry=int(clock.now) + 1)
     bucket.vbucket(0).flush()
     clock.now += 2
