@@ -179,6 +179,11 @@ WRITE_BUFFER_HIGH_BYTES = 4 * 1024 * 1024
 PARTIAL_REQUEST_BYTES_MAX = 64 * 1024 * 1024
 PARTIAL_REQUEST_BYTES_RESUME = 48 * 1024 * 1024
 
+# Replies of one received batch of requests go out in one write; a batch whose replies reach
+# this many bytes is written at once (then backpressure applies to the rest). 256 KiB holds
+# ~7k small replies (one syscall where there were 7k) and at most one maximal GET beyond it.
+REPLY_BATCH_BYTES_MAX = 256 * 1024
+
 # A request that started to arrive must be complete within this time (nginx's
 # client_body_timeout is 60 s): a 20 MiB value at 1 MiB/s takes 20 s.
 PARTIAL_FRAME_DEADLINE_S = 30.0

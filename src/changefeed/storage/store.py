@@ -405,15 +405,20 @@ class Store:
         _check_vb(vb)
         if not 0 < len(key) <= limits.STORED_KEY_SIZE_MAX:
             return None
-        with _translated_errors(self._map_size_bytes), self._env.begin() as txn:
-            entry = txn.get(VB_KEY.pack(vb) + key, db=self._by_key)
-            if entry is None:
-                return None
-            seqno, op = decode_by_key_value(vb, entry)
-            data = txn.get(SEQNO_KEY.pack(vb, seqno), db=self._by_seqno)
-            if data is None:
-                raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} has no record")
-            record = decode_record(vb, seqno, data)
+        # Every write looks its key up here: an inline try costs less than the context manager.
+        try:
+            with self._env.begin() as txn:
+                entry = txn.get(VB_KEY.pack(vb) + key, db=self._by_key)
+                if entry is None:
+                    return None
+                seqno, op = decode_by_key_value(vb, entry)
+                data = txn.get(SEQNO_KEY.pack(vb, seqno), db=self._by_seqno)
+        except lmdb.Error as error:
+            with _translated_errors(self._map_size_bytes):
+                raise error
+        if data is None:
+            raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} has no record")
+        record = decode_record(vb, seqno, data)
         if record.key != key or record.op != op:
             raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} disagrees with record")
         return record
