@@ -12,7 +12,9 @@ Rows:
   unique keys are queued and flushed to LMDB (durable=False) under a checkpoint quota of
   min(64 MiB, N x 64 B);
   memory recovery drops it. Timed: from its next call until it reads from memory again (disk
-  backfill of nearly all N items through the capped backfill queue, then re-registration).
+  backfill of nearly all N items, then re-registration). Twice: item by item (``next``: each
+  record decoded into an ``Item`` through the capped backfill queue) and in runs as a stream
+  reads (``read_runs``: runs of stored bodies, not decoded).
 
 Usage::
 
@@ -34,6 +36,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from changefeed import limits
 from changefeed.checkpoint import (
     CAUGHT_UP,
     ITEM_OVERHEAD_BYTES,
@@ -41,6 +44,7 @@ from changefeed.checkpoint import (
     Flusher,
     Item,
     MemoryBudget,
+    SnapshotStart,
     StreamReader,
 )
 from changefeed.storage import Op, Store
@@ -50,6 +54,7 @@ ROUND_ITEMS = 100
 FLUSH_EVERY = 1000  # items queued between flushes in the catch-up row
 BIG_QUOTA_BYTES = 1 << 40  # throughput rows measure queueing, not recovery
 CATCH_UP_QUOTA_BYTES_MAX = 64 * 1024 * 1024
+RUN_BYTES = limits.STREAM_QUANTUM_BYTES  # the byte budget of one stream's turn
 
 
 def make_items(count: int, first: int = 1) -> list[Item]:
@@ -103,8 +108,11 @@ def bytes_per_item(count: int) -> tuple[float, float]:
     return measured, accounted
 
 
-def dropped_reader_catch_up(count: int, directory: Path) -> tuple[float, int, dict[str, int]]:
-    """(seconds, items read from disk, reader stats) for a dropped reader's catch-up."""
+def dropped_reader_catch_up(
+    count: int, directory: Path, *, in_runs: bool
+) -> tuple[float, int, dict[str, int]]:
+    """(seconds, items read from disk, reader stats) for a dropped reader's catch-up, reading
+    item by item (`next`) or in runs (`read_runs`)."""
     store = Store(directory, map_size_bytes=4 * 1024**3, durable=False)
     with store.write_batch() as batch:
         batch.set_vbucket_meta(0, state="active")
@@ -126,6 +134,11 @@ def dropped_reader_catch_up(count: int, directory: Path) -> tuple[float, int, di
     started = time.perf_counter()
     seen = 0
     while not reader.from_memory:  # bounded by the items stored
+        if in_runs:
+            runs = reader.read_runs(limits.STREAM_RUN_EVENTS_MAX, RUN_BYTES)
+            assert runs  # the last round is in memory: reached before the end
+            seen += sum(len(run) for run in runs if not isinstance(run, SnapshotStart))
+            continue
         event = reader.next()
         assert event is not CAUGHT_UP  # the last round is in memory: reached before the end
         seen += type(event) is Item
@@ -163,16 +176,18 @@ def main() -> None:
     print(f"{'memory per 100-byte item, tracemalloc (bytes)':<52} {measured:>14,.0f}")
     print(f"{'memory per 100-byte item, accounted (bytes)':<52} {accounted:>14,.0f}")
     print(f"{'  of which ITEM_OVERHEAD_BYTES':<52} {ITEM_OVERHEAD_BYTES:>14,}")
-    directory = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
-    try:
-        elapsed, from_disk, stats = dropped_reader_catch_up(count, directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    print(f"{'dropped reader: backfill + return to memory (s)':<52} {elapsed:>14.2f}")
-    print(f"{'  items read from disk':<52} {from_disk:>14,}")
-    print(f"{'  disk items/s':<52} {from_disk / elapsed:>14,.0f}")
-    counts = f"{stats['backfills']}, {stats['registrations']}"
-    print(f"{'  backfills, registrations':<52} {counts:>14}")
+    for in_runs in (False, True):
+        directory = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
+        try:
+            elapsed, from_disk, stats = dropped_reader_catch_up(count, directory, in_runs=in_runs)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        how = "in runs" if in_runs else "item by item"
+        print(f"{f'dropped reader, {how}: backfill + return (s)':<52} {elapsed:>14.2f}")
+        print(f"{'  items read from disk':<52} {from_disk:>14,}")
+        print(f"{'  disk items/s':<52} {from_disk / elapsed:>14,.0f}")
+        counts = f"{stats['backfills']}, {stats['registrations']}"
+        print(f"{'  backfills, registrations':<52} {counts:>14}")
 
 
 if __name__ == "__main__":

@@ -91,8 +91,8 @@ assert BACKFILLS_PER_NODE_MAX < STORAGE_READERS_MAX // 4  # scans leave room for
 
 # Checkpoint memory one node may hold for a bucket. kv_engine gives checkpoints
 # checkpoint_memory_ratio = 0.2 of the bucket quota (dcp-wire.md §10); for a 1 GiB bucket that is
-# 1024 MiB / 5 = 204.8 MiB. At ~420 accounted bytes per 100-byte item (value + key + overhead,
-# checkpoint/memory.py) that is ~500k queued items before writes see TMPFAIL.
+# 1024 MiB / 5 = 204.8 MiB. At ~470 accounted bytes per 100-byte item (value + key + overhead,
+# checkpoint/memory.py) that is ~450k queued items before writes see TMPFAIL.
 CHECKPOINT_MEMORY_QUOTA_BYTES_DEFAULT = 1024 * 1024 * 1024 // 5
 
 # Memory recovery starts above the upper mark and works down to the lower mark, both in percent
@@ -102,7 +102,7 @@ CHECKPOINT_MEMORY_UPPER_MARK_PERCENT = 90
 CHECKPOINT_MEMORY_LOWER_MARK_PERCENT = 60
 
 # Bytes one LMDB write transaction of the flusher may carry (accounted checkpoint bytes, so
-# ~4 MiB / 420 B = ~10k 100-byte items per commit): big enough to amortize a commit's fsync
+# ~4 MiB / 470 B = ~9k 100-byte items per commit): big enough to amortize a commit's fsync
 # (~1 ms) over thousands of items, small enough to stay 64x under STORAGE_BATCH_BYTES_MAX.
 FLUSH_BATCH_BYTES_MAX = 4 * 1024 * 1024
 
@@ -122,7 +122,7 @@ assert FLUSH_BATCH_BYTES_MAX * 64 <= STORAGE_BATCH_BYTES_MAX, FLUSH_BATCH_BYTES_
 
 # Events a stream takes from its reader in one call (markers and items): a run amortizes the
 # reader's per-call cost; the stream buffers at most one run it could not send yet, so at 100-byte
-# values a run holds ~64 x 420 B = ~27 KiB of items it already references (no copies).
+# values a run holds ~64 x 470 B = ~30 KiB of items it already references (no copies).
 STREAM_RUN_EVENTS_MAX = 64
 
 # Bytes one stream may produce per round of the producer's round-robin before the next stream's

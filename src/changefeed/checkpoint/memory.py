@@ -21,22 +21,33 @@ from typing import Final, Protocol
 from changefeed import limits
 from changefeed.checkpoint.item import Item
 from changefeed.protocol.errors import TemporaryFailureError
+from changefeed.storage import Op
+from changefeed.storage.record import DELETION_EXTRAS_SIZE, MUTATION_EXTRAS_SIZE
 
 # Bytes one queued item costs beyond its key and value, measured with tracemalloc on CPython 3.11
 # (tests/unit/checkpoint/test_memory.py checks it to within 15 %; the bench prints it):
 #   Item object, 10 slots                      16 header + 16 GC + 10 x 8 = 112
 #   seqno int (< 2**30) / cas int (64-bit)     32 + 40                    =  72
-#   key and value bytes objects, headers       2 x 33                     =  66
+#   key and body bytes objects, headers        2 x 33                     =  66
+#   the body's extras (31, a mutation) and its own copy of the key,
+#                    charged at a 10-byte key  31 + 10                    =  41
 #   slot in the checkpoint's item list         8, ~1.1x for list growth   ~   9
 #   key index entry: dict slot ~29 (24-byte entry + index at 2/3 load)
 #                    + the int index it maps to (32)                     ~  61
-# total 320 (a 6-byte key and 100-byte value measured 426 B against 426 accounted).
-ITEM_OVERHEAD_BYTES: Final = 320
+# total 361 (a 6-byte key and 100-byte value measured 463 B against 467 accounted; a 10-byte
+# key 472 against 471). The body replaced a separate value object (320 before it).
+ITEM_OVERHEAD_BYTES: Final = 361
+_MUTATION: Final = Op.MUTATION
+_MUTATION_BODY_OVERHEAD_BYTES: Final = ITEM_OVERHEAD_BYTES - MUTATION_EXTRAS_SIZE
+_TOMBSTONE_BODY_OVERHEAD_BYTES: Final = ITEM_OVERHEAD_BYTES - DELETION_EXTRAS_SIZE
 
 
 def item_size_bytes(item: Item) -> int:
     """Bytes charged for `item`: key + value + ITEM_OVERHEAD_BYTES."""
-    return len(item.key) + len(item.value) + ITEM_OVERHEAD_BYTES
+    # len(body) = extras + key + value; read from the body, `value` would copy it.
+    if item.op is _MUTATION:
+        return len(item.body) + _MUTATION_BODY_OVERHEAD_BYTES
+    return len(item.body) + _TOMBSTONE_BODY_OVERHEAD_BYTES
 
 
 class CheckpointMemoryFullError(TemporaryFailureError):

@@ -12,6 +12,11 @@ MARKER_FLAG_MEMORY (| MARKER_FLAG_CHECKPOINT for whole checkpoints).
 Markers start at the first seqno that can follow (a DCP producer puts the requested start seqno
 in the first marker of a stream itself, dcp-wire.md §7.2).
 
+A stream reads the same events in runs (`read_runs`): markers alone, the items of a snapshot in
+memory as a list of the checkpoint's own items, and a disk snapshot's records as `StoredRun`s of
+stored DCP bodies, never decoded (backfill.py). `next`, `read` and iteration hand out items one
+by one, records from disk decoded.
+
 Not here: wire encoding, stream end, flow control (producer/). The manager must have a
 persistence cursor and the store must be the one its flusher writes: what memory freed must be
 on disk (asserted).
@@ -20,15 +25,19 @@ on disk (asserted).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, cast
 
 from changefeed import limits
-from changefeed.checkpoint.backfill import Backfill
+from changefeed.checkpoint.backfill import Backfill, StoredRun
 from changefeed.checkpoint.cursor import Cursor, CursorKind, Event
 from changefeed.checkpoint.item import Item
 from changefeed.checkpoint.manager import CheckpointManager
 from changefeed.checkpoint.snapshot import CAUGHT_UP, DROPPED, CursorSignal, SnapshotStart
 from changefeed.storage import Store
+
+# What `StreamReader.read_runs` hands out: a snapshot start, a run of items from memory (one
+# snapshot's, in seqno order) or a run of stored records from a disk backfill.
+Run = SnapshotStart | list[Item] | StoredRun
 
 
 class StreamReader:
@@ -130,7 +139,7 @@ class StreamReader:
     def read(self, limit: int) -> list[Event]:
         """A run of up to `limit` events available now (disk and memory); fewer when caught up.
 
-        The hot path of a stream: one call hands out a run of markers and items instead of one.
+        Events one by one, records from disk decoded into items; a stream reads `read_runs`.
         """
         assert limit > 0, limit
         events: list[Event] = []
@@ -141,6 +150,54 @@ class StreamReader:
             assert not isinstance(event, CursorSignal), event
             events.append(event)
         return events
+
+    def read_runs(self, events_max: int, bytes_max: int) -> list[Run]:
+        """What `read(events_max)` would return, with the items of each snapshot in runs.
+
+        The hot path of a stream: items from memory come as lists (the checkpoint's own `Item`s,
+        each list inside one snapshot), records from disk as `StoredRun`s of stored bodies that
+        are never decoded. Markers and items count one event each against `events_max`. Disk
+        runs stop once they hold `bytes_max` bytes (plus one record): what is read from disk is
+        a copy, and a throttled stream must not read further ahead than it can send. Memory
+        items are shared, not copied, and are bounded by the count alone.
+        """
+        assert events_max > 0, events_max
+        assert bytes_max > 0, bytes_max
+        assert not self._closed, self
+        runs: list[Run] = []
+        room = events_max
+        while room > 0:  # bounded: each round hands out >= 1 event, switches source, or stops
+            backfill = self._backfill
+            if backfill is not None:
+                run = backfill.read_run(room, bytes_max)
+                if run is None:
+                    self._finish_backfill(backfill)
+                    continue
+                runs.append(self._track_run(run))
+                room -= 1 if isinstance(run, SnapshotStart) else len(run)
+                if isinstance(run, StoredRun):
+                    bytes_max -= sum(map(len, run.records))
+                    if bytes_max <= 0:
+                        break  # as much as the caller can send has been read from disk
+                continue
+            events = self._manager.read(self._cursor, room)
+            if events:
+                room -= len(events)
+                self._split_runs(events, runs)
+                if room == 0:
+                    break
+            # read() stopped short: the cursor is caught up or was dropped (it says which).
+            signal = self._manager.next_event(self._cursor)
+            if signal is DROPPED:
+                self.stats["drops"] += 1
+                self._cursor = self._register()
+                continue
+            if signal is CAUGHT_UP:
+                break
+            assert not isinstance(signal, CursorSignal), signal
+            room -= 1
+            self._split_runs([signal], runs)
+        return runs
 
     def __iter__(self) -> Iterator[Event]:
         """Iterate what is available now (disk and memory); stops when caught up."""
@@ -205,6 +262,41 @@ class StreamReader:
         assert self._position <= backfill.end_seqno, (self._position, backfill.end_seqno)
         self._position = backfill.end_seqno  # consistent at the disk snapshot's end
         self._cursor = self._register()
+
+    def _split_runs(self, events: list[Event], runs: list[Run]) -> None:
+        """Append `events` from memory to `runs`: markers alone, the items between them as lists."""
+        kinds = list(map(type, events))
+        if SnapshotStart not in kinds:  # the common case, checked in C: a run of items only
+            runs.append(self._track_run(cast(list[Item], events)))
+            return
+        start = 0
+        for at, kind in enumerate(kinds):  # bounded by the events
+            if kind is SnapshotStart:
+                if at > start:
+                    runs.append(self._track_run(cast(list[Item], events[start:at])))
+                marker = events[at]
+                assert isinstance(marker, SnapshotStart), marker
+                runs.append(self._track_run(marker))
+                start = at + 1
+        if start < len(events):
+            runs.append(self._track_run(cast(list[Item], events[start:])))
+
+    def _track_run(self, run: Run) -> Run:
+        """`_track` for a run: the manager and the scan checked each item's order, so check the
+        run's ends against the snapshot and the position (pair of those checks, STYLE.md §3)."""
+        if isinstance(run, SnapshotStart):
+            self._track(run)
+            return run
+        if isinstance(run, StoredRun):
+            first, last = run.first_seqno, run.last_seqno
+        else:
+            first, last = run[0].seqno, run[-1].seqno
+        snapshot = self._snapshot
+        assert snapshot is not None, run
+        assert snapshot.snap_start <= first <= last <= snapshot.snap_end, (snapshot, run)
+        assert first > self._position, (run, self._position)
+        self._position = last
+        return run
 
     def _track(self, event: Event) -> Event:
         """Check what the reader hands out (pair of the cursor's own asserts, STYLE.md §3)."""

@@ -3,7 +3,9 @@
 A `Stream` decides *what* to send (markers, runs of items, the end); a `StreamEncoder` decides
 *how*: `DcpEncoder` produces DCP frames for a socket today, and an Arrow encoder for the
 shared-memory fan-out can produce record batches from the same calls. Each method appends to
-`out` and returns the bytes it appended, which the producer counts against flow control.
+`out` and returns the bytes it appended, which the producer counts against flow control. Runs
+come as checkpoint items (memory) or as stored records (disk backfill), both carrying their
+DCP bodies; `DcpEncoder` frames a run into one bytes object (item_encoding.py).
 
 Not here: flow-control accounting (flow_control.py), stream state (stream_machine.py).
 """
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from changefeed.checkpoint import Item, SnapshotStart
-from changefeed.producer.item_encoding import ItemOptions, encode_item
+from changefeed.producer.item_encoding import ItemFramer, ItemOptions
 from changefeed.protocol.dcp import StreamEnd, StreamEndReason, encode_stream_end
 from changefeed.protocol.snapshot_marker import (
     MarkerVersion,
@@ -47,6 +49,14 @@ class StreamEncoder(Protocol):
         """
         ...
 
+    def stored(self, out: list[bytes], records: Sequence[bytes], bytes_max: int) -> tuple[int, int]:
+        """Like `items`, for records read from disk in their stored form (storage/record.py).
+
+        Returns:
+            (records encoded, bytes appended).
+        """
+        ...
+
     def stream_end(self, out: list[bytes], reason: StreamEndReason) -> int:
         """Append the end of the stream; returns bytes appended."""
         ...
@@ -73,6 +83,7 @@ class DcpEncoder:
         self.options = options
         self.marker_version = marker_version
         self.stream_id = stream_id
+        self._framer = ItemFramer(vb, opaque, options, stream_id)
 
     def snapshot_marker(self, out: list[bytes], marker: SnapshotStart, purge_seqno: int) -> int:
         v2_2 = self.marker_version is MarkerVersion.V2_2
@@ -92,17 +103,17 @@ class DcpEncoder:
         return len(frame)
 
     def items(self, out: list[bytes], items: Sequence[Item], bytes_max: int) -> tuple[int, int]:
-        assert items, "a run holds at least one item"
-        vb, opaque, options, stream_id = self.vb, self.opaque, self.options, self.stream_id
-        written = 0
-        count = 0
-        for item in items:  # bounded by the run
-            frame = encode_item(item, vb, opaque, options, stream_id)
-            out.append(frame)
-            written += len(frame)
-            count += 1
-            if written >= bytes_max:
-                break
+        frames, count, written = self._framer.items(items, bytes_max)
+        assert len(frames) == written, (len(frames), written)  # flow control counts `written`
+        assert 0 < count <= len(items), (count, len(items))
+        out.append(frames)
+        return count, written
+
+    def stored(self, out: list[bytes], records: Sequence[bytes], bytes_max: int) -> tuple[int, int]:
+        frames, count, written = self._framer.stored(records, bytes_max)
+        assert len(frames) == written, (len(frames), written)
+        assert 0 < count <= len(records), (count, len(records))
+        out.append(frames)
         return count, written
 
     def stream_end(self, out: list[bytes], reason: StreamEndReason) -> int:

@@ -1,30 +1,75 @@
-"""Encoding checkpoint items as DCP data messages, with the options a connection negotiated.
+"""Framing runs of items and stored records as DCP data messages, for one stream's options.
 
-The common case (a mutation on a stream without a stream-id) is one ``struct.pack`` of header and
-extras plus the key and value; everything else goes through the message encoders.
+What is framed is a body already encoded: a checkpoint `Item` carries its DCP body (extras | key |
+value, checkpoint/item.py) and a record read from disk is its stored form (storage/record.py: a
+12-byte prefix ending with the CAS, then the same body). An `ItemFramer` turns a run of either into
+one bytes object, the frames joined once, and says how many it framed and how many bytes.
+
+Fast path: a stream without a stream-id or NoValue, on items whose stored body is the one sent.
+That is every mutation, and every tombstone on a connection with IncludeDeleteTimes (deletion V2,
+the stored extras) unless it asked for the expiry opcode. There each item costs one
+``struct.pack`` of its header, and nothing else is built per item: the frames are the header
+and the shared body. A stored record needs only the header's first 16 bytes, since its prefix
+ends with the CAS right before the body: the frame is that front and ``record[4:]``.
+
+Fallback, item by item, for everything else: a tombstone whose extras the connection wants in
+another layout (deletion V1 without IncludeDeleteTimes, DCP_EXPIRATION with the expiry opcode,
+dcp-wire.md §7.4-7.5), NoValue (the body without its value, datatype 0) and stream-ids (the
+framing extras go between the header and the body). A stored record on the fallback is decoded
+and checked first (`decode_record`), so a damaged record raises instead of being sent.
+
+Not here: flow control and snapshot markers (encoder.py), what a stream sends (stream.py).
 """
 
 from __future__ import annotations
 
+import functools
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from changefeed.checkpoint.item import Item
 from changefeed.protocol.dcp_items import (
-    MUTATION_PREFIX,
-    Deletion,
-    Expiration,
-    Mutation,
-    encode_deletion,
-    encode_expiration,
-    encode_mutation,
+    DELETION_V1_EXTRAS,
+    DELETION_V2_EXTRAS,
+    EXPIRATION_EXTRAS,
+    HEADER_FRONT,
+    MUTATION_EXTRAS,
+    deletion_v1_body,
+    encode_item_body,
+    expiration_body,
 )
+from changefeed.protocol.frame import HEADER
 from changefeed.protocol.opcode import Magic, Opcode
 from changefeed.storage import Op
+from changefeed.storage.record import (
+    EXTRAS_SIZE_BY_OP,
+    OP_BY_TAG,
+    STORED_BODY_OFFSET,
+    STORED_CAS_OFFSET,
+    STORED_HEAD,
+    decode_record,
+    stored_seqno,
+)
 
-# Plain ints: an enum attribute lookup costs ~90 ns on 3.11, a third of this hot path.
-_MAGIC_REQUEST = int(Magic.REQUEST)
-_OP_DCP_MUTATION = int(Opcode.DCP_MUTATION)
-_MUTATION = Op.MUTATION
+# Plain ints and bound methods: an enum attribute lookup costs ~90 ns on 3.11, more than a third
+# of a fast-path item.
+_MAGIC_REQUEST: Final = int(Magic.REQUEST)
+_OP_DCP_MUTATION: Final = int(Opcode.DCP_MUTATION)
+_OP_DCP_DELETION: Final = int(Opcode.DCP_DELETION)
+_OP_DCP_EXPIRATION: Final = int(Opcode.DCP_EXPIRATION)
+_MUTATION: Final = Op.MUTATION
+_EXPIRATION: Final = Op.EXPIRATION
+_HEADER_SIZE: Final = HEADER.size
+_FRONT_SIZE: Final = HEADER_FRONT.size
+_pack_header: Final = HEADER.pack
+_pack_front: Final = HEADER_FRONT.pack
+_unpack_stored_head: Final = STORED_HEAD.unpack_from
+assert STORED_CAS_OFFSET + _HEADER_SIZE - _FRONT_SIZE == STORED_BODY_OFFSET  # cas: 8 bytes
+
+# An opcode and extras size per op, or None where the body must be rewritten (the fallback).
+_Table = tuple[int | None, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,75 +81,202 @@ class ItemOptions:
     no_value: bool = False  # NoValue: strip values
 
 
+class ItemFramer:
+    """Frames runs of items and stored records for one stream.
+
+    Args:
+        vb, opaque: the stream's vbucket and opaque (every frame's header).
+        options: the connection's options.
+        stream_id: the stream-id frame info to add, if stream-ids are on.
+    """
+
+    def __init__(
+        self, vb: int, opaque: int, options: ItemOptions, stream_id: int | None = None
+    ) -> None:
+        self.vb = vb
+        self.opaque = opaque
+        self.options = options
+        self.stream_id = stream_id
+        # Fast-path tables indexed by op (items) and by stored tag (records); None if no fast path.
+        self._opcode_by_op: _Table | None = None
+        self._extras_by_op: _Table | None = None
+        self._opcode_by_tag: _Table | None = None
+        self._extras_by_tag: _Table | None = None
+        if stream_id is None and not options.no_value:
+            (
+                self._opcode_by_op,
+                self._extras_by_op,
+                self._opcode_by_tag,
+                self._extras_by_tag,
+            ) = _fast_tables(options)
+
+    def items(self, items: Sequence[Item], bytes_max: int) -> tuple[bytes, int, int]:
+        """Frame items from the front of `items` until `bytes_max` bytes (at least one item).
+
+        Returns:
+            (the frames joined, items framed, bytes of the frames).
+        """
+        assert items, "a run holds at least one item"
+        opcodes, extras = self._opcode_by_op, self._extras_by_op
+        if opcodes is not None and extras is not None:
+            vb, opaque = self.vb, self.opaque
+            try:
+                heads = [
+                    _pack_header(
+                        _MAGIC_REQUEST,
+                        opcodes[item.op],
+                        len(item.key),
+                        extras[item.op],
+                        item.datatype,
+                        vb,
+                        len(item.body),
+                        opaque,
+                        item.cas,
+                    )
+                    for item in items
+                ]
+            except struct.error:  # an item whose body is rewritten (None in the tables)
+                return self._items_one_by_one(items, bytes_max)
+            return _joined(heads, [item.body for item in items], bytes_max)
+        return self._items_one_by_one(items, bytes_max)
+
+    def stored(self, records: Sequence[bytes], bytes_max: int) -> tuple[bytes, int, int]:
+        """Frame stored records (storage/record.py) like `items`, without decoding them."""
+        assert records, "a run holds at least one record"
+        opcodes, extras = self._opcode_by_tag, self._extras_by_tag
+        if opcodes is not None and extras is not None:
+            vb, opaque = self.vb, self.opaque
+            try:
+                fronts = [
+                    _pack_front(
+                        _MAGIC_REQUEST,
+                        opcodes[tag],
+                        key_len,
+                        extras[tag],
+                        datatype,
+                        vb,
+                        len(record) - STORED_BODY_OFFSET,
+                        opaque,
+                    )
+                    for record in records
+                    for tag, datatype, key_len in (_unpack_stored_head(record),)
+                ]
+            except struct.error:  # a record whose body is rewritten, or an unknown tag
+                return self._stored_one_by_one(records, bytes_max)
+            # A header's last field is the CAS, which the stored prefix ends with (record.py).
+            tails = [record[STORED_CAS_OFFSET:] for record in records]
+            return _joined(fronts, tails, bytes_max)
+        return self._stored_one_by_one(records, bytes_max)
+
+    def frame(self, op: Op, key_len: int, datatype: int, cas: int, body: bytes) -> list[bytes]:
+        """The pieces of one item's frame (the fallback; `encode_item` joins them).
+
+        Args:
+            op, key_len, datatype, cas: the item's.
+            body: its stored body: mutation extras or deletion V2 extras, then key and value.
+        """
+        options = self.options
+        if options.no_value:
+            body = body[: EXTRAS_SIZE_BY_OP[op] + key_len]
+            datatype = 0
+        if op is _MUTATION:
+            opcode, extras_len = _OP_DCP_MUTATION, MUTATION_EXTRAS.size
+        elif op is _EXPIRATION and options.expiry_opcode and options.delete_times:
+            opcode, extras_len = _OP_DCP_EXPIRATION, EXPIRATION_EXTRAS.size
+            body = expiration_body(body)
+        elif options.delete_times:
+            opcode, extras_len = _OP_DCP_DELETION, DELETION_V2_EXTRAS.size
+        else:
+            opcode, extras_len = _OP_DCP_DELETION, DELETION_V1_EXTRAS.size
+            body = deletion_v1_body(body)
+        pieces = encode_item_body(
+            opcode,
+            vbucket=self.vb,
+            opaque=self.opaque,
+            cas=cas,
+            datatype=datatype,
+            extras_len=extras_len,
+            key_len=key_len,
+            body=body,
+            stream_id=self.stream_id,
+        )
+        return [bytes(piece) for piece in pieces]
+
+    def _items_one_by_one(self, items: Sequence[Item], bytes_max: int) -> tuple[bytes, int, int]:
+        parts: list[bytes] = []
+        written = 0
+        count = 0
+        for item in items:  # bounded by the run
+            pieces = self.frame(item.op, len(item.key), item.datatype, item.cas, item.body)
+            parts += pieces
+            written += sum(map(len, pieces))
+            count += 1
+            if written >= bytes_max:
+                break
+        return b"".join(parts), count, written
+
+    def _stored_one_by_one(
+        self, records: Sequence[bytes], bytes_max: int
+    ) -> tuple[bytes, int, int]:
+        parts: list[bytes] = []
+        written = 0
+        count = 0
+        for data in records:  # bounded by the run
+            # Decoded and checked: the fallback is also where a damaged record is caught.
+            record = decode_record(self.vb, stored_seqno(data), data)
+            pieces = self.frame(
+                record.op, len(record.key), record.datatype, record.cas, record.body
+            )
+            parts += pieces
+            written += sum(map(len, pieces))
+            count += 1
+            if written >= bytes_max:
+                break
+        return b"".join(parts), count, written
+
+
 def encode_item(
     item: Item, vb: int, opaque: int, options: ItemOptions, stream_id: int | None = None
 ) -> bytes:
-    value = b"" if options.no_value else item.value
-    datatype = 0 if options.no_value else item.datatype
-    if item.op is _MUTATION:
-        if stream_id is None:
-            key = item.key
-            prefix = MUTATION_PREFIX.pack(
-                _MAGIC_REQUEST,
-                _OP_DCP_MUTATION,
-                len(key),
-                31,
-                datatype,
-                vb,
-                31 + len(key) + len(value),
-                opaque,
-                item.cas,
-                item.seqno,
-                item.rev_seqno,
-                item.flags,
-                item.expiry,
-                0,
-                0,
-                0,
-            )
-            return b"".join((prefix, key, value))
-        mutation = Mutation(
-            vb,
-            opaque,
-            item.seqno,
-            item.key,
-            value,
-            item.cas,
-            item.rev_seqno,
-            item.flags,
-            item.expiry,
-            0,
-            datatype,
-            stream_id,
-        )
-        return encode_mutation(mutation)
-    if item.op is Op.EXPIRATION and options.expiry_opcode and options.delete_times:
-        return encode_expiration(
-            Expiration(
-                vb,
-                opaque,
-                item.seqno,
-                item.key,
-                item.cas,
-                item.rev_seqno,
-                item.delete_time,
-                value,
-                datatype,
-                stream_id,
-            )
-        )
-    delete_time = item.delete_time if options.delete_times else None
-    return encode_deletion(
-        Deletion(
-            vb,
-            opaque,
-            item.seqno,
-            item.key,
-            item.cas,
-            item.rev_seqno,
-            delete_time,
-            value,
-            datatype,
-            stream_id,
-        )
+    """One item's frame, on its own (tests and the per-item peer of bench/bench_stream.py)."""
+    framer = ItemFramer(vb, opaque, options, stream_id)
+    return b"".join(framer.frame(item.op, len(item.key), item.datatype, item.cas, item.body))
+
+
+@functools.cache
+def _fast_tables(options: ItemOptions) -> tuple[_Table, _Table, _Table, _Table]:
+    """Opcode and extras size of each op, then of each stored tag, whose stored body is sent as
+    is with `options` (None for the others)."""
+    opcodes: dict[int, int] = {Op.MUTATION: _OP_DCP_MUTATION}
+    extras: dict[int, int] = {Op.MUTATION: MUTATION_EXTRAS.size}
+    if options.delete_times:  # the stored tombstone extras are deletion V2's (record.py)
+        tombstones = (Op.DELETION,) if options.expiry_opcode else (Op.DELETION, Op.EXPIRATION)
+        for op in tombstones:
+            opcodes[op] = _OP_DCP_DELETION
+            extras[op] = DELETION_V2_EXTRAS.size
+    assert all(EXTRAS_SIZE_BY_OP[Op(op)] == size for op, size in extras.items()), extras
+    ops = range(max(Op) + 1)
+    tags = [OP_BY_TAG.get(tag, 0) for tag in range(256)]  # 0: no op (an unknown tag)
+    return (
+        tuple(opcodes.get(op) for op in ops),
+        tuple(extras.get(op) for op in ops),
+        tuple(opcodes.get(op) for op in tags),
+        tuple(extras.get(op) for op in tags),
     )
+
+
+def _joined(heads: list[bytes], tails: list[bytes], bytes_max: int) -> tuple[bytes, int, int]:
+    """Frames head + tail from the front until `bytes_max` bytes (at least one), joined once."""
+    count = len(heads)
+    head_size = len(heads[0])  # the same for every frame of a run
+    written = head_size * count + sum(map(len, tails))
+    if written - head_size - len(tails[-1]) >= bytes_max:  # the budget ends before the last
+        written = count = 0
+        while written < bytes_max:  # bounded: the whole run holds more than bytes_max
+            written += head_size + len(tails[count])
+            count += 1
+        del heads[count:], tails[count:]
+    parts = heads + tails
+    parts[::2] = heads
+    parts[1::2] = tails
+    return b"".join(parts), count, written

@@ -1,17 +1,19 @@
 """`Stream`: one vbucket's DCP stream on one connection, from accept to STREAM_END.
 
-It pulls runs of events from a `StreamReader` (memory or disk: the reader decides), lets the
-`StreamMachine` judge each one (snapshot boundaries, end seqno, end reasons) and hands what is to
-be sent to its `StreamEncoder`. A run read ahead waits in a small buffer when the byte budget of
-one `fill` is used up, so reading in runs never skips or repeats an event.
+It pulls runs from a `StreamReader` (memory or disk: the reader decides): snapshot markers, runs
+of checkpoint items and runs of stored records, all in seqno order and each run inside one
+snapshot. The `StreamMachine` judges each marker and each run by its first and last seqno
+(snapshot boundaries, end seqno, end reasons), and the `StreamEncoder` frames a run at once. What
+was read ahead waits in a small buffer (a run may be cut where the byte budget of one `fill` ends)
+so reading in runs never skips or repeats an item.
 """
 
 from __future__ import annotations
 
-from typing import cast
-
 from changefeed import limits
-from changefeed.checkpoint import Item, SnapshotStart, StreamReader
+from changefeed.checkpoint import SnapshotStart, StreamReader
+from changefeed.checkpoint.backfill import StoredRun
+from changefeed.checkpoint.reader import Run
 from changefeed.producer.encoder import StreamEncoder
 from changefeed.producer.stream_machine import StreamMachine, StreamState
 from changefeed.protocol.dcp import StreamEndReason
@@ -44,10 +46,11 @@ class Stream:
         self.purge_seqno = purge_seqno
         self.items_sent = 0
         self.holds_backfill_slot = False  # managed by the producer (backfill_slots.py)
-        # Events read but not sent yet: a run of at most STREAM_RUN_EVENTS_MAX, consumed from
-        # index _next (a list and an index: cheaper per item than a deque's popleft).
-        self._ahead: list[Item | SnapshotStart] = []
+        # Runs read but not sent yet, of at most STREAM_RUN_EVENTS_MAX events in all: the run at
+        # index _next is being sent, _sent of its items already were.
+        self._ahead: list[Run] = []
         self._next = 0
+        self._sent = 0
 
     @property
     def state(self) -> StreamState:
@@ -88,9 +91,11 @@ class Stream:
         while written < bytes_max and machine.live:  # bounded by bytes_max and what is queued
             if self._next == len(self._ahead):
                 # No further ahead than the budget could send (+1: the overshoot message).
-                fits = (bytes_max - written) // self.encoder.event_bytes_min + 1
-                self._ahead = self.reader.read(min(limits.STREAM_RUN_EVENTS_MAX, fits))
+                budget = bytes_max - written
+                fits = budget // self.encoder.event_bytes_min + 1
+                self._ahead = self.reader.read_runs(min(limits.STREAM_RUN_EVENTS_MAX, fits), budget)
                 self._next = 0
+                self._sent = 0
                 if not self._ahead:
                     break  # caught up
             written += self._send_run(out, bytes_max - written)
@@ -105,30 +110,35 @@ class Stream:
             self.machine.close()
         self._ahead = []
         self._next = 0
+        self._sent = 0
         self.reader.close()
 
     def _send_run(self, out: list[bytes], bytes_max: int) -> int:
-        """Send a marker, or the run of items at the front of the buffer that fits."""
-        ahead, start = self._ahead, self._next
-        first = ahead[start]
-        if isinstance(first, SnapshotStart):
-            self._next = start + 1
-            marker = self.machine.marker(first)
+        """Send the marker at the front of the buffer, or what fits of the run there."""
+        run = self._ahead[self._next]
+        if isinstance(run, SnapshotStart):
+            self._next += 1
+            marker = self.machine.marker(run)
             if marker is None:
                 return 0  # the stream is complete: the machine is ENDING
             return self.encoder.snapshot_marker(out, marker, self.purge_seqno)
-        snap_end = self.machine.snap_end
-        stop = start
-        for event in ahead[start:]:  # bounded by the run read
-            if not isinstance(event, Item):
-                break
-            stop += 1
-            if event.seqno == snap_end:
-                break  # the snapshot (and maybe the stream) completes here
-        run = cast(list[Item], ahead[start:stop])  # items only: checked by the loop above
-        count, written = self.encoder.items(out, run, bytes_max)
-        assert 0 < count <= len(run), (count, len(run))
-        self.machine.items(run[0].seqno, run[count - 1].seqno)
-        self._next = start + count
+        sent = self._sent
+        if isinstance(run, StoredRun):
+            records = run.records[sent:] if sent else run.records
+            count, written = self.encoder.stored(out, records, bytes_max)
+            first_seqno, last_seqno = run.seqno(sent), run.seqno(sent + count - 1)
+        else:
+            items = run[sent:] if sent else run
+            count, written = self.encoder.items(out, items, bytes_max)
+            first_seqno, last_seqno = items[0].seqno, items[count - 1].seqno
+        assert 0 < count <= len(run) - sent, (count, len(run), sent)
+        # A run lies inside one snapshot (the reader splits at markers), so only its last item
+        # can be the snapshot's end, and nothing of the run follows that.
+        self.machine.items(first_seqno, last_seqno)
+        sent += count
+        if sent == len(run):
+            self._next += 1
+            sent = 0
+        self._sent = sent
         self.items_sent += count
         return written

@@ -11,7 +11,9 @@ Extras layouts (big-endian)::
 
 Header: cas = document CAS, datatype = payload datatype, vbucket = vb, opaque = stream opaque.
 ``encode_item_body`` frames a body the store already holds (extras + key + value) without
-re-encoding it.
+re-encoding it; ``deletion_v1_body`` and ``expiration_body`` turn a stored deletion V2 body into
+the other two tombstone bodies, and ``HEADER_FRONT`` is the header without its CAS, for framing a
+stored record whose CAS already precedes its body (storage/record.py).
 """
 
 from __future__ import annotations
@@ -67,6 +69,31 @@ assert MUTATION_EXTRAS.size == 31
 assert DELETION_V1_EXTRAS.size == 18
 assert DELETION_V2_EXTRAS.size == 21
 assert EXPIRATION_EXTRAS.size == 20
+
+
+# The classic header without its last field, the CAS: magic, opcode, key length, extras length,
+# datatype, vbucket, body length, opaque (16 bytes).
+HEADER_FRONT = struct.Struct(HEADER_FORMAT[:-1])
+assert HEADER_FORMAT.endswith("Q") and HEADER_FRONT.size == limits.HEADER_SIZE - 8
+
+# Offsets inside the tombstone extras (layouts above): by_seqno and rev_seqno come first in all
+# three, then V1 has nmeta where V2 and EXPIRATION have delete_time; V2 ends with an unused byte.
+_SEQNOS_SIZE = struct.calcsize(">QQ")
+_DELETION_V1_NMETA = b"\x00\x00"
+assert DELETION_V1_EXTRAS.size == _SEQNOS_SIZE + len(_DELETION_V1_NMETA)
+assert EXPIRATION_EXTRAS.size == DELETION_V2_EXTRAS.size - 1
+
+
+def deletion_v1_body(v2_body: bytes) -> bytes:
+    """The deletion V1 body (18-byte extras, nmeta 0) of a deletion V2 body (21-byte extras)."""
+    return b"".join(
+        (v2_body[:_SEQNOS_SIZE], _DELETION_V1_NMETA, v2_body[DELETION_V2_EXTRAS.size :])
+    )
+
+
+def expiration_body(v2_body: bytes) -> bytes:
+    """The expiration body (20-byte extras) of a deletion V2 body: without the unused byte."""
+    return v2_body[: EXPIRATION_EXTRAS.size] + v2_body[DELETION_V2_EXTRAS.size :]
 
 
 def _header_then(extras_format: str) -> struct.Struct:

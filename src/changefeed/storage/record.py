@@ -85,6 +85,23 @@ TAG_MUTATION: Final = (LAYOUT_VERSION << 4) | Op.MUTATION
 TAG_DELETION: Final = (LAYOUT_VERSION << 4) | Op.DELETION
 TAG_EXPIRATION: Final = (LAYOUT_VERSION << 4) | Op.EXPIRATION
 _OP_BY_TAG: Final = {TAG_DELETION: Op.DELETION, TAG_EXPIRATION: Op.EXPIRATION}
+
+# The stored form as a disk backfill frames it without decoding (producer/item_encoding.py): the
+# prefix's first three fields, and the CAS, which ends the prefix right before the body, so a
+# DCP header's last field (cas, dcp-wire.md §1) followed by the body is `stored[4:]`.
+STORED_HEAD: Final = struct.Struct(">BBH")  # tag, datatype, key_len
+STORED_CAS_OFFSET: Final = STORED_HEAD.size
+STORED_BODY_OFFSET: Final = PREFIX.size
+OP_BY_TAG: Final = {TAG_MUTATION: Op.MUTATION, **_OP_BY_TAG}
+EXTRAS_SIZE_BY_OP: Final = {
+    Op.MUTATION: MUTATION_EXTRAS_SIZE,
+    Op.DELETION: DELETION_EXTRAS_SIZE,
+    Op.EXPIRATION: DELETION_EXTRAS_SIZE,
+}
+_STORED_SEQNO: Final = struct.Struct(">Q")  # by_seqno: the first field of both extras layouts
+assert PREFIX_FORMAT.startswith(">" + STORED_HEAD.format[1:]), (PREFIX_FORMAT, STORED_HEAD.format)
+assert PREFIX_FORMAT.endswith("Q") and STORED_CAS_OFFSET + 8 == STORED_BODY_OFFSET
+assert MUTATION_EXTRAS_FORMAT[1] == DELETION_V2_EXTRAS_FORMAT[1] == _STORED_SEQNO.format[1]
 _U64_MAX: Final = 0xFFFF_FFFF_FFFF_FFFF
 _BYTES_SHOWN_MAX: Final = 100  # repr shows at most this many bytes of a key, value or body
 
@@ -362,6 +379,16 @@ def encode_stored(record: Record) -> bytes:
     """The stored form of a record: the prefix, then `record.body` unchanged."""
     tag = (LAYOUT_VERSION << 4) | record.op
     return PREFIX.pack(tag, record.datatype, len(record.key), record.cas) + record.body
+
+
+def stored_seqno(data: bytes) -> int:
+    """The by_seqno inside a stored record's extras (both layouts start with it).
+
+    Unchecked: for records the store wrote, read whole by `Store.scan_bodies`; `decode_record`
+    is the checked way.
+    """
+    seqno: int = _STORED_SEQNO.unpack_from(data, STORED_BODY_OFFSET)[0]
+    return seqno
 
 
 def decode_record(vb: int, seqno: int, data: bytes) -> Record:

@@ -35,6 +35,7 @@ import lmdb
 from changefeed import limits
 from changefeed.storage import batch as _batch
 from changefeed.storage import expiry as _expiry
+from changefeed.storage.body_scan import BodyScan
 from changefeed.storage.compaction import (
     PurgeChunk,
     discard_after,
@@ -444,6 +445,25 @@ class Store:
         with _translated_errors(self._map_size_bytes):
             txn = self._env.begin()
         return _scan(txn, self._by_seqno, vb, start_seqno, end_seqno)
+
+    def scan_bodies(self, vb: int, start_seqno: int, end_seqno: int) -> BodyScan:
+        """The records `scan` would yield, read in runs of stored bytes (body_scan.py).
+
+        Same range, snapshot and reader-slot rules as `scan`: one read transaction taken now,
+        held until the scan reaches the end of the range or is closed (`BodyScan.close`).
+        Records are not decoded (`BodyScan.read`) unless asked one by one (`next_record`).
+
+        Raises:
+            ValueError: vb outside 0..VBUCKETS_MAX-1, a seqno outside 0..SEQNO_MAX.
+            StorageError: no reader slot is free, or LMDB failed.
+        """
+        self._require_open()
+        _check_vb(vb)
+        if not (0 <= start_seqno <= limits.SEQNO_MAX and 0 <= end_seqno <= limits.SEQNO_MAX):
+            raise ValueError(f"scan range {start_seqno}..{end_seqno} outside 0..SEQNO_MAX")
+        with _translated_errors(self._map_size_bytes):
+            txn = self._env.begin()
+        return BodyScan(txn, self._by_seqno, vb, start_seqno, end_seqno)
 
     def find_expired(
         self, vb: int, *, start_seqno: int, records_max: int, expiry_max: int

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from changefeed.checkpoint.item import CHECKPOINT_START, DUMMY, Item
 from changefeed.storage import Op, Record
 
@@ -33,3 +35,30 @@ def test_meta_items_are_distinct_and_never_items() -> None:
     assert DUMMY is not CHECKPOINT_START
     assert not isinstance(DUMMY, Item)
     assert "dummy" in repr(DUMMY)
+
+
+def test_the_body_is_the_one_the_store_keeps_and_holds_the_value() -> None:
+    cases = [
+        (Op.MUTATION, b"value", dict(flags=5, expiry=6, datatype=1, rev_seqno=4)),
+        (Op.DELETION, b"", dict(delete_time=1234, rev_seqno=2)),
+        (Op.EXPIRATION, b"xattrs", dict(delete_time=99, datatype=4)),
+    ]
+    for op, value, fields in cases:
+        record = Record.create(3, 17, b"key", op, cas=99, value=value, **fields)
+        item = Item(17, b"key", op, value, 99, **fields)
+        assert item.body == record.body  # encoded once, byte for byte the stored body
+        assert item.value == value
+        assert item.extras_size == record.extras_len
+        assert Item.from_record(record) == item
+        assert Item.from_record(record).body is record.body  # shared, not encoded again
+
+
+def test_items_compare_by_value_and_refuse_fields_that_do_not_fit() -> None:
+    one = Item(1, b"k", Op.MUTATION, b"v", cas=1)
+    assert one == Item(1, b"k", Op.MUTATION, b"v", cas=1)
+    assert one != Item(1, b"k", Op.MUTATION, b"w", cas=1)
+    assert one != "not an item"
+    for bad in (dict(flags=2**32), dict(rev_seqno=-1), dict(seqno=2**64)):
+        fields = dict(seqno=1, key=b"k", op=Op.MUTATION, value=b"", cas=1) | bad
+        with pytest.raises(ValueError):
+            Item(**fields)  # type: ignore[arg-type]

@@ -12,12 +12,18 @@ import pytest
 from changefeed.checkpoint import (
     CAUGHT_UP,
     CheckpointManager,
+    Event,
     Flusher,
+    Item,
     MemoryBudget,
+    SnapshotStart,
     StreamReader,
     item_size_bytes,
 )
+from changefeed.checkpoint.backfill import StoredRun
+from changefeed.checkpoint.reader import Run
 from changefeed.storage import Op, Store
+from changefeed.storage.record import decode_record, stored_seqno
 
 from .helpers import DISK, MEMORY_CHECKPOINT, Model, ReaderCheck, item, markers, open_store
 
@@ -193,3 +199,47 @@ def test_read_hands_out_runs_equal_to_next_one_by_one(store: Store, run: int) ->
     assert runs.stats["backfills"] >= 1
     single.close()
     runs.close()
+
+
+def flatten(runs: list[Run]) -> list[Event]:
+    """Runs as the events `next` hands out: stored records decoded into items."""
+    events: list[Event] = []
+    for run in runs:
+        if isinstance(run, StoredRun):
+            events += [Item.from_record(decode_record(0, stored_seqno(d), d)) for d in run.records]
+        elif isinstance(run, list):
+            events += run
+        else:
+            events.append(run)
+    return events
+
+
+@pytest.mark.parametrize(("run", "bytes_max"), [(1, 1 << 20), (7, 1 << 20), (64, 1), (64, 600)])
+def test_read_runs_hand_out_what_next_does(store: Store, run: int, bytes_max: int) -> None:
+    """Runs from `read_runs` are what `next` would have returned one by one, across memory
+    recovery and the disk backfill that follows it; each run lies inside one snapshot."""
+    node = Node(store, quota_items=60)
+    single = StreamReader(node.manager, store, name="single", start_seqno=0)
+    runs_reader = StreamReader(node.manager, store, name="runs", start_seqno=0)
+    node.write(400, flush_every=25)  # the quota drops both cursors: both go through disk
+    one_by_one = list(single)
+    runs: list[Run] = []
+    snapshot = None
+    while batch := runs_reader.read_runs(run, bytes_max):  # bounded: >= 1 event or stops
+        assert sum(1 if isinstance(r, SnapshotStart) else len(r) for r in batch) <= run
+        for one in batch:
+            if isinstance(one, SnapshotStart):
+                snapshot = one
+                continue
+            assert snapshot is not None
+            first = one.first_seqno if isinstance(one, StoredRun) else one[0].seqno
+            last = one.last_seqno if isinstance(one, StoredRun) else one[-1].seqno
+            assert snapshot.snap_start <= first <= last <= snapshot.snap_end, (snapshot, one)
+            assert isinstance(one, StoredRun) == snapshot.from_disk
+        runs += batch
+    assert flatten(runs) == one_by_one
+    assert runs_reader.next() is CAUGHT_UP
+    assert runs_reader.stats["backfills"] >= 1
+    assert runs_reader.last_seqno == single.last_seqno == node.model.high_seqno
+    single.close()
+    runs_reader.close()
