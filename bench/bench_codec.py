@@ -5,12 +5,18 @@ Paths timed, each over the same encoded stream:
 * ``encode_mutation`` per item (``Mutation`` objects built beforehand, not timed);
 * ``FrameReader.next_frame`` + ``decode_mutation`` per item, the stream fed in chunks the way a
   socket delivers it;
-* ``FrameReader.read_batch`` → ``ChangeColumns`` (the consumer hot path);
+* ``FrameReader.read_batch`` → ``ChangeColumns`` (the consumer hot path), with each of
+  ``decode_batch``'s two decoders forced (per frame: pure Python, one unpack per item; numpy:
+  one walk step per frame, then array operations) and as it picks by size (what consumers run);
 * ``read_batch`` → change rows → ``pyarrow.RecordBatch`` (``consumer/change_rows.py``, the
   conversion every Arrow reader uses: Spark's data source, the ipc fan-out);
 * the same-run peer: a plain ``struct.unpack_from`` loop over the whole buffer doing the minimum
   a parser must do (unpack header + extras, slice key and value, keep them) — the "plain parse
   loop" ARCHITECTURE.md quotes at about 0.45M items/s. Every row is also given as a ratio to it.
+
+Each row shows wall-clock seconds, items/s, the ratio to the plain loop and the CPU time per item
+(``time.process_time``, this process): on a shared machine the wall clock moves with the other
+load, the CPU time per item much less.
 
 Usage::
 
@@ -118,17 +124,17 @@ def run_per_item(chunks: list[bytes]) -> tuple[int, int]:
     return len(out), out[-1].seqno
 
 
-def run_batch(chunks: list[bytes]) -> tuple[int, int]:
+def run_batch(chunks: list[bytes], vectorise: bool | None) -> tuple[int, int]:
     reader = FrameReader()
     columns = []
     count = 0
     for chunk in chunks:
         reader.feed(chunk)
-        batch = reader.read_batch()
+        batch = reader.read_batch(vectorise=vectorise)
         count += len(batch.changes)
         columns.append(batch.changes)
     assert reader.buffered_bytes == 0
-    return count, columns[-1].seqno[-1]
+    return count, int(columns[-1].array("seqno")[-1])
 
 
 def run_arrow(chunks: list[bytes], items: int) -> tuple[int, int]:
@@ -152,8 +158,9 @@ def run_arrow(chunks: list[bytes], items: int) -> tuple[int, int]:
 # -- harness --------------------------------------------------------------------------------------
 
 
-def best_time(run: Callable[[], Any], repeat: int, *, gc_on: bool) -> tuple[float, Any]:
-    best = float("inf")
+def best_time(run: Callable[[], Any], repeat: int, *, gc_on: bool) -> tuple[float, float, Any]:
+    """Best wall-clock seconds, best CPU seconds (of the same runs) and the last result."""
+    best = best_cpu = float("inf")
     result = None
     for _ in range(repeat):
         result = None  # free the previous run's output before timing the next
@@ -164,12 +171,13 @@ def best_time(run: Callable[[], Any], repeat: int, *, gc_on: bool) -> tuple[floa
         if not gc_on:
             gc.disable()
         try:
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             result = run()
+            best_cpu = min(best_cpu, time.process_time() - started_cpu)
             best = min(best, time.perf_counter() - started)
         finally:
             gc.enable()
-    return best, result
+    return best, best_cpu, result
 
 
 def main() -> None:
@@ -199,18 +207,20 @@ def main() -> None:
         ("plain struct.unpack_from loop (peer)", lambda: run_plain_loop(wire)),
         ("encode_mutation, per item", lambda: run_encode(mutations)),
         ("next_frame + decode_mutation, per item", lambda: run_per_item(chunks)),
-        ("read_batch -> ChangeColumns", lambda: run_batch(chunks)),
+        ("read_batch -> ChangeColumns, per frame", lambda: run_batch(chunks, False)),
+        ("read_batch -> ChangeColumns, numpy", lambda: run_batch(chunks, True)),
+        ("read_batch -> ChangeColumns (by size)", lambda: run_batch(chunks, None)),
         ("read_batch -> change rows (Arrow)", lambda: run_arrow(chunks, items)),
     ]
     rows = []
     for name, run in paths:
-        seconds, (count, last) = best_time(run, repeat, gc_on=args.gc)
+        seconds, cpu_seconds, (count, last) = best_time(run, repeat, gc_on=args.gc)
         assert count == items, (name, count, items)
         if isinstance(last, bytes):
             assert last == encode_mutation(mutations[-1]), name
         else:
             assert last == items, (name, last)
-        rows.append((name, seconds, items / seconds))
+        rows.append((name, seconds, items / seconds, cpu_seconds / items * 1e6))
 
     baseline = rows[0][2]
     print(
@@ -220,10 +230,13 @@ def main() -> None:
     )
     print(f"Python {platform.python_version()} ({platform.machine()}), pyarrow {pa.__version__}")
     print()
-    print(f"{'path':<42} {'seconds':>9} {'items/s':>12} {'vs plain loop':>14}")
-    print("-" * 80)
-    for name, seconds, rate in rows:
-        print(f"{name:<42} {seconds:>9.3f} {rate / 1e6:>10.3f}M {rate / baseline:>13.2f}x")
+    print(f"{'path':<42} {'seconds':>9} {'items/s':>12} {'vs plain loop':>14} {'CPU us/item':>12}")
+    print("-" * 93)
+    for name, seconds, rate, cpu_us in rows:
+        print(
+            f"{name:<42} {seconds:>9.3f} {rate / 1e6:>10.3f}M {rate / baseline:>13.2f}x "
+            f"{cpu_us:>12.3f}"
+        )
 
 
 if __name__ == "__main__":

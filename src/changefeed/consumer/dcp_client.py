@@ -38,7 +38,7 @@ from changefeed.consumer.events import (
 from changefeed.consumer.handshake import call, connect
 from changefeed.consumer.session import SessionState, VbSession
 from changefeed.failover import FailoverLog
-from changefeed.protocol.batch import Batch, ChangeColumns
+from changefeed.protocol.batch import Batch
 from changefeed.protocol.dcp import (
     DcpControl,
     DcpOpen,
@@ -223,9 +223,9 @@ class DcpClient:
 
     def _apply(self, event: Event) -> None:
         if isinstance(event, Changes):
+            # Per run and vbucket, not per item: the columns' arrays (session.py).
             cols = event.columns
-            for vb, seqno in zip(cols.vbucket, cols.seqno, strict=True):
-                self.session.get(vb).on_item(seqno)
+            self.session.on_items(cols.array("vbucket"), cols.array("seqno"))
         elif isinstance(event, Snapshot):
             session = self.session.get(event.vbucket)
             session.on_marker(event.snap_start, event.snap_end)
@@ -267,11 +267,11 @@ class DcpClient:
         done = 0
         for position, frame in batch.controls:
             if position > done:
-                self._put(Changes(_slice(changes, done, position)))
+                self._put(Changes(changes.slice(done, position)))
                 done = position
             self._on_control(frame)
         if len(changes) > done:
-            self._put(Changes(_slice(changes, done, len(changes))))
+            self._put(Changes(changes.slice(done, len(changes))))
         self._ack(batch.item_bytes)
 
     def _on_control(self, frame: Frame) -> None:
@@ -337,12 +337,6 @@ class DcpClient:
         if self._unacked_bytes >= self.config.buffer_bytes // 5:
             self._send(encode_buffer_ack(self._unacked_bytes))
             self._unacked_bytes = 0
-
-
-def _slice(columns: ChangeColumns, start: int, end: int) -> ChangeColumns:
-    if start == 0 and end == len(columns):
-        return columns
-    return ChangeColumns(*(getattr(columns, name)[start:end] for name in columns.__slots__))
 
 
 async def _expect_ok(conn: Connection, data: bytes, opaque: int) -> Frame:

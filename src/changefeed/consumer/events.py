@@ -45,7 +45,11 @@ class Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class Changes:
-    """Items of one or more vbuckets, in wire order (seqnos rise within each vbucket)."""
+    """Items of one or more vbuckets, in wire order (seqnos rise within each vbucket).
+
+    ``columns`` holds numpy arrays and one bytes buffer (``ChangeColumns.array``, ``data``) for
+    vectorised readers, and lists by field name (``columns.seqno``...) for item-by-item ones.
+    """
 
     columns: ChangeColumns
 

@@ -14,9 +14,14 @@ snapshot has arrived yet the consumer still holds the complete previous one and 
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
 
 from changefeed.failover import FailoverLog
 
@@ -78,6 +83,22 @@ class VbSession:
         self.seqno = seqno
         if seqno == self.snap_end:
             self._add_consistent_point(seqno)
+
+    def on_items(self, seqnos: NDArray[np.uint64]) -> None:
+        """Record a run of received items of this vbucket at once: what ``on_item`` on each
+        would do, checked and applied with array operations (no Python step per item)."""
+        assert seqnos.ndim == 1, seqnos.shape
+        if not len(seqnos):
+            return
+        first, last = int(seqnos[0]), int(seqnos[-1])
+        assert first > self.seqno, (self.vbucket, first, self.seqno)
+        assert bool(np.all(seqnos[1:] > seqnos[:-1])), (self.vbucket, "seqnos do not rise")
+        self.seqno = last
+        # Rising seqnos hold snap_end at most once; on_item adds it when it arrives.
+        if first <= self.snap_end <= last:
+            at = int(np.searchsorted(seqnos, self.snap_end))
+            if int(seqnos[at]) == self.snap_end:
+                self._add_consistent_point(self.snap_end)
 
     def consistent_point_at_or_below(self, seqno: int) -> int:
         """The newest seqno <= ``seqno`` at which this consumer held a whole snapshot."""
@@ -147,6 +168,14 @@ class SessionState:
             session = self.vbuckets[vbucket] = VbSession(vbucket)
         return session
 
+    def on_items(
+        self, vbuckets: NDArray[np.unsignedinteger[Any]], seqnos: NDArray[np.uint64]
+    ) -> None:
+        """Record a run of received items (wire order, any vbuckets): one step per vbucket."""
+        assert vbuckets.shape == seqnos.shape, (vbuckets.shape, seqnos.shape)
+        for vbucket, run in _by_vbucket(vbuckets, seqnos):
+            self.get(vbucket).on_items(run)
+
     def to_json(self) -> str:
         return json.dumps({str(vb): s.to_dict() for vb, s in sorted(self.vbuckets.items())})
 
@@ -165,3 +194,19 @@ class SessionState:
                 raise ValueError(f"session state entry {key!r} is invalid")
             state.vbuckets[int(key)] = VbSession.from_dict(int(key), value)
         return state
+
+
+def _by_vbucket(
+    vbuckets: NDArray[np.unsignedinteger[Any]], seqnos: NDArray[np.uint64]
+) -> Iterator[tuple[int, NDArray[np.uint64]]]:
+    """``(vbucket, its seqnos in wire order)`` for each vbucket present, in ascending order."""
+    if not len(vbuckets):
+        return
+    if bool(np.all(vbuckets == vbuckets[0])):  # the usual run: one vbucket
+        yield int(vbuckets[0]), seqnos
+        return
+    order = np.argsort(vbuckets, kind="stable")  # stable: wire order within a vbucket
+    ordered = vbuckets[order]
+    bounds = [0, *(np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist(), len(order)]
+    for start, stop in itertools.pairwise(bounds):  # one step per vbucket
+        yield int(ordered[start]), seqnos[order[start:stop]]

@@ -134,11 +134,16 @@ class FrameReader:
             assert isinstance(frame, Frame), frame  # frames() is for readers without skipping
             out.append(frame)
 
-    def read_batch(self, items_max: int = 1 << 20) -> Batch:
+    def read_batch(self, items_max: int = 1 << 20, *, vectorise: bool | None = None) -> Batch:
         """Decode every complete buffered frame at once: changes as columns, the rest as frames.
 
-        The hot path for consumers (see ``batch.py``). At EOF with a partial frame left, raises
-        like ``next_frame``.
+        The hot path for consumers (see ``batch.py``). The buffer is read in place: the bytes
+        of the changes decoded are copied once, into the columns, and an unfinished frame is
+        not copied at all. At EOF with a partial frame left, raises like ``next_frame``.
+
+        Args:
+            items_max: at most this many changes.
+            vectorise: as ``decode_batch``'s (None: by the number of frames).
 
         Raises:
             ProtocolError: the peer's bytes break the protocol (then the reader is poisoned).
@@ -146,7 +151,11 @@ class FrameReader:
         self._raise_if_poisoned()
         try:
             batch = decode_batch(
-                self._buffer, self._start, frame_size_max=self.frame_size_max, items_max=items_max
+                self._buffer,
+                self._start,
+                frame_size_max=self.frame_size_max,
+                items_max=items_max,
+                vectorise=vectorise,
             )
             self._start += batch.consumed
             if self._eof and self.buffered_bytes and batch.consumed == 0:

@@ -4,8 +4,12 @@ the rows and types the schema declares, including the narrowing of unsigned wire
 
 from __future__ import annotations
 
+import random
+
 import pyarrow as pa
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from changefeed import limits
@@ -202,3 +206,136 @@ def test_a_cas_over_int64_is_refused_and_nothing_of_the_call_is_kept() -> None:
 def test_rows_per_batch_bound() -> None:
     assert limits.ROWS_PER_BATCH_MAX == 65_536
     assert limits.ROWS_PER_BATCH_MAX * 32 * 1024 <= 2**31
+
+
+# -- the conversion against a per-row oracle ------------------------------------------------------
+
+
+def rows_one_by_one(
+    columns: ChangeColumns,
+    snapshots: dict[int, tuple[int, int]],
+    ends: dict[int, int] | None,
+) -> tuple[list[dict[str, object]], set[int]]:
+    """What ``append_changes`` must give, computed row by row in plain Python (the conversion
+    as it was written before it was vectorised)."""
+    out, reached = [], set()
+    for i in range(len(columns)):
+        vb, seqno = columns.vbucket[i], columns.seqno[i]
+        end = limits.SEQNO_MAX if ends is None else ends[vb]
+        if seqno >= end and ends is not None:
+            reached.add(vb)
+        if seqno > end:
+            continue
+        snap_start, snap_end = snapshots[vb]
+        expiry, flags = columns.expiry[i], columns.flags[i]
+        out.append({
+            "vbucket": vb, "seqno": seqno, "key": columns.key[i].decode(),
+            "value": columns.value[i], "op": OP_BY_OPCODE[columns.opcode[i]],
+            "cas": columns.cas[i], "expiry": expiry - 2**32 if expiry >= 2**31 else expiry,
+            "flags": flags - 2**32 if flags >= 2**31 else flags,
+            "rev_seqno": columns.rev_seqno[i], "snap_start": snap_start,
+            "snap_end": min(snap_end, end),
+        })  # fmt: skip
+    return out, reached
+
+
+def random_changes(rng: random.Random, count: int) -> bytes:
+    """Items of a few vbuckets, seqnos rising per vbucket, every kind, UTF-8 keys."""
+    seqnos = dict.fromkeys(range(4), 0)
+    wires = []
+    for _ in range(count):
+        vb = rng.randrange(4)
+        seqnos[vb] += rng.randint(1, 3)
+        key = "".join(rng.choice("aé€𝄞z09") for _ in range(rng.randint(1, 12))).encode()
+        cas, rev = rng.randrange(INT64_MAX + 1), rng.randrange(1, INT64_MAX + 1)
+        kind = rng.random()
+        if kind < 0.6:
+            mutation = Mutation(vb, 7, seqnos[vb], key, rng.randbytes(rng.randint(0, 300)), cas,
+                                rev, rng.getrandbits(32), rng.getrandbits(32))  # fmt: skip
+            wires.append(encode_mutation(mutation))
+        elif kind < 0.85:
+            delete_time = rng.choice([None, rng.getrandbits(32)])
+            wires.append(encode_deletion(Deletion(vb, 7, seqnos[vb], key, cas, rev, delete_time)))
+        else:
+            expiration = Expiration(vb, 7, seqnos[vb], key, cas, rev, rng.getrandbits(32))
+            wires.append(encode_expiration(expiration))
+    return b"".join(wires)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("vectorise", [True, False])
+def test_rows_equal_the_per_row_conversion(seed: int, vectorise: bool) -> None:
+    rng = random.Random(seed)
+    columns = decode_batch(random_changes(rng, rng.choice([1, 5, 200])), vectorise=vectorise)
+    changes = columns.changes
+    snapshots = {vb: (rng.randint(0, 50), rng.randint(50, 700)) for vb in range(4)}
+    for ends in (None, {vb: rng.randint(1, 400) for vb in range(4)}):
+        expected, expected_reached = rows_one_by_one(changes, snapshots, ends)
+        rows = ChangeRows()
+        assert rows.append_changes(changes, snapshots, ends) == expected_reached
+        batch = rows.to_batch()
+        assert batch.schema == CHANGE_ROW_SCHEMA
+        assert batch.to_pylist() == expected
+        assert len(rows) == len(expected)
+    # A slice (one Changes event of several) converts as its own columns would.
+    half = len(changes) // 2
+    rows = ChangeRows()
+    rows.append_changes(changes.slice(half, len(changes)), snapshots)
+    assert (
+        rows.to_batch().to_pylist()
+        == rows_one_by_one(changes.slice(half, len(changes)), snapshots, None)[0]
+    )
+
+
+def test_a_key_that_is_not_utf8_is_refused_and_nothing_of_the_call_is_kept() -> None:
+    # Before the conversion was vectorised, such a key was appended and to_batch raised
+    # (UnicodeEncodeError, a ValueError); now append_changes refuses it, naming the change.
+    good = encode_mutation(Mutation(0, 7, 2, "ké".encode(), b""))
+    bad = encode_mutation(Mutation(3, 7, 9, b"k\xff", b""))
+    rows = ChangeRows()
+    rows.append_changes(decoded(good), SNAPSHOTS)
+    with pytest.raises(ValueError, match=r"vbucket 3 seqno 9: key b'k\\xff' is not UTF-8"):
+        rows.append_changes(decoded(good, bad), SNAPSHOTS)
+    assert len(rows) == 1
+    assert rows.to_batch().column("key").to_pylist() == ["ké"]
+    # Past the end seqno the key is never looked at (the row is not wanted).
+    assert rows.append_changes(decoded(bad), SNAPSHOTS, {3: 8}) == {3}
+    assert len(rows) == 1
+
+
+@given(st.binary(min_size=1, max_size=12))
+def test_arrow_accepts_exactly_the_keys_python_decodes(key: bytes) -> None:
+    rows = ChangeRows()
+    try:
+        text: str | None = key.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    columns = decoded(encode_mutation(Mutation(0, 7, 2, key, b"")))
+    if text is None:
+        with pytest.raises(ValueError, match="is not UTF-8"):
+            rows.append_changes(columns, SNAPSHOTS)
+    else:
+        rows.append_changes(columns, SNAPSHOTS)
+        assert rows.to_batch().column("key").to_pylist() == [text]
+
+
+def test_seqnos_over_int64_are_refused_like_a_cas() -> None:
+    rows = ChangeRows()
+    huge_rev = encode_mutation(Mutation(0, 7, 5, b"r", b"", rev_seqno=INT64_MAX + 1))
+    with pytest.raises(ValueError, match=r"vbucket 0 seqno 5: rev_seqno 9223372036854775808"):
+        rows.append_changes(decoded(huge_rev), SNAPSHOTS)
+    huge_seqno = encode_mutation(Mutation(0, 7, INT64_MAX + 1, b"s", b""))
+    with pytest.raises(ValueError, match="seqno 9223372036854775808 does not fit"):
+        rows.append_changes(decoded(huge_seqno), SNAPSHOTS)
+    assert len(rows) == 0
+
+
+def test_batches_of_many_calls_concatenate_once() -> None:
+    rows = ChangeRows()
+    for seqno in range(1, 40):
+        rows.append_changes(decoded(encode_mutation(Mutation(0, 7, seqno, b"k", b"v"))), SNAPSHOTS)
+    rows.append_rollback(0, 3)
+    first = rows.to_batch()
+    assert first.num_rows == 40
+    assert rows.to_batch() is first, "to_batch again costs nothing"
+    assert first.column("seqno").to_pylist() == [*range(1, 40), 3]

@@ -162,6 +162,9 @@ def feed_three_ways(
         batch = decode_batch(data, frame_size_max=frame_size_max)
         assert batch.consumed == len(data)
         assert len(batch.changes) + len(batch.controls) == len(expected)
+        for vectorise in (True, False):  # decode_batch's two decoders agree (test_batch.py)
+            again = decode_batch(data, frame_size_max=frame_size_max, vectorise=vectorise)
+            assert again == batch, vectorise
     return whole
 
 

@@ -5,15 +5,25 @@ bad input."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import struct
+import tracemalloc
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from changefeed.protocol.batch import ChangeColumns, decode_batch
+from changefeed.protocol.batch import (
+    FIELD_DTYPES,
+    VECTORISE_FRAMES_MIN,
+    Batch,
+    ChangeColumns,
+    Column,
+    decode_batch,
+)
 from changefeed.protocol.dcp import encode_dcp_noop
 from changefeed.protocol.dcp_items import (
     Deletion,
@@ -79,7 +89,9 @@ def per_frame_path(wire: bytes, chunks: list[int]) -> Outcome:
     return out
 
 
-def batch_path(wire: bytes, chunks: list[int], items_max: int = 1 << 20) -> Outcome:
+def batch_path(
+    wire: bytes, chunks: list[int], items_max: int = 1 << 20, vectorise: bool | None = None
+) -> Outcome:
     """FrameReader.read_batch after every chunk; control positions shifted to stream order."""
     out = Outcome([], [])
     reader = FrameReader()
@@ -87,7 +99,8 @@ def batch_path(wire: bytes, chunks: list[int], items_max: int = 1 << 20) -> Outc
         for piece in _pieces(wire, chunks):
             reader.feed(piece)
             while True:  # bounded: each round consumes bytes or stops
-                batch = reader.read_batch(items_max)
+                batch = reader.read_batch(items_max, vectorise=vectorise)
+                batch.changes._check_invariants()
                 base = len(out.rows)
                 out.rows += rows_of(batch.changes)
                 out.controls += [(base + at, frame) for at, frame in batch.controls]
@@ -112,27 +125,31 @@ def _pieces(wire: bytes, chunks: list[int]) -> list[bytes]:
     return [*pieces, b""]
 
 
+VECTORISE_MODES = (None, True, False)  # by size, numpy, per frame
+
+
 def assert_paths_equal(wire: bytes, chunks: list[int]) -> Outcome:
     expected = per_frame_path(wire, [len(wire) or 1])
-    got = batch_path(wire, chunks)
-    assert got.error == expected.error
-    if expected.error is None:
-        assert got.rows == expected.rows
-        assert got.controls == expected.controls
-    # decode_batch on the whole buffer agrees too.
-    try:
-        batch = decode_batch(wire)
-    except ProtocolError as error:
-        assert error.status == expected.error
-    else:
+    for vectorise in VECTORISE_MODES:
+        got = batch_path(wire, chunks, vectorise=vectorise)
+        assert got.error == expected.error, vectorise
         if expected.error is None:
-            assert batch.consumed == len(wire)
-            assert rows_of(batch.changes) == expected.rows
-            assert batch.controls == expected.controls
+            assert got.rows == expected.rows, vectorise
+            assert got.controls == expected.controls, vectorise
+        # decode_batch on the whole buffer agrees too.
+        try:
+            batch = decode_batch(wire, vectorise=vectorise)
+        except ProtocolError as error:
+            assert error.status == expected.error, vectorise
         else:
-            # decode_batch has no EOF: the only error it cannot see is a frame cut off at EOF.
-            assert batch.consumed < len(wire)
-            assert expected.error == Status.EINVAL
+            if expected.error is None:
+                assert batch.consumed == len(wire)
+                assert rows_of(batch.changes) == expected.rows
+                assert batch.controls == expected.controls
+            else:
+                # decode_batch has no EOF: the only error it cannot see is a frame cut at EOF.
+                assert batch.consumed < len(wire)
+                assert expected.error == Status.EINVAL
     return expected
 
 
@@ -187,10 +204,11 @@ def test_mixture_with_stream_ids_equals_per_frame_path(
 def test_items_max_splits_without_losing_order(messages: list[object], items_max: int) -> None:
     wire = b"".join(encode_message(m) for m in messages)
     whole = batch_path(wire, [len(wire)])
-    limited = batch_path(wire, [len(wire)], items_max=items_max)
-    assert limited == whole
-    batch = decode_batch(wire, items_max=items_max)
-    assert len(batch.changes) <= items_max
+    for vectorise in VECTORISE_MODES:
+        limited = batch_path(wire, [len(wire)], items_max=items_max, vectorise=vectorise)
+        assert limited == whole
+        batch = decode_batch(wire, items_max=items_max, vectorise=vectorise)
+        assert len(batch.changes) <= items_max
 
 
 # -- corrupted input ----------------------------------------------------------------------------
@@ -242,13 +260,14 @@ def test_random_bytes_after_valid_prefix_both_paths_agree() -> None:
 # -- columns, positions, accounting -------------------------------------------------------------
 
 
-def test_columns_for_each_item_kind() -> None:
+@pytest.mark.parametrize("vectorise", VECTORISE_MODES)
+def test_columns_for_each_item_kind(vectorise: bool | None) -> None:
     m = Mutation(3, 4, 10, b"km", b"vm", cas=5, rev_seqno=6, flags=7, expiry=8, datatype=1)
     d1 = Deletion(3, 4, 11, b"kd1", cas=9, rev_seqno=2, delete_time=None)
     d2 = Deletion(3, 4, 12, b"kd2", cas=9, rev_seqno=2, delete_time=77, value=b"x", datatype=4)
     e = Expiration(3, 4, 13, b"ke", cas=1, rev_seqno=3, delete_time=88)
     wire = encode_mutation(m) + encode_deletion(d1) + encode_deletion(d2) + encode_expiration(e)
-    batch = decode_batch(wire)
+    batch = decode_batch(wire, vectorise=vectorise)
     c = batch.changes
     assert c.opcode == [0x57, 0x58, 0x58, 0x59]
     assert c.seqno == [10, 11, 12, 13]
@@ -338,7 +357,218 @@ MUT = struct.pack(">QQIIIHB", 1, 1, 0, 0, 0, 0, 0)
     ],
 )
 def test_bad_items_einval_in_both_paths(wire: bytes) -> None:
-    expect_error(lambda: decode_batch(wire))
+    for vectorise in VECTORISE_MODES:
+        expect_error(lambda: decode_batch(wire, vectorise=vectorise))  # noqa: B023
     expect_error(lambda: decode_message(decode_single(wire)))
     outcome = assert_paths_equal(wire, [3])
     assert outcome.error == Status.EINVAL
+
+
+# -- numpy == per frame: the two decoders of decode_batch -----------------------------------------
+
+
+def _batches_by_both_decoders(
+    wire: bytes, cuts: list[int], items_max: int
+) -> tuple[list[Batch] | Status, list[Batch] | Status, str, str]:
+    """Feed ``wire`` cut at ``cuts`` to two readers, one decoding with numpy and one per frame;
+    every ``read_batch`` of each, or the status it failed with (and the error messages)."""
+    outcomes: list[list[Batch] | Status] = []
+    messages: list[str] = []
+    for vectorise in (True, False):
+        reader = FrameReader()
+        batches: list[Batch] = []
+        message = ""
+        try:
+            for piece in _pieces_at(wire, cuts):
+                reader.feed(piece)
+                while True:  # bounded: each round consumes bytes or stops
+                    batch = reader.read_batch(items_max, vectorise=vectorise)
+                    batch.changes._check_invariants()
+                    batches.append(batch)
+                    if batch.consumed == 0:
+                        break
+            outcomes.append(batches)
+        except ProtocolError as error:
+            outcomes.append(error.status)
+            message = str(error)
+        messages.append(message)
+    return outcomes[0], outcomes[1], messages[0], messages[1]
+
+
+def _pieces_at(wire: bytes, cuts: list[int]) -> list[bytes]:
+    """``wire`` split at the given offsets (taken modulo its length), then b"" for EOF."""
+    points = sorted({0, len(wire), *(cut % (len(wire) + 1) for cut in cuts)})
+    return [*(wire[a:b] for a, b in itertools.pairwise(points)), b""]
+
+
+def _assert_same_batches(numpy: list[Batch] | Status, per_frame: list[Batch] | Status) -> None:
+    if isinstance(numpy, Status) or isinstance(per_frame, Status):
+        assert numpy == per_frame
+        return
+    assert len(numpy) == len(per_frame)
+    for got, expected in zip(numpy, per_frame, strict=True):
+        assert got.changes == expected.changes
+        for name, dtype in FIELD_DTYPES.items():
+            assert got.changes.array(name).dtype == dtype, name
+            assert np.array_equal(got.changes.array(name), expected.changes.array(name)), name
+        assert got.controls == expected.controls
+        assert (got.consumed, got.item_bytes) == (expected.consumed, expected.item_bytes)
+
+
+@SETTINGS
+@given(
+    st.lists(dcp_stream_messages(), max_size=40),
+    st.lists(st.integers(0, 1 << 16), max_size=6),
+    st.sampled_from([1, 2, 7, 1 << 20]),
+)
+def test_numpy_decoder_equals_per_frame_decoder(
+    messages: list[object], cuts: list[int], items_max: int
+) -> None:
+    # Mutations, deletions V1/V2, expirations, markers, stream ends, noops, with and without
+    # stream-ids, cut anywhere: the same batches, call by call, array by array.
+    wire = b"".join(encode_message(m) for m in messages)
+    numpy, per_frame, _, _ = _batches_by_both_decoders(wire, cuts, items_max)
+    assert not isinstance(per_frame, Status), per_frame
+    _assert_same_batches(numpy, per_frame)
+
+
+@SETTINGS
+@given(corruptions(), st.lists(st.integers(0, 1 << 12), max_size=4))
+def test_numpy_decoder_fails_like_per_frame_decoder(
+    case: tuple[bytes, list[int]], cuts: list[int]
+) -> None:
+    wire, _ = case
+    numpy, per_frame, numpy_error, per_frame_error = _batches_by_both_decoders(wire, cuts, 1 << 20)
+    _assert_same_batches(numpy, per_frame)
+    assert numpy_error == per_frame_error, "the numpy decoder raises the per-frame error"
+
+
+def _random_stream(rng: random.Random, count: int) -> bytes:
+    """``count`` stream messages of every kind (long runs of items, some controls)."""
+    out = []
+    for seqno in range(1, count + 1):
+        vb, sid = rng.randrange(1024), rng.choice([None] * 9 + [rng.randint(1, 0xFFFF)])
+        key = rng.randbytes(rng.choice([1, 16, rng.randint(1, 250)]))
+        kind = rng.random()
+        if kind < 0.6:
+            value = rng.randbytes(rng.choice([0, 100, rng.randint(0, 3000)]))
+            out.append(encode_mutation(Mutation(vb, 7, seqno, key, value, rng.getrandbits(64),
+                                                rng.getrandbits(64), rng.getrandbits(32),
+                                                rng.getrandbits(32), rng.getrandbits(32),
+                                                rng.randint(0, 7), sid)))  # fmt: skip
+        elif kind < 0.8:
+            delete_time = rng.choice([None, rng.getrandbits(32)])
+            out.append(encode_deletion(Deletion(vb, 7, seqno, key, rng.getrandbits(64), 1,
+                                                delete_time, stream_id=sid)))  # fmt: skip
+        elif kind < 0.9:
+            out.append(encode_expiration(Expiration(vb, 7, seqno, key, 5, 1, rng.getrandbits(32),
+                                                    stream_id=sid)))  # fmt: skip
+        elif kind < 0.95:
+            out.append(encode_snapshot_marker(SnapshotMarker(vb, 7, seqno, seqno + 10, 1)))
+        else:
+            out.append(encode_dcp_noop(seqno))
+    return b"".join(out)
+
+
+def test_long_runs_equal_in_both_decoders_and_by_size() -> None:
+    seed = random.SystemRandom().randrange(2**32)
+    print(f"test_long_runs_equal_in_both_decoders_and_by_size: seed {seed}")
+    rng = random.Random(seed)
+    wire = _random_stream(rng, 3000)
+    cuts = [rng.randrange(len(wire)) for _ in range(rng.randint(1, 40))]
+    numpy, per_frame, _, _ = _batches_by_both_decoders(wire, cuts, 1 << 20)
+    _assert_same_batches(numpy, per_frame)
+    assert isinstance(per_frame, list)
+    assert max(len(b.changes) for b in per_frame) >= VECTORISE_FRAMES_MIN, "runs long enough"
+    # decode_batch picking by size agrees with both, on the whole buffer.
+    whole = decode_batch(wire)
+    assert whole == decode_batch(wire, vectorise=False)
+    assert whole.consumed == len(wire)
+    assert whole.changes == decode_batch(wire, vectorise=True).changes
+
+
+# -- ChangeColumns --------------------------------------------------------------------------------
+
+
+def test_columns_are_read_only_arrays_and_lists_on_demand() -> None:
+    frames = [
+        encode_mutation(Mutation(vb, 1, seqno, b"k%d" % seqno, b"v" * seqno, cas=2**64 - seqno))
+        for vb, seqno in ((1, 5), (2, 6), (1, 7))
+    ]
+    wire = b"".join(frames)
+    changes = decode_batch(wire, vectorise=True).changes
+    changes._check_invariants()
+    assert changes.array("cas").dtype == np.uint64
+    assert changes.cas == [2**64 - 5, 2**64 - 6, 2**64 - 7], "u64 kept exact as Python ints"
+    assert all(type(v) is int for v in changes.seqno)
+    with pytest.raises(ValueError, match="read-only"):
+        changes.array("seqno")[0] = 9
+    assert changes.key is changes.key, "built once"
+    assert changes.value == [b"v" * 5, b"v" * 6, b"v" * 7]
+    middle = changes.slice(1, 3)
+    assert middle.data is changes.data, "a slice shares the bytes"
+    assert (middle.seqno, middle.key, len(middle)) == ([6, 7], [b"k6", b"k7"], 2)
+    assert changes.slice(0, 3) is changes
+    assert len(changes.slice(2, 2)) == 0
+    assert middle != changes
+    assert middle == decode_batch(b"".join(frames[1:]), vectorise=False).changes
+
+
+def test_columns_from_lists_or_arrays_and_invariants() -> None:
+    fields: dict[str, Column] = {name: [1, 2] for name in FIELD_DTYPES} | {"opcode": [0x57, 0x58]}
+    offsets = {"key_start": [1, 5], "key_end": [2, 6], "value_end": [4, 7]}
+    listed = ChangeColumns(fields | offsets, b"xkvvykw")
+    listed._check_invariants()
+    assert (listed.key, listed.value, listed.opcode) == ([b"k", b"k"], [b"vv", b"w"], [87, 88])
+    arrays = {name: np.array(c, np.int64) for name, c in offsets.items()}
+    from_arrays = ChangeColumns(fields | arrays, b"xkvvykw")
+    assert from_arrays == listed
+    assert listed.array("seqno").dtype == np.uint64, "an array view built on demand"
+    assert from_arrays.key_start.tolist() == [1, 5]
+    listed._check_invariants()
+    assert listed.slice(1, 2).value == [b"w"]
+    overlapping = ChangeColumns(
+        fields | offsets | {"key_start": [1, 3], "key_end": [2, 4]}, b"x" * 7
+    )
+    with pytest.raises(AssertionError, match="overlap"):
+        overlapping._check_invariants()
+    with pytest.raises(AssertionError):
+        ChangeColumns(fields | offsets, b"xkv")  # past the data
+
+
+def test_an_unfinished_frame_is_neither_copied_nor_decoded() -> None:
+    # A large value arriving in small chunks: each read_batch costs what it reads (one header),
+    # not what is buffered (the old decoder copied the unread bytes on every call).
+    frame = encode_mutation(Mutation(0, 1, 1, b"k", bytes(4 << 20)))
+    reader = FrameReader()
+    reader.feed(frame[:-1])
+    tracemalloc.start()
+    try:
+        batch = reader.read_batch()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (batch.consumed, len(batch.changes)) == (0, 0)
+    assert peak < 64 * 1024, peak
+    reader.feed(frame[-1:])
+    assert reader.read_batch().changes.value == [bytes(4 << 20)]
+
+
+def test_short_frames_at_the_end_of_the_buffer_in_the_numpy_decoder() -> None:
+    # A V1 deletion with a 1-byte key is 43 bytes, shorter than the 55-byte prefix the numpy
+    # decoder reads per frame: at the buffer's end its prefix is filled up, never read past.
+    short = [encode_deletion(Deletion(2, 1, seqno, b"k", delete_time=None)) for seqno in (1, 2)]
+    assert len(short[0]) == 43
+    long_run = b"".join(encode_mutation(Mutation(2, 1, seqno, b"m", b"v")) for seqno in range(3, 9))
+    cases = [
+        (short[0], [1]),
+        (short[0] + short[1], [1, 2]),
+        (long_run + short[0] + short[1], [3, 4, 5, 6, 7, 8, 1, 2]),
+    ]
+    for wire, seqnos in cases:
+        for extra in (b"", b"\x80"):  # and with the first byte of a frame still to come
+            got = decode_batch(wire + extra, vectorise=True)
+            assert got == decode_batch(wire + extra, vectorise=False)
+            assert got.consumed == len(wire)
+            assert got.changes.seqno == seqnos
+            assert got.changes.key[-1] == b"k"

@@ -8,7 +8,8 @@
 Alongside it, checked on every case: the reader never holds more than one unfinished frame plus
 the chunk just fed (``HEADER_SIZE + frame_size_max + chunk``); after a ``ProtocolError`` it is
 poisoned; after EOF it reaches ``CLOSED`` with nothing buffered or raises; and the batch path
-agrees with the per-frame path (same error status, or the same rows and control frames).
+agrees with the per-frame path (same error status, or the same rows and control frames), taking
+turns between its numpy and its per-frame decoder.
 
 Inputs are random bytes, random bytes behind a plausible header, and valid frames of every
 message type mutated by bit flips, byte overwrites, truncation, length-field corruption, magic
@@ -56,6 +57,7 @@ from .helpers import apply_every_decoder, decode_message, is_batch_item, row_of,
 SEED_ENV = "CHANGEFEED_TEST_SEED"
 HEADER = limits.HEADER_SIZE
 COMPACT_SLACK_BYTES = 64 * 1024  # reader.py compacts once this many consumed bytes sit in front
+VECTORISE_MODES = (None, True, False)  # decode_batch: by size, numpy, per frame
 
 
 def run_seed(name: str) -> int:
@@ -534,7 +536,11 @@ def per_frame_path(
 
 
 def batch_path(
-    rng: random.Random, data_chunks: list[bytes], frame_size_max: int, chunk_max: int
+    rng: random.Random,
+    data_chunks: list[bytes],
+    frame_size_max: int,
+    chunk_max: int,
+    vectorise: bool | None = None,
 ) -> tuple[Status | None, list[object], list[tuple[int, Frame]]]:
     reader = FrameReader(frame_size_max)
     rows: list[object] = []
@@ -545,8 +551,9 @@ def batch_path(
             reader.feed(chunk)
             _memory_bound(reader, frame_size_max, chunk_max)
             while True:  # bounded: stops when a call consumes nothing
-                batch = reader.read_batch(items_max)
+                batch = reader.read_batch(items_max, vectorise=vectorise)
                 assert len(batch.changes) <= items_max
+                batch.changes._check_invariants()
                 base = len(rows)
                 rows += rows_of(batch.changes)
                 controls += [(base + at, frame) for at, frame in batch.controls]
@@ -566,7 +573,9 @@ def run_case(seed: int, index: int) -> None:
     data_chunks, chunk_max = _chunks(rng, data)
     try:
         expected = per_frame_path(data_chunks, frame_size_max, chunk_max)
-        got = batch_path(rng, data_chunks, frame_size_max, chunk_max)
+        # The batch decoder's two ways (numpy, per frame) and its choice by size take turns.
+        vectorise = VECTORISE_MODES[index % len(VECTORISE_MODES)]
+        got = batch_path(rng, data_chunks, frame_size_max, chunk_max, vectorise)
         assert got[0] == expected[0], ("error status", got[0], expected[0])
         if expected[0] is None:
             assert got[1:] == expected[1:]
