@@ -60,6 +60,25 @@ class NotStoredError(StatusError):
     status = Status.NOT_STORED
 
 
+class DeltaBadValueError(StatusError):
+    """INCREMENT/DECREMENT of a document that is not an unsigned decimal number."""
+
+    status = Status.DELTA_BADVAL
+
+
+class LockedError(StatusError):
+    """The document is locked (GET_LOCKED) by someone holding another CAS."""
+
+    status = Status.LOCKED
+    retriable = True  # the lock times out
+
+
+class NotLockedError(StatusError):
+    """UNLOCK_KEY of a document that is not locked."""
+
+    status = Status.NOT_LOCKED
+
+
 class NotMyVbucketError(StatusError):
     status = Status.NOT_MY_VBUCKET
     retriable = True  # the cluster map may have moved the vbucket; refresh and retry

@@ -24,6 +24,7 @@ class Status(IntEnum):
     LOCKED = 0x09
     DCP_STREAM_NOT_FOUND = 0x0A
     OPAQUE_NO_MATCH = 0x0B
+    NOT_LOCKED = 0x0E  # UNLOCK of a document that is not locked (kv_engine 7.6)
     AUTH_STALE = 0x1F
     AUTH_ERROR = 0x20
     AUTH_CONTINUE = 0x21
@@ -47,6 +48,29 @@ class Status(IntEnum):
     DURABILITY_IMPOSSIBLE = 0xA1
     SYNC_WRITE_IN_PROGRESS = 0xA2
     SYNC_WRITE_AMBIGUOUS = 0xA3
+    # Sub-document statuses (kv_engine docs/SubDocument.md): per path in a multi-path
+    # response, or the whole response's.
+    SUBDOC_PATH_ENOENT = 0xC0
+    SUBDOC_PATH_MISMATCH = 0xC1
+    SUBDOC_PATH_EINVAL = 0xC2
+    SUBDOC_PATH_E2BIG = 0xC3
+    SUBDOC_DOC_E2DEEP = 0xC4
+    SUBDOC_VALUE_CANTINSERT = 0xC5
+    SUBDOC_DOC_NOTJSON = 0xC6
+    SUBDOC_NUM_ERANGE = 0xC7
+    SUBDOC_DELTA_EINVAL = 0xC8
+    SUBDOC_PATH_EEXISTS = 0xC9
+    SUBDOC_VALUE_ETOODEEP = 0xCA
+    SUBDOC_INVALID_COMBO = 0xCB
+    SUBDOC_MULTI_PATH_FAILURE = 0xCC
+    SUBDOC_SUCCESS_DELETED = 0xCD
+    SUBDOC_XATTR_INVALID_FLAG_COMBO = 0xCE
+    SUBDOC_XATTR_INVALID_KEY_COMBO = 0xCF
+    SUBDOC_XATTR_UNKNOWN_MACRO = 0xD0
+    SUBDOC_XATTR_UNKNOWN_VATTR = 0xD1
+    SUBDOC_XATTR_CANT_MODIFY_VATTR = 0xD2
+    SUBDOC_MULTI_PATH_FAILURE_DELETED = 0xD3
+    SUBDOC_INVALID_XATTR_ORDER = 0xD4
 
     @classmethod
     def name_of(cls, code: int) -> str:

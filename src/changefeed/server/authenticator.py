@@ -3,7 +3,8 @@
 `SaslAuthenticator` answers one connection's SASL_AUTH / SASL_STEP with ``(status, value)`` and
 holds the connection's identity: ``user`` and ``privileges``. Every SASL_AUTH drops the identity
 first, so a failed re-authentication leaves the connection unauthenticated, never as the user it
-was before. scramp runs the SCRAM state machine.
+was before. SCRAM messages are parsed and checked by `changefeed.protocol.scram` (RFC 5802,
+strict but for the spaces the Couchbase SDKs put in their nonces), with scramp's primitives.
 
 Replies do not tell which user names exist. An unknown name gets decoy keys (`users.decoy_keys`,
 derived from the node secret): SCRAM's first reply carries a salt of the real length, the same
@@ -35,9 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-from scramp import ScramException, ScramMechanism
-from scramp.core import ScramServer
-
+from changefeed.protocol import scram
 from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.sasl import PlainCredentials, decode_plain
 from changefeed.protocol.status import Status
@@ -92,7 +91,18 @@ FAILED = b"authentication failed"
 # The decoy secret of an authenticator built without the node secret (the synchronous API of
 # old): decoys are stable only within this process.
 _PROCESS_SECRET = secrets.token_bytes(NODE_SECRET_SIZE)
-_SCRAMP = {ours: ScramMechanism(theirs) for ours, theirs in SCRAM_MECHANISMS.items()}
+assert set(scram.HASHES) == set(SCRAM_MECHANISMS), scram.HASHES
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ScramExchange:
+    """A SCRAM exchange between its first and final message."""
+
+    mechanism: str
+    first: scram.ClientFirst
+    server_first: str
+    keys: ScramKeys
+    user: str | None  # None: the exchange runs on decoy keys (an unknown user)
 
 
 @functools.cache
@@ -323,9 +333,7 @@ class SaslAuthenticator:
         self._secret = _PROCESS_SECRET if secret is None else secret
         self._throttle = AuthThrottle() if throttle is None else throttle
         self._executor = executor
-        self._scram: ScramServer | None = None
-        self._scram_mechanism: str | None = None
-        self._scram_user: str | None = None  # None: the exchange runs on decoy keys
+        self._scram: _ScramExchange | None = None
         self._attempts = 0  # SASL_AUTHs begun; only the latest one may set the identity
         self.user: str | None = None
         self.privileges: frozenset[Privilege] = frozenset()
@@ -416,48 +424,46 @@ class SaslAuthenticator:
     # -- SCRAM ----------------------------------------------------------------------------------
 
     def _scram_first(self, mechanism: str, payload: bytes) -> tuple[Status, bytes]:
-        scramp_mechanism = _SCRAMP.get(mechanism)
-        if scramp_mechanism is None:
+        if mechanism not in SCRAM_MECHANISMS:
             return Status.AUTH_ERROR, f"unsupported mechanism {mechanism!r}".encode()
-        server = scramp_mechanism.make_server(lambda user: self._auth_info(user, mechanism))
         try:
-            server.set_client_first(payload.decode())
-            first: str = server.get_server_first()
-        except (ScramException, UnicodeDecodeError):
+            first = scram.parse_client_first(payload)
+        except scram.ScramError:
             return Status.AUTH_ERROR, FAILED
-        self._scram, self._scram_mechanism = server, mechanism
-        return Status.AUTH_CONTINUE, first.encode()
+        # An unknown user gets decoy keys: the exchange then fails at the last step, as for a
+        # wrong password (RFC 5802 §5.1), and the first reply does not tell which names exist.
+        keys, known = self._keys_or_decoy(first.user, mechanism)
+        reply = scram.server_first(first, keys.salt, keys.iterations, scram.make_server_nonce())
+        user = first.user if known else None
+        self._scram = _ScramExchange(mechanism, first, reply, keys, user)
+        return Status.AUTH_CONTINUE, reply.encode()
 
     def _scram_final(self, mechanism: str, payload: bytes) -> tuple[Status, bytes]:
-        server, self._scram = self._scram, None
-        expected, self._scram_mechanism = self._scram_mechanism, None
-        user, self._scram_user = self._scram_user, None
-        if server is None or mechanism != expected:
+        exchange, self._scram = self._scram, None
+        if exchange is None or mechanism != exchange.mechanism:
             return Status.EINVAL, b"no SASL exchange in progress"
         try:
-            server.set_client_final(payload.decode())
-            final: str = server.get_server_final()
-        except (ScramException, UnicodeDecodeError):
+            final = scram.verify(
+                mechanism,
+                exchange.first,
+                exchange.server_first,
+                scram.parse_client_final(payload),
+                stored_key=exchange.keys.stored_key,
+                server_key=exchange.keys.server_key,
+            )
+        except scram.ScramError:
             return Status.AUTH_ERROR, FAILED
-        if user is None:  # a decoy exchange never succeeds (its keys match no password)
+        if exchange.user is None:  # a decoy exchange never succeeds (its keys match no password)
             return Status.AUTH_ERROR, FAILED
-        self._set_identity(user)
+        self._set_identity(exchange.user)
         return Status.SUCCESS, final.encode()
-
-    def _auth_info(self, user: str, mechanism: str) -> tuple[bytes, bytes, bytes, int]:
-        """scramp's callback for the user named in the client's first message. An unknown user
-        gets decoy keys: the exchange then fails at the last step, as for a wrong password
-        (RFC 5802 §5.1), and the first reply does not tell which names exist."""
-        keys, known = self._keys_or_decoy(user, mechanism)
-        self._scram_user = user if known else None
-        return keys.auth_info()
 
     # -- identity -------------------------------------------------------------------------------
 
     def _begin(self) -> int:
         """A SASL_AUTH begins: forget the identity and any exchange in progress."""
         self._attempts += 1
-        self._scram = self._scram_mechanism = self._scram_user = None
+        self._scram = None
         self._set_identity(None)
         return self._attempts
 

@@ -76,9 +76,9 @@ def test_unknown_status_falls_back_to_base_class() -> None:
     assert type(error) is StatusError
     assert error.code == 0xFF01
     assert str(error) == "0xff01"
-    known_but_unmapped = error_for_status(Status.LOCKED, "busy key")
+    known_but_unmapped = error_for_status(Status.OPAQUE_NO_MATCH, "busy key")
     assert type(known_but_unmapped) is StatusError
-    assert str(known_but_unmapped) == "LOCKED: busy key"
+    assert str(known_but_unmapped) == "OPAQUE_NO_MATCH: busy key"
 
 
 def test_success_is_not_an_error() -> None:
@@ -94,6 +94,7 @@ def test_retriable_policy() -> None:
         "BusyError",
         "TemporaryFailureError",
         "SyncWriteAmbiguousError",
+        "LockedError",  # the lock times out
     }
     assert NotMyVbucketError.retriable
     assert not RollbackRequiredError.retriable
