@@ -2,7 +2,7 @@
 
     limits ← protocol ← failover, vbucket_state, vbmap ← storage ← checkpoint ← vbucket
            ← producer, consumer ← server ← cluster ← cli;   spark and ipc sit on consumer and
-    protocol and never reach into server, producer or the store side.
+    protocol and never reach into server, producer or the store side (spark may use ipc).
 
 Imports are read from the source (including TYPE_CHECKING and function-local ones), so an
 upward import fails here even when it would only run on some path.
@@ -37,11 +37,14 @@ LAYER = {
     "__init__": 0,  # the package itself: a docstring and __version__, importing nothing
 }
 SIDE_PACKAGES = {
-    "spark": {"limits", "protocol", "failover", "vbmap", "consumer", "spark"},
+    "spark": {"limits", "protocol", "failover", "vbmap", "consumer", "ipc", "spark"},
     "ipc": {"limits", "protocol", "failover", "vbmap", "consumer", "ipc"},
 }
 # The layers that may use the side packages.
-SIDE_USERS = {"spark": {"cli", "__main__"}, "ipc": {"server", "cluster", "cli", "__main__"}}
+SIDE_USERS = {
+    "spark": {"cli", "__main__"},
+    "ipc": {"server", "cluster", "spark", "cli", "__main__"},  # ipc sits below spark
+}
 
 
 def part_of(module: str) -> str:

@@ -294,6 +294,14 @@ def _parse_vbuckets(ctx: click.Context, param: click.Parameter, spec: str) -> li
     help="Append JSON lines to this file (never truncated); '-' is stdout.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (on stderr).")
+@click.option(
+    "--local",
+    is_flag=True,
+    help="Read the node's shared-memory services (a node on this host started with --shm) "
+    "instead of one TCP stream; falls back to DCP when the reader falls behind.",
+)
+@click.option("--shm-dir", type=click.Path(path_type=Path), help="Where shm services live.")
+@click.option("--app-id", type=int, help="--local: the reader's application id (default uid).")
 def stream(
     host: str,
     port: int,
@@ -306,6 +314,9 @@ def stream(
     follow: bool,
     output: Path,
     as_json: bool,
+    local: bool,
+    shm_dir: Path | None,
+    app_id: int | None,
 ) -> None:
     """Stream changes as JSON lines (one object per change or rollback).
 
@@ -344,7 +355,14 @@ def stream(
             # A state before the first line, so a run killed before its first commit leaves
             # one (see _check_output). Not for --from now: an empty state means the beginning.
             sink.commit(SessionState())
-        streams = run_against(main(sink), target)
+        if local:
+            origin = resume if resume is not None else start
+            streams = run_against(
+                _stream_local(config, vbucket_list, origin, follow, sink, shm_dir, app_id, target),
+                target,
+            )
+        else:
+            streams = run_against(main(sink), target)
     summary = {
         "changes": sink.changes,
         "rollbacks": sink.rollbacks,
@@ -463,6 +481,33 @@ class _Sink:
         self._write("".join(json.dumps(_record(cols, i)) + "\n" for i in range(len(cols))))
         self.changes += len(cols)
         self._uncommitted += len(cols)
+
+    def write_rows(self, batch: Any, vbs: set[int]) -> None:
+        """Change rows (``stream --local``): the lines ``write_changes`` writes, without
+        delete_time and datatype (change rows do not carry them)."""
+        lines = []
+        for row in batch.to_pylist():
+            if row["vbucket"] not in vbs:
+                continue
+            if row["op"] == "rollback":
+                record = {"vb": row["vbucket"], "op": "rollback", "seqno": row["seqno"]}
+                self.rollbacks += 1
+            else:
+                record = {
+                    "vb": row["vbucket"],
+                    "seqno": row["seqno"],
+                    "op": row["op"],
+                    "key": row["key"],
+                    "cas": row["cas"],
+                    "rev_seqno": row["rev_seqno"],
+                    "flags": row["flags"] & 0xFFFF_FFFF,
+                    "expiry": row["expiry"] & 0xFFFF_FFFF,
+                    "value": _text(row["value"]),
+                }
+                self.changes += 1
+            lines.append(json.dumps(record) + "\n")
+        self._write("".join(lines))
+        self._uncommitted += len(lines)
 
     def write_rollback(self, event: Rollback) -> None:
         line = json.dumps({"vb": event.vbucket, "op": "rollback", "seqno": event.seqno})
@@ -651,6 +696,67 @@ async def _copy_events(
             if not follow and ended >= streams:
                 break
     return streams
+
+
+async def _stream_local(
+    config: ClientConfig,
+    wanted: list[int] | None,
+    start: str | SessionState,
+    follow: bool,
+    sink: _Sink,
+    directory: Path | None,
+    app_id: int | None,
+    target: Target,
+) -> int:
+    """``stream --local``: every service of the node covering the vbuckets (changefeed.ipc),
+    each a `LocalStream` (shared memory, DCP when it falls behind); returns the vbuckets read."""
+    from changefeed.ipc import IpcError
+    from changefeed.ipc.local_stream import LocalStream, high_seqnos, services_of
+
+    vbs = set(_check_vbuckets(wanted, await _node_vbuckets(config), target))
+    origin: Any = "now" if start == "now" else start
+    streams = []
+    session = SessionState()
+    try:
+        for service in services_of(config.bucket, config.port, directory):
+            local = LocalStream(
+                service, directory=directory, app_id=app_id, start=origin, dcp=config, vbuckets=vbs
+            )
+            if local.vbuckets:
+                streams.append(local)
+            else:
+                local.close()
+        missing = vbs - {vb for local in streams for vb in local.vbuckets}
+        if missing:
+            raise click.ClickException(
+                f"vbuckets {_ranges(sorted(missing))} of {target.address} are not published over "
+                "shared memory here (start the node with --shm, or pass its --shm-dir)"
+            )
+        ends = None if follow else await high_seqnos(config)
+        pending = list(streams)
+        while pending:  # until every stream reached its end (--to-latest), or forever
+            for local in list(pending):
+                batch = await local.next_batch(0.05 / len(pending))
+                if batch is not None:
+                    sink.write_rows(batch, vbs)
+                if local.session is not None:
+                    for vb in local.vbuckets:
+                        session.vbuckets[vb] = local.session.get(vb)
+                    if batch is not None:
+                        sink.written(session)
+                    if ends is not None and all(
+                        local.session.get(vb).seqno >= ends.get(vb, 0) for vb in local.vbuckets
+                    ):
+                        pending.remove(local)
+                await asyncio.sleep(0)
+    except IpcError as error:
+        raise click.ClickException(f"shared memory: {error}") from None
+    finally:
+        for local in streams:
+            local.close()
+        if session.vbuckets:  # never replace a state file with nothing
+            sink.commit(session)
+    return len(vbs)
 
 
 @click.command()

@@ -1,0 +1,367 @@
+"""The node's side of changefeed.ipc: each stream group's changes published into its service.
+
+With ``shm_groups = N`` the bucket's vbuckets are split into N contiguous groups and each group
+gets a service ``<bucket>-<port>-g<i>`` (docs/ipc.md). A group is fed the way a DCP stream is:
+an in-process `DcpProducer` (sans-IO) holds one stream per vbucket, each reading the checkpoint
+manager through a cursor (a `StreamReader`: memory, or disk after its cursor was dropped); its
+frames are decoded as a DCP client decodes them (`decode_batch`, snapshot markers) and turned
+into change rows (`ChangeRows`), so the rows equal what a DCP reader of the same vbuckets gets.
+
+Published rows are persisted rows (``shm_persisted_only``, the default): a row is held until the
+flusher has written its seqno, so a node killed with -9 never takes back what readers saw, and
+after a restart the publisher continues the ring exactly where it stopped — the positions
+stored with the newest batch are its stream-request positions (vb_uuid, seqno, snapshot). If
+the node cannot continue one (its history diverged), a rollback row goes out first.
+
+Batches hold at most ``limits.SHM_ROWS_PER_BATCH_MAX`` rows and must fit a slot; a batch too
+large is split, and a single row larger than a slot goes out as a gap (readers fetch it over
+DCP). The task of a group never waits for a reader (ipc/provider.py: slow readers lose data).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Final
+
+import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
+
+from changefeed import limits
+from changefeed.consumer.change_rows import OP_ROLLBACK, ChangeRows
+from changefeed.ipc.layout import POSITION_FIELDS, Geometry
+from changefeed.ipc.provider import Provider
+from changefeed.producer.backfill_slots import BackfillSlots
+from changefeed.producer.producer import DcpProducer
+from changefeed.producer.stream_request import Accepted, Refused, RollbackTo
+from changefeed.protocol.batch import decode_batch
+from changefeed.protocol.dcp import OpenFlag, StreamRequest
+from changefeed.protocol.frame import Frame
+from changefeed.protocol.opcode import Opcode
+from changefeed.protocol.snapshot_marker import decode_snapshot_marker
+from changefeed.server.bucket import Bucket
+from changefeed.server.config import NodeConfig
+
+log = logging.getLogger("changefeed.shm")
+
+SEQNO_FOREVER: Final = 0xFFFF_FFFF_FFFF_FFFF
+TICK_S: Final = 0.1  # an idle group looks for refused streams and persistence this often
+RETRY_S: Final = 1.0  # a refused (not active) vbucket is asked for again after this long
+UUID, SEQNO, SNAP_START, SNAP_END, BEFORE = range(POSITION_FIELDS)
+
+
+def groups_of(vbuckets: int, groups: int) -> list[tuple[int, ...]]:
+    """`vbuckets` split into `groups` contiguous groups, as even as possible."""
+    assert 1 <= groups <= vbuckets, (groups, vbuckets)
+    bounds = [vbuckets * i // groups for i in range(groups + 1)]
+    return [tuple(range(bounds[i], bounds[i + 1])) for i in range(groups)]
+
+
+def service_name(bucket: str, port: int, index: int) -> str:
+    """The service of group `index` of a node: ``<bucket>-<port>-g<index>``."""
+    return f"{bucket}-{port}-g{index}"
+
+
+class GroupPublisher:
+    """One group: its provider, its in-process DCP producer and the task between them."""
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        provider: Provider,
+        *,
+        persisted_only: bool,
+        backfill_slots: BackfillSlots,
+        rows_per_batch: int = limits.SHM_ROWS_PER_BATCH_MAX,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.bucket = bucket
+        self.provider = provider
+        self.group = provider.geometry.group
+        self.persisted_only = persisted_only
+        self.rows_per_batch = rows_per_batch
+        self._loop_time = clock or asyncio.get_running_loop().time
+        self.producer = DcpProducer(
+            f"shm:{provider.service}",
+            OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES,
+            source=bucket,
+            backfill_slots=backfill_slots,
+        )
+        self._index = np.full(limits.VBUCKETS_MAX, -1, np.int64)
+        self._index[list(self.group)] = np.arange(len(self.group))
+        self._positions = self._start_positions()
+        self._snapshots: dict[int, tuple[int, int]] = {}
+        self._streaming: set[int] = set()
+        self._retry_at: dict[int, float] = {}
+        self._pending: list[pa.RecordBatch] = []
+        self._pending_rows = 0
+        self._work = asyncio.Event()
+        for vb in self.group:
+            bucket.wakeup(vb).add_callback(self._work.set)
+        self._task: asyncio.Task[None] | None = None
+        self.stats = {"rows": 0, "batches": 0, "rollbacks": 0, "gaps": 0, "refused": 0}
+
+    def _start_positions(self) -> NDArray[np.uint64]:
+        """Where the ring ends (a reused ring), else each vbucket's high seqno now."""
+        resumed = self.provider.resume_positions()
+        if resumed is not None:
+            log.info(
+                "%s: resuming the ring after batch %d",
+                self.provider.service,
+                self.provider.head_seq,
+            )
+            return resumed.copy()
+        positions = np.zeros((len(self.group), POSITION_FIELDS), np.uint64)
+        for i, vb in enumerate(self.group):
+            view = self.bucket.vbucket_view(vb)
+            if view is not None:
+                high = view.high_seqno
+                positions[i] = (view.failover_log.latest[0], high, high, high, high)
+        return positions
+
+    def start(self) -> None:
+        if self.provider.head_seq == 0:
+            # A fresh ring starts with an empty batch that carries the start positions, so a
+            # reader knows where the ring begins before any row is published.
+            self.provider.publish(ChangeRows().to_batch(), self._positions)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.provider.control_fileno(), self.provider.handle_control)
+        self._task = loop.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self.provider.control_fileno())
+        for vb in self.group:
+            with contextlib.suppress(ValueError):
+                self.bucket.wakeup(vb).remove_callback(self._work.set)
+        # What is persisted by now goes out; the rest is read again after a restart.
+        with contextlib.suppress(Exception):
+            self._publish_ready()
+        self.producer.close()
+        self.provider.stop_offer()
+
+    async def _run(self) -> None:
+        try:
+            while True:  # the group's publishing loop; cancelled by stop()
+                self._work.clear()
+                self._request_streams()
+                produced = self._pump() if self._pending_rows < limits.SHM_PENDING_ROWS_MAX else 0
+                published = self._publish_ready()
+                if produced or published:
+                    await asyncio.sleep(0)
+                    continue
+                wait = limits.SHM_PERSIST_POLL_S if self._pending_rows else TICK_S
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._work.wait(), wait)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("shm publisher of %s failed", self.provider.service)
+
+    # -- streams --------------------------------------------------------------------------------
+
+    def _request_streams(self) -> None:
+        now = self._loop_time()
+        for i, vb in enumerate(self.group):
+            if vb in self._streaming or self._retry_at.get(vb, 0.0) > now:
+                continue
+            uuid, seqno, snap_start, snap_end, _ = (int(v) for v in self._positions[i])
+            if not snap_start <= seqno <= snap_end:
+                snap_start = snap_end = seqno
+            request = StreamRequest(vb, vb, 0, seqno, SEQNO_FOREVER, uuid, snap_start, snap_end)
+            outcome = self.producer.stream_request(request)
+            if isinstance(outcome, Accepted):
+                self._streaming.add(vb)
+                self._positions[i, UUID] = outcome.vb_uuid
+                self._work.set()
+            elif isinstance(outcome, RollbackTo):
+                self._roll_back(i, vb, outcome.seqno)
+            else:
+                assert isinstance(outcome, Refused), outcome
+                self.stats["refused"] += 1
+                self._retry_at[vb] = now + RETRY_S
+                log.debug("%s vb %d: %s", self.provider.service, vb, outcome.message)
+
+    def _roll_back(self, index: int, vb: int, seqno: int) -> None:
+        """The node cannot continue vb from our position: void our rows after a consistent
+        point at or below `seqno` (a snapshot end we published whole), then ask again there."""
+        _, at, snap_start, snap_end, _ = (int(v) for v in self._positions[index])
+        point = at if at == snap_end else max(snap_start - 1, 0)
+        if point > seqno:
+            point = 0  # no whole snapshot of ours is known at or below it
+        log.warning("%s vb %d: rolling back from %d to %d", self.provider.service, vb, at, point)
+        self._drop_pending(vb, point)
+        rows = ChangeRows()
+        rows.append_rollback(vb, point)
+        self._pending.append(rows.to_batch())
+        self._pending_rows += 1
+        # Asked again from `point` on the same branch: common history up to there.
+        self._positions[index, SEQNO:BEFORE] = point
+        self.stats["rollbacks"] += 1
+
+    def _drop_pending(self, vb: int, seqno: int) -> None:
+        kept = []
+        for batch in self._pending:
+            vbs = batch.column("vbucket").to_numpy()
+            seqnos = batch.column("seqno").to_numpy()
+            keep = (vbs != vb) | (seqnos <= seqno)
+            kept.append(batch if keep.all() else batch.filter(pa.array(keep)))
+        self._pending = [b for b in kept if b.num_rows]
+        self._pending_rows = sum(b.num_rows for b in self._pending)
+
+    # -- frames -> rows -------------------------------------------------------------------------
+
+    def _pump(self) -> int:
+        """Take what the producer has and turn it into pending rows; returns frames' bytes."""
+        out: list[bytes] = []
+        written = self.producer.pump(out, limits.PUMP_BYTES_MAX)
+        if not out:
+            return 0
+        data = b"".join(out)
+        batch = decode_batch(data)
+        assert batch.consumed == len(data), (batch.consumed, len(data))
+        rows = ChangeRows()
+        changes = batch.changes
+        done = 0
+        for position, frame in batch.controls:
+            if position > done:
+                rows.append_changes(changes.slice(done, position), self._snapshots)
+                done = position
+            self._on_control(frame)
+        if len(changes) > done:
+            rows.append_changes(changes.slice(done, len(changes)), self._snapshots)
+        if len(rows):
+            self._pending.append(rows.to_batch())
+            self._pending_rows += len(rows)
+        return max(written, 1)
+
+    def _on_control(self, frame: Frame) -> None:
+        if frame.opcode == Opcode.DCP_SNAPSHOT_MARKER:
+            marker = decode_snapshot_marker(frame)
+            self._snapshots[frame.vbucket] = (marker.snap_start, marker.snap_end)
+        elif frame.opcode == Opcode.DCP_STREAM_END:
+            log.info("%s vb %d: stream ended; asking again", self.provider.service, frame.vbucket)
+            self._streaming.discard(frame.vbucket)
+            self._retry_at[frame.vbucket] = self._loop_time() + RETRY_S
+
+    # -- rows -> batches -------------------------------------------------------------------------
+
+    def _publish_ready(self) -> int:
+        """Publish the pending rows that may go (persisted ones, or all); returns rows sent."""
+        if not self._pending:
+            return 0
+        batch = self._pending[0] if len(self._pending) == 1 else pa.concat_batches(self._pending)
+        rest = None
+        if self.persisted_only:
+            vbs = batch.column("vbucket").to_numpy()
+            seqnos = batch.column("seqno").to_numpy()
+            persisted = np.array([self.bucket.vbucket(vb).persisted_seqno for vb in self.group])
+            ready = seqnos <= persisted[self._index[vbs]]
+            ready |= np.asarray(batch.column("op").to_numpy(zero_copy_only=False) == OP_ROLLBACK)
+            if not ready.all():
+                rest = batch.filter(pa.array(~ready))
+                batch = batch.filter(pa.array(ready))
+        self._pending = [rest] if rest is not None and rest.num_rows else []
+        self._pending_rows = 0 if rest is None else int(rest.num_rows)
+        rows = int(batch.num_rows)
+        for start in range(0, rows, self.rows_per_batch):
+            self._publish(batch.slice(start, self.rows_per_batch))
+        self.stats["rows"] += rows
+        return rows
+
+    def _publish(self, batch: pa.RecordBatch) -> None:
+        """One batch into one slot: split while too large; a row too large is a gap."""
+        if pa.ipc.get_record_batch_size(batch) > self.provider.payload_bytes:
+            if batch.num_rows > 1:
+                half = batch.num_rows // 2
+                self._publish(batch.slice(0, half))
+                self._publish(batch.slice(half))
+                return
+            self._advance(batch)
+            self.provider.publish_gap(self._positions)
+            self.stats["gaps"] += 1
+            return
+        self._advance(batch)
+        self.provider.publish(batch, self._positions)
+        self.stats["batches"] += 1
+
+    def _advance(self, batch: pa.RecordBatch) -> None:
+        """Positions after `batch`: each vbucket's last row (seqno and snapshot)."""
+        positions = self._positions
+        positions[:, BEFORE] = positions[:, SEQNO]
+        index = self._index[batch.column("vbucket").to_numpy()]
+        _, from_end = np.unique(index[::-1], return_index=True)
+        last = len(index) - 1 - from_end
+        rows = index[last]
+        positions[rows, SEQNO] = batch.column("seqno").to_numpy()[last]
+        positions[rows, SNAP_START] = batch.column("snap_start").to_numpy()[last]
+        positions[rows, SNAP_END] = batch.column("snap_end").to_numpy()[last]
+
+
+class ShmPublisher:
+    """Every group of the node's bucket, published while the node runs.
+
+    Args:
+        bucket: the node's bucket.
+        config: ``shm_*`` settings.
+        port: the node's bound port (it names the services).
+        backfill_slots: the node's bound on disk backfills.
+    """
+
+    def __init__(
+        self, bucket: Bucket, config: NodeConfig, *, port: int, backfill_slots: BackfillSlots
+    ) -> None:
+        self.bucket = bucket
+        self.config = config
+        self.port = port
+        self.backfill_slots = backfill_slots
+        self.groups: list[GroupPublisher] = []
+
+    def start(self) -> None:
+        """Offer every group's service and start publishing.
+
+        Raises:
+            changefeed.ipc.ProviderExistsError: another live node offers one of them.
+        """
+        config = self.config
+        for index, group in enumerate(groups_of(len(self.bucket.vbuckets), config.shm_groups)):
+            geometry = Geometry(
+                config.shm_slots, config.shm_slot_bytes, config.shm_max_subscribers, group
+            )
+            provider = Provider.offer(
+                service_name(self.bucket.name, self.port, index),
+                geometry,
+                directory=config.shm_dir,
+                bucket=self.bucket.name,
+                node_port=self.port,
+            )
+            publisher = GroupPublisher(
+                self.bucket,
+                provider,
+                persisted_only=config.shm_persisted_only,
+                backfill_slots=self.backfill_slots,
+            )
+            publisher.start()
+            self.groups.append(publisher)
+
+    async def stop(self) -> None:
+        for publisher in self.groups:
+            await publisher.stop()
+        self.groups.clear()
+
+    def stats(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for publisher in self.groups:
+            for key, value in publisher.stats.items():
+                total[key] = total.get(key, 0) + value
+            total["subscribers"] = (
+                total.get("subscribers", 0) + publisher.provider.subscription()[0]
+            )
+        return total
