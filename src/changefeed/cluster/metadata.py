@@ -1,0 +1,709 @@
+"""Cluster metadata on etcd: node membership, the vbucket map, and the orchestrator's election.
+
+Everything of cluster ``C`` lives under ``/changefeed/C/``::
+
+    nodes/<name>    a live node's address (JSON), on the node's lease: it vanishes within one
+                    TTL of the node dying, which is how the cluster learns it died
+    status/<name>   what the node chooses to publish about itself (JSON), on the same lease
+    leader          the orchestrator's name, on its lease, created only if absent
+    map             the cluster map (``ClusterMap.to_json``), no lease: it outlives everyone
+
+Why the leader key's *create revision* is in every map write: a lease alone does not make a
+lock safe. A leader that stalls (GC, a paused VM, a partition) past its TTL still believes it
+leads while etcd has already elected another; Jepsen showed etcd locks used that way let two
+holders act at once. So ``write_map`` is one etcd transaction that compares the map key's mod
+revision (compare-and-swap: nothing changed since the writer read it) *and* that the leader key
+still has the create revision the writer won the election with (the fencing token). A stale
+leader's write then fails inside etcd, whatever it believes.
+
+Every request has a deadline (``limits.ETCD_REQUEST_TIMEOUT_S``) and an unreachable etcd is a
+``MetadataUnavailableError`` naming the endpoint. Watches (``watch_map``, ``watch_nodes``)
+never give up: they re-read and re-watch after a disconnect or a compaction, with backoff, so a
+node keeps its last map while etcd is away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import aetcd
+import aetcd.exceptions
+import aetcd.rtypes
+import aetcd.utils
+
+from changefeed import limits
+from changefeed.cluster.failover import InSyncRecord
+from changefeed.vbmap import ClusterMap, NodeAddress
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+NODE_DOC_BYTES_MAX = 64 * 1024  # a node's address or status document
+# gRPC reconnects with exponential backoff up to 120 s by default: after a long etcd outage a
+# node would notice etcd is back only minutes later. Cap it at the watch retry backoff.
+GRPC_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": int(limits.ETCD_RETRY_BACKOFF_MIN_S * 1000),
+    "grpc.min_reconnect_backoff_ms": int(limits.ETCD_RETRY_BACKOFF_MIN_S * 1000),
+    "grpc.max_reconnect_backoff_ms": int(limits.ETCD_RETRY_BACKOFF_MAX_S * 1000),
+}
+
+
+class MetadataUnavailableError(ConnectionError):
+    """etcd did not answer (refused, timed out, unavailable); the message names the endpoint."""
+
+
+def _stop_if_cancelled() -> None:
+    """Raise CancelledError if this task was asked to stop: a library that turned the
+    cancellation into an error (gRPC does) must not make a retry loop outlive it."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def _cancel_and_wait(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait until it ends, without swallowing a cancellation of our own
+    (``suppress(CancelledError)`` around ``await task`` would)."""
+    task.cancel()
+    await asyncio.wait({task})
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not NAME_PATTERN.fullmatch(name):
+        raise ValueError(
+            f"{kind} name {name!r} must be 1-128 letters, digits, '_', '.', ':' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``http://host:port`` (or ``host:port``) as (host, port).
+
+    Raises:
+        ValueError: not such a URL (https and paths are not supported), naming it.
+    """
+    refused = ValueError(f"etcd endpoint {endpoint!r} is not http://HOST:PORT")
+    try:
+        url = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+        port, host = url.port, url.hostname
+    except ValueError:  # a bad port or a bad IPv6 literal
+        raise refused from None
+    if url.scheme != "http" or not host or port is None or url.path not in ("", "/"):
+        raise refused
+    return host, port
+
+
+class _KeptLease:
+    """A lease kept alive by a task; ``lost`` is set once etcd may have let it expire.
+
+    Lost means: etcd said the lease is gone (TTL 0), or no keep-alive succeeded for a whole
+    TTL (counted from when the last successful one was *sent*, so we declare it lost no later
+    than etcd expires it), or ``check`` (run after each keep-alive) said so.
+    """
+
+    def __init__(
+        self,
+        metadata: ClusterMetadata,
+        lease_id: int,
+        ttl_s: int,
+        what: str,
+        check: Callable[[], Awaitable[str | None]] | None = None,
+    ) -> None:
+        self.metadata = metadata
+        self.lease_id = lease_id
+        self.ttl_s = ttl_s
+        self.what = what
+        self.lost = asyncio.Event()
+        self.reason = ""
+        self.callbacks: list[Callable[[str], None]] = []
+        self._check = check
+        self._expires_at = time.monotonic() + ttl_s
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._keep(), name=f"lease {what}")
+
+    async def _keep(self) -> None:
+        interval = self.ttl_s / 3
+        timeout = min(limits.ETCD_REQUEST_TIMEOUT_S, interval)
+        failing = False
+        while not (self.lost.is_set() or self._closed):
+            _stop_if_cancelled()
+            await asyncio.sleep(interval)
+            sent = time.monotonic()
+            try:
+                reply = await self.metadata._call(
+                    self.metadata.client.refresh_lease(self.lease_id), "lease keep-alive", timeout
+                )
+                if reply is None or reply.TTL <= 0:
+                    self._lose("etcd says the lease expired")
+                    return
+                self._expires_at = sent + reply.TTL
+                if failing:
+                    log.info("%s: lease keep-alive works again", self.what)
+                    failing = False
+                if self._check is not None:
+                    problem = await self._check()
+                    if problem:
+                        self._lose(problem)
+                        return
+            except MetadataUnavailableError as error:
+                if time.monotonic() >= self._expires_at:
+                    self._lose(f"no keep-alive for a whole TTL ({self.ttl_s} s): {error}")
+                    return
+                if not failing:
+                    log.warning("%s: lease keep-alive failed, retrying: %s", self.what, error)
+                    failing = True
+
+    def _lose(self, reason: str) -> None:
+        if self.lost.is_set():
+            return
+        self.reason = reason
+        self.lost.set()
+        if self._closed:
+            return
+        log.warning("%s: lost (%s)", self.what, reason)
+        for callback in self.callbacks:
+            try:
+                callback(reason)
+            except Exception:  # a broken observer must not stop the others
+                log.exception("%s: lost-callback failed", self.what)
+
+    async def close(self, *, revoke: bool = True) -> None:
+        """Stop keeping the lease and, with `revoke`, revoke it (its keys go at once; without,
+        they go when the TTL runs out); sets ``lost`` without calling the callbacks (a chosen
+        end, not a loss)."""
+        self._closed = True
+        await _cancel_and_wait(self._task)
+        self._lose("closed")
+        if not revoke:
+            return
+        with contextlib.suppress(MetadataUnavailableError):  # then it expires by itself
+            await self.metadata._call(self.metadata.client.revoke_lease(self.lease_id), "revoke")
+
+
+class Membership:
+    """This node's place in the member list, for as long as its lease lives.
+
+    Attributes:
+        node: the address registered.
+        lost: set when the lease is gone (the node is no longer a member; register again to
+            rejoin) or after ``close``.
+    """
+
+    def __init__(self, metadata: ClusterMetadata, node: NodeAddress, lease: _KeptLease) -> None:
+        self.metadata = metadata
+        self.node = node
+        self._lease = lease
+
+    @property
+    def lost(self) -> asyncio.Event:
+        return self._lease.lost
+
+    @property
+    def lease_id(self) -> int:
+        return self._lease.lease_id
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` when the lease is lost (not on ``close``)."""
+        self._lease.callbacks.append(callback)
+
+    async def put_status(self, status: Mapping[str, object]) -> None:
+        """Publish ``status`` (JSON-able) under ``status/<name>``, on the membership lease.
+
+        Raises:
+            MetadataUnavailableError: etcd did not answer.
+            ValueError: the document is larger than 64 KiB.
+        """
+        data = json.dumps(dict(status), sort_keys=True).encode()
+        if len(data) > NODE_DOC_BYTES_MAX:
+            raise ValueError(f"node status of {len(data)} bytes exceeds {NODE_DOC_BYTES_MAX}")
+        key = self.metadata.key(f"status/{self.node.name}")
+        await self.metadata._call(
+            self.metadata.client.put(key, data, lease=self.lease_id), "put status"
+        )
+
+    async def close(self, *, revoke: bool = True) -> None:
+        """Leave the cluster: now (revoke the lease; the member and status keys go with it),
+        or, without `revoke`, when the lease's TTL runs out — what a node that stops does, so a
+        restart within the failover timeout is not a failover."""
+        await self._lease.close(revoke=revoke)
+
+
+class Leadership:
+    """The orchestrator's term, won by creating the leader key.
+
+    Attributes:
+        candidate: who won (the leader key's value).
+        token: the leader key's create revision: the fencing token every map write compares.
+        lost: set when the term may be over (lease gone, key deleted or taken over), or after
+            ``resign``. Stop acting at once; ``write_map`` is fenced anyway.
+    """
+
+    def __init__(
+        self, metadata: ClusterMetadata, candidate: str, token: int, lease: _KeptLease
+    ) -> None:
+        self.metadata = metadata
+        self.candidate = candidate
+        self.token = token
+        self.lost = lease.lost
+        self._lease = lease
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost.is_set() else "held"
+        return f"Leadership({self.candidate!r}, token {self.token}, {state})"
+
+    @property
+    def lease_id(self) -> int:
+        return self._lease.lease_id
+
+    @property
+    def reason(self) -> str:
+        """Why the term ended ("" while it is held)."""
+        return self._lease.reason
+
+    async def resign(self) -> None:
+        """End the term: delete the leader key if it is still ours, and revoke the lease."""
+        key = self.metadata.key("leader")
+        t = self.metadata.client.transactions
+        with contextlib.suppress(MetadataUnavailableError):  # the lease revoke (or TTL) frees it
+            await self.metadata._call(
+                self.metadata.client.transaction(
+                    compare=[t.create(key) == self.token], success=[t.delete(key)], failure=[]
+                ),
+                "resign",
+            )
+        await self._lease.close()
+
+
+class ClusterMetadata:
+    """One etcd client for cluster ``cluster``. Create with ``connect``; ``close`` when done.
+
+    Memberships and leaderships made through it are revoked by ``close``.
+    """
+
+    def __init__(self, client: Any, endpoint: str, cluster: str, timeout_s: float) -> None:
+        self.client = client
+        self.endpoint = endpoint
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+        self.prefix = f"/changefeed/{cluster}/"
+        self._leases: list[_KeptLease] = []
+
+    @classmethod
+    async def connect(
+        cls, endpoint: str, cluster: str, *, timeout_s: float = limits.ETCD_REQUEST_TIMEOUT_S
+    ) -> ClusterMetadata:
+        """Connect to the etcd at ``endpoint`` (``http://127.0.0.1:PORT``) and check it answers.
+
+        Raises:
+            ValueError: a malformed endpoint or cluster name.
+            MetadataUnavailableError: etcd did not answer within ``timeout_s``.
+        """
+        host, port = parse_endpoint(endpoint)
+        _check_name("cluster", cluster)
+        client = aetcd.Client(host, port, timeout=timeout_s, options=dict(GRPC_OPTIONS))
+        metadata = cls(client, endpoint, cluster, timeout_s)
+        try:
+            await metadata._call(client.get(metadata.key("map")), "connect")
+        except BaseException:
+            await metadata.close()
+            raise
+        return metadata
+
+    async def close(self) -> None:
+        """Revoke this client's leases (memberships, leaderships) still kept, and close the
+        connection. (A lease closed without revoking stays until its TTL.)"""
+        for lease in self._leases:
+            if not lease.lost.is_set():
+                await lease.close()
+        self._leases.clear()
+        with contextlib.suppress(Exception):  # closing a dead channel may complain
+            async with asyncio.timeout(self.timeout_s):
+                await self.client.close()
+
+    async def __aenter__(self) -> ClusterMetadata:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def key(self, suffix: str) -> bytes:
+        return (self.prefix + suffix).encode()
+
+    async def _call(self, awaitable: Awaitable[T], what: str, timeout_s: float | None = None) -> T:
+        """Await one etcd request with a deadline; any failure becomes one line naming etcd."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a cancellation that
+            # races with the result, and a loop around it would then never stop
+            async with asyncio.timeout(timeout_s):
+                return await awaitable
+        except TimeoutError:
+            raise MetadataUnavailableError(
+                f"etcd at {self.endpoint} did not answer {what} in {timeout_s:g} s"
+            ) from None
+        except aetcd.exceptions.ClientError as error:
+            _stop_if_cancelled()  # gRPC turns our cancellation into an RPC error
+            detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise MetadataUnavailableError(
+                f"etcd at {self.endpoint}: {what} failed: {detail}"
+            ) from None
+
+    async def _grant(self, ttl_s: int, what: str) -> int:
+        if ttl_s < limits.ETCD_LEASE_TTL_S_MIN:
+            raise ValueError(f"lease TTL {ttl_s} s is below {limits.ETCD_LEASE_TTL_S_MIN} s")
+        lease = await self._call(self.client.lease(ttl_s), f"lease grant for {what}")
+        return int(lease.id)
+
+    # -- membership ---------------------------------------------------------------------------
+
+    async def register_node(
+        self, node: NodeAddress, ttl_s: int = limits.ETCD_LEASE_TTL_S_DEFAULT
+    ) -> Membership:
+        """Put ``nodes/<name>`` on a new lease kept alive in a task.
+
+        Raises:
+            MetadataUnavailableError: etcd did not answer.
+            ValueError: a bad node name or TTL.
+        """
+        _check_name("node", node.name)
+        lease_id = await self._grant(ttl_s, f"node {node.name}")
+        document = {"name": node.name, "host": node.host, "port": node.port}
+        await self._call(
+            self.client.put(
+                self.key(f"nodes/{node.name}"), json.dumps(document).encode(), lease=lease_id
+            ),
+            "register node",
+        )
+        lease = _KeptLease(self, lease_id, ttl_s, f"member {node.name} of {self.cluster}")
+        self._leases.append(lease)
+        log.info("node %s (%s) joined cluster %s", node.name, node.server, self.cluster)
+        return Membership(self, node, lease)
+
+    async def live_nodes(self) -> dict[str, NodeAddress]:
+        """The registered nodes, by name (sorted)."""
+        got = await self._call(self.client.get_prefix(self.key("nodes/")), "list nodes")
+        return self._nodes_of({kv.key: kv for kv in got})
+
+    async def watch_nodes(self) -> AsyncGenerator[dict[str, NodeAddress], None]:
+        """The live nodes now, then again after each change (never ends; survives outages)."""
+        last: dict[str, NodeAddress] | None = None
+        prefix = self.key("nodes/")
+        async for state in self._follow(prefix, aetcd.utils.prefix_range_end(prefix)):
+            nodes = self._nodes_of(state)
+            if nodes != last:
+                last = nodes
+                yield nodes
+
+    def _nodes_of(self, kvs: Mapping[bytes, Any]) -> dict[str, NodeAddress]:
+        nodes: dict[str, NodeAddress] = {}
+        for key in sorted(kvs):
+            try:
+                document = json.loads(kvs[key].value)
+                node = NodeAddress(
+                    str(document["name"]), str(document["host"]), int(document["port"])
+                )
+                if not 0 < node.port <= 65535:
+                    raise ValueError(f"port {node.port}")
+            except (ValueError, KeyError, TypeError, RecursionError) as error:
+                log.error("ignoring malformed member %r: %r", key, error)
+                continue
+            nodes[node.name] = node
+        return nodes
+
+    async def node_statuses(self) -> dict[str, dict[str, Any]]:
+        """What each live node published with ``Membership.put_status``, by name."""
+        got = await self._call(self.client.get_prefix(self.key("status/")), "list statuses")
+        statuses: dict[str, dict[str, Any]] = {}
+        for kv in got:
+            name = kv.key.decode(errors="replace").rpartition("/")[2]
+            with contextlib.suppress(ValueError):
+                document = json.loads(kv.value)
+                if isinstance(document, dict):
+                    statuses[name] = document
+        return dict(sorted(statuses.items()))
+
+    # -- the map ------------------------------------------------------------------------------
+
+    def _parse_map(self, value: bytes) -> ClusterMap:
+        if len(value) > limits.CLUSTER_MAP_BYTES_MAX:
+            raise ValueError(
+                f"cluster map at {self.prefix}map is {len(value)} bytes, over "
+                f"{limits.CLUSTER_MAP_BYTES_MAX}"
+            )
+        try:
+            return ClusterMap.from_json(json.loads(value))
+        except (ValueError, RecursionError) as error:  # RecursionError: absurd nesting
+            raise ValueError(f"cluster map at {self.prefix}map: {error!r}"[:500]) from None
+
+    async def read_map(self) -> tuple[ClusterMap, int] | None:
+        """The current map and the mod revision of its key, or None before the first map.
+
+        Raises:
+            MetadataUnavailableError: etcd did not answer.
+            ValueError: the stored map is malformed.
+        """
+        kv = await self._call(self.client.get(self.key("map")), "read map")
+        if kv is None:
+            return None
+        return self._parse_map(kv.value), int(kv.mod_revision)
+
+    async def watch_map(self) -> AsyncGenerator[tuple[ClusterMap, int], None]:
+        """The current map (waiting for the first one), then each later map, in order, with the
+        mod revision of its key. Never ends. After a disconnect or a compaction it re-reads
+        the map, so maps written meanwhile may be skipped but never reordered: revisions only
+        increase."""
+        key = self.key("map")
+        last = 0
+        async for state in self._follow(key, key + b"\0"):
+            kv = state.get(key)
+            if kv is None or kv.mod_revision <= last:
+                continue
+            last = kv.mod_revision
+            yield self._parse_map(kv.value), int(kv.mod_revision)
+
+    async def write_map(
+        self, new: ClusterMap, expected_mod_revision: int | None, leadership: Leadership
+    ) -> int | None:
+        """Store ``new`` if the map key is still at ``expected_mod_revision`` (None: there is no
+        map yet) and ``leadership`` still holds the leader key (its create revision and value):
+        one etcd transaction.
+
+        Returns:
+            the map key's new mod revision (truthy), or None when the map changed meanwhile or
+            the leadership is gone (read the map again, or stop acting).
+
+        Raises:
+            ValueError: ``new.rev`` is not above the stored map's rev (or below 1): a bug in the
+                caller, not a race.
+            MetadataUnavailableError: etcd did not answer (the write may or may not have
+                happened: read the map to know).
+        """
+        if new.rev < 1:
+            raise ValueError(f"map rev {new.rev} must be at least 1")
+        data = json.dumps(new.to_json(), separators=(",", ":")).encode()
+        if len(data) > limits.CLUSTER_MAP_BYTES_MAX:
+            raise ValueError(f"cluster map of {len(data)} bytes exceeds the limit")
+        if leadership.lost.is_set() or leadership.metadata.cluster != self.cluster:
+            return None
+        key, leader = self.key("map"), self.key("leader")
+        t = self.client.transactions
+        if expected_mod_revision is None:
+            map_compare = t.create(key) == 0
+        else:
+            stored = await self.read_map()
+            if stored is None or stored[1] != expected_mod_revision:
+                return None
+            if new.rev <= stored[0].rev:
+                raise ValueError(
+                    f"map rev {new.rev} is not above the stored map's rev {stored[0].rev}"
+                )
+            map_compare = t.mod(key) == expected_mod_revision
+        succeeded, responses = await self._call(
+            self.client.transaction(
+                compare=[
+                    map_compare,
+                    t.create(leader) == leadership.token,
+                    t.value(leader) == leadership.candidate.encode(),
+                ],
+                success=[t.put(key, data), t.get(key)],
+                failure=[],
+            ),
+            "write map",
+        )
+        if not succeeded:
+            log.info(
+                "map rev %d by %s not written: the map or the leadership changed",
+                new.rev,
+                leadership.candidate,
+            )
+            return None
+        revision = int(responses[1][0][1].mod_revision)
+        log.info(
+            "map rev %d written by %s (token %d, etcd revision %d)",
+            new.rev,
+            leadership.candidate,
+            leadership.token,
+            revision,
+        )
+        return revision
+
+    # -- in-sync sets and failover requests ---------------------------------------------------
+
+    async def put_in_sync(self, vb: int, active: str, members: list[str]) -> None:
+        """Record `vb`'s in-sync set as its active sees it (``insync/<vb>``, not on a lease:
+        the orchestrator needs it after the active is gone, as Kafka keeps the ISR in the
+        controller)."""
+        document = {"active": active, "members": sorted(members)}
+        await self._call(
+            self.client.put(self.key(f"insync/{vb}"), json.dumps(document).encode()),
+            "put in-sync set",
+        )
+
+    async def in_sync_sets(self) -> dict[int, InSyncRecord]:
+        """Every vbucket's last published in-sync set (malformed entries are skipped)."""
+        got = await self._call(self.client.get_prefix(self.key("insync/")), "list in-sync sets")
+        found: dict[int, InSyncRecord] = {}
+        for kv in got:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                vb = int(kv.key.decode().rpartition("/")[2])
+                document = json.loads(kv.value)
+                members = frozenset(str(m) for m in document["members"])
+                found[vb] = InSyncRecord(str(document["active"]), members)
+        return found
+
+    async def request_failover(self, node: str, *, force: bool = False) -> None:
+        """Ask the orchestrator to fail `node` over (``changefeed cluster failover``)."""
+        _check_name("node", node)
+        document = json.dumps({"force": force}).encode()
+        await self._call(self.client.put(self.key(f"failover/{node}"), document), "failover")
+
+    async def failover_requests(self) -> dict[str, bool]:
+        """Pending failover requests: node name -> force."""
+        got = await self._call(self.client.get_prefix(self.key("failover/")), "failover list")
+        found: dict[str, bool] = {}
+        for kv in got:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                found[kv.key.decode().rpartition("/")[2]] = bool(json.loads(kv.value)["force"])
+        return found
+
+    async def clear_failover_request(self, node: str) -> None:
+        await self._call(self.client.delete(self.key(f"failover/{node}")), "failover clear")
+
+    # -- the orchestrator's election ----------------------------------------------------------
+
+    async def leader(self) -> tuple[str, int] | None:
+        """The current leader's name and fencing token, or None."""
+        kv = await self._call(self.client.get(self.key("leader")), "read leader")
+        return None if kv is None else (kv.value.decode(errors="replace"), int(kv.create_revision))
+
+    async def campaign(
+        self, candidate: str, ttl_s: int = limits.ETCD_LEASE_TTL_S_DEFAULT
+    ) -> Leadership:
+        """Wait until ``candidate`` is the leader: create the leader key on our lease if it is
+        absent, else wait for it to go (a deletion, or a bounded wait) and try again. Retries
+        through etcd outages; cancel to give up.
+
+        Raises:
+            ValueError: a bad candidate name or TTL.
+        """
+        _check_name("candidate", candidate)
+        key = self.key("leader")
+        t = self.client.transactions
+        lease: _KeptLease | None = None
+        backoff = limits.ETCD_RETRY_BACKOFF_MIN_S
+        try:
+            while True:
+                _stop_if_cancelled()
+                try:
+                    if lease is None or lease.lost.is_set():
+                        lease_id = await self._grant(ttl_s, f"candidate {candidate}")
+                        lease = _KeptLease(self, lease_id, ttl_s, f"leader {candidate}")
+                    succeeded, responses = await self._call(
+                        self.client.transaction(
+                            compare=[t.create(key) == 0],
+                            success=[
+                                t.put(key, candidate.encode(), lease=lease.lease_id),
+                                t.get(key),
+                            ],
+                            failure=[t.get(key)],
+                        ),
+                        "campaign",
+                    )
+                    found = responses[-1]
+                    current = found[0][1] if found else None
+                    if succeeded:
+                        assert current is not None  # read in the same transaction
+                        return self._won(candidate, int(current.create_revision), lease)
+                    if current is not None:
+                        await self._wait_deleted(key, int(current.mod_revision) + 1, ttl_s)
+                    backoff = limits.ETCD_RETRY_BACKOFF_MIN_S
+                except MetadataUnavailableError as error:
+                    log.warning("%s: campaign: %s; retrying in %.1f s", candidate, error, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, limits.ETCD_RETRY_BACKOFF_MAX_S)
+        except BaseException:
+            if lease is not None:
+                await lease.close()
+            raise
+
+    def _won(self, candidate: str, token: int, lease: _KeptLease) -> Leadership:
+        key = self.key("leader")
+
+        async def still_leader() -> str | None:
+            kv = await self._call(self.client.get(key), "check leader")
+            if kv is None:
+                return "the leader key is gone"
+            if int(kv.create_revision) != token or kv.value != candidate.encode():
+                return f"the leader key now belongs to {kv.value.decode(errors='replace')!r}"
+            return None
+
+        lease._check = still_leader
+        lease.what = f"leadership of {candidate} (token {token})"
+        self._leases.append(lease)
+        log.info("%s leads cluster %s (token %d)", candidate, self.cluster, token)
+        return Leadership(self, candidate, token, lease)
+
+    async def _wait_deleted(self, key: bytes, start_revision: int, timeout_s: float) -> None:
+        """Return when ``key`` is deleted at or after ``start_revision``, or after
+        ``timeout_s`` (the caller then looks again)."""
+        with contextlib.suppress(aetcd.exceptions.WatchTimeoutError):
+            await self._call(
+                self.client.watch_once(
+                    key,
+                    timeout=timeout_s,
+                    start_revision=start_revision,
+                    kind=aetcd.rtypes.EventKind.DELETE,
+                ),
+                "watch leader",
+                timeout_s + self.timeout_s,
+            )
+
+    # -- following a key range ----------------------------------------------------------------
+
+    async def _follow(self, key: bytes, range_end: bytes) -> AsyncGenerator[dict[bytes, Any], None]:
+        """The range's key-values now, then after each event, forever: read, then watch from
+        the next revision; on any failure (etcd away, compaction) back off and start over."""
+        backoff = limits.ETCD_RETRY_BACKOFF_MIN_S
+        outage = False
+        while True:
+            _stop_if_cancelled()
+            try:
+                got = await self._call(self.client.get_range(key, range_end), "read")
+                state = {kv.key: kv for kv in got}
+                if outage:
+                    log.info("etcd at %s is back; watching %r again", self.endpoint, key)
+                    outage = False
+                yield dict(state)
+                watch = await self._call(
+                    self.client.watch(
+                        key, range_end=range_end, start_revision=got.header.revision + 1
+                    ),
+                    "watch",
+                )
+                try:
+                    async for event in watch:
+                        backoff = limits.ETCD_RETRY_BACKOFF_MIN_S
+                        if event.kind == aetcd.rtypes.EventKind.PUT:
+                            state[event.kv.key] = event.kv
+                        else:
+                            state.pop(event.kv.key, None)
+                        yield dict(state)
+                finally:
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(self.timeout_s):
+                            await watch.cancel()
+            except (MetadataUnavailableError, aetcd.exceptions.ClientError) as error:
+                if not outage:
+                    log.warning("watching %r: %s; retrying", key, str(error).splitlines()[0])
+                    outage = True
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, limits.ETCD_RETRY_BACKOFF_MAX_S)

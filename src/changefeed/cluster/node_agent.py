@@ -1,0 +1,267 @@
+"""A node's membership of a cluster: it registers, stands for orchestrator, and follows the map.
+
+The agent is the only place where the cluster map turns into node state. For every map revision
+it sees (etcd watch), it:
+- sets each vbucket's state from the node's place in the vbucket's chain: first → ACTIVE (a new
+  failover branch when promoted), later → REPLICA, absent → DEAD; a vbucket that stops being
+  active here ends its DCP streams with STATE_CHANGED, so consumers re-request where the map
+  now points;
+- runs one `ReplicaFeed` per active node it replicates from, restarting a feed only when its
+  set of vbuckets or its source changed (a running catch-up is not disturbed by unrelated
+  map changes);
+- publishes the map to the node's `ServerContext` (GET_CLUSTER_CONFIG, NOT_MY_VBUCKET bodies).
+
+A map older than one applied already is ignored (revisions only move forward).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator
+
+from changefeed.cluster.metadata import ClusterMetadata, Membership
+from changefeed.cluster.orchestrator import Orchestrator
+from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
+from changefeed.protocol.dcp import StreamEndReason
+from changefeed.server.node import Node
+from changefeed.vbmap import ClusterMap, NodeAddress
+from changefeed.vbucket_state import VBucketState
+
+log = logging.getLogger("changefeed.cluster")
+
+REPLICATION_USER = "Administrator"
+STOP_WAIT_S = 5.0
+STATUS_INTERVAL_S = 0.25
+
+
+def replication_password() -> str:
+    """The password replicas authenticate with at their actives: every node of a cluster has
+    the user (created from ``CHANGEFEED_PASSWORD`` on first start, see server/node.py)."""
+    return os.environ.get("CHANGEFEED_PASSWORD", "password")
+
+
+class NodeAgent:
+    """Joins `node` to the cluster its config names; a `Companion` of `Node.run`."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.config = node.config
+        self.metadata: ClusterMetadata | None = None
+        self.membership: Membership | None = None
+        self.applied: ClusterMap | None = None
+        self.feeds: dict[str, tuple[ReplicaFeed, asyncio.Task[None]]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.map_applied = asyncio.Event()
+
+    @property
+    def me(self) -> NodeAddress:
+        return NodeAddress(self.config.node_name, self.config.host, self.node.port)
+
+    async def start(self) -> None:
+        """Connect to etcd, register, and start the orchestrator candidate and the map watch.
+
+        Raises:
+            MetadataUnavailableError: etcd did not answer (the node does not serve without it).
+        """
+        cfg = self.config
+        self.metadata = await ClusterMetadata.connect(cfg.etcd, cfg.cluster)
+        self.membership = await self.metadata.register_node(self.me, cfg.failover_timeout_s)
+        orchestrator = Orchestrator(
+            self.metadata,
+            cfg.node_name,
+            vbuckets=cfg.vbuckets,
+            replicas=cfg.replicas,
+            expected_nodes=cfg.expected_nodes,
+            lease_ttl_s=cfg.failover_timeout_s,
+        )
+        self.node.context.stat_providers["replica-feeds"] = self.feed_stats
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(orchestrator.run(), name="orchestrator"),
+            loop.create_task(self._follow_maps(), name="map-watch"),
+            loop.create_task(self._publish(), name="status"),
+            loop.create_task(self._keep_membership(), name="membership"),
+        ]
+
+    def feed_stats(self) -> Iterator[tuple[str, str]]:
+        """STAT replica-feeds: per active this node replicates from, what its feed did."""
+        for source, (feed, _) in sorted(self.feeds.items()):
+            for counter, value in dataclasses.asdict(feed.stats).items():
+                yield f"{source}:{counter}", str(value)
+            yield f"{source}:vbuckets", ",".join(map(str, sorted(feed.vbuckets)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for _, task in self.feeds.values():
+            task.cancel()
+        tasks = [*self._tasks, *(t for _, t in self.feeds.values())]
+        if tasks:  # bounded: a task stuck in an etcd call must not hold the shutdown
+            _, stuck = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+            for task in stuck:
+                log.warning("cluster task %s did not stop in %g s", task.get_name(), STOP_WAIT_S)
+        self.feeds.clear()
+        try:
+            async with asyncio.timeout(STOP_WAIT_S):
+                if self.membership is not None:
+                    # Not revoked: the lease runs out by itself, so a restart within the
+                    # failover timeout finds the map unchanged (no failover, no rejoin).
+                    await self.membership.close(revoke=False)
+                if self.metadata is not None:
+                    await self.metadata.close()
+        except (TimeoutError, ConnectionError) as error:
+            log.warning("leaving the cluster: %s (the lease expires by itself)", error or "timeout")
+
+    async def _follow_maps(self) -> None:
+        assert self.metadata is not None
+        while True:  # the watch; restarted after an etcd hiccup, ended by cancellation
+            try:
+                async for cluster_map, _revision in self.metadata.watch_map():
+                    self.apply(cluster_map)
+            except (ConnectionError, TimeoutError) as error:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError from error  # stopping: the client gave up
+                log.warning("map watch interrupted: %s; watching again", error)
+                await asyncio.sleep(0.5)
+
+    async def _keep_membership(self) -> None:
+        """Register again whenever the lease is lost (etcd unreachable, the loop stalled past
+        the TTL): a node that is up must not stay out of the cluster — the orchestrator would
+        have failed it over, and it rejoins as a replica."""
+        assert self.metadata is not None
+        backoff = 0.1
+        while True:  # ended by cancellation
+            membership = self.membership
+            assert membership is not None
+            await membership.lost.wait()
+            log.error("cluster membership lost; registering again")
+            try:
+                self.membership = await self.metadata.register_node(
+                    self.me, self.config.failover_timeout_s
+                )
+                backoff = 0.1
+            except (ConnectionError, TimeoutError) as error:
+                log.warning("registering again failed: %s; retrying in %.1f s", error, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+
+    async def _publish(self) -> None:
+        """Every STATUS_INTERVAL_S: this node's high seqno per vbucket it holds (the
+        orchestrator promotes the in-sync replica with the highest), and, for each vbucket
+        active here, its in-sync set when it changed (kept in etcd past this node's death)."""
+        assert self.metadata is not None
+        last_status: dict[str, object] = {}
+        membership = self.membership
+        published: dict[int, tuple[str, ...]] = {}
+        while True:  # ended by cancellation
+            await asyncio.sleep(STATUS_INTERVAL_S)
+            try:
+                status = self._status()
+                if self.membership is not membership:  # registered again: publish afresh
+                    membership, last_status = self.membership, {}
+                if (
+                    membership is not None
+                    and status != last_status
+                    and not membership.lost.is_set()
+                ):
+                    await membership.put_status(status)
+                    last_status = status
+                for vb, members in self._in_sync_sets().items():
+                    if published.get(vb) != members:
+                        await self.metadata.put_in_sync(vb, self.config.node_name, list(members))
+                        published[vb] = members
+            except ConnectionError as error:
+                log.warning("publishing status: %s", error)
+
+    def _status(self) -> dict[str, object]:
+        bucket = self.node.context.bucket
+        high = {
+            str(vb): v.high_seqno
+            for vb, v in bucket.vbuckets.items()
+            if v.state in (VBucketState.ACTIVE, VBucketState.REPLICA)
+        }
+        return {"high": high}
+
+    def _in_sync_sets(self) -> dict[int, tuple[str, ...]]:
+        """Per vbucket active here: its replicas (by the map) that are in sync now."""
+        tracker = self.node.context.replication
+        cluster_map = self.applied
+        if tracker is None or cluster_map is None:
+            return {}
+        found: dict[int, tuple[str, ...]] = {}
+        for vb, v in self.node.context.bucket.vbuckets.items():
+            if (
+                v.state is VBucketState.ACTIVE
+                and cluster_map.role_of(self.config.node_name, vb) == 0
+            ):
+                placed = {n.name for n in cluster_map.replica_nodes(vb)}
+                found[vb] = tuple(r for r in tracker.in_sync_set(vb) if r in placed)
+        return found
+
+    def apply(self, cluster_map: ClusterMap) -> None:
+        """Make the node's vbucket states and replica feeds what `cluster_map` says."""
+        if self.applied is not None and cluster_map.rev <= self.applied.rev:
+            return
+        if cluster_map.vbuckets != self.config.vbuckets:
+            log.error(
+                "map rev %d has %d vbuckets, this node %d: ignored",
+                cluster_map.rev, cluster_map.vbuckets, self.config.vbuckets,
+            )  # fmt: skip
+            return
+        context = self.node.context
+        name = self.config.node_name
+        sources: dict[str, set[int]] = {}
+        addresses: dict[str, NodeAddress] = {}
+        for vb in range(cluster_map.vbuckets):
+            role = cluster_map.role_of(name, vb)
+            wanted = (
+                VBucketState.DEAD
+                if role is None
+                else VBucketState.ACTIVE
+                if role == 0
+                else VBucketState.REPLICA
+            )
+            vbucket = context.bucket.vbucket(vb)
+            if vbucket.state is not wanted:
+                if vbucket.state is VBucketState.ACTIVE:
+                    context.dcp.end_streams(vb, StreamEndReason.STATE_CHANGED)
+                    if context.replication is not None:
+                        context.replication.forget(vb)
+                vbucket.set_state(wanted)
+            active = cluster_map.active(vb)
+            if wanted is VBucketState.REPLICA and active is not None:
+                sources.setdefault(active.name, set()).add(vb)
+                addresses[active.name] = active
+        context.cluster_map = cluster_map
+        self.applied = cluster_map
+        pushed = context.push_cluster_map()  # SDK connections that asked to be told
+        self._place_feeds(sources, addresses)
+        self.map_applied.set()
+        log.info(
+            "applied map rev %d: %d replica feeds, pushed to %d connections",
+            cluster_map.rev, len(self.feeds), pushed,
+        )  # fmt: skip
+
+    def _place_feeds(self, sources: dict[str, set[int]], addresses: dict[str, NodeAddress]) -> None:
+        for source_name in list(self.feeds):
+            feed, task = self.feeds[source_name]
+            wanted = sources.get(source_name)
+            if wanted != set(feed.vbuckets) or addresses.get(source_name) != feed.source:
+                task.cancel()
+                del self.feeds[source_name]
+        options = FeedOptions(
+            node_name=self.config.node_name,
+            bucket=self.config.bucket,
+            user=REPLICATION_USER,
+            password=replication_password(),
+        )
+        loop = asyncio.get_running_loop()
+        for source_name, vbs in sources.items():
+            if source_name not in self.feeds:
+                feed = ReplicaFeed(self.node.context.bucket, addresses[source_name], vbs, options)
+                task = loop.create_task(feed.run(), name=feed.name)
+                self.feeds[source_name] = (feed, task)

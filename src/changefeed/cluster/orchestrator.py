@@ -1,0 +1,290 @@
+"""The orchestrator: the one elected process that writes the cluster map.
+
+Every node runs an ``Orchestrator`` as a candidate; the one that wins the election leads. While
+it leads it watches the live nodes and asks ``plan`` for a new map each time they change; a map
+``plan`` returns is written fenced by the leadership token (``ClusterMetadata.write_map``). When
+the leadership is lost it stops at once (the acting task is cancelled, and a write already on
+its way fails inside etcd) and campaigns again.
+
+Today ``plan`` does one thing: with no map yet and at least ``expected_nodes`` live nodes, it
+places the initial map (rev 1). Failover and rebalance (issue 12) are more cases of ``plan``:
+it is given the live nodes and the current map, and returns the next map or None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+from changefeed import limits
+from changefeed.cluster.failover import plan_failover
+from changefeed.cluster.metadata import ClusterMetadata, Leadership, MetadataUnavailableError
+from changefeed.cluster.placement import initial_map
+from changefeed.vbmap import ClusterMap, NodeAddress
+
+log = logging.getLogger(__name__)
+
+STEP_INTERVAL_S = 1.0  # the leader looks at the cluster at least this often (failover requests)
+
+
+class Orchestrator:
+    """A candidate for orchestrator of one cluster; ``run`` until cancelled.
+
+    Args:
+        metadata: the cluster's etcd client.
+        candidate: this candidate's name (the node's name).
+        vbuckets, replicas: the shape of the initial map.
+        expected_nodes: live nodes to wait for before the initial map.
+        expected_names: their names, if known (only to log which are missing).
+        lease_ttl_s: the leadership lease TTL.
+        nodes_wait_log_s: how long to wait for the expected nodes before logging which are
+            missing (then again at this interval, waiting on).
+        on_change: called with each map this orchestrator wrote (after the write).
+    """
+
+    def __init__(
+        self,
+        metadata: ClusterMetadata,
+        candidate: str,
+        *,
+        vbuckets: int,
+        replicas: int,
+        expected_nodes: int,
+        expected_names: Sequence[str] = (),
+        lease_ttl_s: int = limits.ETCD_LEASE_TTL_S_DEFAULT,
+        nodes_wait_log_s: float = limits.CLUSTER_NODES_WAIT_LOG_S,
+        on_change: Callable[[ClusterMap], None] | None = None,
+    ) -> None:
+        if expected_nodes < 1:
+            raise ValueError(f"expected nodes {expected_nodes} must be at least 1")
+        if not 1 <= vbuckets <= limits.VBUCKETS_MAX:
+            raise ValueError(f"vbuckets {vbuckets} outside 1..{limits.VBUCKETS_MAX}")
+        self.metadata = metadata
+        self.candidate = candidate
+        self.vbuckets = vbuckets
+        self.replicas = replicas
+        self.expected_nodes = expected_nodes
+        self.expected_names = tuple(expected_names)
+        self.lease_ttl_s = lease_ttl_s
+        self.nodes_wait_log_s = nodes_wait_log_s
+        self.on_change = on_change
+        self.leadership: Leadership | None = None
+        self.terms = 0  # how many times this candidate was elected
+        self.maps_written = 0
+        self._waiting_since: float | None = None
+        self._waiting_logged_at = 0.0
+        self._refused_logged: list[tuple[int, str]] = []
+        self._quorum_logged = False
+        self._term_started = time.monotonic()
+
+    @property
+    def leading(self) -> bool:
+        return self.leadership is not None and not self.leadership.lost.is_set()
+
+    async def run(self) -> None:
+        """Campaign; lead until the leadership is lost; campaign again. Forever (cancel to
+        stop: the leadership, if held, is resigned so another candidate takes over at once)."""
+        while True:
+            leadership = await self.metadata.campaign(self.candidate, self.lease_ttl_s)
+            self.leadership = leadership
+            self._term_started = time.monotonic()
+            self.terms += 1
+            log.info("%s is the orchestrator (token %d)", self.candidate, leadership.token)
+            try:
+                await self._lead(leadership)
+            finally:
+                self.leadership = None
+                await _shielded(leadership.resign())
+            log.warning(
+                "%s is no longer the orchestrator: %s; campaigning again",
+                self.candidate,
+                leadership.reason,
+            )
+
+    async def _lead(self, leadership: Leadership) -> None:
+        """Act until the leadership is lost (then the acting task is cancelled at once)."""
+        acting = asyncio.create_task(self._act(leadership), name=f"orchestrator {self.candidate}")
+        lost = asyncio.create_task(leadership.lost.wait())
+        try:
+            await asyncio.wait({acting, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (acting, lost):
+                task.cancel()
+            await asyncio.wait({acting, lost})
+        if acting.done() and not acting.cancelled() and acting.exception() is not None:
+            raise acting.exception()  # type: ignore[misc]  # a bug: let it surface
+
+    async def _act(self, leadership: Leadership) -> None:
+        """Follow the live nodes; plan after each change, and every ``nodes_wait_log_s`` (so a
+        wait for missing nodes is reported even when nothing changes). Runs until cancelled."""
+        latest: dict[str, NodeAddress] | None = None
+        changed = asyncio.Event()
+
+        async def follow() -> None:
+            nonlocal latest
+            async with contextlib.aclosing(self.metadata.watch_nodes()) as changes:
+                async for live in changes:  # never ends; it retries through outages itself
+                    latest = live
+                    changed.set()
+
+        follower = asyncio.create_task(follow(), name=f"live nodes for {self.candidate}")
+        backoff = limits.ETCD_RETRY_BACKOFF_MIN_S
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(self.nodes_wait_log_s, STEP_INTERVAL_S)):
+                        await changed.wait()
+                if follower.done():
+                    follower.result()  # raises what broke it (a bug)
+                if latest is None:
+                    continue
+                changed.clear()
+                try:
+                    await self._step(latest, leadership)
+                    backoff = limits.ETCD_RETRY_BACKOFF_MIN_S
+                except MetadataUnavailableError as error:
+                    log.warning("orchestrator %s: %s; retrying", self.candidate, error)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, limits.ETCD_RETRY_BACKOFF_MAX_S)
+                    changed.set()
+        finally:
+            follower.cancel()
+            await asyncio.wait({follower})
+
+    async def _step(self, live: Mapping[str, NodeAddress], leadership: Leadership) -> None:
+        """One reaction to the live set: read the map, plan, write if there is a new map.
+        A CAS lost to a concurrent writer is simply read again on the next change."""
+        stored = await self.metadata.read_map()
+        current, revision = stored if stored is not None else (None, None)
+        new = self.plan(live, current)
+        requests: dict[str, bool] = {}
+        if current is not None:
+            requests = await self.metadata.failover_requests()
+            new = await self._fail_over(live, current, requests)
+        if new is None:
+            for node in requests:  # done earlier (or nothing to move): the request is answered
+                await self.metadata.clear_failover_request(node)
+            return
+        written = await self.metadata.write_map(new, revision, leadership)
+        if written is None:
+            log.info(
+                "orchestrator %s: map rev %d not written (lost a race)", self.candidate, new.rev
+            )
+            return
+        self.maps_written += 1
+        log.info(
+            "cluster map changed: rev %d, %d nodes (%s), %d replicas, %d vbuckets "
+            "(written by %s, token %d)",
+            new.rev,
+            len(new.nodes),
+            ", ".join(n.name for n in new.nodes),
+            new.replicas,
+            new.vbuckets,
+            self.candidate,
+            leadership.token,
+        )
+        if self.on_change is not None:
+            self.on_change(new)
+
+    async def _fail_over(
+        self, live: Mapping[str, NodeAddress], current: ClusterMap, requests: Mapping[str, bool]
+    ) -> ClusterMap | None:
+        """Promote in-sync replicas of actives that are gone (or failed over by hand) and give
+        returning nodes their replica slots back (failover.py); None when nothing changes."""
+        names = [n.name for n in current.nodes]
+        if any(n not in live for n in names) and not self._may_fail_over(names, live):
+            # Treat absent nodes as live for now: only rejoins and requested failovers act.
+            live = {**{n.name: n for n in current.nodes}, **live}
+        gone = any(
+            c[0] == -1 or names[c[0]] not in live or names[c[0]] in requests for c in current.chains
+        )
+        unplaced = any(
+            -1 in chain and any(n in live and names.index(n) not in chain for n in names)
+            for chain in current.chains
+        )
+        if not (gone or unplaced):
+            return None
+        in_sync = await self.metadata.in_sync_sets()
+        statuses = await self.metadata.node_statuses()
+        highs = {
+            node: {int(vb): int(high) for vb, high in status.get("high", {}).items()}
+            for node, status in statuses.items()
+        }
+        plan = plan_failover(
+            current, set(live), in_sync, highs, failed=set(requests), force=any(requests.values())
+        )
+        refused = sorted(plan.refused.items())
+        if refused and refused != self._refused_logged:
+            for _, reason in refused:
+                log.error("orchestrator %s: %s", self.candidate, reason)
+        self._refused_logged = refused
+        for vb, node in sorted(plan.promoted.items()):
+            log.warning("orchestrator %s: vb %d fails over to %s", self.candidate, vb, node)
+        return plan.new_map
+
+    def _may_fail_over(self, names: list[str], live: Mapping[str, NodeAddress]) -> bool:
+        """Automatic failover only while a majority of the map's nodes is live (a cluster
+        restarting, or cut in two, must not fail its own majority over — Couchbase likewise
+        refuses to auto-fail-over when several nodes are down at once), and not in the first
+        lease TTL of a term: a new orchestrator lets nodes that are restarting register again
+        before it calls them dead."""
+        up = sum(1 for n in names if n in live)
+        if up * 2 <= len(names):
+            if not self._quorum_logged:
+                log.error(
+                    "orchestrator %s: only %d of %d nodes live: no automatic failover",
+                    self.candidate, up, len(names),
+                )  # fmt: skip
+                self._quorum_logged = True
+            return False
+        self._quorum_logged = False
+        return time.monotonic() - self._term_started >= self.lease_ttl_s
+
+    def plan(
+        self, live: Mapping[str, NodeAddress], current: ClusterMap | None
+    ) -> ClusterMap | None:
+        """The next map for these live nodes and this current map, or None to keep it.
+
+        Sans-IO (the failover and rebalance steps of issue 12 go here). Today: the initial map
+        once ``expected_nodes`` are live, nothing once a map exists.
+        """
+        if current is not None:
+            self._waiting_since = None
+            return None
+        if len(live) < self.expected_nodes:
+            self._log_missing(live)
+            return None
+        self._waiting_since = None
+        return initial_map(live.values(), self.replicas, self.vbuckets, rev=1)
+
+    def _log_missing(self, live: Mapping[str, NodeAddress]) -> None:
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = self._waiting_logged_at = now
+            return
+        if now - self._waiting_logged_at < self.nodes_wait_log_s:
+            return
+        self._waiting_logged_at = now
+        missing = [name for name in self.expected_names if name not in live]
+        log.warning(
+            "orchestrator %s: waiting %.0f s for %d nodes before the first map; live: %s%s",
+            self.candidate,
+            now - self._waiting_since,
+            self.expected_nodes,
+            ", ".join(live) or "none",
+            f"; missing: {', '.join(missing)}" if missing else "",
+        )
+
+
+async def _shielded(coroutine: Awaitable[None]) -> None:
+    """Finish a clean-up even if the caller is being cancelled (bounded by etcd timeouts)."""
+    task = asyncio.ensure_future(coroutine)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await task
+        raise
