@@ -46,7 +46,9 @@ def run_memory_disk_memory(nodes: NodeFactory, rng: random.Random, items_total: 
             drain(client, streamed, lambda c, m: False, timeout_s=300, per_event=slow_reader)
         )
 
-        async with await kv_connect(node) as kv:
+        # A writer that hammers (its own retry loop, no backoff in the client): the reader's
+        # cursor must fall out of memory.
+        async with await kv_connect(node, tmpfail_retry_s=0) as kv:
             items = [(b"m-%06d" % i, rng.randbytes(100)) for i in range(items_total)]
             rng.shuffle(items)
             await upsert_retrying(kv, items, chunk=500)
@@ -61,7 +63,9 @@ def run_memory_disk_memory(nodes: NodeFactory, rng: random.Random, items_total: 
         assert disk_at is not None, f"no disk snapshot among {len(streamed.markers)} markers"
 
         # Writes after the catch-up arrive from memory again.
-        async with await kv_connect(node) as kv:
+        # A writer that hammers (its own retry loop, no backoff in the client): the reader's
+        # cursor must fall out of memory.
+        async with await kv_connect(node, tmpfail_retry_s=0) as kv:
             tail = [(b"t-%03d-%d" % (i, vb), b"tail") for i in range(200) for vb in range(2)]
             await upsert_retrying(kv, tail)
             model.update(tail)

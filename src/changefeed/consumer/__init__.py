@@ -1,7 +1,8 @@
 """DCP consumer library and SDK-style KV client (asyncio).
 
-``DcpClient`` streams vbuckets with rollback handling, flow control and noops; ``SessionState``
-is the JSON resume point; ``KvClient`` writes and reads keys and answers each write with the
+``DcpClient`` streams vbuckets, each from the node the cluster map names active, with
+rollback handling, flow control and noops; ``SessionState`` is the JSON resume point;
+``KvClient`` writes and reads keys and answers each write with the
 ``MutationResult`` the node built (one class on both sides of the wire, protocol/kv.py).
 """
 

@@ -1,20 +1,41 @@
-"""``DcpClient``: stream any set of vbuckets from a node, with rollback, flow control and noops.
+"""``DcpClient``: stream any set of vbuckets of a bucket, from the nodes that hold them.
+
+Routing: on ``connect`` the client reads the cluster map (GET_CLUSTER_CONFIG) from the node it
+bootstraps from, and streams each vbucket from the node holding its active copy, over one DCP
+connection per node (``dcp_node_stream.NodeStream``, opened when first needed; the bootstrap
+connection is one of them, so a single-node map means one connection). Requests carry
+``ACTIVE_VB_ONLY``: a node holding only a replica refuses with NOT_MY_VBUCKET instead of
+streaming a copy. A vbucket whose stream cannot go on where it is — refused NOT_MY_VBUCKET, ended
+STATE_CHANGED (its node stopped being active), or on a connection that dropped — is placed
+again: the map is taken from the refusal's body when newer, else read again from a node
+(``dcp_map.MapFollower``), and the stream is requested from the new active from where the
+vbucket really is (the producer answers with the rollback the DCP rules prescribe if history
+diverged). Attempts are bounded and backed off (``dcp_routing.Retries``); the application
+sees ``StreamRefused`` only when a vbucket cannot be placed, and ``events()`` raises
+``ConnectionClosedError`` when nodes stay unreachable. With ``follow_map=False`` the client
+streams from the configured node only, whatever state its copies are in (a tool or test
+reading one node's replica).
 
 Two views of each vbucket's session are kept on purpose:
 
-* the *request* session, owned by the reader task, says what to ask for next — it is rolled back
-  and re-requested the moment a ROLLBACK answer arrives, with no round trip through the app;
+* the *request* session, owned by the reader side, says what to ask for next — it is rolled
+  back and re-requested the moment a ROLLBACK answer arrives, with no round trip through the
+  app; a re-placed stream starts from the application session plus the events still queued
+  (``dcp_routing.positions``), which is exactly what was received;
 * the *application* session (``client.session``) moves only as the application takes events
   from ``events()``, so saving it after handling an event never claims data the application has
   not seen (exactly-once resume).
 
-Events wait in a bounded queue; when it is full the reader task stops reading the socket and the
-producer's flow-control window fills, so a slow application never grows our memory.
+Events of all connections wait in one bounded queue, in arrival order (so in order per
+vbucket; there is no order across vbuckets); when it is full every connection stops reading its
+socket and the producers' flow-control windows fill, so a slow application never grows our
+memory (the bound is ``limits.EVENT_QUEUE_MAX`` plus one read per connection).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import uuid
@@ -25,12 +46,13 @@ from typing import Literal
 
 from changefeed import limits
 from changefeed.consumer.connection import CloseReason, Connection, ConnectionClosedError
+from changefeed.consumer.dcp_map import MapFollower
+from changefeed.consumer.dcp_node_stream import NodeStream
+from changefeed.consumer.dcp_routing import Retries, RetryKind, apply_event, positions
 from changefeed.consumer.events import (
-    Changes,
     Disconnected,
     Event,
     Rollback,
-    Snapshot,
     StreamEnded,
     StreamOpened,
     StreamRefused,
@@ -38,43 +60,35 @@ from changefeed.consumer.events import (
 from changefeed.consumer.handshake import call, connect
 from changefeed.consumer.session import SessionState, VbSession
 from changefeed.failover import FailoverLog
-from changefeed.protocol.batch import Batch
 from changefeed.protocol.dcp import (
-    DcpControl,
-    DcpOpen,
-    OpenFlag,
+    StreamEndReason,
     StreamFlag,
-    StreamRequest,
     StreamRole,
     decode_failover_log,
     decode_rollback_seqno,
-    decode_stream_end,
-    encode_buffer_ack,
-    encode_dcp_control,
-    encode_dcp_open,
-    encode_stream_request,
 )
-from changefeed.protocol.errors import ProtocolError, error_for_status
-from changefeed.protocol.frame import Frame, encode_response
-from changefeed.protocol.opcode import Feature, Magic, Opcode
-from changefeed.protocol.snapshot_marker import MarkerFlag, decode_snapshot_marker
+from changefeed.protocol.errors import StatusError
+from changefeed.protocol.frame import Frame
+from changefeed.protocol.opcode import Feature
 from changefeed.protocol.status import Status
+from changefeed.vbmap import ClusterMap
 
 SEQNO_FOREVER = 0xFFFF_FFFF_FFFF_FFFF
 RECONNECT_ATTEMPTS_MAX = 60  # with the backoff capped at 5 s: about 5 minutes
+NOT_MY_VBUCKET_RETRIES = 10  # with the default backoff ~30 s: longer than a failover takes
 Start = Literal["beginning", "now"] | SessionState
 
 
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the bootstrap node
     port: int = 11210
     bucket: str = "default"
     user: str = "Administrator"
     password: str = "password"
     name: str = ""  # DCP connection name; default "changefeed:consumer:<random>" (a reused
     # name makes the node close the older connection, dcp-wire.md §4)
-    buffer_bytes: int = 8 * 1024 * 1024  # flow-control window; acked at 20% (dcp-wire.md §8.1)
+    buffer_bytes: int = 8 * 1024 * 1024  # flow-control window per connection; acked at 20%
     noop_interval_s: float = 10.0
     end_seqno: int = SEQNO_FOREVER  # or stream only up to a seqno, then STREAM_END(Ok)
     to_latest: bool = False  # end each stream at the high seqno at request time
@@ -86,6 +100,9 @@ class ClientConfig:
     # Who reads (DCP_OPEN): application streams may fall back to disk under memory pressure;
     # REPLICA is for a cluster's replica vbuckets pulling from their active.
     role: StreamRole = StreamRole.APPLICATION
+    # Stream each vbucket from its active node (the cluster map). False: from the node at
+    # host:port only, active or replica copies alike.
+    follow_map: bool = True
 
 
 class DcpClient:
@@ -98,16 +115,28 @@ class DcpClient:
             )
         self.config = config
         self.session = SessionState()
+        self._map = MapFollower(config.host, config.port, self._dial)
         self._requests: dict[int, VbSession] = {}
-        self._opaque_vb: dict[int, int] = {}
-        self._vbuckets: list[int] = []
-        # Bounded by pausing the socket at limits.EVENT_QUEUE_MAX (plus the events of one read).
+        self._where: dict[int, NodeStream] = {}  # vb -> the node its request went to
+        self._nodes: dict[str, NodeStream] = {}  # by host:port
+        self._from_latest: set[int] = set()
+        self._end_seqnos: dict[int, int] = {}
+        # Bounded by pausing the sockets at limits.EVENT_QUEUE_MAX (plus one read each).
         self._events: deque[Event] = deque()
         self._event_ready = asyncio.Event()
-        self._conn: Connection | None = None
-        self._unacked_bytes = 0
+        self._failure: BaseException | None = None
         self._rng = rng or random.Random()
-        self._end_seqnos: dict[int, int] = {}
+        budget = {RetryKind.MOVED: NOT_MY_VBUCKET_RETRIES}
+        budget[RetryKind.UNREACHABLE] = RECONNECT_ATTEMPTS_MAX
+        self._retries = Retries(config.reconnect_backoff_s, budget, self._rng)
+        self._wake = asyncio.Event()
+        self._placing = asyncio.Lock()
+        self._placer: asyncio.Task[None] | None = None
+
+    @property
+    def cluster_map(self) -> ClusterMap | None:
+        """The map streams are routed by (None: everything from the bootstrap node)."""
+        return self._map.cluster_map
 
     async def __aenter__(self) -> DcpClient:
         await self.connect()
@@ -117,28 +146,18 @@ class DcpClient:
         await self.close()
 
     async def connect(self) -> None:
-        """Open the connection, negotiate, authenticate, select the bucket, DCP_OPEN."""
-        cfg = self.config
-        conn = await connect(
-            cfg.host, cfg.port, agent=cfg.name, user=cfg.user, password=cfg.password,
-            bucket=cfg.bucket, features=[Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON],
-        )  # fmt: skip
+        """Open the bootstrap connection (HELLO, auth, bucket), read the cluster map on it
+        (``follow_map``), then DCP_OPEN it as the stream connection of its node."""
+        conn = await self._dial(self.config.host, self.config.port)
         try:
-            opaque = conn.next_opaque()
-            flags = OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES
-            await _expect_ok(
-                conn, encode_dcp_open(DcpOpen(opaque, cfg.name, flags, role=cfg.role)), opaque
-            )
-            for key, value in self._controls():
-                opaque = conn.next_opaque()
-                await _expect_ok(conn, encode_dcp_control(DcpControl(opaque, key, value)), opaque)
+            if self.config.follow_map:
+                await self._map.read(conn)
         except BaseException:
             await conn.close()
             raise
-        conn.on_push = self._on_push
-        conn.on_close = lambda error: self._put(Disconnected(str(error)))
-        self._conn = conn
-        self._unacked_bytes = 0
+        server = self._map.bootstrap
+        self._nodes[server] = await self._open_node(server, conn)
+        self._placer = asyncio.get_running_loop().create_task(self._place_loop())
 
     def _controls(self) -> list[tuple[str, str]]:
         return [
@@ -150,9 +169,14 @@ class DcpClient:
         ]
 
     async def close(self) -> None:
-        if self._conn is not None:
-            await self._conn.close()
-            self._conn = None
+        if self._placer is not None:
+            self._placer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._placer
+            self._placer = None
+        nodes, self._nodes = list(self._nodes.values()), {}
+        for node in nodes:
+            await node.close()
 
     async def stream(
         self,
@@ -161,11 +185,16 @@ class DcpClient:
         *,
         end_seqnos: dict[int, int] | None = None,
     ) -> None:
-        """Request streams for ``vbuckets`` from the beginning, from now, or from saved state.
+        """Request streams for ``vbuckets`` from the beginning, from now, or from saved state,
+        each from its active node (connections opened as needed).
 
         Args:
             end_seqnos: per-vbucket end seqno (the stream ends after the snapshot holding it);
                 vbuckets not listed use ``config.end_seqno``.
+
+        Raises:
+            StatusError: a node refused the connection (e.g. authentication). Unreachable
+                nodes are retried in the background instead.
         """
         if end_seqnos:
             self._end_seqnos.update(end_seqnos)
@@ -173,142 +202,164 @@ class DcpClient:
             for vb in vbuckets:
                 self.session.vbuckets[vb] = start.get(vb).copy()
         for vb in vbuckets:
-            session = self.session.get(vb)
-            self._requests[vb] = session.copy()
-            self._vbuckets.append(vb)
-            self._send_stream_request(vb, from_latest=start == "now")
-
-    def _send_stream_request(self, vb: int, *, from_latest: bool = False) -> None:
-        assert self._conn is not None
-        request_session = self._requests[vb]
-        start, snap_start, snap_end = request_session.request_range()
-        flags = StreamFlag.FROM_LATEST if from_latest else 0
-        if self.config.to_latest:
-            flags |= StreamFlag.TO_LATEST
-        opaque = self._conn.next_opaque()
-        self._opaque_vb[opaque] = vb
-        value = {}
-        if request_session.purge_seqno:
-            value["purge_seqno"] = str(request_session.purge_seqno)
-        request = StreamRequest(
-            vb,
-            opaque,
-            flags,
-            start,
-            self._end_seqnos.get(vb, self.config.end_seqno),
-            request_session.vb_uuid,
-            snap_start,
-            snap_end,
-            value,
-        )
-        self._conn.send(encode_stream_request(request))
+            self._retries.forget(vb)
+            if start == "now":
+                self._from_latest.add(vb)
+            else:
+                self._from_latest.discard(vb)
+        await self._place(vbuckets, first=True)
 
     async def events(self) -> AsyncIterator[Event]:
         """Yield events in order, advancing ``self.session`` as each is taken.
 
-        On a dropped connection yields ``Disconnected``, reconnects with backoff and resumes
-        every stream from the session state.
+        A dropped connection yields ``Disconnected``; its vbuckets are resumed from the
+        session state on a new connection (or on the node the map names now), with backoff.
+
+        Raises:
+            ConnectionClosedError: a vbucket's node stayed unreachable for
+                ``RECONNECT_ATTEMPTS_MAX`` attempts (after the events queued before it).
+            StatusError: a node refused a new connection (e.g. authentication).
         """
         while True:  # the application's loop; ends when the caller stops iterating
             while not self._events:
+                if self._failure is not None:
+                    raise self._failure
                 self._event_ready.clear()
                 await self._event_ready.wait()
             event = self._events.popleft()
-            if len(self._events) <= limits.EVENT_QUEUE_MAX // 2 and self._conn is not None:
-                self._conn.resume_reading()
-            self._apply(event)
+            if len(self._events) <= limits.EVENT_QUEUE_MAX // 2:
+                for node in self._nodes.values():
+                    node.resume_reading()
+            apply_event(self.session, event)
             yield event
-            if isinstance(event, Disconnected):
-                await self._reconnect()
 
-    def _apply(self, event: Event) -> None:
-        if isinstance(event, Changes):
-            # Per run and vbucket, not per item: the columns' arrays (session.py).
-            cols = event.columns
-            self.session.on_items(cols.array("vbucket"), cols.array("seqno"))
-        elif isinstance(event, Snapshot):
-            session = self.session.get(event.vbucket)
-            session.on_marker(event.snap_start, event.snap_end)
-            session.purge_seqno = max(session.purge_seqno, event.purge_seqno)
-        elif isinstance(event, Rollback):
-            self.session.get(event.vbucket).rollback_to(event.seqno)
-        elif isinstance(event, StreamOpened):
-            self.session.get(event.vbucket).failover_log = FailoverLog(event.failover_log)
+    # -- placement: which node streams which vbucket -------------------------------------------
 
-    async def _reconnect(self) -> None:
-        """Reconnect with jittered backoff, then resume every stream from ``self.session``.
+    async def _place(self, vbuckets: list[int], *, first: bool = False) -> None:
+        """Request each of ``vbuckets`` from its node: a ``first`` request from the session
+        state, a stream placed again from where it really is (the events queued included)."""
+        async with self._placing:
+            if first:
+                at = {vb: self.session.get(vb).copy() for vb in vbuckets}
+            else:
+                at = positions(self.session, self._events, vbuckets)
+            by_server: dict[str | None, list[int]] = {}
+            for vb in vbuckets:
+                by_server.setdefault(self._map.route(vb), []).append(vb)
+            for server, group in by_server.items():
+                if server is None:
+                    rev = self.cluster_map.rev if self.cluster_map else 0
+                    self._moved(group, f"no active node in map rev {rev}", source=None)
+                    continue
+                try:
+                    node = await self._node(server)
+                    for vb in group:
+                        self._request(node, vb, at[vb], first=first)
+                except Exception as error:
+                    if not _retriable(error):
+                        raise
+                    # What was sent before the loss is moved by the node's disconnect.
+                    self._unreachable([vb for vb in group if vb not in self._where], error)
 
-        Raises:
-            ConnectionClosedError: after ``RECONNECT_ATTEMPTS_MAX`` failed attempts.
-        """
-        await self.close()
-        backoff = self.config.reconnect_backoff_s
-        last_error: Exception | None = None
-        for attempt in range(RECONNECT_ATTEMPTS_MAX):
-            delay = backoff[min(attempt, len(backoff) - 1)]
-            await asyncio.sleep(delay * (0.5 + self._rng.random()))
-            try:
-                await self.connect()
-            except (OSError, ConnectionClosedError, TimeoutError) as error:
-                last_error = error
+    def _request(self, node: NodeStream, vb: int, position: VbSession, *, first: bool) -> None:
+        end = self._end_seqnos.get(vb, self.config.end_seqno)
+        if not first and end != SEQNO_FOREVER and position.seqno >= end:
+            self._put(StreamEnded(vb, StreamEndReason.OK))  # it moved after reaching its end
+            return
+        self._requests[vb] = position
+        self._send_request(node, vb)
+
+    def _send_request(self, node: NodeStream, vb: int) -> None:
+        session = self._requests[vb]
+        flags = StreamFlag.ACTIVE_VB_ONLY if self.cluster_map is not None else 0
+        if vb in self._from_latest and session.seqno == 0:  # nothing received yet
+            flags |= StreamFlag.FROM_LATEST
+        if self.config.to_latest:
+            flags |= StreamFlag.TO_LATEST
+        end = self._end_seqnos.get(vb, self.config.end_seqno)
+        node.request(session, flags=flags, end_seqno=end)
+        self._where[vb] = node
+
+    async def _node(self, server: str) -> NodeStream:
+        """The stream connection to ``server``, opened on first use (or after it dropped)."""
+        node = self._nodes.get(server)
+        if node is not None and not node.closed:
+            return node
+        node = await self._open_node(server, await self._dial(*self._map.address(server)))
+        self._nodes[server] = node
+        if len(self._events) >= limits.EVENT_QUEUE_MAX:
+            node.pause_reading()
+        return node
+
+    async def _dial(self, host: str, port: int) -> Connection:
+        cfg = self.config
+        return await connect(
+            host, port, agent=cfg.name, user=cfg.user, password=cfg.password,
+            bucket=cfg.bucket, features=[Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON],
+        )  # fmt: skip
+
+    async def _open_node(self, server: str, conn: Connection) -> NodeStream:
+        cfg = self.config
+        return await NodeStream.open(
+            server, conn, self, name=cfg.name, role=cfg.role, controls=self._controls(),
+            buffer_bytes=cfg.buffer_bytes,
+        )  # fmt: skip
+
+    async def _place_loop(self) -> None:
+        """Background task: place again the vbuckets whose retry is due, until closed."""
+        loop = asyncio.get_running_loop()
+        while True:  # ends when close() cancels it, or on a failure events() raises
+            self._wake.clear()
+            delay = self._retries.next_delay(loop.time())
+            if delay is None or delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+            due, refresh = self._retries.take_due(loop.time())
+            if not due:
                 continue
-            vbuckets, self._vbuckets = self._vbuckets, []
-            self._events.clear()
-            await self.stream(vbuckets, start=self.session)
-            return
-        raise ConnectionClosedError(CloseReason.IO_ERROR, f"reconnect failed: {last_error}")
+            try:
+                if refresh:
+                    await self._map.refresh()
+                await self._place(due)
+            except Exception as error:  # not retriable (e.g. authentication): tell the app
+                self._fail(error)
+                return
 
-    # -- reader task side ---------------------------------------------------------------------
+    def _moved(
+        self, vbuckets: list[int], message: str, *, source: str | None, immediate: bool = False
+    ) -> None:
+        """Place ``vbuckets`` again where the map points (``source``: the node that refused
+        or ended them); refuse those out of attempts."""
+        if source is not None:
+            self._map.moved_by(source)
+        now = asyncio.get_running_loop().time()
+        spent = self._retries.schedule(vbuckets, RetryKind.MOVED, now, immediate=immediate)
+        for vb in spent:
+            self._put(StreamRefused(vb, Status.NOT_MY_VBUCKET, message))
+        self._wake.set()
 
-    def _on_push(self, batch: Batch) -> None:
-        """Runs in the connection's reader task: split the batch into events, in order."""
-        assert self._conn is not None
-        changes = batch.changes
-        done = 0
-        for position, frame in batch.controls:
-            if position > done:
-                self._put(Changes(changes.slice(done, position)))
-                done = position
-            self._on_control(frame)
-        if len(changes) > done:
-            self._put(Changes(changes.slice(done, len(changes))))
-        self._ack(batch.item_bytes)
+    def _unreachable(self, vbuckets: list[int], error: BaseException) -> None:
+        now = asyncio.get_running_loop().time()
+        if self._retries.schedule(vbuckets, RetryKind.UNREACHABLE, now):
+            self._fail(ConnectionClosedError(CloseReason.IO_ERROR, f"reconnect failed: {error}"))
+        self._wake.set()
 
-    def _on_control(self, frame: Frame) -> None:
-        opcode = frame.opcode
-        if frame.magic in (Magic.RESPONSE, Magic.ALT_RESPONSE):
-            if opcode == Opcode.DCP_STREAM_REQ:
-                self._on_stream_response(frame)
-            return
-        if opcode == Opcode.DCP_NOOP:
-            self._send(encode_response(frame))
-            return
-        self._ack(frame.wire_size)
-        if opcode == Opcode.DCP_SNAPSHOT_MARKER:
-            marker = decode_snapshot_marker(frame)
-            self._put(
-                Snapshot(
-                    frame.vbucket,
-                    marker.snap_start,
-                    marker.snap_end,
-                    marker.flags,
-                    marker.purge_seqno,
-                )
-            )
-            if marker.flags & MarkerFlag.ACK:
-                self._send(encode_response(frame))
-        elif opcode == Opcode.DCP_STREAM_END:
-            self._put(StreamEnded(frame.vbucket, decode_stream_end(frame).reason))
-        elif opcode == Opcode.DCP_SET_VBUCKET_STATE:
-            self._send(encode_response(frame))
+    def _fail(self, error: BaseException) -> None:
+        self._failure = error
+        self._event_ready.set()
 
-    def _on_stream_response(self, frame: Frame) -> None:
-        vb = self._opaque_vb.pop(frame.opaque, None)
-        if vb is None:
-            raise ProtocolError(f"stream response for unknown opaque {frame.opaque}")
+    # -- StreamOwner: called by the node streams' reader tasks ---------------------------------
+
+    def put(self, event: Event) -> None:
+        self._put(event)
+
+    def stream_answered(self, node: NodeStream, vb: int, frame: Frame) -> None:
+        if self._where.get(vb) is not node:
+            return  # an answer from a connection the vbucket has left
         if frame.status == Status.SUCCESS:
             log = decode_failover_log(frame.value)
             self._requests[vb].failover_log = FailoverLog(log)
+            self._retries.succeeded(vb)
             self._put(StreamOpened(vb, log))
         elif frame.status == Status.ROLLBACK:
             server_seqno = decode_rollback_seqno(frame.value)
@@ -318,32 +369,51 @@ class DcpClient:
                 seqno = request_session.consistent_point_at_or_below(server_seqno)
             request_session.rollback_to(seqno)
             self._put(Rollback(vb, seqno, server_seqno))
-            self._send_stream_request(vb)
+            self._send_request(node, vb)
+        elif frame.status == Status.NOT_MY_VBUCKET and self.cluster_map is not None:
+            del self._where[vb]
+            # At once when the map (the answer's, or one read since) routes vb elsewhere.
+            learned = self._map.learn(frame.value)
+            message = f"{node.server}: {frame.value[:200].decode(errors='replace')}"
+            immediate = learned or self._map.route(vb) != node.server
+            self._moved([vb], message, source=node.server, immediate=immediate)
         else:
+            del self._where[vb]
             self._put(StreamRefused(vb, frame.status, frame.value.decode(errors="replace")))
+
+    def stream_ended(self, node: NodeStream, vb: int, reason: StreamEndReason) -> None:
+        if self._where.get(vb) is not node:
+            return  # the end of a stream on a connection the vbucket has left
+        del self._where[vb]
+        if reason == StreamEndReason.STATE_CHANGED and self.cluster_map is not None:
+            message = f"{node.server} is no longer vbucket {vb}'s active"
+            self._moved([vb], message, source=node.server)
+            return
+        self._put(StreamEnded(vb, reason))
+
+    def disconnected(self, node: NodeStream, error: ConnectionClosedError) -> None:
+        if self._nodes.get(node.server) is node:
+            del self._nodes[node.server]
+        moved = sorted(vb for vb, n in self._where.items() if n is node)
+        for vb in moved:
+            del self._where[vb]
+        self._put(Disconnected(f"{node.server}: {error}"))
+        self._unreachable(moved, error)
 
     def _put(self, event: Event) -> None:
         self._events.append(event)
         self._event_ready.set()
-        if len(self._events) >= limits.EVENT_QUEUE_MAX and self._conn is not None:
-            self._conn.pause_reading()  # resumed by events() once the app catches up
-
-    def _send(self, data: bytes) -> None:
-        assert self._conn is not None
-        self._conn.send(data)
-
-    def _ack(self, nbytes: int) -> None:
-        self._unacked_bytes += nbytes
-        if self._unacked_bytes >= self.config.buffer_bytes // 5:
-            self._send(encode_buffer_ack(self._unacked_bytes))
-            self._unacked_bytes = 0
+        if len(self._events) >= limits.EVENT_QUEUE_MAX:
+            for node in self._nodes.values():
+                node.pause_reading()  # resumed by events() once the app catches up
 
 
-async def _expect_ok(conn: Connection, data: bytes, opaque: int) -> Frame:
-    response = await conn.request(data, opaque)
-    if response.status != Status.SUCCESS:
-        raise error_for_status(response.status, response.value.decode(errors="replace"))
-    return response
+def _retriable(error: Exception) -> bool:
+    """A node that may answer later: unreachable, gone (ConnectionClosedError is an
+    OSError), slow, or answering a retriable status (e.g. TMPFAIL while it warms up)."""
+    if isinstance(error, StatusError):
+        return error.retriable
+    return isinstance(error, OSError | TimeoutError)
 
 
 __all__ = ["ClientConfig", "DcpClient", "call"]

@@ -62,7 +62,8 @@ class StreamEnded:
 
 @dataclass(frozen=True, slots=True)
 class StreamRefused:
-    """The node refused the stream request (e.g. NOT_MY_VBUCKET, ERANGE)."""
+    """The node refused the stream request (e.g. ERANGE; NOT_MY_VBUCKET once a client that
+    follows the cluster map could not place the vbucket after its retries)."""
 
     vbucket: int
     status: int
@@ -71,7 +72,9 @@ class StreamRefused:
 
 @dataclass(frozen=True, slots=True)
 class Disconnected:
-    """The connection dropped; the client reconnects and resumes from the session state."""
+    """A connection to one node dropped (``reason`` names the node); the client reconnects,
+    or follows the map to the vbuckets' new node, and resumes that connection's vbuckets from
+    the session state."""
 
     reason: str
 

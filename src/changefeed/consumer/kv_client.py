@@ -1,22 +1,26 @@
-"""SDK-style KV client: ``upsert``, ``insert``, ``replace``, ``get``, ``remove``, pipelined
-``upsert_many``, and durability ``persist`` (wait until the node has the write on disk).
+"""SDK-style KV client: ``upsert``, ``insert``, ``replace``, ``get``, ``get_replica``,
+``remove``, pipelined ``upsert_many``, and durability ``persist`` (wait until the node has the
+write on disk).
 
-The vbucket of a key comes from the node's cluster map (GET_CLUSTER_CONFIG), hashed as
-Couchbase does (``vbmap.vbucket_for_key``). ``persist`` polls OBSERVE_SEQNO with the mutation
-token the write returned, the way Couchbase SDKs implement ``PersistTo``.
+The vbucket of a key is hashed as Couchbase does (``vbmap.vbucket_for_key``) and the node that
+holds it comes from the cluster map (GET_CLUSTER_CONFIG, refreshed by NOT_MY_VBUCKET).
+``persist`` polls OBSERVE_SEQNO with the mutation token the write returned, the way Couchbase
+SDKs implement ``PersistTo``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from changefeed.consumer.connection import Connection
+from changefeed.consumer.connection import Connection, ConnectionClosedError
 from changefeed.consumer.handshake import call, connect
-from changefeed.protocol.errors import error_for_status
+from changefeed.protocol.errors import NotMyVbucketError, StatusError, error_for_status
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.kv import (
     CompactDb,
@@ -33,10 +37,16 @@ from changefeed.protocol.kv import (
 )
 from changefeed.protocol.opcode import Feature, Opcode
 from changefeed.protocol.status import Status
-from changefeed.vbmap import vbucket_for_key
+from changefeed.vbmap import ClusterMap, NodeAddress, vbucket_for_key
 
 Durability = Literal["none", "persist"]
 PIPELINE_DEPTH_MAX = 1024  # requests in flight per upsert_many window
+ROUTE_RETRY_S = 15.0  # how long a request follows the map (a failover takes a few seconds)
+NOT_MY_VBUCKET_BACKOFF_S = 0.05  # times the attempt number, when the answer had no newer map
+ROUTE_BACKOFF_MAX_S = 0.5
+TEMPORARY_FAILURE_RETRY_S = 2.5  # TMPFAIL is retried this long (the SDKs' KV timeout), then raised
+TEMPORARY_FAILURE_BACKOFF_MAX_S = 0.05  # the flusher frees memory within milliseconds
+Connector = Callable[[str, int], Awaitable[Connection]]
 PERSIST_POLL_S = 0.002
 
 
@@ -49,12 +59,38 @@ class GetResult:
 
 
 class KvClient:
-    """One connection to a node for key-value operations."""
+    """Key-value operations on a node, or on a cluster by its map.
 
-    def __init__(self, conn: Connection, vbuckets: int) -> None:
+    Built by `connect`, the client reads the cluster map from the node it bootstraps from and
+    sends each request to the node holding the key's active vbucket, opening a connection
+    per node as needed. A NOT_MY_VBUCKET answer carries the node's current map: the client
+    adopts it when it is newer and retries (with backoff, for up to ``ROUTE_RETRY_S``), and so
+    does a node that cannot be reached: a moved vbucket or a failover costs retries, not an
+    error. Built directly on one connection (no map) it sends everything there and retries
+    only TMPFAIL.
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        vbuckets: int,
+        *,
+        cluster_map: ClusterMap | None = None,
+        connector: Connector | None = None,
+        tmpfail_retry_s: float = TEMPORARY_FAILURE_RETRY_S,
+    ) -> None:
         assert vbuckets >= 1, vbuckets
+        assert cluster_map is None or connector is not None, "a map needs a connector"
         self._conn = conn
         self.vbuckets = vbuckets
+        self.cluster_map = cluster_map
+        self._connector = connector
+        self.tmpfail_retry_s = tmpfail_retry_s  # 0: a TMPFAIL is raised at once
+        self._conns: dict[str, Connection] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self.retries = 0  # NOT_MY_VBUCKET answers retried (tests and stats read it)
+        self.temporary_failures = 0  # TMPFAIL answers retried
+        self.reconnects = 0  # connections found closed and opened again
 
     @classmethod
     async def connect(
@@ -65,22 +101,38 @@ class KvClient:
         bucket: str = "default",
         user: str = "Administrator",
         password: str = "password",
+        tmpfail_retry_s: float = TEMPORARY_FAILURE_RETRY_S,
     ) -> KvClient:
         features = [Feature.MUTATION_SEQNO, Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON]
-        conn = await connect(
-            host, port, agent="changefeed-kv", user=user, password=password, bucket=bucket,
-            features=features,
-        )  # fmt: skip
+
+        async def connector(node_host: str, node_port: int) -> Connection:
+            return await connect(
+                node_host, node_port, agent="changefeed-kv", user=user, password=password,
+                bucket=bucket, features=features,
+            )  # fmt: skip
+
+        conn = await connector(host, port)
         try:
             config = json.loads((await call(conn, Opcode.GET_CLUSTER_CONFIG)).value)
-            vbuckets = len(config["vBucketServerMap"]["vBucketMap"])
+            cluster_map = ClusterMap.from_couchbase_config(config)
         except BaseException:
             await conn.close()
             raise
-        return cls(conn, vbuckets)
+        client = cls(
+            conn,
+            cluster_map.vbuckets,
+            cluster_map=cluster_map,
+            connector=connector,
+            tmpfail_retry_s=tmpfail_retry_s,
+        )
+        client._conns[f"{host}:{port}"] = conn
+        return client
 
     async def close(self) -> None:
         await self._conn.close()
+        for conn in self._conns.values():
+            await conn.close()
+        self._conns.clear()
 
     async def __aenter__(self) -> KvClient:
         return self
@@ -90,6 +142,114 @@ class KvClient:
 
     def vbucket_of(self, key: bytes) -> int:
         return vbucket_for_key(key, self.vbuckets)
+
+    # -- routing ----------------------------------------------------------------------------
+
+    @property
+    def _can_fail_over(self) -> bool:
+        """Whether a lost node may come back elsewhere: a map of more than one node. Alone,
+        a node that is gone is gone; the loss is raised at once, as before clusters."""
+        return self.cluster_map is not None and len(self.cluster_map.nodes) > 1
+
+    async def _conn_for(self, vb: int) -> Connection:
+        """The connection to vb's active node (opened on first use)."""
+        if self.cluster_map is None:
+            return self._conn
+        node = self.cluster_map.active(vb)
+        if node is None:
+            raise NotMyVbucketError(f"vb {vb} has no active node in map rev {self.cluster_map.rev}")
+        return await self._node_conn(node)
+
+    async def _node_conn(self, node: NodeAddress) -> Connection:
+        """The connection to `node`, opened (again) when needed — once, however many requests
+        ask for it at the same time (a lock per node: no connection opened twice and leaked)."""
+        conn = self._conns.get(node.server)
+        if conn is not None and conn.closed is None:
+            return conn
+        lock = self._connecting.setdefault(node.server, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(node.server)
+            if conn is not None and conn.closed is None:
+                return conn
+            assert self._connector is not None
+            if conn is not None:
+                self.reconnects += 1  # the node closed it (idle, restarted) or it broke
+            conn = await self._connector(node.host, node.port)
+            self._conns[node.server] = conn
+            return conn
+
+    def _learn_map(self, body: bytes) -> bool:
+        """Adopt the map in a NOT_MY_VBUCKET body when it is newer; True if it was."""
+        try:
+            found = ClusterMap.from_couchbase_config(json.loads(body))
+        except ValueError:  # not a map (JSONDecodeError is a ValueError): refresh instead
+            return False
+        if self.cluster_map is None or found.rev <= self.cluster_map.rev:
+            return False
+        self.cluster_map = found
+        return True
+
+    async def _request(
+        self, vb: int, build: Callable[[int], bytes], *, timeout_s: float = 30.0
+    ) -> Frame:
+        """Send a request for `vb` to its active node and return the answer.
+
+        With a map, the client follows it: NOT_MY_VBUCKET (adopt the map in the answer, or
+        ask another node), a node that cannot be reached or drops the connection, a vbucket
+        without an active (a failover in progress) — each is retried with backoff for up to
+        ROUTE_RETRY_S, the time a failover takes. TMPFAIL is retried for
+        TEMPORARY_FAILURE_RETRY_S. Without a map, only TMPFAIL is retried.
+        """
+        start = time.monotonic()
+        attempt = tmpfails = 0
+        while True:  # bounded by ROUTE_RETRY_S and TEMPORARY_FAILURE_RETRY_S
+            try:
+                conn = await self._conn_for(vb)
+                opaque = conn.next_opaque()
+                response = await conn.request(build(opaque), opaque, timeout_s=timeout_s)
+            except (OSError, ConnectionClosedError, NotMyVbucketError) as error:
+                # OSError covers refused connections and TimeoutError.
+                if not self._can_fail_over or time.monotonic() - start > ROUTE_RETRY_S:
+                    raise
+                attempt += 1
+                self.retries += 1
+                await asyncio.sleep(min(ROUTE_BACKOFF_MAX_S, NOT_MY_VBUCKET_BACKOFF_S * attempt))
+                await self._refresh_map_anywhere(error)
+                continue
+            if (
+                response.status == Status.ETMPFAIL
+                and time.monotonic() - start < self.tmpfail_retry_s
+            ):
+                # The node is catching up (checkpoint memory full, persistence stalled): SDKs
+                # retry such answers with backoff, and so do we, for a bounded time.
+                tmpfails += 1
+                self.temporary_failures += 1
+                await asyncio.sleep(min(TEMPORARY_FAILURE_BACKOFF_MAX_S, 0.001 * 2**tmpfails))
+                continue
+            if response.status != Status.NOT_MY_VBUCKET or self.cluster_map is None:
+                return response
+            if time.monotonic() - start > ROUTE_RETRY_S:
+                return response
+            attempt += 1
+            self.retries += 1
+            if not self._learn_map(response.value):
+                await asyncio.sleep(min(ROUTE_BACKOFF_MAX_S, NOT_MY_VBUCKET_BACKOFF_S * attempt))
+                await self._refresh_map_anywhere(None)
+
+    async def _refresh_map_anywhere(self, error: BaseException | None) -> None:
+        """Ask the nodes of the map, in turn, for their map (GET_CLUSTER_CONFIG) and adopt a
+        newer one; a node that cannot be reached is skipped (it may be the one that died)."""
+        assert self.cluster_map is not None
+        for node in self.cluster_map.nodes:
+            try:
+                conn = await self._node_conn(node)
+                response = await call(conn, Opcode.GET_CLUSTER_CONFIG)
+            except (OSError, ConnectionClosedError, StatusError):
+                continue
+            self._learn_map(response.value)
+            return
+
+    # -- operations -------------------------------------------------------------------------
 
     async def upsert(
         self, key: bytes, value: bytes, *, durability: Durability = "none", **meta: int
@@ -122,9 +282,12 @@ class KvClient:
         datatype: int = 0,
     ) -> MutationResult:
         vb = self.vbucket_of(key)
-        opaque = self._conn.next_opaque()
-        command = StoreCommand(opcode, vb, opaque, key, value, flags, expiry, cas, datatype)
-        result = _mutation_result(await self._conn.request(encode_store(command), opaque), vb)
+
+        def build(opaque: int) -> bytes:
+            command = StoreCommand(opcode, vb, opaque, key, value, flags, expiry, cas, datatype)
+            return encode_store(command)
+
+        result = _mutation_result(await self._request(vb, build), vb)
         if durability == "persist":
             await self.wait_persisted(result)
         return result
@@ -132,10 +295,30 @@ class KvClient:
     async def get(self, key: bytes) -> GetResult:
         """Raises KeyNotFoundError when the key does not exist."""
         vb = self.vbucket_of(key)
-        opaque = self._conn.next_opaque()
-        response = await self._conn.request(
-            encode_request(Opcode.GET, vbucket=vb, opaque=opaque, key=key), opaque
+        response = await self._request(
+            vb, lambda opaque: encode_request(Opcode.GET, vbucket=vb, opaque=opaque, key=key)
         )
+        _check(response)
+        flags = decode_get_response_flags(response.extras)
+        return GetResult(response.value, response.cas, flags, response.datatype)
+
+    async def get_replica(self, key: bytes, replica: int = 1) -> GetResult:
+        """Read the key's `replica`-th replica copy (GET_REPLICA to the node holding it).
+
+        Raises:
+            KeyNotFoundError: the replica does not hold the key (yet).
+            NotMyVbucketError: no such replica in the map.
+        """
+        vb = self.vbucket_of(key)
+        if self.cluster_map is None or not 1 <= replica <= self.cluster_map.replicas:
+            raise NotMyVbucketError(f"vb {vb} has no replica {replica}")
+        index = self.cluster_map.chains[vb][replica]
+        if index == -1:
+            raise NotMyVbucketError(f"vb {vb} replica {replica} is not placed")
+        conn = await self._node_conn(self.cluster_map.nodes[index])
+        opaque = conn.next_opaque()
+        request = encode_request(Opcode.GET_REPLICA, vbucket=vb, opaque=opaque, key=key)
+        response = await conn.request(request, opaque)
         _check(response)
         flags = decode_get_response_flags(response.extras)
         return GetResult(response.value, response.cas, flags, response.datatype)
@@ -144,9 +327,11 @@ class KvClient:
         self, key: bytes, *, cas: int = 0, durability: Durability = "none"
     ) -> MutationResult:
         vb = self.vbucket_of(key)
-        opaque = self._conn.next_opaque()
-        request = encode_request(Opcode.DELETE, vbucket=vb, opaque=opaque, key=key, cas=cas)
-        result = _mutation_result(await self._conn.request(request, opaque), vb)
+
+        def build(opaque: int) -> bytes:
+            return encode_request(Opcode.DELETE, vbucket=vb, opaque=opaque, key=key, cas=cas)
+
+        result = _mutation_result(await self._request(vb, build), vb)
         if durability == "persist":
             await self.wait_persisted(result)
         return result
@@ -154,26 +339,106 @@ class KvClient:
     async def upsert_many(
         self, items: list[tuple[bytes, bytes]], *, durability: Durability = "none"
     ) -> list[MutationResult]:
-        """Pipelined SETs: up to ``PIPELINE_DEPTH_MAX`` in flight, results in input order."""
-        results: list[MutationResult] = []
+        """Pipelined SETs: up to ``PIPELINE_DEPTH_MAX`` in flight, results in input order.
+
+        Each window is sent to the nodes holding its keys' vbuckets, all nodes at once; a
+        write answered NOT_MY_VBUCKET is retried on its own after the map is updated.
+        """
+        results: list[MutationResult | None] = [None] * len(items)
         for first in range(0, len(items), PIPELINE_DEPTH_MAX):
-            window = items[first : first + PIPELINE_DEPTH_MAX]
-            futures = []
-            for key, value in window:
-                vb = self.vbucket_of(key)
-                opaque = self._conn.next_opaque()
-                futures.append((vb, self._conn.expect(opaque)))
-                command = StoreCommand(Opcode.SET, vb, opaque, key, value)
-                self._conn.send(encode_store(command))
-            await self._conn.drain()
-            for vb, future in futures:
-                results.append(_mutation_result(await asyncio.wait_for(future, 60.0), vb))
+            await self._store_window(
+                items, range(first, min(len(items), first + PIPELINE_DEPTH_MAX)), results
+            )
+        done = [r for r in results if r is not None]
+        assert len(done) == len(items), (len(done), len(items))
         if durability == "persist":
             newest: dict[int, MutationResult] = {}
-            for result in results:
+            for result in done:
                 newest[result.vbucket] = result
             await asyncio.gather(*(self.wait_persisted(r) for r in newest.values()))
-        return results
+        return done
+
+    async def _store_window(
+        self,
+        items: list[tuple[bytes, bytes]],
+        indexes: range,
+        results: list[MutationResult | None],
+    ) -> None:
+        """Send one window pipelined, to every node it needs at once, and fill `results`.
+
+        Writes answered TMPFAIL, NOT_MY_VBUCKET (the map moved) or lost with their node go
+        again together, pipelined, after a backoff — not one by one, so a node shedding load
+        is not also slowed to one round trip per write — until they succeed or the retry time
+        (TEMPORARY_FAILURE_RETRY_S, ROUTE_RETRY_S with a map) runs out.
+        """
+        following = self.cluster_map is not None
+        lost = (OSError, ConnectionClosedError, NotMyVbucketError)
+        start = time.monotonic()
+        pending = list(indexes)
+        gone: BaseException | None = None  # the last connection loss, raised if it persists
+        rounds = 0
+        while pending:  # bounded by the retry times
+            sent: list[tuple[int, int, asyncio.Future[Frame] | None]] = []
+            used: dict[int, Connection] = {}
+            for i in pending:
+                key, value = items[i]
+                vb = self.vbucket_of(key)
+                try:
+                    conn = await self._conn_for(vb)
+                    opaque = conn.next_opaque()
+                    future = conn.expect(opaque)
+                    conn.send(encode_store(StoreCommand(Opcode.SET, vb, opaque, key, value)))
+                except lost as error:
+                    if not self._can_fail_over:
+                        raise
+                    gone = error
+                    sent.append((i, vb, None))
+                    continue
+                used[id(conn)] = conn
+                sent.append((i, vb, future))
+            for conn in used.values():
+                with contextlib.suppress(*lost):  # a lost node: its writes go again
+                    await conn.drain()
+            again: list[int] = []
+            last: Frame | None = None
+            for i, vb, waiting in sent:
+                response = None
+                if waiting is not None:
+                    try:
+                        response = await asyncio.wait_for(waiting, 60.0)
+                    except lost as error:
+                        if not self._can_fail_over:
+                            raise
+                        gone = error
+                if response is None:
+                    self.retries += 1
+                elif response.status == Status.NOT_MY_VBUCKET and following:
+                    self.retries += 1
+                    self._learn_map(response.value)
+                elif response.status == Status.ETMPFAIL:
+                    self.temporary_failures += 1
+                    last = response
+                else:
+                    results[i] = _mutation_result(response, vb)
+                    continue
+                again.append(i)
+            pending = again
+            if not pending:
+                return
+            elapsed = time.monotonic() - start
+            limit = ROUTE_RETRY_S if following and last is None else self.tmpfail_retry_s
+            if elapsed > limit:
+                if last is not None:
+                    _check(last)  # raises the TMPFAIL's error
+                if gone is not None:
+                    raise gone
+                raise NotMyVbucketError(
+                    f"{len(pending)} writes found no active after {elapsed:.1f} s"
+                )
+            rounds += 1
+            await asyncio.sleep(min(TEMPORARY_FAILURE_BACKOFF_MAX_S, 0.001 * 2**rounds))
+            if following and last is None:
+                await self._refresh_map_anywhere(None)
 
     async def compact(
         self,
@@ -198,9 +463,13 @@ class KvClient:
         purge_before_ts = 0  # the node's own purge age
         if purge_age_s is not None:
             purge_before_ts = max(1, int(time.time() - purge_age_s) + 1)  # "deleted before"
-        opaque = self._conn.next_opaque()
-        request = CompactDb(vb, opaque, purge_before_ts, drop_deletes=drop_deletes)
-        response = await self._conn.request(encode_compact_db(request), opaque, timeout_s=timeout_s)
+
+        def build(opaque: int) -> bytes:
+            return encode_compact_db(
+                CompactDb(vb, opaque, purge_before_ts, drop_deletes=drop_deletes)
+            )
+
+        response = await self._request(vb, build, timeout_s=timeout_s)
         _check(response)
         return decode_compaction_summary(response.value)
 
@@ -214,7 +483,10 @@ class KvClient:
         value = result.vb_uuid.to_bytes(8, "big")
         while True:  # bounded by the deadline
             response = await call(
-                self._conn, Opcode.OBSERVE_SEQNO, vbucket=result.vbucket, value=value
+                await self._conn_for(result.vbucket),
+                Opcode.OBSERVE_SEQNO,
+                vbucket=result.vbucket,
+                value=value,
             )
             observed = decode_observe_seqno_result(response.value)
             if observed.persisted_seqno >= result.seqno:
