@@ -245,3 +245,83 @@ assert 0 < COMPACTION_CHUNK_RECORDS_MAX <= 65536, COMPACTION_CHUNK_RECORDS_MAX
 assert 0 < EXPIRY_PAGER_CHUNK_RECORDS_MAX <= EXPIRY_PAGER_RECORDS_PER_PASS_MAX
 # A pass's expirations fit the checkpoint quota many times over (~100 accounted bytes each).
 assert EXPIRY_PAGER_RECORDS_PER_PASS_MAX * 100 <= 256 * 1024 * 1024 // 32
+
+# --- cluster/: etcd metadata, leases and the orchestrator --------------------------------------
+
+# Every unary etcd request (get, put, transaction, lease grant/keep-alive) gives up after this;
+# a loopback etcd answers in ~1 ms, a busy one under fsync load in tens of ms.
+ETCD_REQUEST_TIMEOUT_S = 5.0
+
+# Node membership and the orchestrator's leader key live on leases of this TTL, kept alive every
+# TTL/3. A dead node leaves the member list (and a dead leader frees its key) within one TTL;
+# etcd's minimum TTL is ~2x its election timeout (1 s by default), so tests may use 2 s.
+ETCD_LEASE_TTL_S_DEFAULT = 10
+ETCD_LEASE_TTL_S_MIN = 2
+
+# Starting and stopping a local etcd (changefeed cluster start/stop, tests): it is healthy in
+# ~0.3 s on loopback; a clean stop takes ~0.1 s.
+ETCD_START_TIMEOUT_S = 20.0
+ETCD_STOP_TIMEOUT_S = 10.0
+
+# Watches and campaigns that lose etcd retry with a backoff between these bounds (forever: a
+# node keeps serving its last map while the metadata service is away).
+ETCD_RETRY_BACKOFF_MIN_S = 0.1
+ETCD_RETRY_BACKOFF_MAX_S = 2.0
+
+# The orchestrator waits this long for the expected nodes before it logs which are missing (and
+# then keeps waiting, logging again at this interval).
+CLUSTER_NODES_WAIT_LOG_S = 30.0
+
+# Largest cluster map document accepted from etcd: 1024 chains of 4 copies plus node addresses
+# are ~30 KiB of JSON; etcd's own request limit is 1.5 MiB.
+CLUSTER_MAP_BYTES_MAX = 1024 * 1024
+
+assert 0 < ETCD_LEASE_TTL_S_MIN <= ETCD_LEASE_TTL_S_DEFAULT
+assert ETCD_REQUEST_TIMEOUT_S < ETCD_LEASE_TTL_S_DEFAULT  # a keep-alive times out within a TTL
+assert 0 < ETCD_RETRY_BACKOFF_MIN_S <= ETCD_RETRY_BACKOFF_MAX_S < ETCD_LEASE_TTL_S_DEFAULT
+
+# -- the Couchbase SDK's KV surface (server/kv_commands.py, server/subdoc.py) --------------------
+
+# GET_LOCKED: a lock time of 0, or above the maximum, gets the default (kv_engine's
+# getl_default_timeout and getl_max_timeout).
+ITEM_LOCK_DEFAULT_S = 15
+ITEM_LOCK_MAX_S = 30
+
+# Locks one vbucket tracks: held locks, and unlocked documents that still show their lock's CAS
+# until they are rewritten (kv_engine keeps that CAS in the document). A full table forgets the
+# unlocked ones first (their CAS reverts to the stored one); a table full of held locks refuses
+# GET_LOCKED with TMPFAIL. ~150 bytes a lock (key, record, dict slot): 1024 vbuckets x 10k
+# locks would be 1.5 GiB only if every vbucket filled, which needs 10M locked documents.
+ITEM_LOCKS_PER_VBUCKET_MAX = 10_000
+
+# Sub-document limits, kv_engine's (docs/SubDocument.md, "Limits"): paths per multi-path
+# request, bytes of one path, components of one path, and nesting levels of a document a path
+# can reach (a deeper document answers SUBDOC_DOC_E2DEEP, a value that would make it deeper
+# SUBDOC_VALUE_ETOODEEP).
+SUBDOC_MULTI_PATHS_MAX = 16
+SUBDOC_PATH_BYTES_MAX = 1024
+SUBDOC_PATH_COMPONENTS_MAX = 32
+SUBDOC_DOC_DEPTH_MAX = 32
+
+assert 0 < ITEM_LOCK_DEFAULT_S <= ITEM_LOCK_MAX_S
+assert SUBDOC_PATH_COMPONENTS_MAX <= SUBDOC_DOC_DEPTH_MAX
+
+# --- ipc/ and server/shm_publisher.py: shared-memory fan-out to local readers ------------------
+
+# Change rows per published batch (one batch per ring slot). Readers pay a fixed cost per batch
+# (~15-20 us: a transaction-logged reference and release, an Arrow IPC header read), so 4096
+# rows make it ~5 ns a row; 100-byte rows make a batch of ~0.7 MiB, inside the default 2 MiB slot.
+SHM_ROWS_PER_BATCH_MAX = 4096
+
+# Rows the publisher may hold back waiting for the flusher (persisted-only publishing) before it
+# stops reading its streams: 16 batches, ~11 MiB of 100-byte rows. A flush round takes
+# milliseconds, so the bound is only reached when the store cannot persist.
+SHM_PENDING_ROWS_MAX = 16 * SHM_ROWS_PER_BATCH_MAX
+
+# How often a publisher holding unpersisted rows looks at the persisted seqnos (the flusher does
+# not wake it): the added latency of persisted-only publishing, next to the flusher's own ~5 ms
+# group-commit wait.
+SHM_PERSIST_POLL_S = 0.002
+
+assert SHM_ROWS_PER_BATCH_MAX <= ROWS_PER_BATCH_MAX
+assert SHM_PENDING_ROWS_MAX >= SHM_ROWS_PER_BATCH_MAX

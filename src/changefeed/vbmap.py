@@ -1,4 +1,4 @@
-"""Which vbucket a key belongs to.
+"""Which vbucket a key belongs to, and which node holds each vbucket (the cluster map).
 
 Couchbase hashes a key with CRC32 and keeps 15 bits of the upper half; we do the same so that a
 Couchbase-style client computes the same vbucket (ARCHITECTURE.md, vocabulary).
@@ -6,7 +6,11 @@ Couchbase-style client computes the same vbucket (ARCHITECTURE.md, vocabulary).
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
+from typing import Final
+
+REPLICAS_MAX: Final = 3  # Couchbase's bound on replicas per vbucket
 
 
 def vbucket_for_key(key: bytes, vbuckets: int) -> int:
@@ -20,3 +24,175 @@ def vbucket_for_key(key: bytes, vbuckets: int) -> int:
     vb = ((zlib.crc32(key) >> 16) & 0x7FFF) % vbuckets
     assert 0 <= vb < vbuckets, (vb, vbuckets)
     return vb
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeAddress:
+    """A node of the cluster as clients reach it.
+
+    Attributes:
+        name: the node's stable name (its etcd member key, its data dir's identity).
+        host: KV host (loopback in tests).
+        port: KV port.
+    """
+
+    name: str
+    host: str
+    port: int
+
+    @property
+    def server(self) -> str:
+        """``host:port``, as Couchbase's ``serverList`` spells a node."""
+        return f"{self.host}:{self.port}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterMap:
+    """Which node holds each vbucket's active and replica copies, at one revision.
+
+    Sans-IO: the orchestrator computes maps, etcd stores them (as `to_json`), nodes apply them
+    and clients route by them. `chains[vb]` is a list of indexes into `nodes`: the active first,
+    then the replicas in order; -1 marks a copy with no node (too few nodes, or one failed over).
+    `rev` increases with every change (a client keeps the highest it has seen).
+
+    Attributes:
+        rev: the map's revision.
+        nodes: the nodes, in the order chains refer to them.
+        chains: per vbucket, the node indexes of its copies, active first.
+        replicas: copies per vbucket besides the active (every chain has replicas + 1 entries).
+    """
+
+    rev: int
+    nodes: tuple[NodeAddress, ...]
+    chains: tuple[tuple[int, ...], ...]
+    replicas: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rev < 0:
+            raise ValueError(f"map rev {self.rev} is negative")
+        if not self.chains:
+            raise ValueError("a cluster map needs at least one vbucket")
+        if not 0 <= self.replicas <= REPLICAS_MAX:
+            raise ValueError(f"replicas {self.replicas} outside 0..{REPLICAS_MAX}")
+        for vb, chain in enumerate(self.chains):
+            if len(chain) != self.replicas + 1:
+                raise ValueError(f"vb {vb}: chain {chain} needs {self.replicas + 1} entries")
+            placed = [i for i in chain if i != -1]
+            if any(not 0 <= i < len(self.nodes) for i in placed):
+                raise ValueError(
+                    f"vb {vb}: chain {chain} names a node outside 0..{len(self.nodes) - 1}"
+                )
+            if len(set(placed)) != len(placed):
+                raise ValueError(f"vb {vb}: chain {chain} puts two copies on one node")
+
+    @property
+    def vbuckets(self) -> int:
+        return len(self.chains)
+
+    def node_index(self, name: str) -> int | None:
+        """Index of the node called `name`, or None when it is not in the map."""
+        for i, node in enumerate(self.nodes):
+            if node.name == name:
+                return i
+        return None
+
+    def active(self, vb: int) -> NodeAddress | None:
+        """The node holding vb's active copy (None while it has none)."""
+        index = self.chains[vb][0]
+        return self.nodes[index] if index != -1 else None
+
+    def replica_nodes(self, vb: int) -> list[NodeAddress]:
+        """The nodes holding vb's replica copies, in chain order (unplaced ones skipped)."""
+        return [self.nodes[i] for i in self.chains[vb][1:] if i != -1]
+
+    def role_of(self, name: str, vb: int) -> int | None:
+        """0 when `name` holds vb's active, n for its n-th replica, None when it holds no copy."""
+        index = self.node_index(name)
+        if index is None or index not in self.chains[vb]:
+            return None
+        return self.chains[vb].index(index)
+
+    def to_json(self) -> dict[str, object]:
+        """The map as stored in etcd and in a node's data dir (`from_json` reads it back)."""
+        return {
+            "rev": self.rev,
+            "replicas": self.replicas,
+            "nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in self.nodes],
+            "chains": [list(chain) for chain in self.chains],
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> ClusterMap:
+        """Parse `to_json`'s form.
+
+        Raises:
+            ValueError: the document is not a valid map (names what is wrong).
+        """
+        try:
+            assert isinstance(data, dict)
+            nodes = tuple(
+                NodeAddress(str(n["name"]), str(n["host"]), int(n["port"])) for n in data["nodes"]
+            )
+            chains = tuple(tuple(int(i) for i in chain) for chain in data["chains"])
+            return cls(int(data["rev"]), nodes, chains, int(data["replicas"]))
+        except (AssertionError, KeyError, TypeError) as error:
+            raise ValueError(f"not a cluster map: {error!r}") from error
+
+    @classmethod
+    def single_node(cls, node: NodeAddress, vbuckets: int, rev: int = 1) -> ClusterMap:
+        """Every vbucket active on `node`, no replicas (the embedded single-node default)."""
+        return cls(rev, (node,), tuple((0,) for _ in range(vbuckets)), 0)
+
+    def couchbase_config(self, bucket: str, this_node: str | None = None) -> dict[str, object]:
+        """The map as Couchbase's GET_CLUSTER_CONFIG / NOT_MY_VBUCKET body spells it.
+
+        `vBucketMap` rows are indexes into `serverList` (active first, -1 for no copy), the
+        shape SDKs route by; `nodesExt` lists each node's KV port; `thisNode` marks the
+        answering node, as Couchbase does.
+        """
+        nodes_ext: list[dict[str, object]] = []
+        for n in self.nodes:
+            entry: dict[str, object] = {"hostname": n.host, "services": {"kv": n.port}}
+            if n.name == this_node:
+                entry["thisNode"] = True
+            nodes_ext.append(entry)
+        return {
+            "rev": self.rev,
+            "revEpoch": 1,
+            "name": bucket,
+            "nodeLocator": "vbucket",
+            "bucketType": "membase",
+            "nodes": [
+                {"hostname": f"{n.host}:8091", "ports": {"direct": n.port}} for n in self.nodes
+            ],
+            "nodesExt": nodes_ext,
+            "vBucketServerMap": {
+                "hashAlgorithm": "CRC",
+                "numReplicas": self.replicas,
+                "serverList": [n.server for n in self.nodes],
+                "vBucketMap": [list(chain) for chain in self.chains],
+            },
+        }
+
+    @classmethod
+    def from_couchbase_config(cls, config: object) -> ClusterMap:
+        """Read a Couchbase-format config (what `couchbase_config` writes, or a real one).
+
+        Node names are the ``host:port`` servers (a client has no other name for them).
+
+        Raises:
+            ValueError: the document is not a usable config (names what is wrong).
+        """
+        try:
+            assert isinstance(config, dict), "not an object"
+            server_map = config["vBucketServerMap"]
+            nodes = []
+            for server in server_map["serverList"]:
+                host, _, port = str(server).rpartition(":")
+                nodes.append(NodeAddress(str(server), host, int(port)))
+            chains = tuple(tuple(int(i) for i in row) for row in server_map["vBucketMap"])
+            return cls(
+                int(config.get("rev", 0)), tuple(nodes), chains, int(server_map["numReplicas"])
+            )
+        except (AssertionError, KeyError, TypeError) as error:
+            raise ValueError(f"not a cluster config: {error!r}") from error

@@ -52,9 +52,13 @@ from changefeed.protocol.errors import (
     InvalidArgumentsError,
     KeyExistsError,
     KeyNotFoundError,
+    LockedError,
+    NotLockedError,
     NotMyVbucketError,
+    TemporaryFailureError,
 )
 from changefeed.protocol.kv import MutationResult
+from changefeed.protocol.kv_ops import LOCKED_CAS, DocumentMeta
 from changefeed.storage import Op, Record, Store
 from changefeed.vbucket_state import VBucketState
 
@@ -80,6 +84,20 @@ class Document:
     datatype: int
     seqno: int
     rev_seqno: int
+
+
+@dataclasses.dataclass(slots=True)
+class _Lock:
+    """A GET_LOCKED lock on the current version of a key (memory only, as kv_engine's).
+
+    Attributes:
+        cas: the CAS the holder got. While locked, a write needs it; once unlocked (or timed
+            out) the document shows it as its CAS until rewritten, as kv_engine's does.
+        until: wall-clock seconds (the vbucket's clock) when the lock ends; 0 once unlocked.
+    """
+
+    cas: int
+    until: float
 
 
 class VBucket:
@@ -125,7 +143,11 @@ class VBucket:
             replica_cursors_droppable=replica_cursors_droppable,
         )
         self.flusher = Flusher(self.manager, store, batch_bytes_max=flush_batch_bytes_max)
+        self._checkpoint_max_bytes = checkpoint_max_bytes
+        self._replica_cursors_droppable = replica_cursors_droppable
+        self._flush_batch_bytes_max = flush_batch_bytes_max
         self._last_cas = self._recover_cas()
+        self._locks: dict[bytes, _Lock] = {}  # GET_LOCKED; any write of the key drops its entry
         assert self.manager.high_seqno == self._high_seqno, (self.manager, self._high_seqno)
 
     def __repr__(self) -> str:
@@ -177,6 +199,7 @@ class VBucket:
             return
         if state is VBucketState.ACTIVE:
             self._failover_log.create_entry(self._high_seqno)
+        self._locks.clear()  # locks live on the active copy only
         self._state = state
         self._persist_meta()
         assert self._state is state, (self._state, state)
@@ -206,6 +229,7 @@ class VBucket:
         """
         self._require_active()
         current = self._current(key)
+        self._check_lock(key, current, cas)
         if cas:
             self._check_cas(key, current, cas)
         rev_seqno = current.rev_seqno + 1 if current is not None else 1
@@ -265,6 +289,7 @@ class VBucket:
         current = self._current(key)
         if current is None:
             raise KeyNotFoundError(f"vb {self._vb}: key {key[:64]!r} not found")
+        self._check_lock(key, current, cas)
         if cas:
             self._check_cas(key, current, cas)
         return self._queue_write(key, Op.DELETION, b"", rev_seqno=current.rev_seqno + 1)
@@ -276,15 +301,97 @@ class VBucket:
             NotMyVbucketError: the vbucket is active or dead.
             CheckpointMemoryFullError: checkpoint memory is full (the replica stream pauses).
         """
-        if self._state not in (VBucketState.REPLICA, VBucketState.PENDING):
-            raise NotMyVbucketError(f"vb {self._vb} is {self._state.value}, not a replica")
-        assert item.seqno > self._high_seqno, (item.seqno, self._high_seqno)
+        self._require_replica()
+        if not self._high_seqno < item.seqno <= self.manager.snapshot_end:
+            raise InvalidArgumentsError(
+                f"vb {self._vb}: replicated seqno {item.seqno} outside the snapshot being "
+                f"received ({self._high_seqno}, {self.manager.snapshot_end}]"
+            )
         _check_fields(item.key, item.value, item.flags, item.expiry, item.datatype)
         if not 0 < item.cas <= limits.SEQNO_MAX:
             raise InvalidArgumentsError(f"vb {self._vb}: cas {item.cas} is not a non-zero u64")
         self.manager.queue(item)
         self._high_seqno = item.seqno
         self._last_cas = max(self._last_cas, item.cas)
+
+    def replica_snapshot(self, snap_start: int, snap_end: int) -> None:
+        """The active's snapshot marker: items up to `snap_end` follow, in their own checkpoint.
+
+        Raises:
+            NotMyVbucketError: the vbucket is not a replica.
+            InvalidArgumentsError: the range is empty or ends below what is held.
+        """
+        self._require_replica()
+        if not 0 <= snap_start <= snap_end <= limits.SEQNO_MAX:
+            raise InvalidArgumentsError(f"vb {self._vb}: snapshot [{snap_start}, {snap_end}]")
+        self.manager.start_snapshot(snap_start, snap_end)
+
+    def adopt_failover_log(self, entries: list[tuple[int, int]]) -> None:
+        """Take the active's failover log (a replica's history is its active's), persisted.
+
+        Raises:
+            NotMyVbucketError: the vbucket is not a replica.
+        """
+        self._require_replica()
+        if entries != self._failover_log.entries:
+            self._failover_log = FailoverLog(entries, rng=self._rng)
+            self._persist_meta()
+
+    def rollback(self, seqno: int) -> int:
+        """Truncate a replica to `seqno` before it takes anything past it (KAFKA-14704: truncate
+        first), or to 0 when the store cannot rebuild the state at `seqno` (Store.rollback).
+
+        Everything queued is flushed first, then the store truncates and the mutation manager
+        starts afresh at the rollback point (its wakeup kept, so waiters still hear of writes).
+
+        Returns:
+            The seqno the vbucket now ends at.
+
+        Raises:
+            NotMyVbucketError: the vbucket is not a replica.
+            StorageError: the flush or the truncation failed; nothing was truncated.
+        """
+        self._require_replica()
+        if seqno >= self._high_seqno:
+            return self._high_seqno
+        self.flusher.flush()
+        point = self._store.rollback(self._vb, seqno)
+        old = self.manager
+        old.close()
+        self.manager = CheckpointManager(
+            self._vb,
+            high_seqno=point,
+            budget=old.budget,
+            checkpoint_max_bytes=self._checkpoint_max_bytes,
+            replica_cursors_droppable=self._replica_cursors_droppable,
+            wakeup=old.wakeup,
+        )
+        self.flusher = Flusher(
+            self.manager, self._store, batch_bytes_max=self._flush_batch_bytes_max
+        )
+        self._high_seqno = point
+        assert self.persisted_seqno == point, (self.persisted_seqno, point)
+        return point
+
+    def replica_request_range(self) -> tuple[int, int, int]:
+        """``(start, snap_start, snap_end)`` a replica presents when it requests its stream.
+
+        Inside a snapshot it holds only partly — being received, or persisted partly before a
+        crash — the range is that snapshot's, so the active can tell whether history diverged
+        inside it; else the replica holds a whole snapshot ending at its high seqno.
+        """
+        high = self._high_seqno
+        end = self.manager.snapshot_end
+        if end > high:
+            return high, min(self.manager.open_checkpoint.snap_start, high), end
+        meta = self._store.vbucket_meta(self._vb)
+        if meta is not None and meta.high_seqno == high and meta.snap_end > high:
+            return high, min(meta.snap_start, high), meta.snap_end
+        return high, high, high
+
+    def _require_replica(self) -> None:
+        if self._state not in (VBucketState.REPLICA, VBucketState.PENDING):
+            raise NotMyVbucketError(f"vb {self._vb} is {self._state.value}, not a replica")
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -302,13 +409,140 @@ class VBucket:
         return Document(
             key,
             current.value,
-            current.cas,
+            self._visible_cas(key, current.cas) if self._locks else current.cas,
             current.flags,
             current.expiry,
             current.datatype,
             current.seqno,
             current.rev_seqno,
         )
+
+    # -- the SDK's KV surface: locks, touch, metadata ----------------------------------------------
+
+    def get_locked(self, key: bytes, lock_s: float) -> Document:
+        """GET_LOCKED: lock `key` for `lock_s` seconds; the document returned carries the lock's
+        CAS (a new one from the CAS clock), the one a write or UNLOCK must present. Nothing is
+        written: a lock is not a change and is not streamed.
+
+        Raises:
+            NotMyVbucketError: not active.
+            KeyNotFoundError: missing, deleted or expired.
+            LockedError: already locked.
+            TemporaryFailureError: this vbucket holds ITEM_LOCKS_PER_VBUCKET_MAX locks.
+        """
+        self._require_active()
+        current = self._current(key)
+        if current is None:
+            raise KeyNotFoundError(f"vb {self._vb}: key {key[:64]!r} not found")
+        now = self._clock()
+        lock = self._locks.get(key)
+        if lock is not None and lock.until > now:
+            raise LockedError(f"vb {self._vb}: key {key[:64]!r} is locked")
+        if lock is None and len(self._locks) >= limits.ITEM_LOCKS_PER_VBUCKET_MAX:
+            self._forget_unlocked(now)
+            if len(self._locks) >= limits.ITEM_LOCKS_PER_VBUCKET_MAX:
+                raise TemporaryFailureError(f"vb {self._vb}: too many documents locked")
+        cas = self._next_cas()
+        self._last_cas = cas
+        self._locks[key] = _Lock(cas, now + lock_s)
+        return Document(
+            key,
+            current.value,
+            cas,
+            current.flags,
+            current.expiry,
+            current.datatype,
+            current.seqno,
+            current.rev_seqno,
+        )
+
+    def unlock(self, key: bytes, cas: int) -> None:
+        """UNLOCK_KEY: end the lock whose CAS is `cas` (the document keeps showing that CAS).
+
+        Raises:
+            NotMyVbucketError: not active.
+            KeyNotFoundError: missing, deleted or expired.
+            NotLockedError: not locked (never, or the lock timed out).
+            LockedError: locked with another CAS.
+        """
+        self._require_active()
+        if self._current(key) is None:
+            raise KeyNotFoundError(f"vb {self._vb}: key {key[:64]!r} not found")
+        lock = self._locks.get(key)
+        if lock is None or lock.until <= self._clock():
+            raise NotLockedError(f"vb {self._vb}: key {key[:64]!r} is not locked")
+        if lock.cas != cas:
+            raise LockedError(f"vb {self._vb}: key {key[:64]!r} is locked with another CAS")
+        lock.until = 0.0
+
+    def touch(self, key: bytes, expiry: int, *, cas: int = 0) -> MutationResult:
+        """TOUCH / GAT: a new version of `key` with the same value and a new `expiry` (absolute
+        seconds, 0 never): a change with its own seqno and CAS, streamed like any other.
+
+        Raises:
+            NotMyVbucketError: not active.
+            KeyNotFoundError: missing, deleted or expired.
+            LockedError: locked, and `cas` is not the lock's.
+            KeyExistsError: `cas` given and it differs from the key's CAS.
+            CheckpointMemoryFullError: checkpoint memory is full (TMPFAIL).
+        """
+        self._require_active()
+        current = self._current(key)
+        if current is None:
+            raise KeyNotFoundError(f"vb {self._vb}: key {key[:64]!r} not found")
+        self._check_lock(key, current, cas)
+        if cas:
+            self._check_cas(key, current, cas)
+        return self._queue_write(
+            key,
+            Op.MUTATION,
+            current.value,
+            flags=current.flags,
+            expiry=expiry,
+            datatype=current.datatype,
+            rev_seqno=current.rev_seqno + 1,
+        )
+
+    def check_write(self, key: bytes, cas: int) -> None:
+        """Refuse, before a read-modify-write computes its new value, what the write would be
+        refused for: LOCKED, then (with `cas`) KEY_ENOENT or KEY_EEXISTS.
+
+        Raises:
+            NotMyVbucketError, LockedError, KeyNotFoundError, KeyExistsError: as `set`.
+        """
+        self._require_active()
+        current = self._current(key)
+        self._check_lock(key, current, cas)
+        if cas:
+            self._check_cas(key, current, cas)
+
+    def get_meta(self, key: bytes) -> DocumentMeta | None:
+        """GET_META: the newest version's metadata, a tombstone's included (deleted, its
+        delete time as expiry); None when the key has no version at all (or it was purged).
+
+        Raises:
+            NotMyVbucketError: the vbucket is dead.
+        """
+        if self._state is VBucketState.DEAD:
+            raise NotMyVbucketError(f"vb {self._vb} is dead")
+        current = self._current(key)  # queues the expiration of an expired document
+        if current is not None:
+            return DocumentMeta(
+                False,
+                current.flags,
+                current.expiry,
+                current.rev_seqno,
+                current.datatype,
+                self._visible_cas(key, current.cas),
+            )
+        found: Item | Record | None = self.manager.find(key)
+        if found is None:
+            found = self._store.get(self._vb, key)
+        if found is None:
+            return None
+        # A tombstone; or an expired document whose expiration could not be queued yet.
+        expiry = found.delete_time if found.op is not Op.MUTATION else found.expiry
+        return DocumentMeta(True, found.flags, expiry, found.rev_seqno, found.datatype, found.cas)
 
     def expire_if_due(self, key: bytes) -> bool:
         """Queue an EXPIRATION for `key` if its newest version has expired (the expiry pager).
@@ -438,8 +672,29 @@ class VBucket:
     def _check_cas(self, key: bytes, current: Item | Record | None, cas: int) -> None:
         if current is None:
             raise KeyNotFoundError(f"vb {self._vb}: key {key[:64]!r} not found")
-        if current.cas != cas:
+        lock = self._locks.get(key) if self._locks else None
+        if (current.cas if lock is None else lock.cas) != cas:
             raise KeyExistsError(f"vb {self._vb}: key {key[:64]!r} has another CAS")
+
+    def _check_lock(self, key: bytes, current: Item | Record | None, cas: int) -> None:
+        """LockedError if `key` is locked and `cas` is not the lock's."""
+        lock = self._locks.get(key) if self._locks else None
+        if lock is None or current is None:
+            return
+        if lock.until > self._clock() and cas != lock.cas:
+            raise LockedError(f"vb {self._vb}: key {key[:64]!r} is locked")
+
+    def _visible_cas(self, key: bytes, cas: int) -> int:
+        """The CAS a read shows: LOCKED_CAS while locked, the lock's once unlocked."""
+        lock = self._locks.get(key) if self._locks else None
+        if lock is None:
+            return cas
+        return LOCKED_CAS if lock.until > self._clock() else lock.cas
+
+    def _forget_unlocked(self, now: float) -> None:
+        """Drop the entries of unlocked documents (their CAS reverts to the stored one)."""
+        for key in [k for k, lock in self._locks.items() if lock.until <= now]:
+            del self._locks[key]
 
     def _next_cas(self) -> int:
         now_ns = int(self._clock() * _NS_PER_S)
@@ -466,6 +721,8 @@ class VBucket:
         self.manager.queue(item)
         self._high_seqno = seqno
         self._last_cas = cas
+        if self._locks:
+            self._locks.pop(key, None)  # a new version is never locked
         assert self.manager.high_seqno == seqno, (self.manager.high_seqno, seqno)
         return MutationResult(vbucket=self._vb, seqno=seqno, cas=cas, vb_uuid=self.vb_uuid)
 

@@ -161,6 +161,10 @@ class Model:
     def _rollback(model: ModelVb, seqno: int) -> None:
         if seqno >= model.high_seqno:
             return
+        # Store.rollback's rule: a discarded record that is not its key's first version
+        # (rev_seqno > 1) cannot be undone exactly, so the vbucket goes back to 0.
+        if any(r[0] > seqno and r[7] > 1 for r in model.records.values()):
+            seqno = 0
         model.records = {k: r for k, r in model.records.items() if r[0] <= seqno}
         model.high_seqno = model.snap_start = model.snap_end = seqno
         model.purge_seqno = min(model.purge_seqno, seqno)

@@ -151,6 +151,9 @@ def test_writes_need_an_active_vbucket_and_replicas_take_streamed_items(store: S
         vbucket.set(b"a", b"1")
     with pytest.raises(NotMyVbucketError):
         vbucket.delete(b"a")
+    with pytest.raises(InvalidArgumentsError, match="outside the snapshot"):
+        vbucket.queue_replicated(Item(7, b"a", Op.MUTATION, b"no-marker-yet", cas=999))
+    vbucket.replica_snapshot(1, 7)  # the active's marker comes first
     vbucket.queue_replicated(Item(7, b"a", Op.MUTATION, b"from-active", cas=999))
     assert vbucket.high_seqno == 7
     got = vbucket.get(b"a")
@@ -163,6 +166,7 @@ def test_writes_need_an_active_vbucket_and_replicas_take_streamed_items(store: S
 
 def test_promotion_to_active_adds_a_persisted_failover_entry(store: Store) -> None:
     vbucket = make(store, state=VBucketState.REPLICA)
+    vbucket.replica_snapshot(1, 2)
     vbucket.queue_replicated(Item(1, b"a", Op.MUTATION, b"1", cas=5))
     vbucket.queue_replicated(Item(2, b"b", Op.MUTATION, b"2", cas=6))
     old_uuid = vbucket.vb_uuid
@@ -285,3 +289,69 @@ def test_stream_sees_every_write(store: Store) -> None:
         b"k2": Op.MUTATION,
         b"k3": Op.MUTATION,
     }
+
+
+# -- replica vbuckets (issue 11) ---------------------------------------------------------------
+
+
+def replicate(vbucket: VBucket, snap: tuple[int, int], *items: tuple[int, bytes, int]) -> None:
+    """A marker and its items (seqno, key, rev_seqno), as a replica stream delivers them."""
+    vbucket.replica_snapshot(*snap)
+    for seqno, key, rev in items:
+        vbucket.queue_replicated(
+            Item(seqno, key, Op.MUTATION, b"v%d" % seqno, cas=1000 + seqno, rev_seqno=rev)
+        )
+
+
+def test_a_replica_persists_a_partly_received_snapshot_and_asks_for_the_rest(
+    store: Store,
+) -> None:
+    vbucket = make(store, state=VBucketState.REPLICA)
+    replicate(vbucket, (1, 2), (1, b"a", 1), (2, b"b", 1))
+    assert vbucket.replica_request_range() == (2, 2, 2)  # a whole snapshot held
+    replicate(vbucket, (3, 6), (3, b"c", 1), (4, b"d", 1))
+    assert vbucket.replica_request_range() == (4, 3, 6)  # inside [3, 6]
+    vbucket.flush()
+    meta = store.vbucket_meta(VB)
+    assert meta is not None and (meta.high_seqno, meta.snap_start, meta.snap_end) == (4, 3, 6)
+    vbucket.release()
+    reopened = make(store, state=VBucketState.REPLICA)  # a restart: the range comes from disk
+    assert reopened.replica_request_range() == (4, 3, 6)
+    with pytest.raises(InvalidArgumentsError, match="outside the snapshot"):
+        reopened.queue_replicated(Item(5, b"e", Op.MUTATION, b"x", cas=1))  # marker first
+
+
+def test_a_replica_rolls_back_exactly_when_the_discarded_items_are_first_versions(
+    store: Store,
+) -> None:
+    vbucket = make(store, state=VBucketState.REPLICA)
+    replicate(vbucket, (1, 4), (1, b"a", 1), (2, b"b", 1), (3, b"c", 1), (4, b"d", 1))
+    assert vbucket.rollback(2) == 2
+    assert (vbucket.high_seqno, vbucket.persisted_seqno) == (2, 2)
+    assert vbucket.get(b"b") is not None and vbucket.get(b"c") is None
+    replicate(vbucket, (3, 3), (3, b"z", 1))  # it takes the new branch from there
+    assert vbucket.get(b"z") is not None
+
+
+def test_a_replica_that_cannot_rebuild_the_rollback_point_rolls_back_to_zero(
+    store: Store,
+) -> None:
+    vbucket = make(store, state=VBucketState.REPLICA)
+    replicate(vbucket, (1, 3), (1, b"a", 1), (2, b"b", 1), (3, b"a", 2))  # a's 2nd version
+    assert vbucket.rollback(2) == 0  # a@1 is gone from the store: no silent gap, a rebuild
+    assert vbucket.high_seqno == 0
+    assert vbucket.get(b"a") is None and vbucket.get(b"b") is None
+    replicate(vbucket, (1, 1), (1, b"a", 1))
+
+
+def test_a_replica_takes_its_actives_failover_log_and_only_a_replica_does(store: Store) -> None:
+    vbucket = make(store, state=VBucketState.REPLICA)
+    vbucket.adopt_failover_log([(77, 10), (55, 0)])
+    assert vbucket.vb_uuid == 77
+    meta = store.vbucket_meta(VB)
+    assert meta is not None and meta.failover_log == [(77, 10), (55, 0)]
+    vbucket.set_state(VBucketState.ACTIVE)
+    with pytest.raises(NotMyVbucketError):
+        vbucket.adopt_failover_log([(1, 0)])
+    with pytest.raises(NotMyVbucketError):
+        vbucket.rollback(0)

@@ -34,6 +34,7 @@ class Checkpoint:
         items: DUMMY, CHECKPOINT_START, then items and holes (None) in seqno order.
         key_index: key -> index in `items` of the live item with that key.
         snap_start, snap_end: snapshot range (snap_end = snap_start - 1 while empty).
+        marker_end: on a replica, the end of the active's snapshot this checkpoint mirrors.
         is_open: True for the newest checkpoint, the only one that takes items.
         cursor_count: cursors positioned inside.
         memory_bytes: accounted bytes of the live items.
@@ -51,6 +52,7 @@ class Checkpoint:
         "items",
         "key_index",
         "live_count",
+        "marker_end",
         "memory_bytes",
         "next",
         "on_replace",
@@ -67,6 +69,9 @@ class Checkpoint:
         self.key_index: dict[bytes, int] = {}
         self.snap_start = snap_start
         self.snap_end = snap_start - 1
+        # A replica's checkpoint mirrors a snapshot of its active: the marker's end, which the
+        # items may not reach yet (0 on an active, where snap_end is the whole truth).
+        self.marker_end = 0
         self.is_open = True
         self.cursor_count = 0
         self.memory_bytes = 0
@@ -150,6 +155,7 @@ class Checkpoint:
             self.live_count += 1
         self.memory_bytes += newer.memory_bytes - freed
         self.snap_end = newer.snap_end
+        self.marker_end = max(self.marker_end, newer.marker_end)
         newer.items = [DUMMY]
         newer.key_index = {}
         newer.memory_bytes = newer.live_count = newer.hole_count = 0

@@ -95,6 +95,7 @@ class CheckpointManager:
         persistence: bool = True,
         replica_cursors_droppable: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        wakeup: Wakeup | None = None,
     ) -> None:
         assert 0 <= vb < limits.VBUCKETS_MAX, vb
         assert 0 <= high_seqno <= limits.SEQNO_MAX, high_seqno
@@ -110,7 +111,7 @@ class CheckpointManager:
         self._open = self._new_checkpoint()
         self._head = self._open
         self._cursors: dict[str, Cursor] = {}
-        self.wakeup = Wakeup()
+        self.wakeup = wakeup if wakeup is not None else Wakeup()  # kept across a rollback
         # Called (replaced seqno, replacing seqno) when deduplication drops an item.
         self.replace_listeners: list[Callable[[int, int], None]] = []
         self.stats = {"cursors_dropped": 0, "checkpoints_collapsed": 0, "checkpoints_freed": 0}
@@ -207,6 +208,24 @@ class CheckpointManager:
         if self._budget.over_upper_mark:
             self._budget.recover()
         assert self._high_seqno == item.seqno, (self._high_seqno, item.seqno)
+
+    def start_snapshot(self, snap_start: int, snap_end: int) -> None:
+        """A replica received its active's snapshot marker [snap_start, snap_end]: the items
+        that follow go into a checkpoint of their own, which reports that snapshot's end, so
+        the flusher persists a range saying whether the replica holds the snapshot whole."""
+        assert snap_start <= snap_end, (snap_start, snap_end)
+        if snap_end <= self._high_seqno:
+            return  # a marker for what is held already (a resumed snapshot's remainder ends it)
+        if self._open.has_items:
+            self._close_open()
+        self._open.snap_start = max(self._open.snap_start, snap_start)
+        self._open.snap_end = self._open.snap_start - 1
+        self._open.marker_end = snap_end
+
+    @property
+    def snapshot_end(self) -> int:
+        """The end of the snapshot being received (a replica), else the high seqno."""
+        return max(self._high_seqno, self._open.marker_end)
 
     def close_open_checkpoint(self) -> None:
         """Close the open checkpoint if it holds items, so that it can be freed once read."""
@@ -370,7 +389,9 @@ class CheckpointManager:
                 cursor.index = index
                 if slot is CHECKPOINT_START:
                     return SnapshotStart(
-                        checkpoint.snap_start, checkpoint.snap_end, _CHECKPOINT_FLAGS
+                        checkpoint.snap_start,
+                        max(checkpoint.snap_end, checkpoint.marker_end),
+                        _CHECKPOINT_FLAGS,
                     )
                 assert isinstance(slot, Item), slot
                 assert slot.seqno > cursor.last_seqno, (cursor, slot)
@@ -482,6 +503,8 @@ class CheckpointManager:
         closed = self._open
         closed.close()
         fresh = self._new_checkpoint()
+        if closed.marker_end > closed.snap_end:  # a replica's snapshot continues in `fresh`
+            fresh.marker_end = closed.marker_end
         fresh.prev = closed
         closed.next = fresh
         self._open = fresh

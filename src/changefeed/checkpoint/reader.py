@@ -229,6 +229,22 @@ class StreamReader:
         if self._cursor.attached:
             self._manager.remove_cursor(self._cursor)
 
+    def retain(self) -> None:
+        """Stop reading but leave the cursor where it is, droppable: a reader coming back under
+        the same name (a replica reconnecting) resumes from memory while the checkpoints it
+        needs are still there, and memory recovery may drop it when memory is short (the
+        reader then backfills from disk). Idempotent; `close` after it does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._backfill is not None:
+            self._backfill.close()
+            self._backfill = None
+            if self._cursor.attached:  # it pins a checkpoint for a backfill nobody will finish
+                self._manager.remove_cursor(self._cursor)
+            return
+        self._cursor.droppable = True
+
     def _register(self) -> Cursor:
         """Register at the position; start a backfill to the store's high seqno if needed."""
         self.stats["registrations"] += 1

@@ -43,10 +43,11 @@ def run_loop(coroutine: object) -> None:
     """Run on uvloop when installed (the faster loop), else asyncio's."""
     try:
         import uvloop
-
-        uvloop.run(coroutine)  # type: ignore[arg-type]
     except ImportError:
         asyncio.run(coroutine)  # type: ignore[arg-type]
+        return
+    # Outside the try: an ImportError raised while serving must not run the coroutine twice.
+    uvloop.run(coroutine)  # type: ignore[arg-type]
 
 
 @click.command()
@@ -71,10 +72,32 @@ def run_loop(coroutine: object) -> None:
     help="If the data file is missing, empty or truncated, move it aside and start empty "
     "(consumers roll back to 0). Without it such a node refuses to start.",
 )
+@click.option(
+    "--etcd", help="Join the cluster whose metadata lives in this etcd (http://host:port)."
+)
+@click.option("--cluster", help="Cluster name (its etcd key prefix). Default 'default'.")
+@click.option("--node-name", help="This node's unique name in the cluster. Default 'n0'.")
+@click.option("--replicas", type=click.IntRange(0, 3), help="Replicas per vbucket. Default 0.")
+@click.option("--expected-nodes", type=int, help="Nodes to wait for before the first map.")
+@click.option("--replica-lag-max-s", type=float, help="In-sync window of a replica. Default 10.")
+@click.option(
+    "--failover-timeout-s",
+    type=int,
+    help="Lease TTL: a node silent this long is failed over. Default 5.",
+)
+@click.option(
+    "--shm",
+    "shm_groups",
+    type=click.IntRange(0),
+    help="Publish the changes to local readers over shared memory, in this many vbucket "
+    "groups (services <bucket>-<port>-g<i>; see `changefeed stream --local`). Default 0: off.",
+)
+@click.option("--shm-dir", type=click.Path(path_type=Path), help="Where shm services live.")
 @click.option("--ready-file", type=click.Path(), help="Write the bound port here once serving.")
 @click.option("--log-level", help="DEBUG, INFO, WARNING, ERROR, CRITICAL. Default INFO.")
 def serve(config_file: Path | None, ready_file: str | None, **flags: object) -> None:
-    """Run a node on the embedded single-node default (no cluster metadata service needed)."""
+    """Run a node: alone on the embedded single-node default, or, with --etcd, as a member of
+    a cluster (replica vbuckets, failover metadata in etcd)."""
     try:
         config = load_config(config_file, **flags)
     except ConfigError as error:
@@ -104,8 +127,20 @@ async def _serve(config: NodeConfig, ready_file: str | None) -> None:
     except OSError as error:  # the users file or the store's files
         where = f"{error.filename}: " if error.filename is not None else ""
         raise click.ClickException(f"cannot start the node: {where}{error.strerror}") from None
+    companion = None
+    if config.etcd:
+        from changefeed.cluster.node_agent import NodeAgent
+
+        companion = NodeAgent(node)
     try:
-        await node.run(ready_file=ready_file)
+        await node.run(ready_file=ready_file, companion=companion)
+    except ConnectionError as error:  # etcd unreachable (MetadataUnavailableError)
+        logging.disable(logging.INFO)
+        try:
+            await node.stop()
+        finally:
+            logging.disable(logging.NOTSET)
+        raise click.ClickException(f"cannot join cluster {config.cluster!r}: {error}") from None
     except OSError as error:  # from binding a listener or writing the ready file
         # The store is open: close it cleanly, so the next start is a clean one. Its INFO
         # lines ("shutting down") would only bury the one line that says what went wrong.

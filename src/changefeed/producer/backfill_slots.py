@@ -22,6 +22,7 @@ class BackfillSlots:
         assert slots_max > 0, slots_max
         self.slots_max = slots_max
         self.in_use = 0
+        self.taken_total = 0  # slots ever taken: disk backfills started (stats, tests)
         self._waiters: list[Callable[[], None]] = []
 
     @property
@@ -33,6 +34,7 @@ class BackfillSlots:
         if self.in_use >= self.slots_max:
             return False
         self.in_use += 1
+        self.taken_total += 1
         return True
 
     def give_back(self) -> None:

@@ -105,6 +105,7 @@ class DcpProducer:
         flags: DCP_OPEN flags; must include Producer.
         source: the vbuckets streams read from.
         role: who reads (DCP_OPEN); decides the cursor kind and default droppability.
+        consumer_name: DCP_OPEN's consumer_name (a replica's node name).
         clock: monotonic seconds (noops, idle time); injected so tests replay.
         streams_max: streams this connection may hold at once.
         backfill_slots: the node's running-backfill slots (a private set if None).
@@ -118,6 +119,7 @@ class DcpProducer:
         *,
         source: VbucketSource,
         role: StreamRole = StreamRole.APPLICATION,
+        consumer_name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         streams_max: int = limits.STREAMS_PER_CONNECTION_MAX,
         backfill_slots: BackfillSlots | None = None,
@@ -128,6 +130,7 @@ class DcpProducer:
         self.name = name
         self.flags = flags
         self.role = role
+        self.consumer_name = consumer_name
         self.clock = clock
         self._source = source
         self._streams_max = streams_max
@@ -201,7 +204,7 @@ class DcpProducer:
         vb = request.vbucket
         reader = self._source.open_reader(
             vb,
-            f"dcp:{self.name}:{vb}:{id(self)}",
+            self._cursor_name(vb),
             accepted.start_seqno,
             kind=_CURSOR_KIND[self.role],
             droppable=self.cursor_dropping,
@@ -216,6 +219,13 @@ class DcpProducer:
         )
         machine = StreamMachine(accepted.start_seqno, accepted.end_seqno)
         return Stream(vb, reader=reader, machine=machine, encoder=encoder, purge_seqno=purge_seqno)
+
+    def _cursor_name(self, vb: int) -> str:
+        """A replica's cursor is named by the replica node, so a reconnecting replica takes
+        over the cursor its last connection left (`close`); other cursors are unique."""
+        if self.role is StreamRole.REPLICA and self.consumer_name is not None:
+            return f"replica:{self.consumer_name}:{vb}"
+        return f"dcp:{self.name}:{vb}:{id(self)}"
 
     def _add_stream(self, stream: Stream) -> None:
         old = self.streams.get(stream.vb)
@@ -246,9 +256,11 @@ class DcpProducer:
             stream.end(reason)
 
     def close(self) -> None:
-        """Connection gone: release every reader (cursors, backfill scans)."""
+        """Connection gone: release every reader (cursors, backfill scans). A replica's cursors
+        stay, droppable, so that when it reconnects it catches up from memory if it can."""
+        retain = self.role is StreamRole.REPLICA and self.consumer_name is not None
         for vb in list(self.streams):
-            self._remove(vb)
+            self._remove(vb, retain_cursor=retain)
 
     # -- data path ------------------------------------------------------------------------------
 
@@ -257,6 +269,11 @@ class DcpProducer:
         if not self.flow.can_send:
             return False
         return any(s.ready and self._may_fill(s) for s in self.streams.values())
+
+    @property
+    def reading_disk(self) -> bool:
+        """True while a stream of this connection backfills from disk."""
+        return any(s.needs_disk for s in self.streams.values() if not s.ended)
 
     def _may_fill(self, stream: Stream) -> bool:
         """A stream that must read disk needs a backfill slot (held, or free to take)."""
@@ -348,11 +365,11 @@ class DcpProducer:
     def idle_for_s(self) -> float:
         return self.clock() - self.last_received_s
 
-    def _remove(self, vb: int) -> None:
+    def _remove(self, vb: int, *, retain_cursor: bool = False) -> None:
         stream = self.streams.pop(vb, None)
         if stream is not None:
             self._give_back_slot(stream)
-            stream.close()
+            stream.close(retain_cursor=retain_cursor)
         if vb in self._rotation:
             self._rotation.remove(vb)
 

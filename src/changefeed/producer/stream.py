@@ -104,14 +104,18 @@ class Stream:
             self.close()
         return written
 
-    def close(self) -> None:
-        """Release the reader (cursor, backfill scan); idempotent."""
+    def close(self, *, retain_cursor: bool = False) -> None:
+        """Release the reader (backfill scan, and the cursor unless `retain_cursor`: see
+        `StreamReader.retain`); idempotent."""
         if not self.ended:
             self.machine.close()
         self._ahead = []
         self._next = 0
         self._sent = 0
-        self.reader.close()
+        if retain_cursor:
+            self.reader.retain()
+        else:
+            self.reader.close()
 
     def _send_run(self, out: list[bytes], bytes_max: int) -> int:
         """Send the marker at the front of the buffer, or what fits of the run there."""

@@ -373,6 +373,54 @@ def decode_buffer_ack(frame: Frame) -> int:
     return int(U32.unpack(frame.extras)[0])
 
 
+SEQNO_ACK_EXTRAS = struct.Struct(">Q")  # dcp-wire.md §7.15: the prepared seqno
+SEQNO_ACK_EXTRAS_WITH_PERSISTED = struct.Struct(">QQ")
+
+
+@dataclass(frozen=True, slots=True)
+class SeqnoAcknowledged:
+    """DCP_SEQNO_ACKNOWLEDGED, consumer to producer: what a replica holds of a vbucket.
+
+    On the wire Couchbase sends one u64, the seqno the replica has received (its "prepared"
+    seqno). changefeed replicas append a second u64, the seqno they have persisted, so the
+    active can tell held-in-memory from on-disk; an 8-byte ack (a Couchbase consumer) reports
+    received only, and `persisted` is None.
+    """
+
+    vbucket: int
+    opaque: int
+    received: int
+    persisted: int | None = None
+
+
+def encode_seqno_acknowledged(message: SeqnoAcknowledged) -> bytes:
+    if message.persisted is None:
+        extras = SEQNO_ACK_EXTRAS.pack(message.received)
+    else:
+        extras = SEQNO_ACK_EXTRAS_WITH_PERSISTED.pack(message.received, message.persisted)
+    return encode_frame(
+        Magic.REQUEST,
+        Opcode.DCP_SEQNO_ACKNOWLEDGED,
+        vbucket=message.vbucket,
+        opaque=message.opaque,
+        extras=extras,
+    )
+
+
+def decode_seqno_acknowledged(frame: Frame) -> SeqnoAcknowledged:
+    """Raises ProtocolError (EINVAL) for extras of another size or persisted above received."""
+    if len(frame.extras) == SEQNO_ACK_EXTRAS.size:
+        (received,) = SEQNO_ACK_EXTRAS.unpack(frame.extras)
+        return SeqnoAcknowledged(frame.vbucket, frame.opaque, received)
+    _require(
+        len(frame.extras) == SEQNO_ACK_EXTRAS_WITH_PERSISTED.size,
+        f"DCP_SEQNO_ACKNOWLEDGED extras must be 8 or 16 bytes, not {len(frame.extras)}",
+    )
+    received, persisted = SEQNO_ACK_EXTRAS_WITH_PERSISTED.unpack(frame.extras)
+    _require(persisted <= received, f"persisted seqno {persisted} above received {received}")
+    return SeqnoAcknowledged(frame.vbucket, frame.opaque, received, persisted)
+
+
 def encode_set_vbucket_state(vbucket: int, opaque: int, state: WireVbucketState) -> bytes:
     return encode_frame(
         Magic.REQUEST,

@@ -36,9 +36,15 @@ class Opcode(IntEnum):
     ADD = 0x02
     REPLACE = 0x03
     DELETE = 0x04
+    INCREMENT = 0x05
+    DECREMENT = 0x06
     QUIT = 0x07
     NOOP = 0x0A
+    APPEND = 0x0E
+    PREPEND = 0x0F
     STAT = 0x10
+    TOUCH = 0x1C
+    GAT = 0x1D  # get and touch
     HELLO = 0x1F
     SASL_LIST_MECHS = 0x20
     SASL_AUTH = 0x21
@@ -67,11 +73,37 @@ class Opcode(IntEnum):
     DCP_ABORT = 0x63
     DCP_SEQNO_ADVANCED = 0x64
     DCP_OSO_SNAPSHOT = 0x65
+    GET_REPLICA = 0x83  # a read of a replica copy (the SDK's get_any_replica)
     SELECT_BUCKET = 0x89
     OBSERVE_SEQNO = 0x91
+    GET_LOCKED = 0x94
+    UNLOCK_KEY = 0x95
     GET_FAILOVER_LOG = 0x96
+    GET_META = 0xA0
     GET_CLUSTER_CONFIG = 0xB5
+    # Sub-document: single-path opcodes (also the operation codes inside a multi-path request,
+    # where GET 0x00, SET 0x01 and DELETE 0x04 are the whole-document operations).
+    SUBDOC_GET = 0xC5
+    SUBDOC_EXISTS = 0xC6
+    SUBDOC_DICT_ADD = 0xC7
+    SUBDOC_DICT_UPSERT = 0xC8
+    SUBDOC_DELETE = 0xC9
+    SUBDOC_REPLACE = 0xCA
+    SUBDOC_ARRAY_PUSH_LAST = 0xCB
+    SUBDOC_ARRAY_PUSH_FIRST = 0xCC
+    SUBDOC_ARRAY_INSERT = 0xCD
+    SUBDOC_ARRAY_ADD_UNIQUE = 0xCE
+    SUBDOC_COUNTER = 0xCF
+    SUBDOC_MULTI_LOOKUP = 0xD0
+    SUBDOC_MULTI_MUTATION = 0xD1
+    SUBDOC_GET_COUNT = 0xD2
     GET_ERROR_MAP = 0xFE
+
+
+class ServerOpcode(IntEnum):
+    """Opcodes of requests a server sends its client (magic SERVER_REQUEST, duplex)."""
+
+    CLUSTERMAP_CHANGE_NOTIFICATION = 0x01
 
 
 class Datatype(IntFlag):
@@ -107,3 +139,9 @@ class Feature(IntEnum):
     SNAPPY_EVERYWHERE = 0x13
     PRESERVE_TTL = 0x14
     VATTR = 0x15
+    SUBDOC_CREATE_AS_DELETED = 0x17
+    SUBDOC_DOCUMENT_MACRO_SUPPORT = 0x18
+    SUBDOC_REPLICA_READ = 0x1C
+    DEDUPE_NOT_MY_VBUCKET_CLUSTERMAP = 0x1E
+    CLUSTERMAP_CHANGE_NOTIFICATION_BRIEF = 0x1F
+    SUBDOC_BINARY_XATTR = 0x21

@@ -15,10 +15,12 @@ import random
 import time
 from collections.abc import Callable, Iterator
 
+from changefeed import limits
 from changefeed.checkpoint import CursorKind, MemoryBudget, StreamReader, Wakeup
 from changefeed.producer.stream_request import VbucketView
 from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError
 from changefeed.protocol.kv import MutationResult, ObserveSeqnoResult, StoreCommand
+from changefeed.protocol.kv_ops import DocumentMeta
 from changefeed.protocol.opcode import Opcode
 from changefeed.server.config import NodeConfig
 from changefeed.server.persistence import PersistenceHealth
@@ -75,10 +77,13 @@ class Bucket:
         if store.set_aside_to is not None:
             log.warning("damaged store files moved to %s; starting empty", store.set_aside_to)
         budget = MemoryBudget(config.checkpoint_quota_bytes)
+        # Alone, a node owns every vbucket; in a cluster a vbucket waits, dead, for the map.
+        initial = VBucketState.DEAD if config.etcd else VBucketState.ACTIVE
         vbuckets = {
             vb: VBucket(
                 store,
                 vb,
+                state=initial,
                 clock=clock,
                 rng=rng,
                 budget=budget,
@@ -193,10 +198,91 @@ class Bucket:
         return vbucket.delete(key, cas=cas)
 
     def get(self, vb: int, key: bytes) -> Document:
-        document = self.vbucket(vb).get(key)
+        vbucket = self.vbucket(vb)
+        if vbucket.state is not VBucketState.ACTIVE:
+            raise NotMyVbucketError(f"vb {vb} is {vbucket.state.value}, not active here")
+        document = vbucket.get(key)
         if document is None:
             raise KeyNotFoundError(f"key {key[:64]!r} not found")
         return document
+
+    def get_replica(self, vb: int, key: bytes) -> Document:
+        """GET_REPLICA: read this node's replica copy (what it has received so far)."""
+        vbucket = self.vbucket(vb)
+        if vbucket.state is not VBucketState.REPLICA:
+            raise NotMyVbucketError(f"vb {vb} is {vbucket.state.value}, not a replica here")
+        document = vbucket.get(key)
+        if document is None:
+            raise KeyNotFoundError(f"key {key[:64]!r} not found")
+        return document
+
+    # -- the Couchbase SDK's KV surface (server/kv_commands.py, server/subdoc.py) ---------------
+
+    def active(self, vb: int) -> VBucket:
+        """`vb` if it is active here, else NotMyVbucketError (writes and locks need the active)."""
+        vbucket = self.vbucket(vb)
+        if vbucket.state is not VBucketState.ACTIVE:
+            raise NotMyVbucketError(f"vb {vb} is {vbucket.state.value}, not active here")
+        return vbucket
+
+    def read(self, vb: int, key: bytes) -> Document | None:
+        """The current version of `key` on the active `vb`, or None (a read-modify-write's
+        read: the write that follows runs in the same loop step, so nothing comes between)."""
+        return self.active(vb).get(key)
+
+    def now(self) -> float:
+        """Wall-clock seconds of the bucket's clock (the one CAS, expiry and locks use)."""
+        return self._clock()
+
+    def expiry_from_wire(self, expiry: int) -> int:
+        """A wire expiry (0 never, <= 30 days relative, else Unix time) as absolute seconds."""
+        return absolute_expiry(expiry, self._clock())
+
+    def write(
+        self,
+        opcode: int,
+        vb: int,
+        key: bytes,
+        value: bytes,
+        *,
+        flags: int,
+        expiry: int,
+        datatype: int,
+        cas: int = 0,
+    ) -> MutationResult:
+        """SET / ADD / REPLACE with an absolute `expiry` (a read-modify-write keeping the
+        document's own); TMPFAIL while the store cannot persist."""
+        vbucket = self.active(vb)
+        self.persistence.check_writable()
+        if opcode == Opcode.ADD:
+            return vbucket.add(key, value, flags=flags, expiry=expiry, datatype=datatype)
+        if opcode == Opcode.REPLACE:
+            return vbucket.replace(
+                key, value, flags=flags, expiry=expiry, datatype=datatype, cas=cas
+            )
+        assert opcode == Opcode.SET, opcode
+        return vbucket.set(key, value, flags=flags, expiry=expiry, datatype=datatype, cas=cas)
+
+    def get_locked(self, vb: int, key: bytes, lock_s: int) -> Document:
+        """GET_LOCKED; a lock time of 0 or above ITEM_LOCK_MAX_S gets ITEM_LOCK_DEFAULT_S."""
+        if not 0 < lock_s <= limits.ITEM_LOCK_MAX_S:
+            lock_s = limits.ITEM_LOCK_DEFAULT_S
+        return self.active(vb).get_locked(key, lock_s)
+
+    def unlock(self, vb: int, key: bytes, cas: int) -> None:
+        self.active(vb).unlock(key, cas)
+
+    def touch(self, vb: int, key: bytes, expiry: int, *, cas: int = 0) -> MutationResult:
+        """TOUCH / GAT (`expiry` as on the wire); TMPFAIL while the store cannot persist."""
+        vbucket = self.active(vb)
+        self.persistence.check_writable()
+        return vbucket.touch(key, self.expiry_from_wire(expiry), cas=cas)
+
+    def get_meta(self, vb: int, key: bytes) -> DocumentMeta:
+        meta = self.active(vb).get_meta(key)
+        if meta is None:
+            raise KeyNotFoundError(f"key {key[:64]!r} not found")
+        return meta
 
     # -- seqnos and failover logs -------------------------------------------------------------
 

@@ -242,8 +242,11 @@ class Compactor:
 
     @staticmethod
     def _purge_ceiling(vbucket: VBucket) -> int:
-        """Highest seqno compaction may purge: on disk, and no longer in checkpoint memory."""
-        return min(vbucket.persisted_seqno, vbucket.manager.first_memory_seqno - 1)
+        """Highest seqno compaction may purge: on disk, no longer in checkpoint memory, and
+        below the stored high seqno. The record at the high seqno is kept, as kv_engine keeps
+        it: a disk snapshot ends at the high seqno, and a reader — a replica, a consumer — that
+        never received an item there would hold that snapshot as partial for ever."""
+        return min(vbucket.persisted_seqno - 1, vbucket.manager.first_memory_seqno - 1)
 
     @staticmethod
     def _release_idle_checkpoint(vbucket: VBucket) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from changefeed import limits
+from changefeed.vbmap import REPLICAS_MAX
 
 
 class ConfigError(ValueError):
@@ -48,6 +49,31 @@ class NodeConfig:
     expiry_pager_interval_s: float = 60.0  # expire documents without a read (expiry_pager.py)
     users_file: Path | None = None  # default: <data_dir>/users.json
     log_level: str = "INFO"
+    # Cluster membership (changefeed.cluster). Without `etcd` the node is alone: every vbucket
+    # active, the map kept in memory. With it, vbuckets the map has not given this node yet
+    # start dead, and the orchestrator (one per cluster, elected) places them.
+    node_name: str = "n0"  # unique in the cluster; names the node in the map and etcd
+    etcd: str = ""  # e.g. http://127.0.0.1:2379
+    cluster: str = "default"  # the cluster's name (its etcd key prefix)
+    replicas: int = 0  # replica copies per vbucket the orchestrator places (0..3)
+    expected_nodes: int = 1  # the orchestrator writes the first map once this many are up
+    # A replica is in the in-sync set while it was fully caught up this recently (Kafka's
+    # replica.lag.time.max.ms; time, not item count).
+    replica_lag_max_s: float = 10.0
+    # A node whose etcd lease lapses this long is failed over (its in-sync replicas promoted);
+    # also the orchestrator's lease. etcd leases are whole seconds, at least 2.
+    failover_timeout_s: int = 5
+    # Disk backfills of replica streams (catch-up) stream at most this fast, so catching up
+    # cannot starve front-end traffic; 0 = no limit.
+    replication_catchup_bytes_per_s: int = 64 * 1024 * 1024
+    # Shared-memory fan-out to local readers (changefeed.ipc, docs/ipc.md): the bucket's vbuckets
+    # in this many contiguous groups, each offered as the service <bucket>-<port>-g<i>; 0 = off.
+    shm_groups: int = 0
+    shm_dir: Path | None = None  # where services live; default $CHANGEFEED_IPC_DIR or /tmp/...
+    shm_slots: int = 16  # ring slots per group (readers hold at most shm_slots - 1 at once)
+    shm_slot_bytes: int = 2 * 1024 * 1024  # one Arrow batch each; /dev/shm use = slots x bytes
+    shm_max_subscribers: int = 8  # readers per group (transaction logs)
+    shm_persisted_only: bool = True  # publish a row once it is persisted (never taken back)
 
     @property
     def users_path(self) -> Path:
@@ -75,11 +101,42 @@ class NodeConfig:
             raise ConfigError(f"max_connections {self.max_connections} must be at least 1")
         if self.noop_idle_timeout_s <= 0:
             raise ConfigError(f"noop_idle_timeout_s {self.noop_idle_timeout_s} must be positive")
+        if not self.node_name or not self.node_name.isprintable() or " " in self.node_name:
+            raise ConfigError(f"node_name {self.node_name!r} must be printable, without spaces")
+        if not 0 <= self.replicas <= REPLICAS_MAX:
+            raise ConfigError(f"replicas {self.replicas} must be 0..{REPLICAS_MAX}")
+        if self.expected_nodes < 1:
+            raise ConfigError(f"expected_nodes {self.expected_nodes} must be at least 1")
+        if self.etcd and not self.etcd.startswith(("http://", "https://")):
+            raise ConfigError(f"etcd {self.etcd!r} must be a URL like http://127.0.0.1:2379")
+        if not 2 <= self.failover_timeout_s <= 3600:
+            raise ConfigError(f"failover_timeout_s {self.failover_timeout_s} must be 2..3600")
+        if not 0 < self.replica_lag_max_s < float("inf"):
+            raise ConfigError(f"replica_lag_max_s {self.replica_lag_max_s} must be positive")
+        if self.replication_catchup_bytes_per_s < 0:
+            raise ConfigError(
+                f"replication_catchup_bytes_per_s {self.replication_catchup_bytes_per_s} "
+                "must be >= 0 (0: no limit)"
+            )
+        if self.shm_groups:
+            self._validate_shm()
         for key in ("tombstone_purge_age_s", "compaction_interval_s", "expiry_pager_interval_s"):
             value = getattr(self, key)
             if not 0 <= value < float("inf"):
                 raise ConfigError(f"{key} {value} must be a number of seconds >= 0")
         return self
+
+    def _validate_shm(self) -> None:
+        from changefeed.ipc.layout import Geometry
+
+        if not 0 <= self.shm_groups <= self.vbuckets:
+            raise ConfigError(f"shm_groups {self.shm_groups} must be 0..vbuckets ({self.vbuckets})")
+        largest = tuple(range(-(-self.vbuckets // self.shm_groups)))
+        problem = Geometry.problem_of(
+            self.shm_slots, self.shm_slot_bytes, self.shm_max_subscribers, largest
+        )
+        if problem:
+            raise ConfigError(f"shared-memory groups: {problem}")
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -121,7 +178,7 @@ def load_config(path: Path | None, **overrides: Any) -> NodeConfig:
     for key in values:
         if key not in known:
             raise ConfigError(f"unknown config key {key!r}" + (f" in {path}" if path else ""))
-    for key in ("data_dir", "users_file"):
+    for key in ("data_dir", "users_file", "shm_dir"):
         if isinstance(values.get(key), str):
             values[key] = Path(values[key])
     for key, value in values.items():

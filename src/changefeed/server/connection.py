@@ -13,7 +13,6 @@ operating error is a `StatusError` whose status is the reply (one hierarchy, pro
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -24,16 +23,21 @@ from changefeed.producer.producer import DcpProducer
 from changefeed.producer.stream_request import Accepted, Refused, RollbackTo
 from changefeed.protocol.dcp import (
     OpenFlag,
+    StreamRole,
     decode_buffer_ack,
     decode_dcp_control,
     decode_dcp_open,
+    decode_seqno_acknowledged,
     decode_stream_request,
     encode_failover_log,
     encode_rollback_seqno,
 )
-from changefeed.protocol.errors import DurabilityImpossibleError, ProtocolError, StatusError
+from changefeed.protocol.errors import (
+    NotMyVbucketError,
+    ProtocolError,
+    StatusError,
+)
 from changefeed.protocol.frame import Frame, encode_response
-from changefeed.protocol.frame_info import durability_of
 from changefeed.protocol.kv import (
     GET_RESPONSE_EXTRAS,
     MutationResult,
@@ -47,15 +51,16 @@ from changefeed.protocol.kv import (
     encode_observe_seqno_result,
     encode_vb_seqnos,
 )
-from changefeed.protocol.opcode import Feature, Magic, Opcode
+from changefeed.protocol.opcode import Datatype, Feature, Magic, Opcode
 from changefeed.protocol.reader import CLOSED, NEED_DATA, FrameReader, OversizedFrame
 from changefeed.protocol.status import Status
+from changefeed.server import kv_commands, subdoc
 from changefeed.server.authenticator import SaslAuthenticator
 from changefeed.server.compactor import answer_compact_db
 from changefeed.server.context import ServerContext
 from changefeed.server.dcp_pump import DcpPump
 from changefeed.server.privileges import required_privilege
-from changefeed.server.stats import cluster_config, stat_group
+from changefeed.server.stats import stat_group
 
 log = logging.getLogger("changefeed.server")
 
@@ -67,6 +72,14 @@ SUPPORTED_FEATURES = frozenset(
         Feature.SELECT_BUCKET,
         Feature.JSON,
         Feature.ALT_REQUEST_SUPPORT,
+        # What the Couchbase SDKs ask for (server/kv_commands.py negotiates the dependencies).
+        Feature.DUPLEX,
+        Feature.CLUSTERMAP_CHANGE_NOTIFICATION,
+        Feature.CLUSTERMAP_CHANGE_NOTIFICATION_BRIEF,
+        Feature.XATTR,  # xattr paths of sub-document lookups: the virtual $document
+        Feature.VATTR,
+        Feature.SYNC_REPLICATION,  # durability frames, answered DURABILITY_IMPOSSIBLE
+        Feature.PRESERVE_TTL,
     }
 )
 UNAUTHENTICATED_OPCODES = frozenset(
@@ -103,7 +116,9 @@ class ClientConnection(asyncio.Protocol):
         self.peer_host = ""
         self.features: set[int] = set()
         self.bucket_selected = False
+        self.map_version_seen = (0, 0)  # newest cluster map (epoch, rev) fetched or pushed
         self.dcp: DcpPump | None = None
+        self.replica_name: str | None = None  # DCP_OPEN consumer_name of a replica stream
         self.peer = "?"
         self.writable = asyncio.Event()
         self.writable.set()
@@ -139,11 +154,16 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.context.connections.discard(self)
+        self.context.map_subscribers.discard(self)
         self.context.partial.release(self)
         if self._sasl_task is not None:
             self._sasl_task.cancel()
             self._sasl_task = None
         if self.dcp is not None:
+            tracker = self.context.replication
+            if self.replica_name is not None and tracker is not None:
+                for vb in self.dcp.producer.streams:
+                    tracker.stream_closed(vb, self.replica_name)
             self.dcp.close()
             self.context.dcp.unregister(self.dcp)
             self.dcp = None
@@ -338,8 +358,13 @@ class ClientConnection(asyncio.Protocol):
             handler(self, frame)
         except ProtocolError as error:
             self.reply(frame, error.status, value=str(error).encode())
+        except NotMyVbucketError:
+            # Couchbase answers with the current map, so a client can re-route at once.
+            body = self.context.cluster_config_json()
+            self.reply(frame, Status.NOT_MY_VBUCKET, value=body, datatype=Datatype.JSON)
         except StatusError as error:
-            self.reply(frame, error.code, value=str(error).encode())
+            status = kv_commands.wire_status(self, error.code)
+            self.reply(frame, status, value=str(error).encode())
 
     def _refuse_unpermitted(self, frame: Frame) -> None:
         if self.sasl.user is None:
@@ -363,6 +388,10 @@ class ClientConnection(asyncio.Protocol):
             if (needed := required_privilege(opcode)) is None or needed in privileges
         )
 
+    def push_cluster_map(self, version: tuple[int, int], config: bytes) -> bool:
+        """A `MapSubscriber`: send the map unless this connection has seen this version."""
+        return kv_commands.push_cluster_map(self, version, config)
+
     def require_bucket(self) -> None:
         if not self.bucket_selected:
             raise StatusError("no bucket selected", status=Status.NO_BUCKET)
@@ -373,8 +402,12 @@ class ClientConnection(asyncio.Protocol):
 
 def _hello(c: ClientConnection, f: Frame) -> None:
     requested = decode_hello(f).features
-    enabled = [x for x in dict.fromkeys(requested) if x in SUPPORTED_FEATURES]
+    enabled = kv_commands.negotiate(requested, SUPPORTED_FEATURES)
     c.features = set(enabled)
+    if c.features & kv_commands.MAP_NOTIFICATIONS:
+        c.context.map_subscribers.add(c)
+    else:
+        c.context.map_subscribers.discard(c)
     c.reply(f, value=encode_hello_features(enabled))
 
 
@@ -413,33 +446,27 @@ def _after_sasl(c: ClientConnection) -> None:
 
 def _select_bucket(c: ClientConnection, f: Frame) -> None:
     if f.key.decode(errors="replace") != c.context.bucket.name:
-        c.reply(f, Status.KEY_ENOENT, value=b"no such bucket")
+        # As Couchbase: no access to a bucket that does not exist (the SDKs raise
+        # BucketNotFound; KEY_ENOENT would mean "not ready yet, retry").
+        c.reply(f, Status.EACCESS, value=b"no such bucket")
         return
     c.bucket_selected = True
     c.reply(f)
 
 
-def _refuse_durability(f: Frame) -> None:
-    """A durable write needs copies this node does not have: DURABILITY_IMPOSSIBLE, never a
-    success that pretends the level was met (the cluster implements the levels)."""
-    requirement = durability_of(f.framing_extras)
-    if requirement is not None:
-        raise DurabilityImpossibleError(
-            f"durability {requirement.level.name.lower()} needs replicas; this node has none"
-        )
-
-
 def _store(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     command = decode_store(f)
-    _refuse_durability(f)
+    kv_commands.refuse_durability(f)
+    if kv_commands.preserve_ttl_of(f.framing_extras):
+        command = kv_commands.keep_expiry(c, command)
     _reply_mutation(c, f, c.context.bucket.store_command(command))
 
 
 def _delete(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     key = decode_key_only(f)
-    _refuse_durability(f)
+    kv_commands.refuse_durability(f)
     _reply_mutation(c, f, c.context.bucket.delete(f.vbucket, key, cas=f.cas))
 
 
@@ -502,8 +529,8 @@ def _compact_db(c: ClientConnection, f: Frame) -> None:
 
 
 def _cluster_config(c: ClientConnection, f: Frame) -> None:
-    config = cluster_config(c.context)
-    c.reply(f, value=json.dumps(config).encode(), datatype=1)
+    c.map_version_seen = max(c.map_version_seen, c.context.cluster_map_version())
+    c.reply(f, value=c.context.cluster_config_json(), datatype=Datatype.JSON)
 
 
 # -- DCP handlers ------------------------------------------------------------------------------
@@ -524,6 +551,7 @@ def _dcp_open(c: ClientConnection, f: Frame) -> None:
         message.flags,
         source=context.bucket,
         role=message.role,
+        consumer_name=message.consumer_name,
         clock=context.monotonic,
         backfill_slots=context.backfill_slots,
     )
@@ -532,8 +560,11 @@ def _dcp_open(c: ClientConnection, f: Frame) -> None:
         sink=c,
         wakeup_of=context.bucket.wakeup,
         idle_timeout_s=context.config.noop_idle_timeout_s,
+        disk_rate=context.catchup_rate if message.role is StreamRole.REPLICA else None,
     )
     context.dcp.register(c.dcp)
+    if message.role is StreamRole.REPLICA and message.consumer_name:
+        c.replica_name = message.consumer_name  # the node whose replica vbuckets this feeds
     c.reply(f)
 
 
@@ -553,10 +584,17 @@ def _dcp_control(c: ClientConnection, f: Frame) -> None:
 def _dcp_stream_req(c: ClientConnection, f: Frame) -> None:
     dcp = _dcp_only(f, c)
     match dcp.stream_request(decode_stream_request(f)):
-        case Accepted(failover_log=entries):
+        case Accepted(failover_log=entries, start_seqno=start):
             c.reply(f, value=encode_failover_log(list(entries)))
+            tracker = c.context.replication
+            if c.replica_name is not None and tracker is not None:
+                tracker.stream_opened(f.vbucket, c.replica_name, start)
         case RollbackTo(seqno=seqno):
             c.reply(f, Status.ROLLBACK, value=encode_rollback_seqno(seqno))
+        case Refused(status=Status.NOT_MY_VBUCKET):
+            # As for KV commands: the current map, so the consumer re-routes at once.
+            value = c.context.cluster_config_json()
+            c.reply(f, Status.NOT_MY_VBUCKET, value=value, datatype=Datatype.JSON)
         case Refused(status=status, message=message):
             c.reply(f, status, value=message.encode())
 
@@ -575,6 +613,32 @@ def _dcp_buffer_ack(c: ClientConnection, f: Frame) -> None:
 
 def _dcp_noop_request(c: ClientConnection, f: Frame) -> None:
     c.reply(f)
+
+
+def _dcp_seqno_acknowledged(c: ClientConnection, f: Frame) -> None:
+    """A replica's progress (no response on success, dcp-wire.md §2.1)."""
+    _dcp_only(f, c)
+    ack = decode_seqno_acknowledged(f)
+    tracker = c.context.replication
+    if c.replica_name is None or tracker is None:
+        c.reply(f, Status.EINVAL, value=b"DCP_SEQNO_ACKNOWLEDGED needs a replica connection")
+        return
+    persisted = ack.persisted if ack.persisted is not None else 0
+    tracker.acknowledged(f.vbucket, c.replica_name, ack.received, persisted)
+
+
+def _get_replica(c: ClientConnection, f: Frame) -> None:
+    """GET_REPLICA: a read of this node's replica copy; NOT_MY_VBUCKET unless it holds one."""
+    c.require_bucket()
+    key = decode_key_only(f)
+    item = c.context.bucket.get_replica(f.vbucket, key)
+    c.reply(
+        f,
+        extras=GET_RESPONSE_EXTRAS.pack(item.flags),
+        value=item.value,
+        cas=item.cas,
+        datatype=item.datatype,
+    )
 
 
 HANDLERS: dict[int, Handler] = {
@@ -602,4 +666,19 @@ HANDLERS: dict[int, Handler] = {
     Opcode.DCP_CLOSE_STREAM: _dcp_close_stream,
     Opcode.DCP_BUFFER_ACKNOWLEDGEMENT: _dcp_buffer_ack,
     Opcode.DCP_NOOP: _dcp_noop_request,
+    Opcode.DCP_SEQNO_ACKNOWLEDGED: _dcp_seqno_acknowledged,
+    Opcode.GET_REPLICA: _get_replica,
+    # The Couchbase SDKs' bootstrap and KV surface (server/kv_commands.py, server/subdoc.py).
+    Opcode.GET_ERROR_MAP: kv_commands.get_error_map,
+    Opcode.GET_META: kv_commands.get_meta,
+    Opcode.GET_LOCKED: kv_commands.get_locked,
+    Opcode.UNLOCK_KEY: kv_commands.unlock,
+    Opcode.TOUCH: kv_commands.touch,
+    Opcode.GAT: kv_commands.touch,
+    Opcode.INCREMENT: kv_commands.arithmetic,
+    Opcode.DECREMENT: kv_commands.arithmetic,
+    Opcode.APPEND: kv_commands.concat,
+    Opcode.PREPEND: kv_commands.concat,
+    Opcode.SUBDOC_MULTI_LOOKUP: subdoc.multi_lookup,
+    Opcode.SUBDOC_MULTI_MUTATION: subdoc.multi_mutation,
 }

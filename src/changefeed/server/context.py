@@ -8,8 +8,9 @@ node reaches up to the node itself, so the server's modules import each other in
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from changefeed.producer.backfill_slots import BackfillSlots
@@ -19,8 +20,20 @@ from changefeed.server.budget import PartialBytesBudget
 from changefeed.server.compactor import Compactor
 from changefeed.server.config import NodeConfig
 from changefeed.server.expiry_pager import ExpiryPager
+from changefeed.server.rate_limit import ByteRate
 from changefeed.server.registry import DcpRegistry
+from changefeed.server.replication import ReplicationTracker
 from changefeed.server.users import Users
+from changefeed.vbmap import ClusterMap, NodeAddress
+
+
+class MapSubscriber(Protocol):
+    """A connection that negotiated a cluster map change notification (HELLO)."""
+
+    def push_cluster_map(self, version: tuple[int, int], config: bytes) -> bool:
+        """Send the map of ``version`` (epoch, revision) unless it saw that one or a newer one;
+        return whether it was sent."""
+        ...
 
 
 class Closable(Protocol):
@@ -51,6 +64,15 @@ class ServerContext:
         auth_throttle: per-host failed-authentication budget, shared by all connections.
         monotonic: seconds for timeouts and noops; injected so tests replay.
         port: the bound KV port (known once listening; config.port may be 0).
+        cluster_map: the map this node serves by (None: alone, every vbucket active here);
+            set by the cluster layer as maps arrive, read by GET_CLUSTER_CONFIG and
+            NOT_MY_VBUCKET replies.
+        replication: acks and in-sync state of the replicas of this node's active vbuckets.
+        catchup_rate: the node's bound on replica catch-up from disk (shared by replica pumps).
+        stat_providers: STAT groups added by layers above the server (the cluster agent's
+            replica feeds), by group name.
+        map_subscribers: connections that asked to be told of cluster map changes
+            (`push_cluster_map`).
     """
 
     config: NodeConfig
@@ -66,3 +88,41 @@ class ServerContext:
     auth_throttle: AuthThrottle = dataclasses.field(default_factory=AuthThrottle)
     monotonic: Callable[[], float] = time.monotonic
     port: int = 0
+    cluster_map: ClusterMap | None = None
+    replication: ReplicationTracker | None = None
+    catchup_rate: ByteRate | None = None
+    stat_providers: dict[str, Callable[[], Iterable[tuple[str, str]]]] = dataclasses.field(
+        default_factory=dict
+    )
+    map_subscribers: set[MapSubscriber] = dataclasses.field(default_factory=set)
+
+    def current_map(self) -> ClusterMap:
+        """The map clients route by: the cluster's, or this node alone with every vbucket."""
+        if self.cluster_map is not None:
+            return self.cluster_map
+        me = NodeAddress(self.config.node_name, self.config.host, self.port)
+        return ClusterMap.single_node(me, self.config.vbuckets)
+
+    def cluster_config_json(self) -> bytes:
+        """GET_CLUSTER_CONFIG's body, and NOT_MY_VBUCKET's (Couchbase's format)."""
+        config = self.current_map().couchbase_config(self.bucket.name, self.config.node_name)
+        return json.dumps(config).encode()
+
+    def cluster_map_version(self) -> tuple[int, int]:
+        """(revEpoch, rev) of the map `cluster_config_json` serves: what clients compare."""
+        config = self.current_map().couchbase_config(self.bucket.name, self.config.node_name)
+        return int(config.get("revEpoch", 0)), int(config["rev"])  # type: ignore[call-overload]
+
+    def push_cluster_map(self) -> int:
+        """Tell every connection that negotiated ClustermapChangeNotification(Brief) about the
+        current map (call after changing `cluster_map`). Each connection is sent a map once
+        per version: one that fetched or was sent this version or a newer one is skipped.
+
+        Returns:
+            How many connections it was sent to.
+        """
+        if not self.map_subscribers:
+            return 0
+        version = self.cluster_map_version()
+        config = self.cluster_config_json()
+        return sum(s.push_cluster_map(version, config) for s in list(self.map_subscribers))

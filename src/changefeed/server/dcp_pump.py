@@ -23,6 +23,7 @@ from changefeed.producer.stream_request import Accepted, Refused, RollbackTo
 from changefeed.protocol.dcp import StreamRequest
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.opcode import Opcode
+from changefeed.server.rate_limit import ByteRate
 
 log = logging.getLogger("changefeed.dcp")
 
@@ -51,6 +52,8 @@ class DcpPump:
         sink: where frames go.
         wakeup_of: the checkpoint wakeup of a vbucket, to sleep on while streams are caught up.
         idle_timeout_s: with noops on, a peer silent this long is disconnected.
+        disk_rate: when given, bytes sent while a stream reads from disk are charged to it and
+            the pump waits when it is spent (replica catch-up, rate_limit.py).
     """
 
     def __init__(
@@ -60,8 +63,10 @@ class DcpPump:
         sink: FrameSink,
         wakeup_of: Callable[[int], Wakeup],
         idle_timeout_s: float,
+        disk_rate: ByteRate | None = None,
     ) -> None:
         assert idle_timeout_s > 0, idle_timeout_s
+        self._disk_rate = disk_rate
         self.producer = producer
         self._sink = sink
         self._wakeup_of = wakeup_of
@@ -120,7 +125,17 @@ class DcpPump:
                 await self._sink.writable.wait()
                 self._work.clear()
                 out: list[bytes] = []
-                self.producer.pump(out, limits.PUMP_BYTES_MAX)
+                bytes_max = limits.PUMP_BYTES_MAX
+                rate = self._disk_rate
+                charged = rate is not None and self.producer.reading_disk
+                if rate is not None and charged:
+                    bytes_max = min(bytes_max, rate.available())
+                    if bytes_max == 0:
+                        await asyncio.sleep(rate.wait_s())
+                        continue
+                sent = self.producer.pump(out, bytes_max)
+                if rate is not None and charged:
+                    rate.spend(sent)
                 noop = self.producer.due_noop()
                 if noop is not None:
                     out.append(noop)

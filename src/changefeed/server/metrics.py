@@ -41,6 +41,7 @@ class NodeCollector(Collector):
             bucket.persistence.failures_total,
         )
         yield from _background_gauges(context)
+        yield from _replication_gauges(context)
         for name, help_text, read in _per_vb_gauges():
             family = GaugeMetricFamily(name, help_text, labels=["vbucket"])
             for vb in bucket.vbucket_ids():
@@ -72,6 +73,51 @@ def _background_gauges(context: ServerContext) -> Iterator[GaugeMetricFamily]:
             f"Duration of the last {prefix.replace('_', ' ')} run.",
             worker.last_run_s,
         )
+
+
+def _replication_gauges(context: ServerContext) -> Iterator[GaugeMetricFamily]:
+    """The active side of replication: per (vbucket, replica) lag and in-sync membership, and
+    node totals of catch-ups and of bytes sent to catching-up replicas."""
+    tracker = context.replication
+    if tracker is None:
+        return
+    for key, value in tracker.counters().items():
+        yield _gauge(f"changefeed_{key}", _REPLICATION_HELP[key], value)
+    if context.catchup_rate is not None:
+        yield _gauge(
+            "changefeed_replication_catchup_bytes_total",
+            "Bytes sent from disk to catching-up replicas (the rate-limited part).",
+            context.catchup_rate.spent_total,
+        )
+    labels = ["vbucket", "replica"]
+    lag_items = GaugeMetricFamily(
+        "changefeed_replica_lag_items",
+        "Active high seqno minus the replica's acked.",
+        labels=labels,
+    )
+    lag_s = GaugeMetricFamily(
+        "changefeed_replica_lag_seconds", "Seconds since the replica was caught up.", labels=labels
+    )
+    in_sync = GaugeMetricFamily(
+        "changefeed_replica_in_sync", "1 while the replica is in the in-sync set.", labels=labels
+    )
+    for r in tracker.snapshot():
+        label_values = [str(r.vb), r.replica]
+        lag_items.add_metric(label_values, r.lag_items)
+        lag_s.add_metric(label_values, r.lag_s)
+        in_sync.add_metric(label_values, 1.0 if r.in_sync else 0.0)
+    yield lag_items
+    yield lag_s
+    yield in_sync
+
+
+_REPLICATION_HELP = {
+    "replication_catchups_started": "Replica catch-ups started (a stream opened behind).",
+    "replication_catchups_finished": "Replica catch-ups finished (the replica reached the end).",
+    "replication_catchup_seconds_last": "Duration of the last finished catch-up.",
+    "replication_items_acked": "Items replicas acknowledged (seqno distance).",
+    "replication_streams": "Replica streams open now.",
+}
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

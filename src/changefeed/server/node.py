@@ -14,6 +14,7 @@ import random
 import signal
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from changefeed import limits
 from changefeed.server.authenticator import AuthThrottle
@@ -24,6 +25,9 @@ from changefeed.server.connection import ClientConnection
 from changefeed.server.context import ServerContext
 from changefeed.server.expiry_pager import ExpiryPager
 from changefeed.server.metrics import serve_metrics
+from changefeed.server.rate_limit import ByteRate
+from changefeed.server.replication import ReplicationTracker
+from changefeed.server.shm_publisher import ShmPublisher
 from changefeed.server.users import Users, load_or_create_node_secret
 
 log = logging.getLogger("changefeed.node")
@@ -48,6 +52,15 @@ def load_or_create_users(config: NodeConfig) -> Users:
     users.add(DEFAULT_USER, password)
     users.save(path)
     return users
+
+
+class Companion(Protocol):
+    """Something that runs beside a node for its lifetime (the cluster membership agent):
+    started once the node listens, stopped before the node shuts down."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class Node:
@@ -92,11 +105,18 @@ class Node:
             expiry_pager=self.expiry_pager,
             node_secret=load_or_create_node_secret(config.data_dir),
             auth_throttle=AuthThrottle(clock=monotonic),
+            catchup_rate=ByteRate(config.replication_catchup_bytes_per_s, clock=monotonic),
+            replication=ReplicationTracker(
+                lambda vb: bucket.vbucket(vb).high_seqno,
+                lag_max_s=config.replica_lag_max_s,
+                clock=monotonic,
+            ),
         )
         self._server: asyncio.Server | None = None
         self._metrics: asyncio.Server | None = None
         self._deadlines: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
+        self.shm: ShmPublisher | None = None  # config.shm_groups: local readers (docs/ipc.md)
 
     @property
     def port(self) -> int:
@@ -114,6 +134,14 @@ class Node:
         )
         context.port = self._server.sockets[0].getsockname()[1]
         self._deadlines = loop.create_task(self._check_deadlines())
+        if self.config.shm_groups:  # services are named after the bound port
+            self.shm = ShmPublisher(
+                context.bucket,
+                self.config,
+                port=context.port,
+                backfill_slots=context.backfill_slots,
+            )
+            self.shm.start()
         if self.config.metrics_port:
             self._metrics = await serve_metrics(context, self.config.host, self.config.metrics_port)
         log.info(
@@ -125,9 +153,18 @@ class Node:
             self.config.data_dir,
         )
 
-    async def run(self, *, ready_file: str | None = None) -> None:
-        """Serve until SIGTERM/SIGINT; then shut down cleanly."""
+    async def run(
+        self, *, ready_file: str | None = None, companion: Companion | None = None
+    ) -> None:
+        """Serve until SIGTERM/SIGINT; then shut down cleanly.
+
+        Args:
+            ready_file: written with the bound port once the node serves.
+            companion: started after the listener (it needs the port), stopped first.
+        """
         await self.start()
+        if companion is not None:
+            await companion.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopped.set)
@@ -135,6 +172,8 @@ class Node:
             with open(ready_file, "w") as handle:
                 handle.write(str(self.port))
         await self._stopped.wait()
+        if companion is not None:
+            await companion.stop()
         await self.stop()
 
     async def _check_deadlines(self) -> None:
@@ -161,4 +200,6 @@ class Node:
         await asyncio.sleep(0)
         await self.expiry_pager.stop()  # before the store closes under them
         await self.compactor.stop()
+        if self.shm is not None:
+            await self.shm.stop()  # publishes what is persisted, then stops offering
         await self.context.bucket.close()

@@ -55,6 +55,7 @@ OPCODE_PRIVILEGES: dict[int, Privilege | None] = {
     Opcode.SELECT_BUCKET: None,  # kv_engine: empty; every role is on the node's one bucket
     Opcode.GET_CLUSTER_CONFIG: None,  # kv_engine: "open to anyone"
     Opcode.GET: Privilege.READ,
+    Opcode.GET_REPLICA: Privilege.READ,
     Opcode.GET_FAILOVER_LOG: Privilege.READ,  # kv_engine: Read
     Opcode.OBSERVE_SEQNO: Privilege.READ,  # kv_engine: MetaRead
     Opcode.GET_ALL_VB_SEQNOS: Privilege.READ,  # kv_engine checks MetaRead in the engine
@@ -64,6 +65,20 @@ OPCODE_PRIVILEGES: dict[int, Privilege | None] = {
     Opcode.REPLACE: Privilege.WRITE,
     Opcode.DELETE: Privilege.WRITE,
     Opcode.COMPACT_DB: Privilege.ADMIN,  # kv_engine: NodeManagement
+    # The Couchbase SDKs' KV surface (server/kv_commands.py, server/subdoc.py). GAT and the
+    # counters read as well as write: their handlers check READ too, as kv_engine does.
+    Opcode.GET_ERROR_MAP: None,  # kv_engine: empty
+    Opcode.GET_META: Privilege.READ,
+    Opcode.GET_LOCKED: Privilege.READ,
+    Opcode.UNLOCK_KEY: Privilege.READ,
+    Opcode.TOUCH: Privilege.WRITE,
+    Opcode.GAT: Privilege.WRITE,
+    Opcode.INCREMENT: Privilege.WRITE,
+    Opcode.DECREMENT: Privilege.WRITE,
+    Opcode.APPEND: Privilege.WRITE,
+    Opcode.PREPEND: Privilege.WRITE,
+    Opcode.SUBDOC_MULTI_LOOKUP: Privilege.READ,
+    Opcode.SUBDOC_MULTI_MUTATION: Privilege.WRITE,
     # kv_engine checks DcpProducer when DCP_OPEN opens a producer (the only kind served here),
     # and lets NOOP, CONTROL and BUFFER_ACK through; here every DCP command needs DCP_STREAM,
     # so a connection whose identity changed after DCP_OPEN cannot go on streaming.
@@ -74,6 +89,7 @@ OPCODE_PRIVILEGES: dict[int, Privilege | None] = {
     Opcode.DCP_GET_FAILOVER_LOG: Privilege.DCP_STREAM,
     Opcode.DCP_BUFFER_ACKNOWLEDGEMENT: Privilege.DCP_STREAM,
     Opcode.DCP_NOOP: Privilege.DCP_STREAM,
+    Opcode.DCP_SEQNO_ACKNOWLEDGED: Privilege.DCP_STREAM,
 }
 
 assert frozenset(Privilege) == ROLE_PRIVILEGES["admin"]

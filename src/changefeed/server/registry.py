@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+from changefeed.protocol.dcp import StreamEndReason
 from changefeed.server.dcp_pump import DcpPump
 
 log = logging.getLogger("changefeed.dcp")
@@ -19,6 +20,7 @@ class DcpRegistry:
 
     def __init__(self) -> None:
         self._pumps: dict[str, DcpPump] = {}
+        self.streams_ended_state_changed = 0  # by end_streams: vbuckets that stopped being active
 
     def __len__(self) -> int:
         return len(self._pumps)
@@ -38,6 +40,18 @@ class DcpRegistry:
         """Remove `pump` if it is still the entry for its name."""
         if self._pumps.get(pump.name) is pump:
             del self._pumps[pump.name]
+
+    def end_streams(self, vb: int, reason: StreamEndReason) -> int:
+        """End every stream of `vb` (the vbucket stopped being active here); return how many.
+        Each consumer gets STREAM_END with `reason` and re-requests where the map now says."""
+        ended = 0
+        for pump in self:
+            if pump.producer.has_stream(vb):
+                pump.producer.end_stream(vb, reason)
+                pump.wake()
+                ended += 1
+        self.streams_ended_state_changed += ended
+        return ended
 
     def stats(self) -> Iterator[tuple[str, str]]:
         """STAT dcp: `<name>:<counter>` for every connection."""

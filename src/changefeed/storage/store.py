@@ -361,14 +361,19 @@ class Store:
         assert chunk.visited <= records_max, (chunk, records_max)
         return chunk
 
-    def rollback(self, vb: int, seqno: int) -> None:
-        """Discard every record of `vb` with a seqno above `seqno` (a replica rolling back).
+    def rollback(self, vb: int, seqno: int) -> int:
+        """Discard every record of `vb` with a seqno above a point at or below `seqno` (a
+        replica rolling back); return that point.
 
-        The store keeps one version per key, so a key whose newest version is discarded does
-        not fall back to an older one: it disappears. Callers must re-fetch such keys from the
-        active (a DCP stream from `seqno` does that). When records were above `seqno`, the
-        vbucket's high_seqno becomes `seqno`, its snapshot range (seqno, seqno) and its
-        purge_seqno at most `seqno`; otherwise nothing changes. Durable like a batch.
+        The store keeps one version per key, so a discarded record cannot fall back to an
+        older version of its key. A discarded record that is a key's first version (rev_seqno
+        1) had nothing older, and cutting at `seqno` is exact. If any discarded record had
+        older versions, the state at `seqno` cannot be rebuilt here and the vbucket is
+        discarded whole (point 0): the replica then rebuilds from its active, as kv_engine
+        does when it cannot roll back to the requested point — never a silent gap. When
+        records were above the point, the vbucket's high_seqno becomes the point, its snapshot
+        range (point, point) and its purge_seqno at most the point; otherwise nothing changes.
+        Durable like a batch.
 
         Raises:
             ValueError: unknown vbucket, or seqno outside 0..SEQNO_MAX.
@@ -380,15 +385,17 @@ class Store:
         if not 0 <= seqno <= limits.SEQNO_MAX:
             raise ValueError(f"rollback seqno {seqno} outside 0..SEQNO_MAX")
         if seqno >= row.high_seqno:
-            return
+            return seqno
         with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
-            _, removed_live = discard_after(txn, self._by_seqno, self._by_key, vb, seqno)
-            row.high_seqno = seqno
-            row.purge_seqno = min(row.purge_seqno, seqno)
-            row.snap_start = row.snap_end = seqno
+            point = 0 if _has_older_versions(txn, self._by_seqno, vb, seqno) else seqno
+            _, removed_live = discard_after(txn, self._by_seqno, self._by_key, vb, point)
+            row.high_seqno = point
+            row.purge_seqno = min(row.purge_seqno, point)
+            row.snap_start = row.snap_end = point
             row.item_count -= removed_live
             txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=self._vbmeta)
         self._rows[vb] = row
+        return point
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -584,6 +591,22 @@ def _scan_all(txn: lmdb.Transaction[bytes], by_seqno: lmdb._Database, vb: int) -
                 break
             records.append(decode_record(vb, seqno, data))
     return records
+
+
+def _has_older_versions(
+    txn: lmdb.Transaction[bytes], by_seqno: lmdb._Database, vb: int, seqno: int
+) -> bool:
+    """True if a record of `vb` above `seqno` is not its key's first version (rollback)."""
+    cursor = txn.cursor(db=by_seqno)
+    if not cursor.set_range(SEQNO_KEY.pack(vb, seqno + 1)):
+        return False
+    for key, data in cursor.iternext():
+        key_vb, record_seqno = SEQNO_KEY.unpack(key)
+        if key_vb != vb:
+            return False
+        if decode_record(vb, record_seqno, data).rev_seqno > 1:
+            return True
+    return False
 
 
 def _scan(

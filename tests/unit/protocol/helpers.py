@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from changefeed import limits
-from changefeed.protocol import dcp, dcp_items, kv, sasl
+from changefeed.protocol import dcp, dcp_items, error_map, kv, kv_ops, sasl, scram, subdoc
 from changefeed.protocol.batch import ChangeColumns, decode_batch
 from changefeed.protocol.dcp import StreamEnd, StreamEndReason
 from changefeed.protocol.dcp_items import Deletion, Expiration, Mutation, SeqnoAdvanced
@@ -494,6 +494,7 @@ FRAME_DECODERS: list[tuple[str, Callable[[Frame], object]]] = [
     ("stream_request", dcp.decode_stream_request),
     ("stream_end", dcp.decode_stream_end),
     ("buffer_ack", dcp.decode_buffer_ack),
+    ("seqno_acknowledged", dcp.decode_seqno_acknowledged),
     ("set_vbucket_state", dcp.decode_set_vbucket_state),
     ("mutation", dcp_items.decode_mutation),
     ("deletion", dcp_items.decode_deletion),
@@ -506,6 +507,17 @@ FRAME_DECODERS: list[tuple[str, Callable[[Frame], object]]] = [
     ("vb_state_filter", kv.decode_vb_state_filter),
     ("observe_seqno_request", kv.decode_observe_seqno_request),
     ("stream_id", lambda f: f.stream_id),
+    # The Couchbase SDK's commands (tests/fuzz/test_fuzz_subdoc.py fuzzes them on their own).
+    ("get_meta", kv_ops.decode_get_meta),
+    ("touch", kv_ops.decode_touch),
+    ("get_locked", kv_ops.decode_get_locked),
+    ("unlock", kv_ops.decode_unlock),
+    ("arithmetic", kv_ops.decode_arithmetic),
+    ("concat", kv_ops.decode_concat),
+    ("clustermap_notification", kv_ops.decode_clustermap_notification),
+    ("multi_lookup", subdoc.decode_multi_lookup),
+    ("multi_mutation", subdoc.decode_multi_mutation),
+    ("get_error_map", error_map.decode_get_error_map),
 ]
 
 BYTES_DECODERS: list[tuple[str, Callable[[bytes], object]]] = [
@@ -520,6 +532,13 @@ BYTES_DECODERS: list[tuple[str, Callable[[bytes], object]]] = [
     ("mechanisms", sasl.decode_mechanisms),
     ("frame_infos", decode_frame_infos),
     ("stream_id_of", stream_id_of),
+    ("get_meta_extras", kv_ops.decode_get_meta_extras),
+    ("arithmetic_value", kv_ops.decode_arithmetic_value),
+    ("lookup_results", subdoc.decode_lookup_results),
+    ("mutation_results", subdoc.decode_mutation_results),
+    ("error_map", error_map.decode_error_map),
+    ("scram_client_first", scram.parse_client_first),
+    ("scram_client_final", scram.parse_client_final),
 ]
 
 
@@ -533,6 +552,8 @@ def reencode(value: object) -> bytes | None:
         return dcp.encode_dcp_open(value)
     if isinstance(value, dcp.DcpControl):
         return dcp.encode_dcp_control(value)
+    if isinstance(value, dcp.SeqnoAcknowledged):
+        return dcp.encode_seqno_acknowledged(value)
     if isinstance(value, dcp.StreamRequest):
         return dcp.encode_stream_request(value)
     if isinstance(value, kv.StoreCommand) and value.opcode in kv.STORE_OPCODES:

@@ -46,11 +46,34 @@ def compactor_of(bucket: Bucket, clock: ManualClock, **kwargs: object) -> Compac
     return Compactor(bucket, **values)  # type: ignore[arg-type]
 
 
+def keep_high_seqno_live(bucket: Bucket, vb: int) -> None:
+    """A live write after the deletes: the record at the high seqno is never purged, so a
+    test that wants every tombstone purgeable ends with one."""
+    bucket.vbucket(vb).set(b"keeper-%d" % bucket.vbucket(vb).high_seqno, b"v")
+
+
+def test_the_record_at_the_high_seqno_is_never_purged(bucket: Bucket, clock: ManualClock) -> None:
+    """Else a disk snapshot would end at a seqno no reader receives, and a replica (or any
+    consumer) would hold it as partial for ever: kv_engine keeps that record too."""
+    write_and_delete(bucket, 0, [b"a", b"b"])  # seqnos 1..4; 4 is b's tombstone
+    bucket.vbucket(0).flush()
+    compactor = compactor_of(bucket, clock, purge_age_s=0)
+
+    async def scenario() -> None:
+        result = await compactor.compact_vbucket(0, delete_time_max=math.inf)
+        assert (result.purged, result.purge_seqno) == (1, 3)
+
+    asyncio.run(scenario())
+    assert bucket.store.get(0, b"b") is not None  # the tombstone at the high seqno stays
+    assert [r.seqno for r in bucket.store.scan(0, 0, 99)] == [4]
+
+
 def test_purges_by_age_on_the_bucket_clock(bucket: Bucket, clock: ManualClock) -> None:
     write_and_delete(bucket, 0, [b"old-1", b"old-2"])
     bucket.vbucket(0).flush()
     clock.now += 2 * DAY_S
     write_and_delete(bucket, 0, [b"new"])
+    keep_high_seqno_live(bucket, 0)
     bucket.vbucket(0).flush()
     clock.now += 1.5 * DAY_S  # old: 3.5 days; new: 1.5 days
     compactor = compactor_of(bucket, clock)
@@ -76,6 +99,7 @@ def test_never_purges_what_is_unflushed_or_still_in_memory(
 ) -> None:
     vbucket = bucket.vbucket(0)
     write_and_delete(bucket, 0, [b"a", b"b"])  # seqnos 1..4, queued only
+    keep_high_seqno_live(bucket, 0)  # seqno 5
     compactor = compactor_of(bucket, clock, purge_age_s=0)
     reader = vbucket.stream("lagging-reader", 0)  # a stream that has read nothing yet
 
@@ -85,13 +109,13 @@ def test_never_purges_what_is_unflushed_or_still_in_memory(
         vbucket.flush()
         result = await compactor.compact_vbucket(0, delete_time_max=math.inf)
         assert (result.purged, result.purge_seqno) == (0, 0)  # the reader still needs memory
-        assert [event.seqno for event in reader if isinstance(event, Item)] == [1, 3, 4]
+        assert [event.seqno for event in reader if isinstance(event, Item)] == [1, 3, 4, 5]
         reader.close()
         result = await compactor.compact_vbucket(0, delete_time_max=math.inf)
         assert (result.purged, result.purge_seqno) == (2, 4)
 
     asyncio.run(scenario())
-    assert vbucket.manager.first_memory_seqno == 5  # the idle open checkpoint was let go
+    assert vbucket.manager.first_memory_seqno == 6  # the idle open checkpoint was let go
     bucket.store._check_invariants()
 
 
@@ -100,8 +124,10 @@ def test_an_unflushed_tombstone_is_not_purged(bucket: Bucket, clock: ManualClock
     for key in (b"a", b"b", b"c"):
         vbucket.set(key, b"v")
     vbucket.delete(b"a")  # seqno 4
+    keep_high_seqno_live(bucket, 1)  # seqno 5
     vbucket.flush()
-    vbucket.delete(b"b")  # seqno 5: queued only
+    vbucket.delete(b"b")  # seqno 6: queued only
+    keep_high_seqno_live(bucket, 1)  # seqno 7
     compactor = compactor_of(bucket, clock, purge_age_s=0)
 
     async def scenario() -> None:
@@ -111,7 +137,7 @@ def test_an_unflushed_tombstone_is_not_purged(bucket: Bucket, clock: ManualClock
         assert vbucket.get(b"b") is None  # and still deleted for readers
         vbucket.flush()
         result = await compactor.compact_vbucket(1, delete_time_max=math.inf)
-        assert (result.purged, result.purge_seqno) == (1, 5)
+        assert (result.purged, result.purge_seqno) == (1, 6)
 
     asyncio.run(scenario())
     assert bucket.store.get(1, b"b") is None
@@ -121,6 +147,7 @@ def test_an_unflushed_tombstone_is_not_purged(bucket: Bucket, clock: ManualClock
 
 def test_chunks_let_the_loop_run(bucket: Bucket, clock: ManualClock) -> None:
     write_and_delete(bucket, 0, [b"k%02d" % i for i in range(20)])
+    keep_high_seqno_live(bucket, 0)
     bucket.vbucket(0).flush()
     compactor = compactor_of(bucket, clock, purge_age_s=0, chunk_records=3)
     ticks = 0
@@ -168,6 +195,7 @@ def test_compact_db_is_answered_when_done(bucket: Bucket, clock: ManualClock) ->
     from changefeed.protocol.reader import FrameReader
 
     write_and_delete(bucket, 0, [b"a", b"b"])
+    keep_high_seqno_live(bucket, 0)
     bucket.vbucket(0).flush()
     clock.now += 10
     compactor = compactor_of(bucket, clock, purge_age_s=3 * DAY_S)
