@@ -103,3 +103,16 @@ def test_properties(nodes: int, replicas: int, live_mask: list[bool], data: st.D
             assert chain[0] == -1 and vb in plan.refused
     # Every chain stays valid (ClusterMap checks distinct nodes and the length).
     ClusterMap(result.rev, result.nodes, result.chains, result.replicas)
+
+
+def test_a_held_node_keeps_its_actives_and_gets_no_slots() -> None:
+    """The orchestrator's guards (no majority live, a term's first TTL) hold absent nodes:
+    nothing of theirs moves, and they are not placed anywhere new."""
+    current = cluster(3, 2)
+    in_sync = {vb: InSyncRecord("n1", frozenset({"n2", "n3"})) for vb in range(8)}
+    held = plan_failover(current, {"n2", "n3"}, in_sync, {"n2": {}, "n3": {}}, hold={"n1"})
+    assert held.new_map is None and not held.promoted
+    moved = plan_failover(current, {"n2", "n3"}, in_sync, {"n2": {}, "n3": {}}).new_map
+    assert moved is not None
+    back = plan_failover(moved, {"n2", "n3"}, {}, {}, hold={"n1"})
+    assert back.new_map is None and not back.rejoined  # held, not placed

@@ -52,6 +52,7 @@ def plan_failover(
     *,
     failed: Set[str] = frozenset(),
     force: bool = False,
+    hold: Set[str] = frozenset(),
 ) -> FailoverPlan:
     """Plan promotions for vbuckets whose active is not live (or is in `failed`), and rejoins.
 
@@ -62,6 +63,8 @@ def plan_failover(
         high_seqnos: per live node, its high seqno per vbucket (its published status).
         failed: nodes an operator asked to fail over although they may be live.
         force: promote a replica that was not in sync when no in-sync one is live.
+        hold: nodes that are not live but must not be failed over yet (the orchestrator's
+            guards); their actives stay, and they are not given slots.
     """
     names = [n.name for n in current.nodes]
     usable = {n for n in live if n not in failed}
@@ -74,7 +77,7 @@ def plan_failover(
         # Replicas stay in the chain while down (they resume when back); only a node failed
         # over by hand leaves it.
         replicas = [i for i in chain[1:] if i != -1 and names[i] not in failed]
-        if active != -1 and names[active] in usable:
+        if active != -1 and (names[active] in usable or names[active] in hold):
             new_chain = [active, *replicas]
         else:
             lost = names[active] if active != -1 else "nobody"

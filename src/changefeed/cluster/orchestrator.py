@@ -195,11 +195,15 @@ class Orchestrator:
         """Promote in-sync replicas of actives that are gone (or failed over by hand) and give
         returning nodes their replica slots back (failover.py); None when nothing changes."""
         names = [n.name for n in current.nodes]
+        hold: set[str] = set()
         if any(n not in live for n in names) and not self._may_fail_over(names, live):
-            # Treat absent nodes as live for now: only rejoins and requested failovers act.
-            live = {**{n.name: n for n in current.nodes}, **live}
+            # Absent nodes keep their actives for now: only rejoins and requests act.
+            hold = {n for n in names if n not in live and n not in requests}
         gone = any(
-            c[0] == -1 or names[c[0]] not in live or names[c[0]] in requests for c in current.chains
+            c[0] == -1
+            or (names[c[0]] not in live and names[c[0]] not in hold)
+            or names[c[0]] in requests
+            for c in current.chains
         )
         unplaced = any(
             -1 in chain and any(n in live and names.index(n) not in chain for n in names)
@@ -214,7 +218,13 @@ class Orchestrator:
             for node, status in statuses.items()
         }
         plan = plan_failover(
-            current, set(live), in_sync, highs, failed=set(requests), force=any(requests.values())
+            current,
+            set(live),
+            in_sync,
+            highs,
+            failed=set(requests),
+            force=any(requests.values()),
+            hold=hold,
         )
         refused = sorted(plan.refused.items())
         if refused and refused != self._refused_logged:

@@ -1,0 +1,90 @@
+"""The official SDK against a 3-node cluster (issue 14 with issue 11): it bootstraps from one
+node, routes by the real map, reads replicas (get_any_replica, get_all_replicas), follows a
+failover, and a durable write is refused as DurabilityImpossible, never acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from couchbase.cluster import Cluster
+from couchbase.durability import Durability, ServerDurability
+from couchbase.exceptions import DurabilityImpossibleException
+from couchbase.options import UpsertOptions
+
+from changefeed.cli.node_process import NodeProcess
+from support.cluster import cluster_map, start_cluster, wait_replicated
+from support.etcd import running_etcd
+from support.nodes import node_factory
+
+from .conftest import connect
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]]:
+    work: Path = tmp_path_factory.mktemp("sdk-cluster")
+    with running_etcd(work) as etcd, node_factory(work) as nodes:
+        yield start_cluster(nodes, etcd.endpoint, "sdk", count=3, replicas=2, failover_timeout_s=2)
+
+
+@pytest.fixture(scope="module")
+def sdk(three: list[NodeProcess]) -> Iterator[Cluster]:
+    cluster = connect(three[1])  # bootstrap from any node
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_the_sdk_routes_by_the_map_and_reads_every_replica(
+    sdk: Cluster, three: list[NodeProcess]
+) -> None:
+    collection = sdk.bucket("default").default_collection()
+    for i in range(64):  # every vbucket, so every node's actives are written
+        collection.upsert(f"doc-{i}", {"n": i})
+    asyncio.run(wait_replicated(three))
+    for i in range(0, 64, 7):
+        assert collection.get(f"doc-{i}").content_as[dict] == {"n": i}
+        replica = collection.get_any_replica(f"doc-{i}")
+        assert replica.content_as[dict] == {"n": i}
+        copies = list(collection.get_all_replicas(f"doc-{i}"))
+        assert len(copies) == 3  # the active and both replicas
+        assert sum(1 for c in copies if c.is_replica) == 2
+        assert all(c.content_as[dict] == {"n": i} for c in copies)
+
+
+def test_a_durable_write_is_refused_not_acknowledged(sdk: Cluster) -> None:
+    collection = sdk.bucket("default").default_collection()
+    options = UpsertOptions(durability=ServerDurability(Durability.MAJORITY))
+    with pytest.raises(DurabilityImpossibleException):
+        collection.upsert("durable", {"x": 1}, options)
+    assert not collection.exists("durable").exists  # nothing was applied
+
+
+def test_the_sdk_follows_a_failover(sdk: Cluster, three: list[NodeProcess]) -> None:
+    collection = sdk.bucket("default").default_collection()
+    before = asyncio.run(cluster_map(three[1]))
+    victim = three[0]
+    victim.kill()
+    deadline = time.monotonic() + 30
+    written = 0
+    while time.monotonic() < deadline and written < 64:
+        try:
+            collection.upsert(f"after-{written}", {"n": written})
+            written += 1
+        except Exception:  # the SDK's own timeout while the map moves
+            time.sleep(0.2)
+    assert written == 64, "writes did not resume after the failover"
+    after = asyncio.run(cluster_map(three[1]))
+    assert after.rev > before.rev
+    assert all(
+        (a := after.active(vb)) is not None and a.port != victim.port
+        for vb in range(after.vbuckets)
+    )
+    for i in range(0, 64, 5):
+        assert collection.get(f"doc-{i}").content_as[dict] == {"n": i}
