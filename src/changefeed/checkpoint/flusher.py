@@ -1,7 +1,8 @@
 """The flusher: drains the persistence cursor into the store, one group commit per batch.
 
 Contract: `flush_batch()` reads up to `batch_bytes_max` accounted bytes of items through the
-persistence cursor and writes them in one `store.write_batch()` transaction, together with the
+persistence cursor and writes them in one `store.write_batch()` transaction (or, with `stage`,
+into a transaction the caller shares between vbuckets and commits), together with the
 snapshot range (snap_start, snap_end) of the checkpoint the last item came from. Only after the
 commit does the persisted seqno advance and do the checkpoints the batch read become freeable:
 while a batch is written a BACKUP cursor holds the persistence cursor's old position (ep-engine's
@@ -20,6 +21,7 @@ failover log). The LMDB commit runs on the caller's thread (with `durable=True` 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import itertools
 from typing import Final
@@ -30,9 +32,18 @@ from changefeed.checkpoint.item import Item
 from changefeed.checkpoint.manager import CheckpointManager
 from changefeed.checkpoint.memory import item_size_bytes
 from changefeed.checkpoint.snapshot import CursorSignal, SnapshotStart
-from changefeed.storage import Op, Store
+from changefeed.storage import Op, Store, WriteBatch
 
 BACKUP_CURSOR_NAME: Final = "persistence-backup"
+
+
+@dataclasses.dataclass(slots=True)
+class StagedFlush:
+    """A batch put into a write batch that is not committed yet (`Flusher.stage`)."""
+
+    backup: Cursor
+    snapshot_before: SnapshotStart | None
+    items: list[Item]
 
 
 class Flusher:
@@ -99,27 +110,50 @@ class Flusher:
         return self._manager.has_next(self._cursor())
 
     def flush_batch(self) -> int:
-        """Write one batch; return how many items it wrote (0 when nothing was pending).
+        """Write one batch in its own transaction; return how many items it wrote (0 when
+        nothing was pending).
 
         Raises:
             StorageError, StorageFullError: the commit failed; the batch will be retried.
         """
+        if not self._manager.has_next(self._cursor()):
+            return 0  # no empty transaction
+        pending = None
+        try:
+            with self._store.write_batch() as batch:
+                pending = self.stage(batch)
+        except BaseException:
+            self.staged_failed(pending)  # the commit failed (stage undoes its own failures)
+            raise
+        return self.staged_committed(pending)
+
+    def stage(self, batch: WriteBatch) -> StagedFlush | None:
+        """Put one batch of items into `batch`, an open write batch the caller commits — so a
+        flush round writes every vbucket in one transaction (one fsync, not one per vbucket).
+
+        After the commit call `staged_committed`; if the commit fails, `staged_failed`
+        (the persistence cursor goes back and the items are written again later).
+        """
         cursor = self._cursor()
         if not self._manager.has_next(cursor):
-            return 0
+            return None
         backup = self._manager.clone_cursor(cursor, BACKUP_CURSOR_NAME)
-        snapshot_before = self._snapshot
+        staged = StagedFlush(backup, self._snapshot, [])
         try:
-            items = self._read_batch(cursor)
-            if items:
-                self._write(items)
+            staged.items = self._read_batch(cursor)
+            if staged.items:
+                self._write(batch, staged.items)
         except BaseException:
-            self.stats["failed_batches"] += 1
-            self._manager.move_cursor(cursor, backup)
-            self._snapshot = snapshot_before
+            self.staged_failed(staged)
             raise
-        finally:
-            self._manager.remove_cursor(backup)
+        return staged
+
+    def staged_committed(self, staged: StagedFlush | None) -> int:
+        """The transaction holding `staged` committed: the items are durable."""
+        if staged is None:
+            return 0
+        self._manager.remove_cursor(staged.backup)
+        items = staged.items
         if items:
             assert items[-1].seqno > self._written_seqno, (items[-1], self._written_seqno)
             self._written_seqno = items[-1].seqno
@@ -128,6 +162,15 @@ class Flusher:
             self.stats["items"] += len(items)
         self._resolve_waiters()
         return len(items)
+
+    def staged_failed(self, staged: StagedFlush | None) -> None:
+        """The transaction holding `staged` did not commit: read the items again next time."""
+        if staged is None:
+            return
+        self.stats["failed_batches"] += 1
+        self._manager.move_cursor(self._cursor(), staged.backup)
+        self._snapshot = staged.snapshot_before
+        self._manager.remove_cursor(staged.backup)
 
     def flush(self) -> int:
         """Write batches until nothing is pending; return the items written."""
@@ -179,38 +222,37 @@ class Flusher:
             batch_bytes += item_size_bytes(event)
         return items
 
-    def _write(self, items: list[Item]) -> None:
+    def _write(self, batch: WriteBatch, items: list[Item]) -> None:
         snapshot = self._snapshot
         assert snapshot is not None, items[0]
         assert snapshot.snap_start <= items[-1].seqno <= snapshot.snap_end, (snapshot, items[-1])
         vb = self._manager.vb
-        with self._store.write_batch() as batch:
-            for item in items:
-                if item.op is Op.MUTATION:
-                    batch.set(
-                        vb,
-                        item.key,
-                        item.seqno,
-                        item.value,
-                        cas=item.cas,
-                        flags=item.flags,
-                        expiry=item.expiry,
-                        datatype=item.datatype,
-                        rev_seqno=item.rev_seqno,
-                    )
-                else:
-                    batch.delete(
-                        vb,
-                        item.key,
-                        item.seqno,
-                        cas=item.cas,
-                        rev_seqno=item.rev_seqno,
-                        delete_time=item.delete_time,
-                        expiration=item.op is Op.EXPIRATION,
-                        value=item.value,
-                        datatype=item.datatype,
-                    )
-            batch.set_vbucket_meta(vb, snap_start=snapshot.snap_start, snap_end=snapshot.snap_end)
+        for item in items:
+            if item.op is Op.MUTATION:
+                batch.set(
+                    vb,
+                    item.key,
+                    item.seqno,
+                    item.value,
+                    cas=item.cas,
+                    flags=item.flags,
+                    expiry=item.expiry,
+                    datatype=item.datatype,
+                    rev_seqno=item.rev_seqno,
+                )
+            else:
+                batch.delete(
+                    vb,
+                    item.key,
+                    item.seqno,
+                    cas=item.cas,
+                    rev_seqno=item.rev_seqno,
+                    delete_time=item.delete_time,
+                    expiration=item.op is Op.EXPIRATION,
+                    value=item.value,
+                    datatype=item.datatype,
+                )
+        batch.set_vbucket_meta(vb, snap_start=snapshot.snap_start, snap_end=snapshot.snap_end)
 
     def _resolve_waiters(self) -> None:
         waiters = self._waiters

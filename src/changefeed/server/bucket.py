@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 from changefeed import limits
 from changefeed.checkpoint import CursorKind, MemoryBudget, StreamReader, Wakeup
+from changefeed.checkpoint.flusher import StagedFlush
 from changefeed.producer.stream_request import VbucketView
 from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError
 from changefeed.protocol.kv import MutationResult, ObserveSeqnoResult, StoreCommand
@@ -32,6 +33,9 @@ log = logging.getLogger("changefeed.bucket")
 
 RELATIVE_EXPIRY_MAX_S = 30 * 24 * 3600  # memcached: up to 30 days is relative, above absolute
 FLUSH_IDLE_S = 0.005
+# A round stops taking vbuckets past this: one more vbucket's batch (flush_batch_bytes is at most
+# STORAGE_BATCH_BYTES_MAX // 64, config.py) must still fit under the store's batch bound.
+ROUND_BYTES_MAX = limits.STORAGE_BATCH_BYTES_MAX - 2 * (limits.STORAGE_BATCH_BYTES_MAX // 64)
 
 
 class Bucket:
@@ -144,11 +148,25 @@ class Bucket:
             await asyncio.sleep(FLUSH_IDLE_S)  # gather a group commit
 
     def _flush_round(self) -> int:
-        """One batch of every vbucket with queued items; a failed commit raises (the flusher
-        keeps the batch queued) and is retried by the loop."""
-        wrote = 0
-        for vb in self.vbuckets.values():
-            wrote += vb.flusher.flush_batch()
+        """One batch of every vbucket with queued items, all in one transaction: one commit
+        (one fsync when durable) per round instead of one per vbucket. A failed commit raises
+        (every flusher keeps its batch queued) and is retried by the loop."""
+        staged: list[tuple[VBucket, StagedFlush | None]] = []
+        if not any(vb.flusher.pending for vb in self.vbuckets.values()):
+            self.persistence.succeeded()
+            return 0  # no empty transaction
+        try:
+            with self.store.write_batch() as batch:
+                for vb in self.vbuckets.values():
+                    if batch.stored_bytes >= ROUND_BYTES_MAX:
+                        break  # the rest go in the next round
+                    if vb.flusher.pending:
+                        staged.append((vb, vb.flusher.stage(batch)))
+        except BaseException:
+            for vb, pending in staged:
+                vb.flusher.staged_failed(pending)
+            raise
+        wrote = sum(vb.flusher.staged_committed(pending) for vb, pending in staged)
         self.persistence.succeeded()
         return wrote
 

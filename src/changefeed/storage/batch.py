@@ -63,6 +63,12 @@ class WriteBatch:
         self._bytes = 0  # stored bytes held in _records
         self._open = True
 
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of records the batch holds (a caller filling one batch from many sources
+        stops before limits.STORAGE_BATCH_BYTES_MAX)."""
+        return self._bytes
+
     def set(
         self,
         vb: int,
