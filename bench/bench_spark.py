@@ -18,17 +18,32 @@ Rows (one local[2] session for the whole run; every figure is one run, ``time.pe
   the N runs); ``read`` and ``write`` are the shares of the run's wall time spent in
   ``batch_df.toArrow()`` (which runs the batch: the source read and the collect to the driver)
   and in ``MirrorWriter.write`` (the Delta changelog append and mirror merge).
-* **latency**: a steady writer (``--latency-rate`` upserts/s for ``--latency-s``) while the
-  stream runs with the default trigger; each value carries its write time, and the end-to-end
-  latency of a change is (commit of its mirror batch) - (its write), p50/p95 over every change
-  written in the window (``per s``: the rate actually reached). The rate source's ``timestamp``
+* **CPU µs/item**: CPU time (user + system, from ``/proc``) over the run divided by its rows,
+  for the Spark side (this driver, its JVM and Python workers) and for the node process; the
+  steadier figure on a shared machine, where wall-clock rates move with other jobs' load.
+* **mirror write vs table size**: ``MirrorWriter.write`` seconds of the batch that found ~1M
+  rows in the mirror and of the last batch (the largest table), to show whether a merge's cost
+  grows with the table.
+* **latency**: a steady writer (``--latency-rate`` upserts/s, default 2,000, for
+  ``--latency-s``) while the stream runs with a short trigger (``--latency-trigger``); each
+  value carries its write time, and the end-to-end latency of a change is (commit of its batch)
+  - (its write), p50/p95 over every change written in the window (``per s``: the rate actually
+  reached). Sinks: the mirror (``MirrorWriter``: changelog and mirror commits) and a bare
+  ``foreachBatch`` (``toArrow`` only: the source's share). The rate source's ``timestamp``
   column plays the write time on the other side. Also triggerExecution p50/p95 meanwhile.
+
+* **writer only** (``--writer-only N``, no Spark, no node): ``MirrorWriter.write`` of synthetic
+  change rows (10-byte keys, 100-byte values, 64 vbuckets): batches of ``--max-offsets`` new
+  keys until the mirror holds N, then 100,000 updates of random keys and 50 updates of keys in
+  few vbuckets. Seconds per batch next to the rows the mirror held: does a batch cost more as
+  the table grows? Run it with ``PYTHONPATH`` pointing at another checkout to compare writers.
 
 Usage::
 
     .venv/bin/python bench/bench_spark.py              # 1M and 5M changes
     .venv/bin/python bench/bench_spark.py --quick      # 100k changes
     .venv/bin/python bench/bench_spark.py --sizes 1000000,2000000
+    .venv/bin/python bench/bench_spark.py --writer-only 5000000
 
 The full output goes to stdout and to ``bench/results_spark.txt`` (``--output``). Every node
 and query the benchmark starts is stopped in a ``finally``.
@@ -47,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +145,67 @@ async def _sample_matches(port: int, mirror: pa.Table, rng: random.Random) -> in
 
 # -- measuring ---------------------------------------------------------------------------------
 
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def _processes() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds: user + system, its own and its reaped children's) of
+    every live process, from ``/proc/<pid>/stat``."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        # After the name: state, ppid, ... utime (14), stime, cutime, cstime (17), 1-based.
+        ticks = sum(int(value) for value in fields[11:15])
+        out[int(entry)] = (int(fields[1]), ticks / CLOCK_TICKS_PER_S)
+    return out
+
+
+class CpuMeter:
+    """CPU seconds used so far by the Spark side (this process and its descendants: the JVM and
+    its Python workers) and by the node (its process tree), sampled from ``/proc``. Only the
+    difference of two samples means anything (reaped processes move into their parent)."""
+
+    def __init__(self, node_pid: int) -> None:
+        self.node_pid = node_pid
+
+    def sample(self) -> tuple[float, float]:
+        table = _processes()
+        children: dict[int, list[int]] = defaultdict(list)
+        for pid, (parent, _) in table.items():
+            children[parent].append(pid)
+
+        def tree_s(root: int, skip: int) -> float:
+            total = 0.0
+            stack = [root]
+            while stack:  # bounded: each live pid is visited once
+                pid = stack.pop()
+                if pid == skip or pid not in table:
+                    continue
+                total += table[pid][1]
+                stack.extend(children[pid])
+            return total
+
+        return tree_s(os.getpid(), self.node_pid), tree_s(self.node_pid, -1)
+
+    def settle(self, timeout_s: float = 120.0) -> float:
+        """Wait until the node is idle (its flusher done with the load): under 5 % of a core
+        over 0.5 s. Returns the seconds waited."""
+        started = time.monotonic()
+        _, before = self.sample()
+        while time.monotonic() - started < timeout_s:  # bounded by the timeout
+            time.sleep(0.5)
+            _, now = self.sample()
+            if now - before < 0.025:
+                break
+            before = now
+        return time.monotonic() - started
+
 
 class TimedWriter:
     """``foreachBatch`` callable: MirrorWriter plus timing and row counting per batch."""
@@ -140,6 +217,7 @@ class TimedWriter:
         self.batches = 0
         self.collect_s: list[float] = []
         self.writer_s: list[float] = []
+        self.batch_rows: list[int] = []
         self.done_at: float | None = None
         self.done = (0, 0)  # rows and batches when target_rows was reached
         self.target_rows = 0
@@ -154,6 +232,7 @@ class TimedWriter:
         finished = time.perf_counter()
         self.collect_s.append(collected - started)
         self.writer_s.append(finished - collected)
+        self.batch_rows.append(table.num_rows)
         self.rows += table.num_rows
         self.batches += 1
         if self.on_batch is not None:
@@ -173,10 +252,16 @@ class Run:
     collect_s: list[float] = field(default_factory=list)
     writer_s: list[float] = field(default_factory=list)
     note: str = ""
+    spark_cpu_s: float = 0.0
+    node_cpu_s: float = 0.0
+    batch_rows: list[int] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
         return self.rows / self.seconds if self.seconds else 0.0
+
+    def cpu_us(self, seconds: float) -> float:
+        return seconds / self.rows * 1e6 if self.rows else float("nan")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -188,7 +273,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def changefeed_df(spark: Any, node: NodeProcess, max_offsets: int) -> Any:
-    options = node.source_options(maxOffsetsPerTrigger=str(max_offsets), partitions="2")
+    options = node.source_options(
+        maxOffsetsPerTrigger=str(max_offsets), partitions="2", format="binary"
+    )  # the values are not JSON: change rows with the document as bytes, as rate's
     return spark.readStream.format("changefeed").options(**options).load()
 
 
@@ -234,6 +321,7 @@ def run_to_mirror(
     *,
     rows: int,
     available_now: bool,
+    cpu: CpuMeter,
 ) -> Run:
     """Run ``df -> foreachBatch(MirrorWriter)``: availableNow to the end, or until ``rows``."""
     writer = TimedWriter(MirrorWriter(tables, options), None)
@@ -241,6 +329,7 @@ def run_to_mirror(
     stream = df.writeStream.foreachBatch(writer).option("checkpointLocation", str(checkpoint))
     if available_now:
         stream = stream.trigger(availableNow=True)
+    cpu_before = cpu.sample()
     started = time.perf_counter()
     query = stream.start()
     try:
@@ -254,6 +343,8 @@ def run_to_mirror(
                 assert time.monotonic() < deadline, f"{name}: {writer.rows} rows only"
                 time.sleep(0.02)
             ended = writer.done_at
+        cpu_after = cpu.sample()
+        if not available_now:
             while len(_with_rows(query)) < writer.done[1] and time.monotonic() < deadline:
                 time.sleep(0.02)  # the last batch's progress comes after its checkpoint commit
     finally:
@@ -269,6 +360,9 @@ def run_to_mirror(
         trigger_ms[:batches],
         writer.collect_s[:batches],
         writer.writer_s[:batches],
+        spark_cpu_s=cpu_after[0] - cpu_before[0],
+        node_cpu_s=cpu_after[1] - cpu_before[1],
+        batch_rows=writer.batch_rows[:batches],
     )
 
 
@@ -276,10 +370,13 @@ def _with_rows(query: Any) -> list[Any]:
     return [p for p in query.recentProgress if p["numInputRows"] > 0]
 
 
-def run_to_noop(name: str, df: Any, checkpoint: Path, *, rows: int, available_now: bool) -> Run:
+def run_to_noop(
+    name: str, df: Any, checkpoint: Path, *, rows: int, available_now: bool, cpu: CpuMeter
+) -> Run:
     stream = df.writeStream.format("noop").option("checkpointLocation", str(checkpoint))
     if available_now:
         stream = stream.trigger(availableNow=True)
+    cpu_before = cpu.sample()
     started = time.perf_counter()
     query = stream.start()
     try:
@@ -292,12 +389,16 @@ def run_to_noop(name: str, df: Any, checkpoint: Path, *, rows: int, available_no
                 assert time.monotonic() < deadline, f"{name}: too slow"
                 time.sleep(0.01)
         ended = time.perf_counter()
+        cpu_after = cpu.sample()
     finally:
         query.stop()
     progress = [p for p in query.recentProgress if p["numInputRows"] > 0]
     done = sum(p["numInputRows"] for p in progress)
     trigger_ms = [float(p["durationMs"]["triggerExecution"]) for p in progress]
-    return Run(name, done, ended - started, len(progress), trigger_ms)
+    return Run(
+        name, done, ended - started, len(progress), trigger_ms,
+        spark_cpu_s=cpu_after[0] - cpu_before[0], node_cpu_s=cpu_after[1] - cpu_before[1],
+    )  # fmt: skip
 
 
 # -- the runs ----------------------------------------------------------------------------------
@@ -308,15 +409,16 @@ def warm_up(spark: Any, work: Path) -> None:
     root = work / "warm-up"
     root.mkdir()
     node = start_node(root)
+    cpu = CpuMeter(node.pid)
     try:
         asyncio.run(_load(node.port, 20_000))
         run_to_mirror(
             "warm-up", changefeed_df(spark, node, 10_000), root / "t1", root / "c1",
-            node.source_options(), rows=20_000, available_now=True,
+            node.source_options(), rows=20_000, available_now=True, cpu=cpu,
         )  # fmt: skip
         run_to_mirror(
             "warm-up", rate_df(spark, 10_000), root / "t2", root / "c2",
-            node.source_options(), rows=20_000, available_now=False,
+            node.source_options(), rows=20_000, available_now=False, cpu=cpu,
         )  # fmt: skip
     finally:
         node.stop(check=False)
@@ -327,11 +429,17 @@ def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: li
     root = work / f"n{n}"
     root.mkdir()
     node = start_node(root)
+    cpu = CpuMeter(node.pid)
     try:
         started = time.perf_counter()
         asyncio.run(_load(node.port, n))
         load_s = time.perf_counter() - started
-        say(out, f"\n## N = {n:,} changes (load: {load_s:.1f} s, {n / load_s:,.0f} upserts/s)")
+        settle_s = cpu.settle()
+        say(
+            out,
+            f"\n## N = {n:,} changes (load: {load_s:.1f} s, {n / load_s:,.0f} upserts/s; "
+            f"node idle {settle_s:.1f} s later)",
+        )
 
         cf = run_to_mirror(
             "changefeed -> mirror",
@@ -341,6 +449,7 @@ def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: li
             node.source_options(),
             rows=n,
             available_now=True,
+            cpu=cpu,
         )
         mirror = read_mirror(root / "cf-tables")
         bad = asyncio.run(_sample_matches(node.port, mirror, random.Random(n)))
@@ -358,6 +467,7 @@ def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: li
             node.source_options(),
             rows=n,
             available_now=False,
+            cpu=cpu,
         )
         rate_rows = read_mirror(root / "rate-tables").num_rows
         rate.note = f"mirror rows {rate_rows:,}"
@@ -371,6 +481,7 @@ def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: li
                 root / "cf-noop-ck",
                 rows=n,
                 available_now=True,
+                cpu=cpu,
             )
             rate_noop = run_to_noop(
                 "rate-micro-batch -> noop",
@@ -378,6 +489,7 @@ def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: li
                 root / "rate-noop-ck",
                 rows=n,
                 available_now=False,
+                cpu=cpu,
             )
             pairs.append((cf_noop, rate_noop))
         table(out, pairs)
@@ -392,6 +504,7 @@ def table(out: list[str], pairs: list[tuple[Run, Run]]) -> None:
     head = (
         f"{'run':<28}{'rows':>11}{'batches':>8}{'seconds':>9}{'changes/s':>12}"
         f"{'vs rate':>9}{'trigger p50':>13}{'p95 (ms)':>10}{'read':>7}{'write':>7}"
+        f"{'cpu µs/item: spark':>20}{'node':>7}"
     )
     say(out, head)
     say(out, "-" * len(head))
@@ -404,7 +517,8 @@ def table(out: list[str], pairs: list[tuple[Run, Run]]) -> None:
                 out,
                 f"{run.name:<28}{run.rows:>11,}{run.batches:>8}{run.seconds:>9.1f}"
                 f"{run.rate:>12,.0f}{ratio:>9.2f}{percentile(run.trigger_ms, 50):>13,.0f}"
-                f"{percentile(run.trigger_ms, 95):>10,.0f}{read:>7}{write:>7}",
+                f"{percentile(run.trigger_ms, 95):>10,.0f}{read:>7}{write:>7}"
+                f"{run.cpu_us(run.spark_cpu_s):>20.1f}{run.cpu_us(run.node_cpu_s):>7.1f}",
             )
     for run in (r for pair in pairs for r in pair):
         if run.note:
@@ -418,6 +532,27 @@ def table(out: list[str], pairs: list[tuple[Run, Run]]) -> None:
                 f"  {run.name}: s per batch: trigger [{trigger}], read (toArrow) [{read}], "
                 f"MirrorWriter.write [{writer}]",
             )
+            growth = write_growth(run)
+            if growth:
+                say(out, f"  {run.name}: {growth}")
+
+
+def write_growth(run: Run) -> str:
+    """``MirrorWriter.write`` of the first batch that found >= 1M rows in the mirror next to
+    the last batch's (the largest table); empty when no batch found 1M."""
+    held = 0
+    first: tuple[int, float] | None = None
+    for rows, seconds in zip(run.batch_rows, run.writer_s, strict=True):
+        if held >= 1_000_000 and first is None:
+            first = (held, seconds)
+        last = (held, seconds)
+        held += rows
+    if first is None or first == last:
+        return ""
+    return (
+        f"MirrorWriter.write with {first[0] / 1e6:.1f}M rows in the mirror {first[1]:.2f} s, "
+        f"with {last[0] / 1e6:.1f}M rows {last[1]:.2f} s ({last[1] / first[1]:.2f}x)"
+    )
 
 
 class LatencyProbe:
@@ -438,60 +573,103 @@ class LatencyProbe:
 
 
 def bench_latency(spark: Any, args: argparse.Namespace, work: Path, out: list[str]) -> None:
-    """End-to-end latency write -> visible in the mirror, under a steady write rate."""
+    """End-to-end latency write -> committed by the sink, under a steady write rate."""
     root = work / "latency"
     root.mkdir()
     node = start_node(root)
+    cpu = CpuMeter(node.pid)
     try:
-        say(out, f"\n## latency: {args.latency_rate:,} changes/s for {args.latency_s:.0f} s")
+        say(
+            out,
+            f"\n## latency: {args.latency_rate:,} changes/s for {args.latency_s:.0f} s, "
+            f"trigger processingTime {args.latency_trigger!r}",
+        )
         asyncio.run(_load(node.port, 10_000))  # a mirror to merge into
-        rows = [("changefeed -> mirror", changefeed_df(spark, node, args.max_offsets), True)]
+        options = node.source_options()
+        rows: list[tuple[str, Any, bool, Callable[[Path], Any]]] = [
+            (
+                "changefeed -> mirror",
+                changefeed_df(spark, node, args.max_offsets),
+                True,
+                lambda at: MirrorWriter(at / "tables", options),
+            ),
+            ("changefeed -> foreachBatch", changefeed_df(spark, node, args.max_offsets), True,
+             lambda at: None),
+        ]  # fmt: skip
         raw = (
             spark.readStream.format("rate")
             .option("rowsPerSecond", args.latency_rate)
             .option("numPartitions", 2)
             .load()
         )
-        rows.append(("rate -> mirror", as_change_rows(raw), False))
+        rows.append(
+            ("rate -> mirror", as_change_rows(raw), False,
+             lambda at: MirrorWriter(at / "tables", options))
+        )  # fmt: skip
         head = f"{'run':<28}{'batches':>8}{'trigger p50':>13}{'p95 (ms)':>10}"
         head += f"{'e2e p50':>10}{'p95 (s)':>9}{'changes':>10}{'per s':>9}"
+        head += f"{'cpu µs/item: spark':>20}{'node':>7}{'write p50 (ms)':>16}"
         results = []
-        for name, df, writes in rows:
+        for i, (name, df, writes, make_writer) in enumerate(rows):
             probe = LatencyProbe()
-            trigger_ms = _latency_query(df, root / name[:4], node, probe, writes, args)
-            results.append((name, trigger_ms, probe.seconds))
+            at = root / f"q{i}"
+            used_before = cpu.sample()
+            trigger_ms, write_s = _latency_query(df, at, make_writer(at), probe, node, writes, args)
+            used = [after - before for after, before in zip(cpu.sample(), used_before, strict=True)]
+            results.append((name, trigger_ms, probe.seconds, used, write_s))
         say(out, "")
         say(out, head)
         say(out, "-" * len(head))
-        for name, trigger_ms, seconds in results:
+        for name, trigger_ms, seconds, (spark_s, node_s), write_s in results:
+            per_item = 1e6 / len(seconds) if seconds else float("nan")
             say(
                 out,
                 f"{name:<28}{len(trigger_ms):>8}{percentile(trigger_ms, 50):>13,.0f}"
                 f"{percentile(trigger_ms, 95):>10,.0f}{percentile(seconds, 50):>10.2f}"
                 f"{percentile(seconds, 95):>9.2f}{len(seconds):>10,}"
-                f"{len(seconds) / args.latency_s:>9,.0f}",
+                f"{len(seconds) / args.latency_s:>9,.0f}"
+                f"{spark_s * per_item:>20.1f}{node_s * per_item:>7.1f}"
+                f"{percentile(write_s, 50) * 1000 if write_s else float('nan'):>16,.0f}",
             )
+        say(out, "  cpu µs/item here: the whole query's CPU (polling and per-batch cost included)")
+        say(out, "  write p50: MirrorWriter.write per batch (changelog and mirror commits)")
     finally:
         node.stop(check=False)
         shutil.rmtree(root, ignore_errors=True)
 
 
+class BareSink:
+    """``foreachBatch`` callable that only runs the batch (``toArrow``): the source's share of
+    the latency, without the Delta commits."""
+
+    def __init__(self, on_batch: Callable[[pa.Table, float], None]) -> None:
+        self.on_batch = on_batch
+        self.batches = 0
+
+    def __call__(self, batch_df: Any, batch_id: int) -> None:
+        table = batch_df.toArrow()
+        self.batches += 1
+        self.on_batch(table, time.time())
+
+
 def _latency_query(
     df: Any,
     root: Path,
-    node: NodeProcess,
+    mirror: MirrorWriter | None,
     probe: LatencyProbe,
+    node: NodeProcess,
     writes: bool,
     args: argparse.Namespace,
-) -> list[float]:
-    """Run ``df`` into a mirror with the default trigger; measure the changes written in a
-    window of ``args.latency_s`` after a warm-up (the steady writer runs then, if ``writes``),
-    until they reached the mirror; returns triggerExecution ms of the batches meanwhile."""
-    writer = TimedWriter(MirrorWriter(root / "tables", node.source_options()), probe)
+) -> tuple[list[float], list[float]]:
+    """Run ``df`` into ``mirror`` (None: a bare foreachBatch) with a short trigger; measure the
+    changes written in a window of ``args.latency_s`` after a warm-up (the steady writer runs
+    then, if ``writes``), until they reached the sink; returns triggerExecution ms and
+    ``MirrorWriter.write`` seconds (none for the bare sink) of the batches meanwhile."""
+    sink: TimedWriter | BareSink = BareSink(probe) if mirror is None else TimedWriter(mirror, probe)
     query = (
-        df.writeStream.foreachBatch(writer)
+        df.writeStream.foreachBatch(sink)
         .option("checkpointLocation", str(root / "ck"))
-        .trigger(processingTime="0 seconds")
+        .trigger(processingTime=args.latency_trigger)
         .start()
     )
     stop = threading.Event()
@@ -501,11 +679,12 @@ def _latency_query(
     )
     try:
         deadline = time.monotonic() + 120
-        while writer.batches < 1:  # past the first batch's Python worker start-up; bounded
+        while sink.batches < 1:  # past the first batch's Python worker start-up; bounded
             assert query.exception() is None, query.exception()
             assert time.monotonic() < deadline, "no batch in 120 s"
             time.sleep(0.05)
         seen = len(query.recentProgress)
+        seen_writes = len(sink.writer_s) if isinstance(sink, TimedWriter) else 0
         opened = time.time()
         probe.window = (opened, float("inf"))
         if writes:
@@ -515,13 +694,15 @@ def _latency_query(
         stop.set()
         if writes:
             thread.join(60)
-        time.sleep(LATENCY_DRAIN_S)  # the window's last changes reach the mirror
+        time.sleep(LATENCY_DRAIN_S)  # the window's last changes reach the sink
         assert query.exception() is None, query.exception()
         progress = query.recentProgress[seen:]
     finally:
         stop.set()
         query.stop()
-    return [float(p["durationMs"]["triggerExecution"]) for p in progress if p["numInputRows"]]
+    trigger_ms = [float(p["durationMs"]["triggerExecution"]) for p in progress if p["numInputRows"]]
+    write_s = sink.writer_s[seen_writes:] if isinstance(sink, TimedWriter) else []
+    return trigger_ms, write_s
 
 
 async def _steady_writes(port: int, rate: int, stop: threading.Event) -> None:
@@ -543,6 +724,152 @@ async def _steady_writes(port: int, rate: int, stop: threading.Event) -> None:
 # -- main --------------------------------------------------------------------------------------
 
 
+def synthetic_changes(first: int, last: int, seqno_base: int = 0) -> pa.Table:
+    """Change rows (mutations) of keys ``key_of(first..last-1)``, 100-byte values."""
+    import numpy as np
+
+    from changefeed.spark.schema import ARROW_SCHEMA
+
+    n = np.arange(first, last, dtype=np.int64)
+    count = last - first
+    keys = pa.array([key_of(i) for i in range(first, last)], pa.binary()).cast(pa.string())
+    return pa.table(
+        {
+            "vbucket": pa.array((n * 2654435761 % VBUCKETS).astype(np.int32)),
+            "seqno": pa.array(n + 1 + seqno_base),
+            "key": keys,
+            "value": pa.array([value_of(i) for i in range(first, last)], pa.binary()),
+            "op": pa.array(["mutation"] * count, pa.string()),
+            "cas": pa.array(n + 1 + seqno_base),
+            "expiry": pa.array(np.zeros(count, np.int32)),
+            "flags": pa.array(np.zeros(count, np.int32)),
+            "rev_seqno": pa.array(np.ones(count, np.int64)),
+            "snap_start": pa.array(n + 1 + seqno_base),
+            "snap_end": pa.array(n + 1 + seqno_base),
+        },
+        schema=ARROW_SCHEMA,
+    )
+
+
+def bench_writer(total: int, args: argparse.Namespace, work: Path, out: list[str]) -> None:
+    """``MirrorWriter.write`` alone (see the module docstring, *writer only*)."""
+    step = args.max_offsets
+    writer = MirrorWriter(work / "writer-only", {"cluster": "127.0.0.1:1"})  # no rollback rows
+    say(out, f"\n## MirrorWriter.write alone: {step:,} new keys a batch up to {total:,} rows")
+    say(out, f"{'rows in mirror':>15}{'batch':>10}{'seconds':>9}")
+    batch_id = 0
+    for first in range(0, total, step):
+        changes = synthetic_changes(first, min(first + step, total))
+        started = time.perf_counter()
+        writer.write(changes, batch_id)
+        say(out, f"{first:>15,}{changes.num_rows:>10,}{time.perf_counter() - started:>9.2f}")
+        batch_id += 1
+    rng = random.Random(total)
+    for name, picks in (
+        ("random updates", sorted(rng.sample(range(total), min(100_000, total)))),
+        ("updates in few vbuckets", list(range(0, total, max(1, total // 50)))),
+    ):
+        everything = synthetic_changes(0, total, seqno_base=10 * total * (batch_id + 1))
+        changes = everything.take(pa.array(picks))
+        started = time.perf_counter()
+        writer.write(changes, batch_id)
+        elapsed = time.perf_counter() - started
+        say(out, f"{total:>15,}{changes.num_rows:>10,}{elapsed:>9.2f}  {name}")
+        batch_id += 1
+    assert read_mirror(work / "writer-only").num_rows == total
+
+
+TYPED_FIELDS = 10
+TYPED_DDL = (
+    "id bigint, amount double, qty bigint, status string, customer string, city string, "
+    "paid boolean, score double, created string, note string"
+)
+
+
+def typed_document(n: int) -> bytes:
+    """A JSON document of ``TYPED_FIELDS`` fields (~200 bytes): numbers, strings, a boolean."""
+    return (
+        b'{"id":%d,"amount":%d.%02d,"qty":%d,"status":"%s","customer":"customer-%07d",'
+        b'"city":"city-%03d","paid":%s,"score":%d.5,"created":"2026-11-%02dT10:00:00Z",'
+        b'"note":"order %d of a steady stream"}'
+        % (n, n % 10_000, n % 100, n % 17, (b"new", b"paid", b"shipped")[n % 3], n % 1_000_000,
+           n % 500, (b"true", b"false")[n % 2], n % 1000, n % 28 + 1, n)
+    )  # fmt: skip
+
+
+async def _load_typed(port: int, count: int) -> None:
+    async def one(first: int, last: int) -> None:
+        async with await KvClient.connect("127.0.0.1", port) as kv:
+            for start in range(first, last, WINDOW):
+                end = min(start + WINDOW, last)
+                await _upsert(kv, [(key_of(n), typed_document(n)) for n in range(start, end)])
+
+    bounds = [count * i // LOADERS for i in range(LOADERS + 1)]
+    await asyncio.gather(*(one(bounds[i], bounds[i + 1]) for i in range(LOADERS)))
+
+
+def bench_typed(n: int, work: Path, out: list[str]) -> None:
+    """Typed columns from the node (``spark.read.format("changefeed")``, the documents parsed
+    in the reader) next to Spark's JSON reader over the same documents as JSON lines, both
+    into the noop sink, in one session; best of ``TYPED_RUNS`` each (the first pays worker
+    start-up). With the schema given to both, and with inference (changefeed: sample of 100
+    per vbucket; Spark: a full pass over the file)."""
+    from changefeed.spark.session import local_session
+
+    when = time.strftime("%Y-%m-%d %H:%M:%S")
+    say(out, f"# bench_spark --typed {n}: {when} {platform.node()}; {os.cpu_count()} CPUs; "
+             f"local[2]; {VBUCKETS} vbuckets")  # fmt: skip
+    node = start_node(work / "node")
+    spark = local_session("bench-typed", driver_memory="4g")
+    try:
+        started = time.perf_counter()
+        asyncio.run(_load_typed(node.port, n))
+        lines = work / "docs.jsonl"
+        with open(lines, "wb") as handle:
+            for start in range(0, n, 100_000):
+                handle.write(
+                    b"".join(
+                        typed_document(i) + b"\n" for i in range(start, min(n, start + 100_000))
+                    )
+                )
+        loaded = time.perf_counter() - started
+        say(out, f"\n## typed columns: {n:,} JSON documents of {TYPED_FIELDS} fields "
+                 f"({lines.stat().st_size / n:.0f} bytes each; load {loaded:.0f} s)")  # fmt: skip
+        options = node.source_options(partitions="2")
+        runs: list[tuple[str, Callable[[], Any]]] = [
+            ("changefeed, schema given",
+             lambda: spark.read.format("changefeed").options(schema=TYPED_DDL, **options).load()),
+            ("spark.read.json, schema given",
+             lambda: spark.read.schema(TYPED_DDL).json(str(lines))),
+            ("changefeed, inferSchema",
+             lambda: spark.read.format("changefeed").options(**options).load()),
+            ("spark.read.json, inferred", lambda: spark.read.json(str(lines))),
+        ]  # fmt: skip
+        results: dict[str, float] = {}
+        for name, make in runs:
+            times = []
+            for _ in range(TYPED_RUNS):
+                begun = time.perf_counter()
+                df = make()
+                df.write.format("noop").mode("overwrite").save()
+                times.append(time.perf_counter() - begun)
+            results[name] = min(times)
+            say(out, f"  {name:<32} best {min(times):6.2f} s  ({n / min(times):>10,.0f} docs/s)"
+                     f"  runs {', '.join(f'{t:.2f}' for t in times)}")  # fmt: skip
+        for kind, peer in (("schema given", "schema given"), ("inferSchema", "inferred")):
+            ours = results[f"changefeed, {kind}"]
+            theirs = results[f"spark.read.json, {peer}"]
+            say(out, f"  ratio ({kind}): {theirs / ours:.2f}x spark.read.json (goal >= 0.8x)")
+        count = spark.read.format("changefeed").options(schema=TYPED_DDL, **options).load().count()
+        assert count == n, (count, n)
+    finally:
+        spark.stop()
+        node.stop(check=False)
+
+
+TYPED_RUNS = 2
+
+
 def say(out: list[str], line: str) -> None:
     print(line, flush=True)
     out.append(line)
@@ -553,10 +880,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="100k changes, short latency run")
     parser.add_argument("--sizes", default="1000000,5000000", help="changes per run, comma list")
     parser.add_argument("--max-offsets", type=int, default=500_000, help="maxOffsetsPerTrigger")
-    parser.add_argument("--latency-rate", type=int, default=20_000, help="changes/s written")
+    parser.add_argument("--latency-rate", type=int, default=2_000, help="changes/s written")
     parser.add_argument("--latency-s", type=float, default=30.0)
+    parser.add_argument(
+        "--latency-trigger", default="0 seconds", help="processingTime of the latency queries"
+    )
     parser.add_argument("--no-noop", action="store_true", help="skip the noop-sink rows")
     parser.add_argument("--no-latency", action="store_true")
+    parser.add_argument(
+        "--writer-only", type=int, default=0, help="only MirrorWriter.write, up to N rows"
+    )
+    parser.add_argument(
+        "--typed", type=int, default=0,
+        help="only typed-column reading of N JSON documents vs spark.read.json (appended)",
+    )  # fmt: skip
     parser.add_argument("--output", default="", help="default bench/results_spark.txt (full run)")
     args = parser.parse_args()
     if not args.output and not args.quick:
@@ -570,8 +907,26 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]  # "" runs the latency part only
     out: list[str] = []
+    if args.typed:
+        work = Path(tempfile.mkdtemp(prefix="bench-typed-"))
+        try:
+            bench_typed(args.typed, work, out)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            if args.output:
+                with open(args.output, "a") as handle:
+                    handle.write("\n" + "\n".join(out) + "\n")
+        return
+    if args.writer_only:
+        work = Path(tempfile.mkdtemp(prefix="bench-writer-"))
+        try:
+            say(out, f"# bench_spark {' '.join(sys.argv[1:])}")
+            bench_writer(args.writer_only, args, work, out)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     say(out, f"# bench_spark {' '.join(sys.argv[1:])}")
     say(out, f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {platform.node()} {platform.platform()}")
     say(out, f"# {os.cpu_count()} CPUs; python {platform.python_version()}; local[2]; "

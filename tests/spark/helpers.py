@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -223,6 +224,80 @@ def assert_mirror_matches(
         problem = diff(values_of(truth), live(model))
         assert not problem, f"store differs from the writer's model: {problem}"
     return mirror
+
+
+# -- typed documents (format=json) ---------------------------------------------------------------
+
+
+def expected_field(value: Any, arrow_type: pa.DataType) -> Any:
+    """What Spark's JSON reader makes of a JSON value for a field of ``arrow_type`` (the types
+    the tests use); raises TypeError where it finds the document malformed."""
+    if value is None:
+        return None
+    if pa.types.is_string(arrow_type):
+        return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    if pa.types.is_int64(arrow_type):
+        if type(value) is not int:
+            raise TypeError(value)
+        return value
+    if pa.types.is_float64(arrow_type):
+        if type(value) not in (int, float):
+            raise TypeError(value)
+        return float(value)
+    if pa.types.is_boolean(arrow_type):
+        if type(value) is not bool:
+            raise TypeError(value)
+        return value
+    if pa.types.is_list(arrow_type):
+        if not isinstance(value, list):
+            raise TypeError(value)
+        return [expected_field(v, arrow_type.value_type) for v in value]
+    assert pa.types.is_struct(arrow_type), arrow_type
+    if not isinstance(value, dict):
+        raise TypeError(value)
+    return {f.name: expected_field(value.get(f.name), f.type) for f in arrow_type}
+
+
+def expected_document(raw: bytes, fields: pa.Schema) -> dict[str, Any] | None:
+    """The typed row of a document (``json.loads`` and Spark's rules), None if malformed."""
+    try:
+        document = json.loads(raw)
+        if not isinstance(document, dict):
+            return None
+        return {f.name: expected_field(document.get(f.name), f.type) for f in fields}
+    except (ValueError, TypeError):
+        return None
+
+
+def typed_row(
+    doc: Doc, fields: pa.Schema, corrupt: str | None = "_corrupt_record"
+) -> dict[str, Any]:
+    """The mirror row (all but the key) a live document of the store must have become with
+    typed documents: its metadata, its fields, and its raw text if it is malformed."""
+    row: dict[str, Any] = {name: getattr(doc, name) for name in DOC_COLUMNS if name != "value"}
+    typed = expected_document(doc.value, fields)
+    row |= typed if typed is not None else dict.fromkeys(fields.names)
+    if corrupt is not None:
+        row[corrupt] = None if typed is not None else doc.value.decode("utf-8", "replace")
+    return row
+
+
+def assert_typed_mirror_matches(path: Path, node: NodeProcess) -> pa.Table:
+    """The mirror table of typed documents equals the store on every column: metadata
+    (vbucket, seqno, cas, flags, expiry, rev_seqno), each document field, the corrupt record,
+    and holds exactly the store's live keys."""
+    table = read_mirror(path)
+    fields = pa.schema(
+        [f for f in table.schema if f.name not in MIRROR_COLUMNS and f.name != "_corrupt_record"]
+    )
+    corrupt = "_corrupt_record" if "_corrupt_record" in table.column_names else None
+    keys = table.column("key").to_pylist()
+    assert len(set(keys)) == len(keys), "the mirror holds a key twice"
+    got = {r.pop("key"): r for r in table.to_pylist()}
+    want = {key: typed_row(doc, fields, corrupt) for key, doc in store_state(node).items()}
+    problem = diff(got, want)
+    assert not problem, f"mirror differs from the store: {problem}"
+    return table
 
 
 def changelog(path: Path) -> pa.Table:

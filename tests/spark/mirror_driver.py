@@ -84,7 +84,12 @@ def main() -> int:
     from changefeed.spark.session import local_session
 
     spark = local_session("changefeed-mirror-driver", master=args.master)
-    options = {"cluster": args.cluster, "failOnDataLoss": args.fail_on_data_loss}
+    # The workload's values are not JSON: the documents stay bytes (and are compared as such).
+    options = {
+        "cluster": args.cluster,
+        "failOnDataLoss": args.fail_on_data_loss,
+        "format": "binary",
+    }
     if args.max_offsets:
         options["maxOffsetsPerTrigger"] = str(args.max_offsets)
     query = (

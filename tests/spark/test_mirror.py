@@ -9,17 +9,22 @@ remembers those) — and rows after the rollback row win over the re-read.
 
 from __future__ import annotations
 
+import logging
+import random
+import re
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from deltalake import DeltaTable
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from changefeed.cli.node_process import NodeProcess
 from changefeed.spark import ARROW_SCHEMA, MirrorWriter, read_mirror
-from changefeed.spark.mirror import APP_ID
+from changefeed.spark import mirror as mirror_module
+from changefeed.spark.key_index import KeyIndex
+from changefeed.spark.mirror import APP_ID, MIRROR_COLUMNS, MirrorLayoutError, repartition_mirror
 from changefeed.spark.node_state import fetch_latest_sync
 from changefeed.spark.offsets import Offsets, VbOffset
 from changefeed.spark.options import SourceOptions
@@ -335,3 +340,142 @@ def test_after_a_rollback_the_mirror_holds_the_stores_metadata(
     rollbacks = log.filter(pc.equal(log.column("op"), "rollback"))
     assert rollbacks.num_rows > 0, "the second batch read a diverged history without a rollback"
     assert_mirror_matches(path, node, model)
+
+
+# -- layout: vbucket partitions, appends of new keys, merges of the rest, compaction -------------
+
+
+def operations(path: Path) -> list[tuple[str, str]]:
+    """(operation, merge predicate) of the mirror's commits, oldest first."""
+    history = DeltaTable(str(path / "mirror")).history()
+    return [
+        (h["operation"], h.get("operationParameters", {}).get("mergePredicate", ""))
+        for h in reversed(history)
+    ]
+
+
+def test_new_keys_are_appended_and_a_merge_scans_only_their_vbuckets(tmp_path: Path) -> None:
+    writer = MirrorWriter(tmp_path, NO_NODE)
+    first = [change(i + 1, f"a{i}", b"v1") for i in range(40)]
+    writer.write(batch(*first), 0)
+    writer.write(batch(*(change(100 + i, f"b{i}", b"v1") for i in range(40))), 1)
+    writer.write(
+        batch(change(200, "b3", b"v2"), change(201, "a7", None), change(202, "c", b"v")), 2
+    )
+    table = DeltaTable(str(tmp_path / "mirror"))
+    assert table.metadata().partition_columns == ["vbucket"]
+    ops = operations(tmp_path)
+    assert [op for op, _ in ops] == ["WRITE", "WRITE", "MERGE"], ops
+    pruning, _, join = ops[2][1].partition(" AND t.vbucket = s.vbucket")
+    assert join == " AND t.key = s.key", ops[2]
+    named = {int(n) for n in re.findall(r"\d+", pruning)}
+    assert named == {vb("b3"), vb("a7")}, (ops[2], "only the vbuckets of keys the mirror held")
+    want = {f"a{i}": b"v1" for i in range(40) if i != 7} | {f"b{i}": b"v1" for i in range(40)}
+    assert mirror(tmp_path) == want | {"b3": b"v2", "c": b"v"}
+
+
+def test_many_changes_of_a_key_in_one_batch_leave_its_newest(tmp_path: Path) -> None:
+    writer = MirrorWriter(tmp_path, NO_NODE)
+    writer.write(batch(change(1, "a", b"a1"), change(2, "gone", b"g1")), 0)
+    writer.write(
+        batch(
+            change(3, "a", b"a2"), change(4, "gone", None), change(5, "a", b"a3"),
+            change(6, "new", b"n1"), change(7, "new", None), change(8, "new", b"n2"),
+            change(9, "brief", b"b1"), change(10, "brief", None, op="expiration"),
+        ),
+        1,
+    )  # fmt: skip
+    assert mirror(tmp_path) == {"a": b"a3", "new": b"n2"}
+    assert mirror_seqnos(tmp_path) == {"a": 5, "new": 8}
+
+
+def test_keys_another_writer_added_are_merged_not_added_twice(tmp_path: Path) -> None:
+    writer = MirrorWriter(tmp_path, NO_NODE)
+    writer.write(batch(change(1, "a", b"a1")), 0)
+    other = MirrorWriter(tmp_path, NO_NODE, app_id="someone-else")
+    other.write(batch(change(1, "x", b"x-other"), change(2, "y", b"y-other")), 0)
+    writer.write(batch(change(2, "x", b"x-ours"), change(3, "z", b"z1")), 1)  # the index is stale
+    assert mirror(tmp_path) == {"a": b"a1", "x": b"x-ours", "y": b"y-other", "z": b"z1"}
+
+
+def unpartitioned_mirror(path: Path, rows: list[dict[str, Any]], batch_id: int) -> None:
+    """Tables as an older writer left them: changelog and an unpartitioned mirror."""
+    changes = batch(*rows)
+    logged = changes.append_column("batch_id", pa.array([batch_id] * len(rows), pa.int64()))
+    txn = CommitProperties(app_transactions=[Transaction(APP_ID, batch_id)])
+    write_deltalake(str(path / "changelog"), logged, commit_properties=txn)
+    documents = changes.select(list(MIRROR_COLUMNS))
+    write_deltalake(str(path / "mirror"), documents, commit_properties=txn)
+
+
+def test_an_unpartitioned_mirror_stays_correct_and_can_be_partitioned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    unpartitioned_mirror(tmp_path, [change(i + 1, f"k{i}", b"old") for i in range(30)], 0)
+    writer = MirrorWriter(tmp_path, NO_NODE)
+    with caplog.at_level(logging.WARNING, logger="changefeed.mirror"):
+        writer.write(
+            batch(change(40, "k1", b"new"), change(41, "k2", None), change(42, "n", b"n")), 1
+        )
+        writer.write(batch(change(43, "m", b"m")), 2)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert str(tmp_path / "mirror") in warned[0]
+    assert "repartition_mirror" in warned[0]
+    want = {f"k{i}": b"old" for i in range(30) if i != 2} | {"k1": b"new", "n": b"n", "m": b"m"}
+    assert mirror(tmp_path) == want
+    assert DeltaTable(str(tmp_path / "mirror")).metadata().partition_columns == []
+
+    assert repartition_mirror(tmp_path) is True
+    assert repartition_mirror(tmp_path) is False
+    assert DeltaTable(str(tmp_path / "mirror")).metadata().partition_columns == ["vbucket"]
+    assert mirror(tmp_path) == want
+    assert versions(tmp_path) == (2, 2)
+    writer.write(batch(change(43, "m", b"replayed")), 2)  # a replay: still skipped
+    writer.write(batch(change(44, "k3", b"again"), change(45, "p", b"p")), 3)
+    assert mirror(tmp_path) == want | {"k3": b"again", "p": b"p"}
+
+
+def test_a_mirror_partitioned_otherwise_is_refused(tmp_path: Path) -> None:
+    documents = batch(change(1, "a", b"a")).select(list(MIRROR_COLUMNS))
+    write_deltalake(str(tmp_path / "mirror"), documents, partition_by=["flags"])
+    writer = MirrorWriter(tmp_path, NO_NODE)
+    with pytest.raises(MirrorLayoutError, match=str(tmp_path / "mirror")):
+        writer.write(batch(change(2, "b", b"b")), 0)
+    with pytest.raises(MirrorLayoutError):
+        repartition_mirror(tmp_path)
+
+
+def test_small_files_are_compacted_and_the_index_survives_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rng: random.Random
+) -> None:
+    monkeypatch.setattr(mirror_module, "PARTITION_SMALL_FILES_MAX", 3)
+    monkeypatch.setattr(mirror_module, "COMPACTIONS_PER_BATCH_MAX", 4)
+    builds = []
+    real_of_table = KeyIndex.of_table
+    monkeypatch.setattr(
+        KeyIndex, "of_table", classmethod(lambda cls, t: builds.append(1) or real_of_table(t))
+    )
+    writer = MirrorWriter(tmp_path, NO_NODE)
+    model: dict[str, bytes] = {}
+    seqno = 0
+    for batch_id in range(30):
+        rows = []
+        for _ in range(20):
+            seqno += 1
+            key = f"k{rng.randrange(200)}" if batch_id % 3 == 0 else f"n{seqno}"
+            value = None if rng.random() < 0.1 else f"{key}@{seqno}".encode()
+            rows.append(change(seqno, key, value))
+            if value is None:
+                model.pop(key, None)
+            else:
+                model[key] = value
+        writer.write(batch(*rows), batch_id)
+    assert mirror(tmp_path) == model
+    table = DeltaTable(str(tmp_path / "mirror"))
+    files = pa.table(table.get_add_actions(flatten=True))
+    per_partition = files.group_by(["partition.vbucket"]).aggregate([("path", "count")])
+    assert max(per_partition.column("path_count").to_pylist()) <= 3 + VBUCKETS // 4 + 2
+    assert "OPTIMIZE" in {op for op, _ in operations(tmp_path)}
+    assert builds == [], "a compaction made the writer re-read the table's keys"
+    assert versions(tmp_path) == (29, 29)

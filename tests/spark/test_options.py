@@ -92,3 +92,20 @@ def test_starting_offsets_errors_name_the_option(raw: str) -> None:
 
 def test_option_error_is_a_value_error() -> None:
     assert issubclass(OptionError, ValueError)
+
+
+def test_document_options() -> None:
+    default = SourceOptions.parse({})
+    assert (default.format, default.mode, default.infer_schema) == ("json", "PERMISSIVE", True)
+    given = SourceOptions.parse({"schema": "a int", "MODE": "failfast", "format": "JSON"})
+    assert (given.format, given.mode, given.infer_schema) == ("json", "FAILFAST", False)
+    assert given.schema == "a int" and given.documents_as_json
+    assert not SourceOptions.parse({"format": "binary"}).documents_as_json
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"), [("format", "xml"), ("mode", "lenient"), ("inferSchema", "maybe")]
+)
+def test_document_option_errors_name_the_option(name: str, raw: str) -> None:
+    with pytest.raises(OptionError, match=f"option {name.lower()}"):
+        SourceOptions.parse({name: raw})

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from changefeed import limits
 from changefeed.cli.node_process import NodeProcess
 from changefeed.spark.node_state import fetch_latest_sync
 from changefeed.spark.offsets import VbOffset
@@ -97,3 +98,29 @@ def test_rollback_to_zero_obeys_fail_on_data_loss(nodes: NodeFactory) -> None:
     assert sorted(rollbacks.column("vbucket").to_pylist()) == sorted(latest)
     assert set(rollbacks.column("seqno").to_pylist()) == {0}
     assert table.num_rows - rollbacks.num_rows == sum(o.seqno for o in latest.values())
+
+
+@pytest.mark.timeout(120)
+def test_batches_are_bounded_and_of_the_exact_schema(
+    nodes: NodeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Record batches leave ``read_ranges`` once ``ROWS_PER_BATCH_MAX`` rows are collected
+    (a batch may go over by one ``Changes`` event), each of exactly the change-row schema
+    Spark checks, and together they hold every change once, in seqno order per vbucket."""
+    node = nodes(vbuckets=4, args=FAST_NODE)
+    unique_keys(node, 6000, "b")
+    latest, _ = fetch_latest_sync(SourceOptions.parse(node.source_options()))
+    monkeypatch.setattr(limits, "ROWS_PER_BATCH_MAX", 1000)
+    ranges = [VbRange(vb, VbOffset(), o.seqno, o.vb_uuid) for vb, o in latest.items()]
+    options = SourceOptions.parse(node.source_options())
+    batches = list(read_ranges_sync(options, ranges))
+    sizes = [b.num_rows for b in batches]
+    assert len(batches) >= 2, sizes
+    assert all(isinstance(b, pa.RecordBatch) for b in batches)
+    assert all(b.schema == ARROW_SCHEMA for b in batches)
+    assert all(size >= 1000 for size in sizes[:-1]), sizes  # handed on once the bound is met
+    assert sum(sizes) == sum(o.seqno for o in latest.values()), sizes
+    table = pa.Table.from_batches(batches, ARROW_SCHEMA)
+    for vb, o in latest.items():
+        rows = table.filter(pc.equal(table.column("vbucket"), vb))
+        assert rows.column("seqno").to_pylist() == list(range(1, o.seqno + 1))

@@ -21,6 +21,7 @@ The node set-up sits behind ``DemoCluster`` so a multi-node variant only changes
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import statistics
 import tempfile
@@ -170,13 +171,16 @@ def check_mirror(mirror_table: Any, store: dict[bytes, Document]) -> MirrorCheck
     """Compare the mirror (an Arrow table of ``read_mirror``) with ``store`` on every column.
 
     The mirror's flags and expiry are the wire's u32 narrowed to int32 (change_rows.py); they
-    are widened back here, so differences print as the node has them.
+    are widened back here, so differences print as the node has them. A mirror of typed
+    documents (``format=json``) has the document's fields instead of ``value``: each is
+    compared with the field of the stored JSON document (null where it has none).
     """
     keys = [k.encode("utf-8", "surrogateescape") for k in mirror_table.column("key").to_pylist()]
-    columns = [mirror_table.column(name).to_pylist() for name in CHECKED_COLUMNS]
+    names = _checked_columns(mirror_table.column_names)
+    columns = [mirror_table.column(name).to_pylist() for name in names]
     if len(set(keys)) != len(keys):
         raise click.ClickException("the mirror holds a key twice")
-    mirror = {key: _widened(row) for key, *row in zip(keys, *columns, strict=True)}
+    mirror = {key: _widened(row, names) for key, *row in zip(keys, *columns, strict=True)}
     check = MirrorCheck()
     for key, doc in sorted(store.items()):
         if doc.deleted:
@@ -189,10 +193,10 @@ def check_mirror(mirror_table: Any, store: dict[bytes, Document]) -> MirrorCheck
         if held is None:
             check.missing.append(key)
             continue
-        want = (doc.vbucket, doc.seqno, doc.value, doc.cas, doc.flags, doc.expiry, doc.rev_seqno)
+        want = _stored(doc, names)
         differ = [
             (name, got, wanted)
-            for name, got, wanted in zip(CHECKED_COLUMNS, held, want, strict=True)
+            for name, got, wanted in zip(names, held, want, strict=True)
             if got != wanted
         ]
         if differ:
@@ -202,11 +206,32 @@ def check_mirror(mirror_table: Any, store: dict[bytes, Document]) -> MirrorCheck
     return check
 
 
-def _widened(row: list[Any]) -> tuple[Any, ...]:
-    values = dict(zip(CHECKED_COLUMNS, row, strict=True))
+def _checked_columns(mirror_columns: list[str]) -> tuple[str, ...]:
+    """CHECKED_COLUMNS, with a typed mirror's document fields in place of ``value``."""
+    if "value" in mirror_columns:
+        return CHECKED_COLUMNS
+    fields = [n for n in mirror_columns if n not in ("key", *CHECKED_COLUMNS)]
+    return (*(c for c in CHECKED_COLUMNS if c != "value"), *fields)
+
+
+def _stored(doc: Document, names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The store's values of ``names`` for a live document (typed fields from its JSON)."""
+    meta = {"vbucket": doc.vbucket, "seqno": doc.seqno, "value": doc.value, "cas": doc.cas,
+            "flags": doc.flags, "expiry": doc.expiry, "rev_seqno": doc.rev_seqno}  # fmt: skip
+    if "value" not in names:
+        try:
+            fields = json.loads(doc.value)
+        except ValueError:
+            fields = {"_corrupt_record": doc.value.decode("utf-8", "replace")}
+        meta |= {n: fields.get(n) for n in names if n not in meta}
+    return tuple(meta[name] for name in names)
+
+
+def _widened(row: list[Any], names: tuple[str, ...]) -> tuple[Any, ...]:
+    values = dict(zip(names, row, strict=True))
     values["flags"] &= U32_MASK
     values["expiry"] &= U32_MASK
-    return tuple(values[name] for name in CHECKED_COLUMNS)
+    return tuple(values[name] for name in names)
 
 
 def check_read_back(read: dict[bytes, GetResult], store: dict[bytes, Document]) -> list[str]:
@@ -336,7 +361,9 @@ def _verify_and_report(console: Console, read: dict[bytes, GetResult],
         for line in problems[:DIFF_EXAMPLES_MAX]:
             console.print(escape(f"  {line}"))
         raise click.ClickException(f"KV read-back != store (DCP): {len(problems)} keys differ")
-    check = check_mirror(read_mirror(tables), store)
+    mirror_table = read_mirror(tables)
+    mirror_columns = mirror_table.column_names
+    check = check_mirror(mirror_table, store)
     if not check.ok:
         print_differences(console, check)
         raise click.ClickException(f"mirror != store: {check.summary()}")
@@ -355,7 +382,8 @@ def _verify_and_report(console: Console, read: dict[bytes, GetResult],
     table.add_row("expired documents", f"{len(load.expiring):,}")
     table.add_row(
         "verified",
-        f"mirror == store on all columns ({', '.join(('key', *CHECKED_COLUMNS))}, deletion): "
+        f"mirror == store on all columns (key, {', '.join(_checked_columns(mirror_columns))}, "
+        "deletion): "
         f"{check.live:,} live keys, {check.deleted:,} deleted, 0 differences",
     )
     table.add_row("tables", f"{tables}/changelog, {tables}/mirror (Delta)")

@@ -6,8 +6,10 @@ import click
 
 from changefeed import __version__
 from changefeed.cli.client_commands import load, stats, stream
+from changefeed.cli.cluster import cluster
 from changefeed.cli.compact import compact
 from changefeed.cli.demo import demo
+from changefeed.cli.mirror import mirror
 from changefeed.cli.serve import serve, user
 
 
@@ -30,6 +32,8 @@ cli.add_command(load)
 cli.add_command(stream)
 cli.add_command(stats)
 cli.add_command(compact)
+cli.add_command(mirror)
+cli.add_command(cluster)
 
 
 def main() -> None:

@@ -10,6 +10,39 @@ Exactly once: Spark may run a batch again after a crash (at-least-once ``foreach
 table records the batch id as a Delta app transaction in the same commit as the data, and a
 batch whose id is not newer than the recorded one is skipped (spark-python-datasource.md §5).
 
+The mirror is partitioned by ``vbucket``. A batch is first reduced to each key's final change
+(``merge_source.py``: newest seqno wins, deletions included). Then:
+
+- if no key of the batch is in the mirror (``key_index.py``: hashes of the mirror's keys kept
+  in memory, checked against the table version), its live rows are appended: the cost does not
+  depend on the table's size, and most batches of a change stream create keys;
+- otherwise a delta-rs merge on ``(vbucket, key)`` whose predicate names the vbuckets holding
+  the batch's existing keys (``t.vbucket IN (...)``), so only those partitions are scanned and
+  rewritten. Without it, a streamed merge reads every file of the target.
+
+Either way the data and the batch id go in one commit. Each batch that touches a vbucket adds a
+file to its partition, so partitions that gathered ``PARTITION_SMALL_FILES_MAX`` small files are
+compacted (at most ``COMPACTIONS_PER_BATCH_MAX`` a batch; a compaction changes no rows and
+carries no batch id). One query writes a mirror at a time: the key index assumes that nobody
+else inserts keys between its check and the commit (another writer's commit only makes it
+rebuild), and Delta's conflict check does not stop two blind appends of the same key.
+
+Readers: deltalake, DuckDB, polars and ``read_mirror`` see the ``vbucket`` column as usual. The
+data files of a partitioned Delta table do not hold it (it is in the file's directory), so
+Spark, reading the file list, needs the table directory as ``basePath``:
+``spark.read.option("basePath", p).parquet(*DeltaTable(p).file_uris())``.
+
+Documents as typed columns (``format=json``): both tables take the batch's columns, the
+document's fields in place of ``value`` (``merge_source.mirror_schema``). A batch with a column
+the table lacks (a field added to the query's schema) is refused with ``SchemaEvolutionError``
+naming it, unless ``mergeSchema`` is set: then the column is added to the table (Delta schema
+merge), null in the rows written before. A table column the batch lacks is written as null; a
+column whose type changed is cast when that loses nothing, else refused, naming it.
+
+A mirror table written before the vbucket partitioning (unpartitioned) is still read and
+written correctly, with the same predicate, but each merge scans the whole table; the writer
+says so once in its log and ``repartition_mirror`` rewrites it. Any other layout is refused.
+
 Rollbacks: a ``rollback`` row for vbucket V at seqno R means every change of V after R is void.
 Rows of this batch after R (before the rollback row) are dropped; keys of V that the mirror holds
 with a seqno above R, and keys of V that an earlier batch changed above R (the changelog: a key
@@ -31,40 +64,72 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from changefeed.consumer import ClientConfig
-from changefeed.consumer.change_rows import CHANGE_ROW_SCHEMA, INT64_MAX, OP_MUTATION, OP_ROLLBACK
+from changefeed.consumer.change_rows import (
+    CHANGE_ROW_SCHEMA,
+    INT64_MAX,
+    OP_DELETION,
+    OP_MUTATION,
+    OP_ROLLBACK,
+)
 from changefeed.consumer.current_state import Document, read_current_state
+from changefeed.spark.documents import DocumentReader
+from changefeed.spark.key_index import KeyIndex, key_hashes
+from changefeed.spark.merge_source import (
+    DELETED,
+    HISTORY_SCHEMA,
+    MIRROR_COLUMNS,
+    MIRROR_SCHEMA,
+    latest_changes,
+    mirror_schema,
+    rollback_plan,
+    source_schema,
+)
 from changefeed.spark.options import SourceOptions
 
 log = logging.getLogger("changefeed.mirror")
 
-APP_ID = "changefeed-mirror"
-# A mirror row is a change row's document columns, key first (the merge key), taken from the
-# change-row schema so the types cannot drift; op and the snapshot range are the stream's, not
-# the document's.
-MIRROR_COLUMNS = ("key", "vbucket", "seqno", "value", "cas", "flags", "expiry", "rev_seqno")
-MIRROR_SCHEMA = pa.schema([CHANGE_ROW_SCHEMA.field(name) for name in MIRROR_COLUMNS])
-# The merge source: a mirror row, or a tombstone for a key to delete.
-SOURCE_SCHEMA = MIRROR_SCHEMA.append(pa.field("deleted", pa.bool_()))
-assert MIRROR_SCHEMA.names == list(MIRROR_COLUMNS), MIRROR_SCHEMA
-assert set(CHANGE_ROW_SCHEMA.names) - set(MIRROR_COLUMNS) == {"op", "snap_start", "snap_end"}
+APP_ID: Final = "changefeed-mirror"
+PARTITION_COLUMNS: Final = ["vbucket"]
+
+# Compaction. A batch adds one file to each partition it touches: 64 files for a 500k-row batch
+# over 64 vbuckets (~1 MB each), as many for a 1k-row batch of a steady stream (~2 KB each). A
+# partition with 16 files smaller than the target is compacted: that bounds a merge's scan of a
+# partition to ~16 opens beyond its large files, and a compaction rewrites ~16 small files (a
+# row is rewritten a few times until its file reaches the target). At most 8 partitions a
+# batch: when every partition fills at once (uniform keys), the work is spread over 8 batches.
+# Measured with 64 partitions of ~20 tiny files each: ~0.5 s to compact all of them at once.
+PARTITION_SMALL_FILES_MAX: Final = 16
+COMPACTIONS_PER_BATCH_MAX: Final = 8
+FILE_BYTES_TARGET: Final = 32 * 1024 * 1024
+
+__all__ = [
+    "APP_ID",
+    "MIRROR_COLUMNS",
+    "MIRROR_SCHEMA",
+    "MirrorLayoutError",
+    "MirrorWriter",
+    "SchemaEvolutionError",
+    "read_mirror",
+    "repartition_mirror",
+]
 
 
-@dataclass
-class _Change:
-    """The final change of one key in a batch: a row to upsert, or None to delete."""
+class MirrorLayoutError(RuntimeError):
+    """The mirror table is partitioned in a way this writer does not know; the message names it."""
 
-    vbucket: int
-    seqno: int
-    row: dict[str, Any] | None
+
+class SchemaEvolutionError(RuntimeError):
+    """A batch's columns do not fit a table's schema; the message names the field."""
 
 
 class MirrorWriter:
@@ -74,14 +139,29 @@ class MirrorWriter:
         path: directory holding both tables.
         options: the source's options (dict) — the node to re-read rolled-back keys from.
         app_id: the Delta app-transaction id; one per query writing these tables.
+        merge_schema: add a batch's new columns to the tables (default: option ``mergeSchema``
+            of ``options``, else false: a new column is refused).
     """
 
-    def __init__(self, path: str | Path, options: dict[str, str], app_id: str = APP_ID) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        options: dict[str, str],
+        app_id: str = APP_ID,
+        merge_schema: bool | None = None,
+    ) -> None:
         self.path = Path(path)
         self.options = dict(options)
         self.app_id = app_id
+        if merge_schema is None:
+            given = {k.lower(): v for k, v in self.options.items()}.get("mergeschema", "false")
+            merge_schema = given.lower() == "true"
+        self.merge_schema = merge_schema
         self.changelog_path = self.path / "changelog"
         self.mirror_path = self.path / "mirror"
+        self._tables: dict[Path, DeltaTable] = {}  # loaded once, then brought up to date
+        self._index: KeyIndex | None = None  # the mirror's keys, while its version matches
+        self._warned_unpartitioned = False
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
         self.write(batch_df.toArrow(), batch_id)
@@ -89,112 +169,201 @@ class MirrorWriter:
     def write(self, changes: pa.Table, batch_id: int) -> None:
         """Apply one micro-batch (Arrow table of change rows in stream order)."""
         self.path.mkdir(parents=True, exist_ok=True)
-        if not _done(self.changelog_path, self.app_id, batch_id):
-            log_rows = changes.append_column(
-                "batch_id", pa.array([batch_id] * changes.num_rows, pa.int64())
-            )
+        changelog = self._table(self.changelog_path)
+        if not _done(changelog, self.app_id, batch_id):
+            batch_ids = pa.array(np.full(changes.num_rows, batch_id, np.int64))
+            rows, evolve = self._conform(changes.append_column("batch_id", batch_ids), changelog)
             write_deltalake(
-                str(self.changelog_path),
-                log_rows,
+                changelog if changelog is not None else str(self.changelog_path),
+                rows,
                 mode="append",
+                schema_mode="merge" if evolve else None,
                 commit_properties=_txn(self.app_id, batch_id),
             )
-        if not _done(self.mirror_path, self.app_id, batch_id):
+        if not _done(self._table(self.mirror_path), self.app_id, batch_id):
             self._apply_mirror(changes, batch_id)
 
     def _apply_mirror(self, changes: pa.Table, batch_id: int) -> None:
-        if pc.any(pc.equal(changes.column("op"), OP_ROLLBACK)).as_py():
+        if pc.any(pc.equal(changes.column("op"), OP_ROLLBACK), min_count=0).as_py():
             source = self._source_with_rollbacks(changes, batch_id)
         else:
-            source = _source_without_rollbacks(changes)
-        if source.num_rows == 0 and DeltaTable.is_deltatable(str(self.mirror_path)):
-            _commit_empty(self.mirror_path, self.app_id, batch_id)
-            return
+            source = latest_changes(changes)
+        assert source.schema == source_schema(mirror_schema(changes.schema)), source.schema
+        live = pc.invert(source.column(DELETED))
+        hashes = key_hashes(source.column("key"))
         props = _txn(self.app_id, batch_id)
-        if not DeltaTable.is_deltatable(str(self.mirror_path)):
-            live = source.filter(pc.invert(source.column("deleted"))).drop_columns(["deleted"])
-            write_deltalake(str(self.mirror_path), live, mode="append", commit_properties=props)
+        table = self._table(self.mirror_path)
+        source, evolve = self._conform(source, table)
+        if table is None:
+            rows = source.filter(live).drop_columns([DELETED])
+            write_deltalake(
+                str(self.mirror_path), rows, mode="append", partition_by=PARTITION_COLUMNS,
+                commit_properties=props,
+            )  # fmt: skip
+            created = self._table(self.mirror_path)
+            assert created is not None, self.mirror_path
+            self._index = KeyIndex.empty(created.version())
+            self._index.add(hashes[live.to_numpy(zero_copy_only=False)], created.version())
             return
-        (
-            DeltaTable(str(self.mirror_path))
-            .merge(
-                source, "t.key = s.key", source_alias="s", target_alias="t", commit_properties=props
+        self._check_layout(table)
+        index = self._key_index(table)
+        held = index.may_hold(hashes)
+        if held.any():
+            vbuckets = np.unique(source.column("vbucket").to_numpy()[held]).tolist()
+            _merge(table, source, vbuckets, props, evolve)
+        else:  # no key of the batch is in the mirror: a merge would only insert
+            rows = source.filter(live).drop_columns([DELETED])
+            write_deltalake(
+                table, rows, mode="append", schema_mode="merge" if evolve else None,
+                commit_properties=props,
+            )  # fmt: skip
+        index.add(hashes[live.to_numpy(zero_copy_only=False) & ~held], table.version())
+        self._compact(table, index)
+
+    def _conform(self, rows: pa.Table, table: DeltaTable | None) -> tuple[pa.Table, bool]:
+        """``rows`` in ``table``'s columns (see the module docstring), and whether the table
+        must take new columns (``mergeSchema``).
+
+        Raises:
+            SchemaEvolutionError: a new column without ``mergeSchema``, or a type that changed.
+        """
+        if table is None:
+            return rows, False
+        have = pa.schema(table.schema().to_arrow())
+        new = [n for n in rows.column_names if n not in have.names and n != DELETED]
+        if new and not self.merge_schema:
+            raise SchemaEvolutionError(
+                f"{table.table_uri}: the batch has columns the table lacks: "
+                f"{', '.join(repr(n) for n in new)} (a field new in the query's schema). Set "
+                "option mergeSchema=true (changefeed mirror --merge-schema) to add them, or "
+                "leave them out of the schema."
             )
-            .when_matched_delete("s.deleted")
-            .when_matched_update_all("NOT s.deleted", except_cols=["deleted"])
-            .when_not_matched_insert_all("NOT s.deleted", except_cols=["deleted"])
-            .execute()
-        )
+        columns, fields = [], []
+        for field in have:
+            if field.name not in rows.column_names:  # dropped from the query's schema
+                columns.append(pa.nulls(rows.num_rows, field.type))
+                fields.append(field)
+                continue
+            column = rows.column(field.name)
+            if column.type != field.type:
+                try:
+                    column = column.cast(field.type, safe=True)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                    raise SchemaEvolutionError(
+                        f"{table.table_uri}: column {field.name!r} is {column.type} in the "
+                        f"batch but {field.type} in the table; declare it as {field.type} in "
+                        "the schema, or write to new tables"
+                    ) from None
+            columns.append(column)
+            fields.append(field.with_type(column.type))
+        for name in rows.column_names:
+            if name not in have.names:
+                columns.append(rows.column(name))
+                fields.append(rows.schema.field(name))
+        return pa.Table.from_arrays(columns, schema=pa.schema(fields)), bool(new)
+
+    def _table(self, path: Path) -> DeltaTable | None:
+        """The Delta table at ``path`` as of now, or None if there is none yet."""
+        table = self._tables.get(path)
+        if table is not None:
+            table.update_incremental()
+            return table
+        if not DeltaTable.is_deltatable(str(path)):
+            return None
+        table = self._tables[path] = DeltaTable(str(path))
+        return table
+
+    def _key_index(self, table: DeltaTable) -> KeyIndex:
+        if self._index is None or self._index.version != table.version():
+            started = time.perf_counter()
+            self._index = KeyIndex.of_table(table)
+            log.info(
+                "mirror %s at version %d: read %d keys in %.2f s", self.mirror_path,
+                table.version(), len(self._index), time.perf_counter() - started,
+            )  # fmt: skip
+        return self._index
+
+    def _check_layout(self, table: DeltaTable) -> None:
+        partitioning = list(table.metadata().partition_columns)
+        if partitioning == PARTITION_COLUMNS:
+            return
+        if partitioning:
+            raise MirrorLayoutError(
+                f"mirror table {self.mirror_path} is partitioned by {partitioning}; this writer "
+                f"writes mirrors partitioned by {PARTITION_COLUMNS} or not at all. Point the "
+                "query at another directory, or rewrite the table with repartition_mirror()."
+            )
+        if not self._warned_unpartitioned:
+            self._warned_unpartitioned = True
+            log.warning(
+                "mirror table %s is not partitioned by vbucket (written by an older changefeed):"
+                " it stays correct, but every merge reads the whole table. To partition it, stop"
+                " the query and run changefeed.spark.mirror.repartition_mirror(%r).",
+                self.mirror_path, str(self.path),
+            )  # fmt: skip
+
+    def _compact(self, table: DeltaTable, index: KeyIndex) -> None:
+        """Compact the partitions with the most small files, if any has too many."""
+        files = pa.table(table.get_add_actions(flatten=True))
+        small = files.filter(pc.less(files.column("size_bytes"), FILE_BYTES_TARGET))
+        partitioned = "partition.vbucket" in small.column_names
+        if not partitioned:
+            if small.num_rows <= PARTITION_SMALL_FILES_MAX:
+                return
+            table.optimize.compact(target_size=FILE_BYTES_TARGET)
+        else:
+            counts = small.group_by(["partition.vbucket"]).aggregate([("size_bytes", "count")])
+            crowded = counts.filter(
+                pc.greater(counts.column("size_bytes_count"), PARTITION_SMALL_FILES_MAX)
+            ).sort_by([("size_bytes_count", "descending")])
+            if crowded.num_rows == 0:
+                return
+            vbuckets = crowded.column("partition.vbucket")[:COMPACTIONS_PER_BATCH_MAX].to_pylist()
+            table.optimize.compact(
+                partition_filters=[("vbucket", "in", [str(vb) for vb in vbuckets])],
+                target_size=FILE_BYTES_TARGET,
+            )
+        index.version = table.version()  # compaction moves rows between files, keys stay
 
     def _source_with_rollbacks(self, changes: pa.Table, batch_id: int) -> pa.Table:
-        final = self._final_changes(changes, batch_id)
-        rows = [
-            {**c.row, "deleted": False} if c.row is not None else _tombstone(key, c.vbucket)
-            for key, c in final.items()
-        ]
-        return pa.Table.from_pylist(rows, schema=SOURCE_SCHEMA)
+        """The merge source of a batch holding rollback rows (see the module docstring)."""
+        rollbacks = changes.filter(pc.equal(changes.column("op"), OP_ROLLBACK))
+        vbuckets = pc.unique(rollbacks.column("vbucket")).to_pylist()
+        source, refetch = rollback_plan(changes, self._history(batch_id, vbuckets))
+        log.info(
+            "rollback of vbuckets %s (%d rollback rows): %d keys to re-read",
+            vbuckets, rollbacks.num_rows, len(refetch),
+        )  # fmt: skip
+        return pa.concat_tables([source, self._refetch(refetch, changes.schema)])
 
-    def _final_changes(self, changes: pa.Table, batch_id: int) -> dict[str, _Change]:
-        """Each key's last change in the batch, with rollbacks applied (see module docstring)."""
-        final: dict[str, _Change] = {}
-        refetch: dict[str, int] = {}  # key -> its vbucket, to re-read from the node
-        history: pa.Table | None = None  # read once per batch, at its first rollback row
-        rows = changes.to_pylist()
-        for row in rows:
-            if row["op"] == OP_ROLLBACK:
-                if history is None:
-                    history = self._history(batch_id)
-                self._rollback(final, refetch, history, row["vbucket"], row["seqno"])
-                continue
-            key = row["key"]
-            refetch.pop(key, None)
-            row_or_none = _mirror_row(row) if row["op"] == OP_MUTATION else None
-            final[key] = _Change(row["vbucket"], row["seqno"], row_or_none)
-        for key, change in self._refetch(refetch).items():
-            final[key] = change
-        return final
-
-    def _rollback(
-        self,
-        final: dict[str, _Change],
-        refetch: dict[str, int],
-        history: pa.Table,
-        vb: int,
-        seqno: int,
-    ) -> None:
-        for key in [k for k, c in final.items() if c.seqno > seqno and c.vbucket == vb]:
-            del final[key]
-            refetch[key] = vb
-        mask = pc.and_(
-            pc.equal(history.column("vbucket"), vb), pc.greater(history.column("seqno"), seqno)
-        )
-        for key in pc.unique(history.filter(mask).column("key")).to_pylist():
-            final.pop(key, None)
-            refetch[key] = vb
-        log.info("rollback of vbucket %d to seqno %d: %d keys to re-read", vb, seqno, len(refetch))
-
-    def _history(self, batch_id: int) -> pa.Table:
+    def _history(self, batch_id: int, vbuckets: list[int]) -> pa.Table:
         """``(key, vbucket, seqno)`` of every mirror row and of every change row that batches
-        before ``batch_id`` logged: what a rollback may have to undo."""
-        columns = ["key", "vbucket", "seqno"]
-        parts = [pa.table({c: pa.array([], MIRROR_SCHEMA.field(c).type) for c in columns})]
-        if DeltaTable.is_deltatable(str(self.mirror_path)):
-            parts.append(DeltaTable(str(self.mirror_path)).to_pyarrow_table(columns=columns))
-        if DeltaTable.is_deltatable(str(self.changelog_path)):
-            logged = DeltaTable(str(self.changelog_path)).to_pyarrow_table(
-                columns=[*columns, "op", "batch_id"]
-            )
-            keep = pc.and_(
-                pc.less(logged.column("batch_id"), batch_id),
-                pc.not_equal(logged.column("op"), OP_ROLLBACK),
-            )
-            parts.append(logged.filter(keep).select(columns))
-        return pa.concat_tables([p.cast(parts[0].schema) for p in parts])
+        before ``batch_id`` logged, in ``vbuckets``: what a rollback may have to undo."""
+        import pyarrow.dataset as ds  # here: it costs ~0.2 s of import (pandas), rollbacks are rare
 
-    def _refetch(self, keys: dict[str, int]) -> dict[str, _Change]:
-        """The node's current version of each key (``key -> vbucket``), or None if gone."""
+        columns = HISTORY_SCHEMA.names
+        in_vbuckets = ds.field("vbucket").isin(vbuckets)
+        parts = [HISTORY_SCHEMA.empty_table()]
+        mirror = self._table(self.mirror_path)
+        if mirror is not None:
+            rows = mirror.to_pyarrow_dataset().to_table(columns=columns, filter=in_vbuckets)
+            parts.append(rows.cast(HISTORY_SCHEMA))
+        changelog = self._table(self.changelog_path)
+        if changelog is not None:
+            earlier = (ds.field("batch_id") < batch_id) & (ds.field("op") != OP_ROLLBACK)
+            logged = changelog.to_pyarrow_dataset().to_table(
+                columns=columns, filter=in_vbuckets & earlier
+            )
+            parts.append(logged.cast(HISTORY_SCHEMA))
+        return pa.concat_tables(parts)
+
+    def _refetch(self, keys: dict[str, int], schema: pa.Schema) -> pa.Table:
+        """The node's current version of each key (``key -> vbucket``) as merge source rows
+        for change rows of ``schema``: the document, or a tombstone if it is gone. Typed
+        documents are parsed as the source parses them (malformed ones: null fields and, if
+        the schema has the column, the corrupt record)."""
         if not keys:
-            return {}
+            return source_schema(mirror_schema(schema)).empty_table()
         options = SourceOptions.parse(self.options)
         config = ClientConfig(
             host=options.host,
@@ -205,22 +374,54 @@ class MirrorWriter:
         )
         raw = {key.encode("utf-8", "surrogateescape"): key for key in keys}
         docs = asyncio.run(read_current_state(config, set(keys.values()), raw.keys()))
-        out: dict[str, _Change] = {}
+        rows: list[dict[str, Any]] = []
         for raw_key, key in raw.items():
             doc = docs.get(raw_key)
             if doc is None or doc.deleted:  # purged or never there: gone, like a tombstone
-                seqno = 0 if doc is None else doc.seqno
-                out[key] = _Change(keys[key], seqno, None)
+                rows.append(_tombstone(key, keys[key]))
                 continue
             assert doc.vbucket == keys[key], (key, doc.vbucket, keys[key])
-            out[key] = _Change(doc.vbucket, doc.seqno, _document_row(key, doc))
-        assert len(out) == len(keys), (len(out), len(keys))
-        log.info("re-read %d keys: %d live", len(out), sum(c.row is not None for c in out.values()))
-        return out
+            rows.append(_document_row(key, doc))
+        assert len(rows) == len(keys), (len(rows), len(keys))
+        live = sum(row["op"] == OP_MUTATION for row in rows)
+        log.info("re-read %d keys: %d live", len(rows), live)
+        changes = pa.Table.from_pylist(rows, schema=CHANGE_ROW_SCHEMA)
+        if "value" not in schema.names:
+            reader = DocumentReader(schema, "PERMISSIVE", options.corrupt_column)
+            changes = pa.Table.from_batches([reader.convert(changes)])
+        return latest_changes(changes)
+
+
+def _merge(
+    table: DeltaTable,
+    source: pa.Table,
+    vbuckets: list[int],
+    props: CommitProperties,
+    evolve: bool = False,
+) -> None:
+    """Merge ``source`` on ``(vbucket, key)``, scanning only the partitions of ``vbuckets``
+    (which must hold every vbucket of a source key the table holds)."""
+    assert vbuckets, "a merge must scan some partition"
+    listed = ", ".join(str(int(vb)) for vb in vbuckets)
+    predicate = f"t.vbucket IN ({listed}) AND t.vbucket = s.vbucket AND t.key = s.key"
+    (
+        table.merge(
+            source,
+            predicate,
+            source_alias="s",
+            target_alias="t",
+            merge_schema=evolve,
+            commit_properties=props,
+        )
+        .when_matched_delete(f"s.{DELETED}")
+        .when_matched_update_all(f"NOT s.{DELETED}", except_cols=[DELETED])
+        .when_not_matched_insert_all(f"NOT s.{DELETED}", except_cols=[DELETED])
+        .execute()
+    )
 
 
 def _document_row(key: str, doc: Document) -> dict[str, Any]:
-    """A mirror row of a live document read from the node, narrowed as change rows are
+    """The change row of a live document read from the node, narrowed as change rows are
     (``consumer/change_rows.py``): flags and expiry u32 -> int32; a CAS above int64 refused.
 
     Raises:
@@ -230,16 +431,12 @@ def _document_row(key: str, doc: Document) -> dict[str, Any]:
     if doc.cas > INT64_MAX:
         raise ValueError(f"key {key!r}: CAS {doc.cas} does not fit an int64 (Spark long)")
     row = {
-        "key": key,
-        "vbucket": doc.vbucket,
-        "seqno": doc.seqno,
-        "value": doc.value,
-        "cas": doc.cas,
-        "flags": _int32(doc.flags),
-        "expiry": _int32(doc.expiry),
-        "rev_seqno": doc.rev_seqno,
-    }
-    assert list(row) == MIRROR_SCHEMA.names, list(row)
+        "vbucket": doc.vbucket, "seqno": doc.seqno, "key": key, "value": doc.value,
+        "op": OP_MUTATION, "cas": doc.cas, "expiry": _int32(doc.expiry),
+        "flags": _int32(doc.flags), "rev_seqno": doc.rev_seqno, "snap_start": doc.seqno,
+        "snap_end": doc.seqno,
+    }  # fmt: skip
+    assert list(row) == CHANGE_ROW_SCHEMA.names, list(row)
     return row
 
 
@@ -248,52 +445,53 @@ def _int32(u32: int) -> int:
     return u32 - 2**32 if u32 >= 2**31 else u32
 
 
-def _mirror_row(row: dict[str, Any]) -> dict[str, Any]:
-    return {name: row[name] for name in MIRROR_SCHEMA.names}
-
-
 def _tombstone(key: str, vbucket: int) -> dict[str, Any]:
+    """A change row that deletes ``key`` (gone from the node, or purged)."""
     return {
-        "key": key,
-        "vbucket": vbucket,
-        "seqno": 0,
-        "value": b"",
-        "cas": 0,
-        "flags": 0,
-        "expiry": 0,
-        "rev_seqno": 0,
-        "deleted": True,
-    }
-
-
-def _source_without_rollbacks(changes: pa.Table) -> pa.Table:
-    """Vectorised: each key's last row (stream order = seqno order per vbucket) as the merge
-    source, ``deleted`` for deletions and expirations."""
-    indexed = changes.append_column("_row", pa.array(range(changes.num_rows), pa.int64()))
-    last = indexed.group_by(["key"]).aggregate([("_row", "max")]).column("_row_max")
-    picked = indexed.take(last)
-    deleted = pc.not_equal(picked.column("op"), OP_MUTATION)
-    return picked.select(MIRROR_SCHEMA.names).append_column("deleted", deleted).cast(SOURCE_SCHEMA)
-
-
-def _commit_empty(path: Path, app_id: str, batch_id: int) -> None:
-    """Record the batch id even when the batch changes nothing, so a replay is skipped."""
-    empty = pa.Table.from_pylist([], schema=MIRROR_SCHEMA)
-    write_deltalake(str(path), empty, mode="append", commit_properties=_txn(app_id, batch_id))
+        "vbucket": vbucket, "seqno": 0, "key": key, "value": b"", "op": OP_DELETION, "cas": 0,
+        "expiry": 0, "flags": 0, "rev_seqno": 0, "snap_start": 0, "snap_end": 0,
+    }  # fmt: skip
 
 
 def _txn(app_id: str, batch_id: int) -> CommitProperties:
     return CommitProperties(app_transactions=[Transaction(app_id, batch_id)])
 
 
-def _done(path: Path, app_id: str, batch_id: int) -> bool:
-    """True if this table already committed ``batch_id`` (a replayed batch)."""
-    if not DeltaTable.is_deltatable(str(path)):
+def _done(table: DeltaTable | None, app_id: str, batch_id: int) -> bool:
+    """True if ``table`` already committed ``batch_id`` (a replayed batch)."""
+    if table is None:
         return False
-    version = DeltaTable(str(path)).transaction_version(app_id)
+    version = table.transaction_version(app_id)
     return version is not None and version >= batch_id
 
 
 def read_mirror(path: str | Path) -> pa.Table:
     """The mirror table as Arrow (key, vbucket, seqno, value, ...)."""
     return DeltaTable(str(Path(path) / "mirror")).to_pyarrow_table()
+
+
+def repartition_mirror(path: str | Path) -> bool:
+    """Rewrite the mirror table under ``path`` (the ``MirrorWriter`` path) partitioned by
+    vbucket, in one overwrite commit; the app transactions recorded stay. Run it while no query
+    writes the tables. The old files stay until a Delta vacuum removes them.
+
+    Returns:
+        False if the table was already partitioned by vbucket (nothing written).
+
+    Raises:
+        MirrorLayoutError: the table is partitioned by something else.
+    """
+    mirror_path = Path(path) / "mirror"
+    table = DeltaTable(str(mirror_path))
+    partitioning = list(table.metadata().partition_columns)
+    if partitioning == PARTITION_COLUMNS:
+        return False
+    if partitioning:
+        raise MirrorLayoutError(f"mirror table {mirror_path} is partitioned by {partitioning}")
+    rows = table.to_pyarrow_table()
+    write_deltalake(
+        table, rows, mode="overwrite", partition_by=PARTITION_COLUMNS, schema_mode="overwrite"
+    )
+    assert DeltaTable(str(mirror_path)).metadata().partition_columns == PARTITION_COLUMNS
+    log.info("mirror table %s rewritten partitioned by vbucket (%d rows)", mirror_path, len(rows))
+    return True

@@ -13,6 +13,17 @@ the same thing.
   (history since the offset is gone, or tombstones were purged); ``false`` emits a rollback row
   to seqno 0 and lets the sink rebuild the vbucket.
 - ``partitions``: Spark partitions per micro-batch (vbuckets are grouped); default 2.
+- ``format``: ``json`` (default) parses each document into typed columns; ``binary`` keeps it
+  as the ``value`` bytes (``documents.py``).
+- ``schema``: the documents' fields, as a DDL string (``"name string, age int"``) or a
+  ``StructType`` as JSON (``struct.json()``); else ``inferSchema``.
+- ``inferSchema``: ``true`` (default when no ``schema`` is given) samples the newest
+  ``inferSchemaSamples`` (default 100) changes of each vbucket and infers the fields.
+- ``mode``: ``PERMISSIVE`` (default), ``DROPMALFORMED`` or ``FAILFAST``, as Spark's JSON reader;
+  ``columnNameOfCorruptRecord``: default ``_corrupt_record``.
+- ``transport``: ``tcp`` (default, a DCP stream per partition) or ``shm``: the node's
+  shared-memory services (executors on the node's host, a node started with ``--shm``;
+  changefeed.ipc), over DCP what the ring no longer holds. ``shmDir``: where they live.
 """
 
 from __future__ import annotations
@@ -21,6 +32,8 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from changefeed.spark.documents import CORRUPT_COLUMN, FORMATS, MODES
 
 
 class OptionError(ValueError):
@@ -39,6 +52,14 @@ class SourceOptions:
     max_offsets_per_trigger: int = 0
     fail_on_data_loss: bool = True
     partitions: int = 2
+    format: str = "json"
+    schema: str = ""
+    infer_schema: bool = True
+    infer_samples: int = 100
+    mode: str = "PERMISSIVE"
+    corrupt_column: str = CORRUPT_COLUMN
+    transport: str = "tcp"
+    shm_dir: str = ""
 
     @classmethod
     def parse(cls, options: dict[str, str]) -> SourceOptions:
@@ -61,7 +82,20 @@ class SourceOptions:
             max_offsets_per_trigger=_int(lowered, "maxoffsetspertrigger", 0),
             fail_on_data_loss=_bool(lowered, "failondataloss", True),
             partitions=max(1, _int(lowered, "partitions", 2)),
+            format=_choice(lowered, "format", FORMATS, "json").lower(),
+            schema=lowered.get("schema", "").strip(),
+            infer_schema=_bool(lowered, "inferschema", "schema" not in lowered),
+            infer_samples=max(1, _int(lowered, "inferschemasamples", 100)),
+            mode=_choice(lowered, "mode", MODES, "PERMISSIVE").upper(),
+            corrupt_column=lowered.get("columnnameofcorruptrecord", CORRUPT_COLUMN),
+            transport=_choice(lowered, "transport", ("tcp", "shm"), "tcp").lower(),
+            shm_dir=lowered.get("shmdir", ""),
         )
+
+    @property
+    def documents_as_json(self) -> bool:
+        """True when documents become typed columns (``format=json``)."""
+        return self.format == "json"
 
     def vbucket_ids(self, total: int) -> list[int]:
         if self.vbuckets == "all":
@@ -119,3 +153,10 @@ def _bool(options: dict[str, str], name: str, default: bool) -> bool:
     if raw.lower() not in ("true", "false"):
         raise OptionError(f"option {name} must be true or false, not {raw!r}")
     return raw.lower() == "true"
+
+
+def _choice(options: dict[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = options.get(name, default)
+    if raw.lower() not in {c.lower() for c in choices}:
+        raise OptionError(f"option {name} must be one of {', '.join(choices)}, not {raw!r}")
+    return raw

@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from changefeed import limits
 from changefeed.consumer import (
@@ -87,6 +88,16 @@ async def read_ranges(
         name=f"changefeed:spark:{uuid.uuid4().hex}",
         rollback_to_snapshot=False,  # the mirror re-reads rolled-back keys from the node
     )
+    if options.transport == "shm" and all(r.end_seqno > r.start.seqno for r in todo):
+        # The node's shared-memory ring (changefeed.ipc); a branch change goes over TCP below.
+        from changefeed.ipc.local_stream import read_bounded
+
+        shm_dir = options.shm_dir or None
+        async for batch in read_bounded(config, state, ends, directory=shm_dir):
+            for row in batch.filter(pc.equal(batch.column("op"), "rollback")).to_pylist():
+                _refuse_data_loss(row["vbucket"], row["seqno"], ranges, options)
+            yield batch
+        return
     snaps = {r.vbucket: (r.start.snap_start, r.start.snap_end) for r in todo}
     async with DcpClient(config) as client:
         await client.stream(sorted(ends), state, end_seqnos=request_ends)
@@ -124,14 +135,20 @@ async def read_ranges(
 def _on_rollback(
     out: ChangeRows, event: Rollback, ranges: list[VbRange], options: SourceOptions
 ) -> None:
-    start = next(r.start for r in ranges if r.vbucket == event.vbucket)
-    if event.seqno == 0 and start.seqno > 0 and options.fail_on_data_loss:
+    _refuse_data_loss(event.vbucket, event.seqno, ranges, options)
+    out.append_rollback(event.vbucket, event.seqno)
+
+
+def _refuse_data_loss(
+    vbucket: int, seqno: int, ranges: list[VbRange], options: SourceOptions
+) -> None:
+    start = next(r.start for r in ranges if r.vbucket == vbucket)
+    if seqno == 0 and start.seqno > 0 and options.fail_on_data_loss:
         raise DataLossError(
-            f"vbucket {event.vbucket} must restart from seqno 0 (its history since seqno "
+            f"vbucket {vbucket} must restart from seqno 0 (its history since seqno "
             f"{start.seqno} is gone or tombstones were purged); set failOnDataLoss=false to "
             "receive a rollback row instead and let the sink rebuild the vbucket"
         )
-    out.append_rollback(event.vbucket, event.seqno)
 
 
 def read_ranges_sync(options: SourceOptions, ranges: list[VbRange]) -> Iterator[pa.RecordBatch]:

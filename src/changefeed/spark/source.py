@@ -4,6 +4,12 @@ rows and ``spark.read.format("changefeed")`` for a consistent snapshot of the bu
 Planning (``initialOffset``, ``latestOffset``, ``partitions``) runs in Spark's per-query runner
 process and asks the node for high seqnos and vb_uuids; ``read`` runs on executors and streams
 its vbucket group over DCP (``reading.py``). Rows travel as Arrow record batches.
+
+With ``format=json`` (the default) ``read`` turns each batch's documents into the schema's typed
+columns (``documents.py``); the schema comes from option ``schema`` or is inferred when Spark
+asks for it (``inference.py``). ``reportLatestOffset`` carries the node's high seqnos and the
+lag behind them (``lag.py``), so a ``StreamingQueryListener`` sees it in each progress event
+(``sources[0].latestOffset``).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import (
@@ -28,6 +35,9 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from changefeed.consumer.change_rows import OP_MUTATION
+from changefeed.spark.documents import DocumentReader
+from changefeed.spark.inference import source_ddl
+from changefeed.spark.lag import Lag, LagTracker
 from changefeed.spark.node_state import fetch_latest_sync
 from changefeed.spark.offsets import (
     Offsets,
@@ -38,7 +48,7 @@ from changefeed.spark.offsets import (
 )
 from changefeed.spark.options import OptionError, SourceOptions
 from changefeed.spark.reading import VbRange, read_ranges_sync
-from changefeed.spark.schema import ARROW_SCHEMA, SCHEMA_DDL
+from changefeed.spark.schema import ARROW_SCHEMA
 
 
 class VbucketGroup(InputPartition):
@@ -58,10 +68,32 @@ def group_ranges(ranges: list[VbRange], partitions: int) -> list[VbucketGroup]:
     return [VbucketGroup(g) for g in groups if g]
 
 
+def document_reader(options: SourceOptions, schema: StructType) -> DocumentReader | None:
+    """What turns change rows into rows of ``schema`` (None for ``format=binary``)."""
+    if not options.documents_as_json:
+        return None
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    output = to_arrow_schema(schema, timezone="UTC")  # as Spark checks what read() returns
+    return DocumentReader(output, options.mode, options.corrupt_column)
+
+
+def _rows(
+    options: SourceOptions, documents: DocumentReader | None, ranges: list[VbRange]
+) -> Iterator[pa.RecordBatch]:
+    for batch in read_ranges_sync(options, ranges):
+        yield batch if documents is None else documents.convert(batch)
+
+
 class ChangefeedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    def __init__(self, options: SourceOptions) -> None:
+    def __init__(self, options: SourceOptions, documents: DocumentReader | None = None) -> None:
         self.options = options
+        self.documents = documents
         self._target: Offsets | None = None
+        self._latest: Offsets = {}
+        self._lag: Lag | None = None
+        self._lag_tracker = LagTracker(options)
+        self._after = 0  # items behind the end of the batch being planned
 
     def initialOffset(self) -> dict[str, Any]:
         latest, _ = fetch_latest_sync(self.options)
@@ -86,10 +118,29 @@ class ChangefeedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         begin = offsets_from_json(start)
-        latest = self._target if self._target is not None else fetch_latest_sync(self.options)[0]
+        now = fetch_latest_sync(self.options)[0]
+        # ``start`` is what the sink committed: the lag is the node's high seqnos minus it.
+        self._latest = now
+        self._lag = self._lag_tracker.update(begin, now)
+        latest = self._target if self._target is not None else now
         if isinstance(limit, ReadMaxRows) and limit.max_rows > 0:
             latest = limit_offsets(begin, latest, limit.max_rows)
+        self._after = sum(max(0, o.seqno - latest.get(vb, o).seqno) for vb, o in now.items())
         return offsets_to_json(latest)
+
+    def reportLatestOffset(self) -> dict[str, Any]:
+        """The node's high seqnos and the lag behind them when this batch was planned (in each
+        progress event as ``sources[0].latestOffset``): ``lag`` before the batch (what the
+        sink had committed), and ``lag.afterBatch``, the items still behind once it commits.
+        Spark sends no progress event while a query is idle (``onQueryIdle`` instead), so a
+        listener sees the catch-up in the last batch's ``afterBatch``."""
+        lag = self._lag.to_json() if self._lag is not None else None
+        if lag is not None:
+            lag["afterBatch"] = {"items": self._after}
+        return {
+            "highSeqnos": {str(vb): o.seqno for vb, o in sorted(self._latest.items())},
+            "lag": lag,
+        }
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         begin = offsets_from_json(start)
@@ -102,7 +153,7 @@ class ChangefeedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, VbucketGroup), partition
-        yield from read_ranges_sync(self.options, partition.ranges)
+        yield from _rows(self.options, self.documents, partition.ranges)
 
     def commit(self, end: dict[str, Any]) -> None:
         """Nothing to release: the node keeps no per-query state between micro-batches."""
@@ -112,8 +163,9 @@ class ChangefeedBatchReader(DataSourceReader):
     """A consistent snapshot: each vbucket up to its high seqno taken at planning, one row per
     live key (its newest version), deletions left out."""
 
-    def __init__(self, options: SourceOptions) -> None:
+    def __init__(self, options: SourceOptions, documents: DocumentReader | None = None) -> None:
         self.options = options
+        self.documents = documents
 
     def partitions(self) -> Sequence[InputPartition]:
         latest, _ = fetch_latest_sync(self.options)
@@ -125,7 +177,9 @@ class ChangefeedBatchReader(DataSourceReader):
         batches = list(read_ranges_sync(self.options, partition.ranges))
         if not batches:
             return
-        yield from latest_live_rows(pa.Table.from_batches(batches, ARROW_SCHEMA)).to_batches()
+        live = latest_live_rows(pa.Table.from_batches(batches, ARROW_SCHEMA)).combine_chunks()
+        for batch in live.to_batches():
+            yield batch if self.documents is None else self.documents.convert(batch)
 
 
 def latest_live_rows(table: pa.Table) -> pa.Table:
@@ -133,11 +187,14 @@ def latest_live_rows(table: pa.Table) -> pa.Table:
     mutation. (A snapshot read from seqno 0 never contains rollback rows.)"""
     if table.num_rows == 0:
         return table
-    indexed = table.append_column("_row", pa.array(range(table.num_rows), pa.int64()))
-    newest = indexed.group_by(["vbucket", "key"]).aggregate([("_row", "max")])
-    rows = newest.column("_row_max")
-    picked = indexed.take(rows).drop_columns(["_row"])
-    return picked.filter(pc.equal(picked.column("op"), OP_MUTATION))
+    rows = pa.array(np.arange(table.num_rows, dtype=np.int64))
+    keyed = pa.table({"key": table.column("key"), "_row": rows})
+    newest = keyed.group_by(["key"]).aggregate([("_row", "max")])  # a key has one vbucket
+    # Copy the rows (documents included) only when some are dropped: a backfill from disk
+    # holds each key once, and holds no deletions unless tombstones are still kept.
+    picked = table if newest.num_rows == table.num_rows else table.take(newest.column("_row_max"))
+    live = pc.equal(picked.column("op"), OP_MUTATION)
+    return picked if pc.all(live).as_py() else picked.filter(live)
 
 
 class ChangefeedDataSource(DataSource):
@@ -146,10 +203,13 @@ class ChangefeedDataSource(DataSource):
         return "changefeed"
 
     def schema(self) -> str:
-        return SCHEMA_DDL
+        """Change rows (``format=binary``), or metadata columns and the documents' fields."""
+        return source_ddl(SourceOptions.parse(dict(self.options)))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return ChangefeedStreamReader(SourceOptions.parse(dict(self.options)))
+        options = SourceOptions.parse(dict(self.options))
+        return ChangefeedStreamReader(options, document_reader(options, schema))
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return ChangefeedBatchReader(SourceOptions.parse(dict(self.options)))
+        options = SourceOptions.parse(dict(self.options))
+        return ChangefeedBatchReader(options, document_reader(options, schema))

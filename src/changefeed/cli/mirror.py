@@ -1,0 +1,403 @@
+"""``changefeed mirror``: the streaming Delta mirror as a long-running job, and its status.
+
+``changefeed mirror --cluster H:P --tables DIR`` runs ``readStream.format("changefeed") ->
+foreachBatch(MirrorWriter)`` (``spark/mirror.py``: a changelog and a current-state mirror, exactly
+once) until SIGTERM or SIGINT, which stop it between micro-batches; run it again with the same
+``--tables`` (and ``--checkpoint``) and it resumes where it stopped. ``--once`` mirrors what is
+there now and exits (availableNow). Documents become typed columns (``--schema`` DDL, else
+inferred from a sample; the columns the mirror table already has keep their types, so a restart
+never drops or retypes a column), or stay bytes with ``--format binary``.
+
+A progress line (stderr; one JSON object per micro-batch on stdout with ``--json``) shows
+micro-batches, rows and rows/s, and the lag: the node's high seqnos minus the seqnos the mirror
+has committed (items) and the age of the oldest change not mirrored yet (``spark/lag.py``).
+
+``changefeed mirror status --tables DIR`` reads the mirror table's Delta app transaction (the
+last micro-batch it committed), that batch's end offsets from the checkpoint, and the node's
+high seqnos: the same lag, per vbucket, without Spark.
+
+Exit status: 0 stopped or done; 1 the query or the node failed (one line naming it); 2 usage.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any, Final
+
+import click
+
+STOP_WAIT_S: Final = 300.0  # for the running micro-batch to end after SIGTERM
+PROGRESS_INTERVAL_S: Final = 1.0
+LAG_INTERVAL_S: Final = 2.0
+LAGGING_SHOWN_MAX: Final = 10
+
+
+def _node_options(cluster: str, bucket: str, user: str, password: str) -> dict[str, str]:
+    nodes = [n.strip() for n in cluster.split(",") if n.strip()]
+    if len(nodes) != 1:
+        raise click.BadParameter(
+            "give one node (host:port); reading a multi-node cluster is not supported yet",
+            param_hint="--cluster",
+        )
+    return {"cluster": nodes[0], "bucket": bucket, "user": user, "password": password}
+
+
+def _common(f: Any) -> Any:
+    for option in reversed(
+        [
+            click.option("--cluster", default="127.0.0.1:11210", show_default=True,
+                         help="host:port of the node."),
+            click.option("--bucket", default="default", show_default=True),
+            click.option("--user", default="Administrator", show_default=True,
+                         envvar="CHANGEFEED_USER"),
+            click.option("--password", default="password", envvar="CHANGEFEED_PASSWORD",
+                         show_default=False, help="Or CHANGEFEED_PASSWORD."),
+            click.option("--tables", type=click.Path(path_type=Path),
+                         help="Directory of the Delta tables (changelog/, mirror/)."),
+            click.option("--checkpoint", type=click.Path(path_type=Path),
+                         help="Spark checkpoint directory [default: TABLES/_checkpoint]."),
+            click.option("--json", "as_json", is_flag=True, help="JSON on stdout."),
+        ]
+    ):  # fmt: skip
+        f = option(f)
+    return f
+
+
+@click.group(invoke_without_command=True)
+@_common
+@click.option("--schema", default="", help="Document fields as DDL (or StructType JSON).")
+@click.option(
+    "--infer-schema/--no-infer-schema",
+    default=True,
+    show_default=True,
+    help="Without --schema: infer the fields from a sample of each vbucket.",
+)
+@click.option(
+    "--format",
+    "doc_format",
+    type=click.Choice(["json", "binary"]),
+    default="json",
+    show_default=True,
+    help="binary: documents stay bytes (column value).",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["PERMISSIVE", "DROPMALFORMED", "FAILFAST"]),
+    default="PERMISSIVE",
+    show_default=True,
+    help="For malformed documents.",
+)
+@click.option("--merge-schema", is_flag=True, help="Add new document fields to the tables.")
+@click.option(
+    "--trigger",
+    default="1 second",
+    show_default=True,
+    help="Micro-batch interval (Spark processingTime).",
+)
+@click.option(
+    "--max-offsets-per-trigger",
+    type=click.IntRange(min=0),
+    default=500_000,
+    show_default=True,
+    help="Seqnos per micro-batch at most (0: no bound).",
+)
+@click.option(
+    "--master",
+    default="local[2]",
+    show_default=True,
+    help="Spark master: local[N] or spark://host:port.",
+)
+@click.option("--once", is_flag=True, help="Mirror what is there now, then exit.")
+@click.option(
+    "--fail-on-data-loss/--no-fail-on-data-loss",
+    default=False,
+    show_default=True,
+    help="Fail when a vbucket must restart from 0 (else the mirror rebuilds it).",
+)
+@click.pass_context
+def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: str,
+           tables: Path | None, checkpoint: Path | None, as_json: bool, schema: str,
+           infer_schema: bool, doc_format: str, mode: str, merge_schema: bool, trigger: str,
+           max_offsets_per_trigger: int, master: str, once: bool,
+           fail_on_data_loss: bool) -> None:  # fmt: skip
+    """Mirror a bucket into Delta tables with Spark, exactly once (status: see below)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if tables is None:
+        raise click.UsageError("--tables is required")
+    options = _node_options(cluster, bucket, user, password)
+    options |= {
+        "format": doc_format,
+        "mode": mode,
+        "failOnDataLoss": str(fail_on_data_loss).lower(),
+        "mergeSchema": str(merge_schema).lower(),
+    }
+    if max_offsets_per_trigger:
+        options["maxOffsetsPerTrigger"] = str(max_offsets_per_trigger)
+    job = MirrorJob(options, tables, checkpoint or tables / "_checkpoint", as_json)
+    if doc_format == "json":
+        options["schema"] = job.document_schema(schema, infer_schema)
+    sys.exit(job.run(master, trigger, once))
+
+
+class MirrorJob:
+    """One run of the mirror query, with its progress line and its clean stop."""
+
+    def __init__(self, options: dict[str, str], tables: Path, checkpoint: Path,
+                 as_json: bool) -> None:  # fmt: skip
+        self.options = options
+        self.tables = tables
+        self.checkpoint = checkpoint
+        self.as_json = as_json
+        self.stop_requested = 0  # the signal number
+        self.interactive = sys.stderr.isatty()
+
+    def document_schema(self, schema: str, infer: bool) -> str:
+        """The DDL of the documents' fields: ``schema``, or inferred and merged with the
+        mirror table's (whose columns keep their types)."""
+        from changefeed.spark.documents import ddl_of_fields, merge_fields
+        from changefeed.spark.inference import infer_document_fields, user_fields_ddl
+        from changefeed.spark.options import OptionError, SourceOptions
+
+        try:
+            if schema:
+                return user_fields_ddl(schema)
+            if not infer:
+                raise click.UsageError("--format json needs --schema or --infer-schema")
+            started = time.perf_counter()
+            inferred = _run(lambda: infer_document_fields(SourceOptions.parse(self.options)),
+                            self.options["cluster"])  # fmt: skip
+            fields = merge_fields(_table_fields(self.tables), inferred)
+        except (OptionError, ValueError) as error:
+            raise click.ClickException(str(error)) from None
+        ddl = ddl_of_fields(fields)
+        _say(f"schema ({time.perf_counter() - started:.1f} s to infer): {ddl or '(no fields)'}")
+        return ddl
+
+    def run(self, master: str, trigger: str, once: bool) -> int:
+        from changefeed.spark import MirrorWriter
+        from changefeed.spark.session import local_session
+
+        self.checkpoint.mkdir(parents=True, exist_ok=True)
+        spark = local_session("changefeed-mirror", master=master)
+        writer = MirrorWriter(self.tables, self.options)
+        stream = (
+            spark.readStream.format("changefeed").options(**self.options).load()
+            .writeStream.foreachBatch(writer)
+            .option("checkpointLocation", str(self.checkpoint))
+        )  # fmt: skip
+        stream = (
+            stream.trigger(availableNow=True) if once else stream.trigger(processingTime=trigger)
+        )
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        query = stream.start()
+        _say(f"mirroring {self.options['cluster']} into {self.tables} (checkpoint "
+             f"{self.checkpoint}); {'once' if once else 'SIGTERM or Ctrl-C stops it'}")  # fmt: skip
+        try:
+            self._watch(query)
+        finally:
+            if query.isActive:
+                query.stop()
+        if self.interactive:
+            print(file=sys.stderr)
+        error = query.exception()
+        if error is not None:
+            _say(f"Error: the mirror query failed: {_first_line(str(error))}")
+            return 1
+        batches = [p for p in query.recentProgress if p["numInputRows"]]
+        how = f"stopped (signal {self.stop_requested})" if self.stop_requested else "done"
+        _say(
+            f"{how} after batch {_last_batch(query)}; resume with the same --tables"
+            f" ({len(batches)} micro-batches with rows in this run)"
+        )
+        spark.stop()
+        return 0
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_requested = signum
+
+    def _watch(self, query: Any) -> None:
+        """Print progress until the query ends; on a signal, stop it between micro-batches."""
+        from changefeed.spark.options import SourceOptions
+
+        options = SourceOptions.parse(self.options)
+        started = time.monotonic()
+        last = ""  # timestamp of the last progress event handled (ISO 8601: sorts as text)
+        rows = 0
+        lag: Any = None
+        lag_at = 0.0
+        while True:  # bounded by the query's life
+            active = query.isActive
+            if active and self.stop_requested:
+                deadline = time.monotonic() + STOP_WAIT_S
+                while query.status["isTriggerActive"] and time.monotonic() < deadline:
+                    time.sleep(0.02)  # let the running micro-batch commit
+                query.stop()
+                active = False
+            progress = query.recentProgress  # the newest 100 events
+            new = [p for p in progress if p["timestamp"] > last and p["numInputRows"]]
+            last = max([last, *(p["timestamp"] for p in progress)])
+            if new or time.monotonic() - lag_at > LAG_INTERVAL_S or not active:
+                lag = _lag_after(options, progress)
+                lag_at = time.monotonic()
+            for event in new:
+                rows += int(event["numInputRows"])
+                self._print_batch(event, rows, lag)
+            self._print_line(progress, rows, time.monotonic() - started, lag)
+            if not active:
+                return
+            time.sleep(PROGRESS_INTERVAL_S if not new else 0.1)
+
+    def _print_batch(self, event: Any, rows: int, lag: Any) -> None:
+        if self.as_json:
+            record = {
+                "batch": event["batchId"], "rows": event["numInputRows"], "total_rows": rows,
+                "seconds": event["durationMs"].get("triggerExecution", 0) / 1000,
+                "lag": lag.to_json() if lag is not None else None,
+            }  # fmt: skip
+            print(json.dumps(record), flush=True)
+        elif not self.interactive:
+            _say(_line(event["batchId"], rows, None, lag))
+
+    def _print_line(self, progress: list[Any], rows: int, elapsed: float, lag: Any) -> None:
+        if not self.interactive or self.as_json:
+            return
+        batch = progress[-1]["batchId"] if progress else None
+        print("\r" + _line(batch, rows, rows / elapsed if elapsed else 0.0, lag) + "\x1b[K",
+              end="", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _line(batch: int | None, rows: int, rate: float | None, lag: Any) -> str:
+    shown = "-" if batch is None else str(batch)
+    text = f"batch {shown} | {rows:,} rows"
+    if rate is not None:
+        text += f" ({rate:,.0f}/s)"
+    if lag is not None:
+        text += f" | lag {lag.items:,} items, {lag.age_s:.1f} s"
+    return text
+
+
+def _lag_after(options: Any, progress: list[Any]) -> Any:
+    """The lag behind the end of the last micro-batch (None before the first one, or when the
+    node does not answer: the progress line goes on)."""
+    from changefeed.spark.lag import measure_lag_sync
+    from changefeed.spark.node_state import fetch_latest_sync
+    from changefeed.spark.offsets import offsets_from_json
+
+    ended = [p for p in progress if p["sources"] and p["sources"][0].get("endOffset")]
+    if not ended:
+        return None
+    try:
+        committed = offsets_from_json(json.loads(ended[-1]["sources"][0]["endOffset"]))
+        latest, _ = fetch_latest_sync(options)
+    except (OSError, ValueError, TimeoutError):
+        return None
+    return measure_lag_sync(options, committed, latest)
+
+
+def _last_batch(query: Any) -> int | None:
+    progress = query.recentProgress
+    return int(progress[-1]["batchId"]) if progress else None
+
+
+@mirror.command()
+@_common
+def status(cluster: str, bucket: str, user: str, password: str, tables: Path | None,
+           checkpoint: Path | None, as_json: bool) -> None:  # fmt: skip
+    """Where the mirror is: its last committed micro-batch and its lag behind the node."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from deltalake import DeltaTable
+
+    from changefeed.spark.lag import measure_lag_sync
+    from changefeed.spark.mirror import APP_ID
+    from changefeed.spark.node_state import fetch_latest_sync
+    from changefeed.spark.options import SourceOptions
+
+    if tables is None:
+        raise click.UsageError("--tables is required")
+    mirror_path = tables / "mirror"
+    if not DeltaTable.is_deltatable(str(mirror_path)):
+        raise click.ClickException(f"no mirror table at {mirror_path}")
+    table = DeltaTable(str(mirror_path))
+    batch = table.transaction_version(APP_ID)
+    committed = _committed_offsets(checkpoint or tables / "_checkpoint", batch)
+    options = SourceOptions.parse(_node_options(cluster, bucket, user, password))
+    latest, _ = _run(lambda: fetch_latest_sync(options), options.host + f":{options.port}")
+    lag = measure_lag_sync(options, committed, latest)
+    actions = pa.table(table.get_add_actions(flatten=True))
+    rows = int(pc.sum(actions.column("num_records")).as_py() or 0)
+    lagging = sorted((v for v in lag.vbuckets if v.items), key=lambda v: -v.items)
+    if as_json:
+        click.echo(json.dumps({
+            "tables": str(tables), "batch": batch, "table_version": table.version(),
+            "rows": rows, "lag": lag.to_json(),
+        }))  # fmt: skip
+        return
+    click.echo(
+        f"mirror {mirror_path}: {rows:,} rows, table version {table.version()}, "
+        f"last micro-batch committed {batch if batch is not None else '(none)'}"
+    )
+    click.echo(f"lag: {lag.items:,} items, oldest unmirrored change {lag.age_s:.1f} s old, "
+               f"{len(lagging)} of {len(lag.vbuckets)} vbuckets behind")  # fmt: skip
+    for vb in lagging[:LAGGING_SHOWN_MAX]:
+        age = "?" if vb.age_s is None else f"{vb.age_s:.1f} s"
+        click.echo(f"  vbucket {vb.vbucket}: node {vb.high_seqno}, mirror {vb.committed_seqno}"
+                   f" ({vb.items:,} items, {age})")  # fmt: skip
+
+
+def _committed_offsets(checkpoint: Path, batch: int | None) -> Any:
+    """The end offsets of micro-batch ``batch`` from the checkpoint's offset log (empty: none
+    committed, every vbucket from 0)."""
+    from changefeed.spark.offsets import offsets_from_json
+
+    if batch is None:
+        return {}
+    path = checkpoint / "offsets" / str(batch)
+    try:
+        lines = path.read_text().splitlines()
+        return offsets_from_json(json.loads(lines[2]))  # "v1", metadata, the source's offset
+    except (OSError, IndexError, ValueError) as error:
+        raise click.ClickException(
+            f"cannot read the offsets of batch {batch} at {path} ({error}); give the query's "
+            "--checkpoint"
+        ) from None
+
+
+def _table_fields(tables: Path) -> Any:
+    """The document fields of an existing mirror table (empty without one)."""
+    from deltalake import DeltaTable
+    from pyarrow import schema as arrow_schema
+    from pyspark.sql.pandas.types import from_arrow_schema
+    from pyspark.sql.types import StructType
+
+    from changefeed.spark.documents import CORRUPT_COLUMN
+    from changefeed.spark.merge_source import MIRROR_COLUMNS
+
+    path = tables / "mirror"
+    if not DeltaTable.is_deltatable(str(path)):
+        return StructType([])
+    have = arrow_schema(DeltaTable(str(path)).schema().to_arrow())
+    fields = [f for f in have if f.name not in MIRROR_COLUMNS and f.name != CORRUPT_COLUMN]
+    return from_arrow_schema(arrow_schema(fields))
+
+
+def _run(call: Any, address: str) -> Any:
+    try:
+        return call()
+    except (OSError, TimeoutError) as error:
+        raise click.ClickException(f"cannot reach the node at {address}: {error}") from None
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
