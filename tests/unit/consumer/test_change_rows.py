@@ -35,7 +35,7 @@ from changefeed.protocol.dcp_items import (
 )
 from changefeed.protocol.opcode import Opcode
 from changefeed.spark import ARROW_SCHEMA as SPARK_PACKAGE_SCHEMA
-from changefeed.spark.mirror import MIRROR_SCHEMA, SOURCE_SCHEMA
+from changefeed.spark.merge_source import DELETED, MIRROR_SCHEMA, SOURCE_SCHEMA
 from changefeed.spark.schema import ARROW_SCHEMA, SCHEMA_DDL, ddl_of
 
 # The DDL the data source declared by hand before the schema was declared once: an independent
@@ -97,7 +97,7 @@ def test_mirror_schema_is_a_subset_of_the_change_row_schema() -> None:
         "snap_start",
         "snap_end",
     }
-    assert SOURCE_SCHEMA.names == [*MIRROR_SCHEMA.names, "deleted"]
+    assert SOURCE_SCHEMA.names == [*MIRROR_SCHEMA.names, DELETED]
 
 
 def test_op_names() -> None:
