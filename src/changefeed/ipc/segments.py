@@ -40,7 +40,7 @@ from typing import Any, Final
 
 from changefeed.ipc.errors import ServiceNotFoundError
 
-try:  # the module SharedMemory uses: shm_open / shm_unlink (no type stubs)
+try:  # the module SharedMemory uses: shm_open / shm_unlink (untyped in typeshed)
     _posixshmem: Any = importlib.import_module("_posixshmem")
 except ImportError:  # pragma: no cover - not a POSIX system
     _posixshmem = None

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import TYPE_CHECKING
 
 from changefeed import limits
 from changefeed.protocol.error_map import decode_get_error_map, error_map_json
@@ -68,9 +67,7 @@ from changefeed.protocol.kv_ops import (
 from changefeed.protocol.opcode import Datatype, Feature, Opcode
 from changefeed.protocol.status import Status
 from changefeed.server.privileges import Privilege
-
-if TYPE_CHECKING:
-    from changefeed.server.connection import ClientConnection
+from changefeed.server.requester import Requester
 
 log = logging.getLogger("changefeed.server")
 
@@ -110,7 +107,7 @@ def negotiate(requested: tuple[int, ...], supported: frozenset[int]) -> list[int
     return granted
 
 
-def wire_status(c: ClientConnection, status: int) -> int:
+def wire_status(c: Requester, status: int) -> int:
     """The status to answer: LOCKED and NOT_LOCKED become ETMPFAIL without XERROR."""
     if status in XERROR_ONLY_STATUSES and Feature.XERROR not in c.features:
         return Status.ETMPFAIL
@@ -145,16 +142,14 @@ def preserve_ttl_of(framing_extras: bytes) -> bool:
     return False
 
 
-def require_privilege(c: ClientConnection, privilege: Privilege) -> None:
+def require_privilege(c: Requester, privilege: Privilege) -> None:
     """A second privilege an opcode needs (GAT and counters read as well as write)."""
     if privilege not in c.sasl.privileges:
         name = privilege.name.lower()
         raise AccessError(f"user {c.sasl.user!r} lacks the {name} privilege")
 
 
-def reply_mutation(
-    c: ClientConnection, f: Frame, result: MutationResult, *, value: bytes = b""
-) -> None:
+def reply_mutation(c: Requester, f: Frame, result: MutationResult, *, value: bytes = b"") -> None:
     """CAS in the header; the mutation token as extras when MutationSeqno was negotiated."""
     extras = b""
     if Feature.MUTATION_SEQNO in c.features:
@@ -173,7 +168,7 @@ def is_json(value: bytes) -> bool:
 # -- bootstrap --------------------------------------------------------------------------------
 
 
-def get_error_map(c: ClientConnection, f: Frame) -> None:
+def get_error_map(c: Requester, f: Frame) -> None:
     body = error_map_json(decode_get_error_map(f))
     if body is None:
         c.reply(f, Status.KEY_ENOENT, value=b"no error map of version 0")
@@ -181,7 +176,7 @@ def get_error_map(c: ClientConnection, f: Frame) -> None:
     c.reply(f, value=body, datatype=Datatype.JSON)
 
 
-def push_cluster_map(c: ClientConnection, version: tuple[int, int], config: bytes) -> bool:
+def push_cluster_map(c: Requester, version: tuple[int, int], config: bytes) -> bool:
     """Send ``c`` a ClustermapChangeNotification of the map ``version`` (epoch, revision):
     the map itself, or only its version if ``c`` asked for the brief form. Nothing if ``c`` has
     not selected the bucket yet, or already fetched or was sent this version or a newer one.
@@ -200,7 +195,7 @@ def push_cluster_map(c: ClientConnection, version: tuple[int, int], config: byte
     return True
 
 
-def keep_expiry(c: ClientConnection, command: StoreCommand) -> StoreCommand:
+def keep_expiry(c: Requester, command: StoreCommand) -> StoreCommand:
     """PreserveTTL: a SET or REPLACE of an existing document keeps its expiry."""
     current = c.context.bucket.read(command.vbucket, command.key)
     if current is None or command.opcode == Opcode.ADD:
@@ -211,14 +206,14 @@ def keep_expiry(c: ClientConnection, command: StoreCommand) -> StoreCommand:
 # -- reads ------------------------------------------------------------------------------------
 
 
-def get_meta(c: ClientConnection, f: Frame) -> None:
+def get_meta(c: Requester, f: Frame) -> None:
     c.require_bucket()
     key, version = decode_get_meta(f)
     meta = c.context.bucket.get_meta(f.vbucket, key)
     c.reply(f, extras=encode_get_meta_extras(meta, version), cas=meta.cas)
 
 
-def get_locked(c: ClientConnection, f: Frame) -> None:
+def get_locked(c: Requester, f: Frame) -> None:
     c.require_bucket()
     key, lock_s = decode_get_locked(f)
     document = c.context.bucket.get_locked(f.vbucket, key, lock_s)
@@ -231,7 +226,7 @@ def get_locked(c: ClientConnection, f: Frame) -> None:
     )
 
 
-def unlock(c: ClientConnection, f: Frame) -> None:
+def unlock(c: Requester, f: Frame) -> None:
     c.require_bucket()
     key, cas = decode_unlock(f)
     c.context.bucket.unlock(f.vbucket, key, cas)
@@ -241,7 +236,7 @@ def unlock(c: ClientConnection, f: Frame) -> None:
 # -- mutations --------------------------------------------------------------------------------
 
 
-def touch(c: ClientConnection, f: Frame) -> None:
+def touch(c: Requester, f: Frame) -> None:
     """TOUCH answers the new CAS; GAT the document too (flags, value, new CAS)."""
     c.require_bucket()
     command = decode_touch(f)
@@ -264,7 +259,7 @@ def touch(c: ClientConnection, f: Frame) -> None:
     )
 
 
-def arithmetic(c: ClientConnection, f: Frame) -> None:
+def arithmetic(c: Requester, f: Frame) -> None:
     c.require_bucket()
     command = decode_arithmetic(f)
     require_privilege(c, Privilege.READ)
@@ -303,7 +298,7 @@ def arithmetic(c: ClientConnection, f: Frame) -> None:
     reply_mutation(c, f, result, value=U64.pack(number))
 
 
-def concat(c: ClientConnection, f: Frame) -> None:
+def concat(c: Requester, f: Frame) -> None:
     """APPEND / PREPEND."""
     c.require_bucket()
     key, data = decode_concat(f)

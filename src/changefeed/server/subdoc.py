@@ -55,11 +55,11 @@ from changefeed.protocol.subdoc_paths import (
     walk,
 )
 from changefeed.server import kv_commands
+from changefeed.server.requester import Requester
 from changefeed.vbucket import Document
 
 if TYPE_CHECKING:
     from changefeed.server.bucket import Bucket
-    from changefeed.server.connection import ClientConnection
 
 _CREATE = DocFlag.MKDOC | DocFlag.ADD  # create the document; imply MKDIR_P on every path
 UNSUPPORTED_DOC_FLAGS = (
@@ -78,7 +78,7 @@ ARRAY_ROOT_OPS = frozenset(
 _DATATYPE_NAMES = ((Datatype.JSON, "json"), (Datatype.SNAPPY, "snappy"), (Datatype.XATTR, "xattr"))
 
 
-def _check_request(c: ClientConnection, doc_flags: DocFlag, specs: tuple[Spec, ...]) -> None:
+def _check_request(c: Requester, doc_flags: DocFlag, specs: tuple[Spec, ...]) -> None:
     if doc_flags & UNSUPPORTED_DOC_FLAGS:
         raise NotSupportedError("deleted documents and replica reads are not supported")
     if any(s.xattr for s in specs) and Feature.XATTR not in c.features:
@@ -88,7 +88,7 @@ def _check_request(c: ClientConnection, doc_flags: DocFlag, specs: tuple[Spec, .
 # -- lookups ----------------------------------------------------------------------------------
 
 
-def multi_lookup(c: ClientConnection, f: Frame) -> None:
+def multi_lookup(c: Requester, f: Frame) -> None:
     c.require_bucket()
     request = decode_multi_lookup(f)
     _check_request(c, request.doc_flags, request.specs)
@@ -183,7 +183,7 @@ def document_vattr(document: Document, vb_uuid: int) -> dict[str, Any]:
 # -- mutations --------------------------------------------------------------------------------
 
 
-def multi_mutation(c: ClientConnection, f: Frame) -> None:
+def multi_mutation(c: Requester, f: Frame) -> None:
     c.require_bucket()
     request = decode_multi_mutation(f)
     _check_request(c, request.doc_flags, request.specs)

@@ -236,9 +236,9 @@ def _parse_run(
     slow: list[int],
 ) -> None:
     """Parse ``values[indices]`` (each looks like one object) in as few calls as it takes."""
-    todo = [indices]
-    while todo:  # bounded: every split halves a run; runs <= SLOW_RUN_MAX stop
-        run = todo.pop()
+    unsplit = [indices]
+    while unsplit:  # bounded: every split halves a run; runs <= SLOW_RUN_MAX stop
+        run = unsplit.pop()
         if not len(run):
             continue
         table = _parse_joined(_subset(values, run), schema)
@@ -248,7 +248,7 @@ def _parse_run(
             slow.extend(run.tolist())
         else:
             half = len(run) // 2
-            todo += [run[half:], run[:half]]
+            unsplit += [run[half:], run[:half]]
 
 
 def _subset(values: pa.Array, indices: npt.NDArray[np.int64]) -> pa.Array:

@@ -67,16 +67,16 @@ async def read_ranges(
     options: SourceOptions, ranges: list[VbRange]
 ) -> AsyncGenerator[pa.RecordBatch, None]:
     """Yield record batches of every change in ``ranges``; returns when every stream ended."""
-    todo = [r for r in ranges if r.needs_reading]
-    if not todo:
+    to_read = [r for r in ranges if r.needs_reading]
+    if not to_read:
         return
-    ends = {r.vbucket: r.end_seqno for r in todo}
+    ends = {r.vbucket: r.end_seqno for r in to_read}
     # The node answers start > end with ERANGE before it looks for a rollback (as kv_engine
     # does). A vbucket whose history fell behind our offset (a restored or failed-over node:
     # end < start) therefore asks up to its start seqno; the rollback comes first, and the
     # reader finishes the vbucket itself once it has everything up to ``ends``.
-    request_ends = {r.vbucket: max(r.end_seqno, r.start.seqno) for r in todo}
-    state = SessionState({r.vbucket: r.start.session(r.vbucket) for r in todo})
+    request_ends = {r.vbucket: max(r.end_seqno, r.start.seqno) for r in to_read}
+    state = SessionState({r.vbucket: r.start.session(r.vbucket) for r in to_read})
     config = ClientConfig(
         host=options.host,
         port=options.port,
@@ -88,7 +88,7 @@ async def read_ranges(
         name=f"changefeed:spark:{uuid.uuid4().hex}",
         rollback_to_snapshot=False,  # the mirror re-reads rolled-back keys from the node
     )
-    if options.transport == "shm" and all(r.end_seqno > r.start.seqno for r in todo):
+    if options.transport == "shm" and all(r.end_seqno > r.start.seqno for r in to_read):
         # The node's shared-memory ring (changefeed.ipc); a branch change goes over TCP below.
         from changefeed.ipc.local_stream import read_bounded
 
@@ -98,7 +98,7 @@ async def read_ranges(
                 _refuse_data_loss(row["vbucket"], row["seqno"], ranges, options)
             yield batch
         return
-    snaps = {r.vbucket: (r.start.snap_start, r.start.snap_end) for r in todo}
+    snaps = {r.vbucket: (r.start.snap_start, r.start.snap_end) for r in to_read}
     async with DcpClient(config) as client:
         await client.stream(sorted(ends), state, end_seqnos=request_ends)
         unfinished = set(ends)
