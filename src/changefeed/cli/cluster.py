@@ -94,6 +94,18 @@ def _running(record: Mapping[str, Any]) -> list[str]:
     return alive
 
 
+def _where(directory: Path | None, etcd_url: str | None, name: str | None) -> tuple[str, str]:
+    """The etcd endpoint and cluster name, from --etcd/--cluster or a directory's cluster.json."""
+    if directory is None and etcd_url is None:
+        raise click.UsageError("give --dir DIR or --etcd URL")
+    if etcd_url is None:
+        assert directory is not None
+        record = _read_record(directory)
+        etcd_url = str(record["etcd"])
+        name = name or str(record.get("cluster", "default"))
+    return etcd_url, name or "default"
+
+
 def _run(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine; an unreachable etcd becomes one ``Error:`` line."""
     try:
@@ -410,14 +422,7 @@ def status(
 ) -> None:
     """The map (with its rev), the nodes, and per vbucket each copy's high and persisted
     seqnos, replica lag in items, and what the active reports of its replicas."""
-    if directory is None and etcd_url is None:
-        raise click.UsageError("give --dir DIR or --etcd URL")
-    if etcd_url is None:
-        assert directory is not None
-        record = _read_record(directory)
-        etcd_url = str(record["etcd"])
-        name = name or str(record.get("cluster", "default"))
-    name = name or "default"
+    etcd_url, name = _where(directory, etcd_url, name)
     report = _run(_status(etcd_url, name, user, password, bucket))
     if as_json:
         click.echo(json.dumps(report, indent=1))
@@ -695,14 +700,8 @@ def failover(
     """Fail NODE over by hand: its active vbuckets move to their in-sync replicas (the highest
     seqno wins) and it stays a replica. Refused for a vbucket with no live in-sync replica
     unless --force."""
-    if directory is None and etcd_url is None:
-        raise click.UsageError("give --dir DIR or --etcd URL")
-    if etcd_url is None:
-        assert directory is not None
-        record = _read_record(directory)
-        etcd_url = str(record["etcd"])
-        name = name or str(record.get("cluster", "default"))
-    outcome = _run(_failover(etcd_url, name or "default", node, force, timeout_s))
+    etcd_url, name = _where(directory, etcd_url, name)
+    outcome = _run(_failover(etcd_url, name, node, force, timeout_s))
     if as_json:
         click.echo(json.dumps(outcome))
     else:
