@@ -18,7 +18,13 @@ from changefeed.cli.node_process import NodeProcess
 from changefeed.cluster.etcd_server import EtcdServer
 from changefeed.consumer import KvClient
 from changefeed.vbmap import ClusterMap
-from support.cluster import assert_copies_equal, cluster_map, start_cluster, wait_for_map
+from support.cluster import (
+    assert_copies_equal,
+    cluster_map,
+    start_cluster,
+    wait_for_map,
+    wait_in_sync_published,
+)
 from support.nodes import NodeFactory
 
 pytestmark = pytest.mark.timeout(300)
@@ -46,6 +52,7 @@ def test_a_killed_active_is_failed_over_and_rejoins_as_a_replica(
     n1, n2, _n3 = cluster
     before = asyncio.run(write_all(n1, b"before", 600))
     asyncio.run(assert_copies_equal(cluster))
+    asyncio.run(wait_in_sync_published(etcd.endpoint, cluster_name))  # else refused, rightly
     old = asyncio.run(cluster_map(n2))
     n1_vbs = [vb for vb in range(old.vbuckets) if (a := old.active(vb)) and a.port == n1.port]
     assert n1_vbs
@@ -91,6 +98,7 @@ def test_manual_failover_moves_actives_and_refuses_without_an_in_sync_replica(
     n1, n2, n3 = cluster
     asyncio.run(write_all(n1, b"k", 300))
     asyncio.run(assert_copies_equal(cluster))
+    asyncio.run(wait_in_sync_published(etcd.endpoint, cluster_name))
     cli = [sys.executable, "-m", "changefeed", "cluster", "failover"]
     where = ["--etcd", etcd.endpoint, "--cluster", cluster_name]
 

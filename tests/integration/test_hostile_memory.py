@@ -73,11 +73,14 @@ def sockets() -> Iterator[list[socket.socket]]:
 
 
 def settle_rss(node: NodeProcess, seconds: float = 2.0) -> int:
-    """The node's peak RSS over `seconds` (it may still be growing when sampled once)."""
+    """The node's peak anonymous RSS over `seconds` (it may still be growing when sampled
+    once). Anonymous memory — heap, buffers — is what a client could make the node hold; the
+    pages of the memory-mapped store (RssFile) are the kernel's cache of the data file, whose
+    count depends on where LMDB placed the records, and the kernel can drop them at will."""
     peak = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        peak = max(peak, node.rss_bytes())
+        peak = max(peak, node.status_kib("RssAnon") * 1024)
         time.sleep(0.1)
     return peak
 

@@ -16,7 +16,12 @@ from couchbase.exceptions import DurabilityImpossibleException
 from couchbase.options import UpsertOptions
 
 from changefeed.cli.node_process import NodeProcess
-from support.cluster import cluster_map, start_cluster, wait_replicated
+from support.cluster import (
+    cluster_map,
+    start_cluster,
+    wait_in_sync_published,
+    wait_replicated,
+)
 from support.etcd import running_etcd
 from support.nodes import node_factory
 
@@ -25,10 +30,14 @@ from .conftest import connect
 pytestmark = pytest.mark.timeout(180)
 
 
+ETCD: list[str] = []  # the module's etcd endpoint
+
+
 @pytest.fixture(scope="module")
 def three(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]]:
     work: Path = tmp_path_factory.mktemp("sdk-cluster")
     with running_etcd(work) as etcd, node_factory(work) as nodes:
+        ETCD[:] = [etcd.endpoint]
         yield start_cluster(nodes, etcd.endpoint, "sdk", count=3, replicas=2, failover_timeout_s=2)
 
 
@@ -69,6 +78,9 @@ def test_a_durable_write_is_refused_not_acknowledged(sdk: Cluster) -> None:
 def test_the_sdk_follows_a_failover(sdk: Cluster, three: list[NodeProcess]) -> None:
     collection = sdk.bucket("default").default_collection()
     before = asyncio.run(cluster_map(three[1]))
+    # Until the actives have published their in-sync sets a failover is refused (no replica
+    # is known to be in sync): that is the rule, so wait for them.
+    asyncio.run(wait_in_sync_published(ETCD[0], "sdk"))
     victim = three[0]
     victim.kill()
     deadline = time.monotonic() + 30

@@ -216,3 +216,29 @@ def write_config(path: Path, **values: object) -> Path:
     """A TOML config file with `values` (for settings without a flag)."""
     path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()))
     return path
+
+
+async def wait_in_sync_published(endpoint: str, cluster: str, *, timeout_s: float = 30.0) -> None:
+    """Wait until every vbucket's active has published an in-sync set holding all its
+    replicas: before that, a failover is (rightly) refused, so a test that kills an active
+    waits for this first."""
+    from changefeed.cluster.metadata import ClusterMetadata
+
+    deadline = time.monotonic() + timeout_s
+    async with await ClusterMetadata.connect(endpoint, cluster) as metadata:
+        while True:  # bounded by timeout_s
+            stored = await metadata.read_map()
+            assert stored is not None, "no map yet"
+            cmap = stored[0]
+            sets = await metadata.in_sync_sets()
+            missing = [
+                vb
+                for vb in range(cmap.vbuckets)
+                if vb not in sets
+                or {r.name for r in cmap.replica_nodes(vb)} - set(sets[vb].members)
+            ]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"in-sync sets not published for vbuckets {missing[:8]}")
+            await asyncio.sleep(0.1)

@@ -35,7 +35,7 @@ RELATIVE_EXPIRY_MAX_S = 30 * 24 * 3600  # memcached: up to 30 days is relative, 
 FLUSH_IDLE_S = 0.005
 # A round stops taking vbuckets past this: one more vbucket's batch (flush_batch_bytes is at most
 # STORAGE_BATCH_BYTES_MAX // 64, config.py) must still fit under the store's batch bound.
-ROUND_BYTES_MAX = limits.STORAGE_BATCH_BYTES_MAX - 2 * (limits.STORAGE_BATCH_BYTES_MAX // 64)
+ROUND_BYTES_MAX = 4 * limits.FLUSH_BATCH_BYTES_MAX
 
 
 class Bucket:
