@@ -136,8 +136,9 @@ class ReplicaFeed:
         self._retry_at: dict[int, float] = {}
         self._acked: dict[int, tuple[int, int]] = {}
         self._unacked_bytes = 0
-        self._backlog: deque[Item] = deque()  # items waiting for checkpoint memory
-        self._backlog_vb = -1
+        # (vbucket, item) waiting for checkpoint memory, in wire order (a run may hold
+        # several vbuckets: each item keeps its own).
+        self._backlog: deque[tuple[int, Item]] = deque()
         self._failure: BaseException | None = None
 
     @property
@@ -288,22 +289,21 @@ class ReplicaFeed:
 
     def _queue(self, vb: int, item: Item) -> None:
         if self._backlog:
-            self._backlog.append(item)
+            self._backlog.append((vb, item))
             return
         try:
             self.bucket.vbucket(vb).queue_replicated(item)
         except CheckpointMemoryFullError:
             # Wait for the flusher to free memory; stop reading until the backlog is in.
-            self._backlog.append(item)
-            self._backlog_vb = vb
+            self._backlog.append((vb, item))
             if self._conn is not None:
                 self._conn.pause_reading()
 
     def _drain_backlog(self) -> None:
         while self._backlog:
-            item = self._backlog[0]
+            vb, item = self._backlog[0]
             try:
-                self.bucket.vbucket(self._backlog_vb).queue_replicated(item)
+                self.bucket.vbucket(vb).queue_replicated(item)
             except CheckpointMemoryFullError:
                 return
             self._backlog.popleft()
