@@ -28,9 +28,9 @@ def test_the_in_sync_replica_with_the_highest_seqno_is_promoted() -> None:
     assert plan.new_map is not None and plan.new_map.rev == 2
     assert plan.promoted == dict.fromkeys(vbs, "n3")
     assert not plan.refused
-    for vb in vbs:  # the dead node's place is free for its return; n2 stays a replica
-        names = [plan.new_map.nodes[i].name if i != -1 else None for i in plan.new_map.chains[vb]]
-        assert names == ["n3", "n2", None]
+    for vb in vbs:  # the old active is the last replica (it resumes as one when back)
+        names = [plan.new_map.nodes[i].name for i in plan.new_map.chains[vb]]
+        assert names == ["n3", "n2", "n1"]
 
 
 def test_no_in_sync_replica_is_refused_unless_forced() -> None:
@@ -39,21 +39,23 @@ def test_no_in_sync_replica_is_refused_unless_forced() -> None:
     in_sync = {vb: InSyncRecord("n1", frozenset()) for vb in vbs}  # n2 had fallen behind
     plan = plan_failover(current, {"n2"}, in_sync, {"n2": {}})
     assert set(plan.refused) == set(vbs) and not plan.promoted
-    assert plan.new_map is not None  # the vbuckets lose their active: no silent promotion
-    assert all(plan.new_map.chains[vb][0] == -1 for vb in vbs)
+    assert plan.new_map is None  # no silent promotion: unavailable until n1 returns
     forced = plan_failover(current, {"n2"}, in_sync, {"n2": {}}, force=True)
     assert forced.promoted == dict.fromkeys(vbs, "n2") and not forced.refused
 
 
-def test_a_returning_node_takes_its_free_replica_slots_back() -> None:
-    current = cluster(3, 2)
+def test_a_returning_node_is_its_old_vbuckets_replica_and_free_slots_are_filled() -> None:
+    current = cluster(3, 1)
     in_sync = {vb: InSyncRecord("n1", frozenset({"n2", "n3"})) for vb in range(8)}
     after = plan_failover(current, {"n2", "n3"}, in_sync, {"n2": {}, "n3": {}}).new_map
     assert after is not None
-    back = plan_failover(after, {"n1", "n2", "n3"}, {}, {}).new_map
-    assert back is not None and back.rev == after.rev + 1
-    assert all(-1 not in chain for chain in back.chains)
-    assert plan_failover(back, {"n1", "n2", "n3"}, {}, {}).new_map is None  # stable
+    led = [vb for vb in range(8) if current.chains[vb][0] == 0]
+    assert all(after.chains[vb][1] == 0 for vb in led)  # n1 kept a replica slot: no copying
+    assert plan_failover(after, {"n1", "n2", "n3"}, {}, {}).new_map is None  # it just returns
+    # A map made with fewer nodes than copies has free slots: a live node gets them.
+    sparse = ClusterMap(5, current.nodes, tuple((c[0], -1) for c in current.chains), 1)
+    filled = plan_failover(sparse, {"n1", "n2", "n3"}, {}, {}).new_map
+    assert filled is not None and all(-1 not in chain for chain in filled.chains)
 
 
 @settings(max_examples=300, deadline=None)
@@ -100,7 +102,7 @@ def test_properties(nodes: int, replicas: int, live_mask: list[bool], data: st.D
             assert winner in rivals
             assert all(highs[winner][vb] >= highs[r][vb] for r in rivals)
         else:
-            assert chain[0] == -1 and vb in plan.refused
+            assert chain == current.chains[vb] and vb in plan.refused
     # Every chain stays valid (ClusterMap checks distinct nodes and the length).
     ClusterMap(result.rev, result.nodes, result.chains, result.replicas)
 

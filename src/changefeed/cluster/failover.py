@@ -5,14 +5,16 @@ active is gone (its lease expired, or an operator named it in `changefeed cluste
 - promote, among its replicas that are live, one that was in the dead active's last published
   in-sync set (Kafka: only an ISR member may lead; unclean election loses data by design), the
   one with the highest seqno;
-- if none was in sync, leave the vbucket without an active and say why — unless forced, then
+- if none was in sync, leave the vbucket as it is (unavailable until its active returns) and
+  say why — unless forced, then
   take the live replica with the highest seqno and accept that writes it never received are
   lost (consumers are told by the rollback that follows);
 - keep the vbucket's other replicas, live or not (a replica that is down resumes when it
-  returns); the failed active's slot becomes -1.
-Rejoin: a live node the map lists but no longer places gets the free (-1) replica slots of
-chains it is not in, so a node that comes back becomes a replica again and catches up (its
-replica streams roll back to the common history first).
+  returns); the failed active becomes the last replica.
+Rejoin: the failed active keeps a replica slot in the vbuckets it led, so a node that comes
+back is their replica again and catches up (its replica streams roll back to the common
+history first); meanwhile no other node is given a copy to make. Free (-1) slots — a map made
+when there were fewer nodes than copies — go to live nodes that hold no copy of the vbucket.
 
 Sans-IO: everything it reads is passed in; the orchestrator fetches it from etcd.
 """
@@ -74,15 +76,14 @@ def plan_failover(
     rejoined: dict[int, str] = {}
     for vb, chain in enumerate(current.chains):
         active = chain[0]
-        # Replicas stay in the chain while down (they resume when back); only a node failed
-        # over by hand leaves it.
-        replicas = [i for i in chain[1:] if i != -1 and names[i] not in failed]
+        # Replicas stay in the chain while down (they resume when back).
+        replicas = [i for i in chain[1:] if i != -1]
         if active != -1 and (names[active] in usable or names[active] in hold):
             new_chain = [active, *replicas]
         else:
             lost = names[active] if active != -1 else "nobody"
             record = in_sync.get(vb)
-            candidates = [i for i in replicas if names[i] in usable]
+            candidates = [i for i in replicas if names[i] in usable and names[i] not in failed]
             eligible = [
                 i
                 for i in candidates
@@ -95,12 +96,15 @@ def plan_failover(
                 refused[vb] = f"vb {vb}: no live replica was in sync with {lost}: " + (
                     why if candidates else "no live replica"
                 )
-                new_chain = [-1, *replicas]
+                new_chain = list(chain)  # unchanged: it serves again when its active returns
             else:
                 best = max(eligible, key=lambda i: (high_seqnos.get(names[i], {}).get(vb, -1), -i))
                 promoted[vb] = names[best]
-                new_chain = [best, *[i for i in replicas if i != best]]
-        for i, name in enumerate(names):  # rejoin: free replica slots to live, unplaced nodes
+                # The old active keeps a replica slot of its vbucket: when it returns it is
+                # that vbucket's replica again (rolling back to the common history first), and
+                # no other node is made to copy the vbucket meanwhile.
+                new_chain = [best, *[i for i in replicas if i != best], active]
+        for i, name in enumerate(names):  # free replica slots (too few nodes at first) to live ones
             if len(new_chain) > current.replicas:
                 break
             if name in usable and i not in new_chain:
