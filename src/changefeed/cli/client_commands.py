@@ -711,27 +711,21 @@ async def _stream_local(
     """``stream --local``: every service of the node covering the vbuckets (changefeed.ipc),
     each a `LocalStream` (shared memory, DCP when it falls behind); returns the vbuckets read."""
     from changefeed.ipc import IpcError
-    from changefeed.ipc.local_stream import LocalStream, high_seqnos, services_of
+    from changefeed.ipc.errors import UnpublishedError
+    from changefeed.ipc.local_stream import LocalStream, high_seqnos, open_local_streams
 
     vbs = set(_check_vbuckets(wanted, await _node_vbuckets(config), target))
     origin: Any = "now" if start == "now" else start
-    streams = []
+    streams: list[LocalStream] = []
     session = SessionState()
     try:
-        for service in services_of(config.bucket, config.port, directory):
-            local = LocalStream(
-                service, directory=directory, app_id=app_id, start=origin, dcp=config, vbuckets=vbs
-            )
-            if local.vbuckets:
-                streams.append(local)
-            else:
-                local.close()
-        missing = vbs - {vb for local in streams for vb in local.vbuckets}
-        if missing:
+        try:
+            streams = open_local_streams(config, vbs, origin, directory=directory, app_id=app_id)
+        except UnpublishedError as error:
             raise click.ClickException(
-                f"vbuckets {_ranges(sorted(missing))} of {target.address} are not published over "
+                f"vbuckets {_ranges(error.missing)} of {target.address} are not published over "
                 "shared memory here (start the node with --shm, or pass its --shm-dir)"
-            )
+            ) from None
         ends = None if follow else await high_seqnos(config)
         pending = list(streams)
         while pending:  # until every stream reached its end (--to-latest), or forever

@@ -64,3 +64,14 @@ class LostDataError(IpcError):
         self.wanted_seq = wanted_seq
         self.oldest_seq = oldest_seq
         self.session = session
+
+
+class UnpublishedError(IpcError):
+    """Vbuckets no shared-memory service of the node publishes (``missing``, sorted)."""
+
+    def __init__(self, missing: list[int], node: str) -> None:
+        super().__init__(
+            f"vbuckets {missing} of {node} are not published over shared memory here "
+            "(a node started with --shm, and its shm_dir)"
+        )
+        self.missing = missing

@@ -44,7 +44,12 @@ from changefeed.consumer.events import (
 from changefeed.consumer.handshake import connect
 from changefeed.consumer.session import SessionState, VbSession
 from changefeed.failover import FailoverLog
-from changefeed.ipc.errors import IpcError, LostDataError, ServiceReplacedError
+from changefeed.ipc.errors import (
+    IpcError,
+    LostDataError,
+    ServiceReplacedError,
+    UnpublishedError,
+)
 from changefeed.ipc.proxy import Sample, Subscription, subscribe
 from changefeed.protocol.kv import encode_request
 from changefeed.protocol.opcode import Opcode
@@ -400,6 +405,44 @@ async def high_seqnos(config: ClientConfig) -> dict[int, int]:
     return found
 
 
+def open_local_streams(
+    config: ClientConfig,
+    vbuckets: set[int],
+    start: LocalStart,
+    *,
+    directory: str | os.PathLike[str] | None = None,
+    app_id: int | None = None,
+) -> list[LocalStream]:
+    """A `LocalStream` on each of the node's services that publishes any of `vbuckets`.
+
+    Raises:
+        UnpublishedError: some of `vbuckets` no service publishes (nothing is left open).
+    """
+    streams: list[LocalStream] = []
+    try:
+        for service in services_of(config.bucket, config.port, directory):
+            local = LocalStream(
+                service,
+                directory=directory,
+                app_id=app_id,
+                start=start,
+                dcp=config,
+                vbuckets=vbuckets,
+            )
+            if local.vbuckets:
+                streams.append(local)
+            else:
+                local.close()
+        missing = vbuckets - {vb for local in streams for vb in local.vbuckets}
+        if missing:
+            raise UnpublishedError(sorted(missing), f"{config.host}:{config.port}")
+    except BaseException:
+        for local in streams:
+            local.close()
+        raise
+    return streams
+
+
 async def read_bounded(
     config: ClientConfig,
     starts: SessionState,
@@ -415,28 +458,14 @@ async def read_bounded(
     once every vbucket reached its end. The batches are copies (valid after the next one).
 
     Raises:
-        IpcError: a vbucket is not published over shared memory in `directory`.
+        UnpublishedError: a vbucket is not published over shared memory in `directory`.
     """
     wanted = {vb for vb, end in ends.items() if starts.get(vb).seqno < end}
     if not wanted:
         return
     dcp = dataclasses.replace(config, rollback_to_snapshot=False)
-    streams: list[LocalStream] = []
+    streams = open_local_streams(dcp, wanted, starts, directory=directory, app_id=app_id)
     try:
-        for service in services_of(config.bucket, config.port, directory):
-            local = LocalStream(
-                service, directory=directory, app_id=app_id, start=starts, dcp=dcp, vbuckets=wanted
-            )
-            if local.vbuckets:
-                streams.append(local)
-            else:
-                local.close()
-        missing = wanted - {vb for local in streams for vb in local.vbuckets}
-        if missing:
-            raise IpcError(
-                f"vbuckets {sorted(missing)} of {config.host}:{config.port} are not published "
-                "over shared memory here (a node started with --shm, and its shm_dir)"
-            )
         limit = np.zeros(max(ends) + 1, np.int64)
         limit[list(ends)] = [min(end, 2**63 - 1) for end in ends.values()]
         pending = list(streams)
