@@ -171,6 +171,9 @@ assert KEY_SIZE_MAX + 2 * 255 < UNAUTHENTICATED_FRAME_SIZE_MAX < FRAME_SIZE_MAX
 # its requests (asyncio's default high-water mark is 64 KiB; 4 MiB keeps pipelined small GETs
 # flowing). So a client that pipelines GETs and never reads costs at most this plus one reply
 # (<= VALUE_SIZE_MAX): measured before the bound, 60 unread 5 MiB GETs cost +294 MiB.
+# Plain SETs taken from a receive buffer as one run (protocol/set_run.py): bounds the work of one
+# step and the replies it queues (~40 bytes each).
+SET_RUN_ITEMS_MAX = 4096
 WRITE_BUFFER_HIGH_BYTES = 4 * 1024 * 1024
 
 # Bytes of unfinished requests all connections together may hold. Three maximal (20 MiB) values

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from changefeed import limits
@@ -55,6 +55,7 @@ from changefeed.protocol.errors import (
     LockedError,
     NotLockedError,
     NotMyVbucketError,
+    StatusError,
     TemporaryFailureError,
 )
 from changefeed.protocol.kv import MutationResult
@@ -242,6 +243,50 @@ class VBucket:
             datatype=datatype,
             rev_seqno=rev_seqno,
         )
+
+    def set_many(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[bytes],
+        flags: Sequence[int],
+        expiries: Sequence[int],
+        datatypes: Sequence[int],
+    ) -> list[MutationResult | StatusError]:
+        """`set` without CAS of each write, in order, as a received batch of SETs: the stored
+        versions of the keys are looked up in one read transaction, not one each. A write
+        that `set` would refuse gets its error in the result; the others still apply.
+
+        `expiries` are absolute, as `set`'s.
+        """
+        if self._state is not VBucketState.ACTIVE:
+            error = NotMyVbucketError(f"vb {self._vb} is {self._state.value}, not active")
+            return [error] * len(keys)
+        find = self.manager.find
+        stored = self._store.get_many(self._vb, [key for key in keys if find(key) is None])
+        results: list[MutationResult | StatusError] = []
+        append = results.append
+        for key, value, flag, expiry, datatype in zip(
+            keys, values, flags, expiries, datatypes, strict=True
+        ):
+            try:
+                current = self._current(key, stored)
+                if self._locks:
+                    self._check_lock(key, current, 0)
+                rev_seqno = current.rev_seqno + 1 if current is not None else 1
+                append(
+                    self._queue_write(
+                        key,
+                        Op.MUTATION,
+                        value,
+                        flags=flag,
+                        expiry=expiry,
+                        datatype=datatype,
+                        rev_seqno=rev_seqno,
+                    )
+                )
+            except StatusError as error:
+                append(error)
+        return results
 
     def add(
         self, key: bytes, value: bytes, *, flags: int = 0, expiry: int = 0, datatype: int = 0
@@ -651,11 +696,18 @@ class VBucket:
         if self._state is not VBucketState.ACTIVE:
             raise NotMyVbucketError(f"vb {self._vb} is {self._state.value}, not active")
 
-    def _current(self, key: bytes) -> Item | Record | None:
-        """The live (not deleted, not expired) newest version of `key`, memory first."""
+    def _current(
+        self, key: bytes, stored: dict[bytes, Record | None] | None = None
+    ) -> Item | Record | None:
+        """The live (not deleted, not expired) newest version of `key`, memory first; then
+        `stored` if it holds the key (looked up earlier in this loop step: nothing commits
+        in between), else the store."""
         found: Item | Record | None = self.manager.find(key)
         if found is None:
-            found = self._store.get(self._vb, key)
+            if stored is not None and key in stored:
+                found = stored[key]
+            else:
+                found = self._store.get(self._vb, key)
         if found is None or found.op is not Op.MUTATION:
             return None
         if found.expiry and found.expiry <= self._clock():

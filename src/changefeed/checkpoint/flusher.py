@@ -32,7 +32,7 @@ from changefeed.checkpoint.item import Item
 from changefeed.checkpoint.manager import CheckpointManager
 from changefeed.checkpoint.memory import item_size_bytes
 from changefeed.checkpoint.snapshot import CursorSignal, SnapshotStart
-from changefeed.storage import Op, Store, WriteBatch
+from changefeed.storage import Store, WriteBatch
 
 BACKUP_CURSOR_NAME: Final = "persistence-backup"
 
@@ -227,31 +227,12 @@ class Flusher:
         assert snapshot is not None, items[0]
         assert snapshot.snap_start <= items[-1].seqno <= snapshot.snap_end, (snapshot, items[-1])
         vb = self._manager.vb
-        for item in items:
-            if item.op is Op.MUTATION:
-                batch.set(
-                    vb,
-                    item.key,
-                    item.seqno,
-                    item.value,
-                    cas=item.cas,
-                    flags=item.flags,
-                    expiry=item.expiry,
-                    datatype=item.datatype,
-                    rev_seqno=item.rev_seqno,
-                )
-            else:
-                batch.delete(
-                    vb,
-                    item.key,
-                    item.seqno,
-                    cas=item.cas,
-                    rev_seqno=item.rev_seqno,
-                    delete_time=item.delete_time,
-                    expiration=item.op is Op.EXPIRATION,
-                    value=item.value,
-                    datatype=item.datatype,
-                )
+        put_body = batch.put_body
+        for item in items:  # each item's DCP body was encoded once, when it was queued
+            put_body(
+                vb, item.key, item.seqno, item.op, datatype=item.datatype, cas=item.cas,
+                body=item.body,
+            )  # fmt: skip
         batch.set_vbucket_meta(vb, snap_start=snapshot.snap_start, snap_end=snapshot.snap_end)
 
     def _resolve_waiters(self) -> None:

@@ -28,6 +28,7 @@ from changefeed.protocol.batch import Batch, decode_batch
 from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import Frame, check_header, decode_frame
 from changefeed.protocol.opcode import Magic
+from changefeed.protocol.set_run import SetRun, take_set_run
 from changefeed.protocol.status import Status
 
 _HEADER_SIZE: Final = limits.HEADER_SIZE
@@ -164,6 +165,16 @@ class FrameReader:
             self._error = error
             raise
         return batch
+
+    def take_set_run(self, items_max: int) -> SetRun:
+        """The plain SETs at the front of the buffer as columns (see ``set_run.py``); empty
+        when the next frame is anything else, so ``next_frame`` takes it."""
+        self._raise_if_poisoned()
+        if self._skip_bytes:
+            return SetRun()
+        run = take_set_run(self._buffer, self._start, self.frame_size_max, items_max)
+        self._start += run.consumed
+        return run
 
     def _raise_if_poisoned(self) -> None:
         if self._error is not None:

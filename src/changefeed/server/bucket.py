@@ -14,15 +14,18 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 from changefeed import limits
 from changefeed.checkpoint import CursorKind, MemoryBudget, StreamReader, Wakeup
 from changefeed.checkpoint.flusher import StagedFlush
 from changefeed.producer.stream_request import VbucketView
-from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError
+from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError, StatusError
 from changefeed.protocol.kv import MutationResult, ObserveSeqnoResult, StoreCommand
 from changefeed.protocol.kv_ops import DocumentMeta
 from changefeed.protocol.opcode import Opcode
+from changefeed.protocol.set_run import SetRun
 from changefeed.server.config import NodeConfig
 from changefeed.server.persistence import PersistenceHealth
 from changefeed.storage import StorageError, Store
@@ -56,6 +59,8 @@ class Bucket:
         self._flush_task: asyncio.Task[None] | None = None
         self._dirty = asyncio.Event()
         self.persistence = PersistenceHealth()
+        # The flusher's commits run here, off the event loop (one writer: LMDB has one).
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="changefeed-flush")
 
     @classmethod
     def open(
@@ -117,6 +122,7 @@ class Bucket:
             self._flush_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._flush_task
+        self._writer.shutdown(wait=True)
         unpersisted = 0
         for vb in self.vbuckets.values():
             try:
@@ -136,7 +142,7 @@ class Bucket:
         while True:  # the bucket's flusher; cancelled by close()
             self._dirty.clear()
             try:
-                wrote = self._flush_round()
+                wrote = await self._flush_round()
             except StorageError as error:
                 await asyncio.sleep(self.persistence.failed(error))
                 continue
@@ -147,27 +153,43 @@ class Bucket:
                 await asyncio.wait_for(self._dirty.wait(), 1.0)
             await asyncio.sleep(FLUSH_IDLE_S)  # gather a group commit
 
-    def _flush_round(self) -> int:
+    async def _flush_round(self) -> int:
         """One batch of every vbucket with queued items, all in one transaction: one commit
-        (one fsync when durable) per round instead of one per vbucket. A failed commit raises
-        (every flusher keeps its batch queued) and is retried by the loop."""
+        (one fsync when durable) per round instead of one per vbucket. The batch is filled
+        on the event loop and committed on the writer thread, so requests are served while
+        LMDB commits and fsyncs (both release the GIL). A failed commit raises (every
+        flusher keeps its batch queued) and is retried by the loop."""
         staged: list[tuple[VBucket, StagedFlush | None]] = []
         if not any(vb.flusher.pending for vb in self.vbuckets.values()):
             self.persistence.succeeded()
             return 0  # no empty transaction
+        batch = self.store.begin_batch()
         try:
-            with self.store.write_batch() as batch:
-                for vb in self.vbuckets.values():
-                    if batch.stored_bytes >= ROUND_BYTES_MAX:
-                        break  # the rest go in the next round
-                    if vb.flusher.pending:
-                        staged.append((vb, vb.flusher.stage(batch)))
+            for vb in self.vbuckets.values():
+                if batch.stored_bytes >= ROUND_BYTES_MAX:
+                    break  # the rest go in the next round
+                if vb.flusher.pending:
+                    staged.append((vb, vb.flusher.stage(batch)))
         except BaseException:
+            self.store.abort_batch(batch)
             for vb, pending in staged:
                 vb.flusher.staged_failed(pending)
             raise
-        wrote = sum(vb.flusher.staged_committed(pending) for vb, pending in staged)
-        self.persistence.succeeded()
+        commit = asyncio.get_running_loop().run_in_executor(
+            self._writer, self.store.commit_batch, batch
+        )
+        cancelled = await _settle(commit)
+        failure = commit.exception()
+        if failure is not None:
+            for vb, pending in staged:
+                vb.flusher.staged_failed(pending)
+        else:
+            wrote = sum(vb.flusher.staged_committed(pending) for vb, pending in staged)
+            self.persistence.succeeded()
+        if cancelled:
+            raise asyncio.CancelledError  # close(): stop, with every staged item settled
+        if failure is not None:
+            raise failure
         return wrote
 
     # -- KV --------------------------------------------------------------------------------------
@@ -208,6 +230,43 @@ class Bucket:
             datatype=command.datatype,
             cas=command.cas,
         )
+
+    def set_run(self, run: SetRun) -> list[MutationResult | StatusError]:
+        """The plain SETs of one received batch (no CAS), results in run order: each vbucket's
+        writes are applied together (`VBucket.set_many`), in their order within it."""
+        try:
+            self.persistence.check_writable()
+        except StatusError as error:
+            return [error] * len(run)
+        now = self._clock()
+        by_vb: dict[int, list[int]] = {}
+        for index, vb in enumerate(run.vbuckets):
+            group = by_vb.get(vb)
+            if group is None:
+                by_vb[vb] = [index]
+            else:
+                group.append(index)
+        results: list[MutationResult | StatusError | None] = [None] * len(run)
+        keys, values, flags, datatypes = run.keys, run.values, run.flags, run.datatypes
+        wire_expiries = run.expiries
+        for vb, indexes in by_vb.items():
+            vbucket = self.vbuckets.get(vb)
+            if vbucket is None:
+                missing = NotMyVbucketError(f"vbucket {vb} does not exist")
+                for index in indexes:
+                    results[index] = missing
+                continue
+            outcomes = vbucket.set_many(
+                [keys[i] for i in indexes],
+                [values[i] for i in indexes],
+                [flags[i] for i in indexes],
+                [absolute_expiry(wire_expiries[i], now) for i in indexes],
+                [datatypes[i] for i in indexes],
+            )
+            for index, outcome in zip(indexes, outcomes, strict=True):
+                results[index] = outcome
+        assert None not in results, run.opaques
+        return cast("list[MutationResult | StatusError]", results)
 
     def delete(self, vb: int, key: bytes, *, cas: int = 0) -> MutationResult:
         """DELETE; TMPFAIL while the store cannot persist."""
@@ -396,6 +455,18 @@ class Bucket:
             for i, (uuid, seqno) in enumerate(entries):
                 yield f"vb_{vb}:{i}:id", str(uuid)
                 yield f"vb_{vb}:{i}:seq", str(seqno)
+
+
+async def _settle(future: asyncio.Future[None]) -> bool:
+    """Wait for `future` to end even if this task is cancelled meanwhile (a commit on the
+    writer thread runs on regardless: its items must end durable or queued again, never
+    unknown); returns whether the task was cancelled."""
+    try:
+        await asyncio.wait([future])
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        return True
+    return False
 
 
 def absolute_expiry(expiry: int, now: float) -> int:

@@ -53,6 +53,7 @@ from changefeed.protocol.kv import (
 )
 from changefeed.protocol.opcode import Datatype, Feature, Magic, Opcode
 from changefeed.protocol.reader import CLOSED, NEED_DATA, FrameReader, OversizedFrame
+from changefeed.protocol.set_run import SetRun, pack_set_success, pack_set_success_with_token
 from changefeed.protocol.status import Status
 from changefeed.server import kv_commands, subdoc
 from changefeed.server.authenticator import SaslAuthenticator
@@ -196,9 +197,17 @@ class ClientConnection(asyncio.Protocol):
         replies of one received batch are written together."""
         self._out = []
         dispatched = 0
-        next_frame = self.reader.next_frame
+        reader = self.reader
+        next_frame = reader.next_frame
+        runs = self._takes_set_runs()
         try:
             while self.writable.is_set() and self._sasl_task is None:  # bounded by the bytes
+                if runs:
+                    run = reader.take_set_run(limits.SET_RUN_ITEMS_MAX)
+                    if run:
+                        dispatched += len(run)
+                        self._store_run(run)
+                        continue
                 frame = next_frame()
                 if frame is NEED_DATA or frame is CLOSED:
                     break
@@ -208,6 +217,7 @@ class ClientConnection(asyncio.Protocol):
                     continue
                 assert isinstance(frame, Frame), frame
                 self._dispatch(frame)
+                runs = self._takes_set_runs()  # the frame may have been SELECT_BUCKET, SASL...
         except ProtocolError as error:
             self._flush_replies()
             self._out = None
@@ -356,15 +366,46 @@ class ClientConnection(asyncio.Protocol):
             return
         try:
             handler(self, frame)
-        except ProtocolError as error:
+        except (ProtocolError, StatusError) as error:
+            self._reply_error(frame, error)
+
+    def _reply_error(self, frame: Frame, error: ProtocolError | StatusError) -> None:
+        if isinstance(error, ProtocolError):
             self.reply(frame, error.status, value=str(error).encode())
-        except NotMyVbucketError:
+        elif isinstance(error, NotMyVbucketError):
             # Couchbase answers with the current map, so a client can re-route at once.
             body = self.context.cluster_config_json()
             self.reply(frame, Status.NOT_MY_VBUCKET, value=body, datatype=Datatype.JSON)
-        except StatusError as error:
+        else:
             status = kv_commands.wire_status(self, error.code)
             self.reply(frame, status, value=str(error).encode())
+
+    def _takes_set_runs(self) -> bool:
+        """Plain SETs may be taken as runs (`set_run.py`): a KV connection, a bucket selected
+        and SET permitted. Anything else about a SET (CAS, framing extras) ends a run."""
+        return self.dcp is None and self.bucket_selected and Opcode.SET in self.permitted
+
+    def _store_run(self, run: SetRun) -> None:
+        """Apply a run of plain SETs and queue their replies in order: successes packed
+        together, a refused write answered as `_dispatch` would answer it."""
+        results = self.context.bucket.set_run(run)
+        token = Feature.MUTATION_SEQNO in self.features
+        out: list[bytes] = []
+        for opaque, vb, result in zip(run.opaques, run.vbuckets, results, strict=True):
+            if type(result) is MutationResult:
+                if token:
+                    uuid, seqno = result.vb_uuid, result.seqno
+                    out.append(pack_set_success_with_token(opaque, result.cas, uuid, seqno))
+                else:
+                    out.append(pack_set_success(opaque, result.cas))
+                continue
+            assert isinstance(result, StatusError), result
+            if out:
+                self.send(b"".join(out))
+                out = []
+            self._reply_error(Frame(Magic.REQUEST, Opcode.SET, vbucket=vb, opaque=opaque), result)
+        if out:
+            self.send(b"".join(out))
 
     def _refuse_unpermitted(self, frame: Frame) -> None:
         if self.sasl.user is None:

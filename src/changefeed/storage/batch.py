@@ -21,8 +21,11 @@ from changefeed.storage.errors import CorruptRecordError
 from changefeed.storage.keys import BY_KEY_VALUE, SEQNO_KEY, VB_KEY, decode_by_key_value
 from changefeed.storage.record import (
     DATATYPE_MASK,
+    DELETION_EXTRAS_SIZE,
     DELETION_HEAD,
+    MUTATION_EXTRAS_SIZE,
     MUTATION_HEAD,
+    PREFIX,
     TAG_DELETION,
     TAG_EXPIRATION,
     TAG_MUTATION,
@@ -41,6 +44,11 @@ _KEY_SIZE_MAX: Final = limits.STORED_KEY_SIZE_MAX
 _VALUE_SIZE_MAX: Final = limits.VALUE_SIZE_MAX
 _VB_PREFIXES: Final = tuple(VB_KEY.pack(vb) for vb in range(limits.VBUCKETS_MAX))
 _pack_mutation_head: Final = MUTATION_HEAD.pack
+_pack_prefix: Final = PREFIX.pack
+_unpack_body_seqno: Final = struct.Struct(">Q").unpack_from  # both extras layouts start with it
+_TAGS: Final = {Op.MUTATION: TAG_MUTATION, Op.DELETION: TAG_DELETION, Op.EXPIRATION: TAG_EXPIRATION}
+_MUTATION_EXTRAS_SIZE: Final = MUTATION_EXTRAS_SIZE
+_DELETION_EXTRAS_SIZE: Final = DELETION_EXTRAS_SIZE
 _pack_seqno_key: Final = SEQNO_KEY.pack
 _pack_by_key_value: Final = BY_KEY_VALUE.pack
 
@@ -101,7 +109,7 @@ class WriteBatch:
             or len(value) > _VALUE_SIZE_MAX
             or datatype & ~DATATYPE_MASK
         ):
-            _check_item(vb, row, key, seqno, value, datatype)
+            _check_item(vb, row, key, seqno, len(value), datatype)
         try:
             head = _pack_mutation_head(
                 TAG_MUTATION, datatype, len(key), cas, seqno, rev_seqno, flags, expiry, 0, 0, 0
@@ -134,7 +142,7 @@ class WriteBatch:
             ValueError, RuntimeError: as for `set`.
         """
         row = self._row(vb)
-        _check_item(vb, row, key, seqno, value, datatype)
+        _check_item(vb, row, key, seqno, len(value), datatype)
         tag = TAG_EXPIRATION if expiration else TAG_DELETION
         try:
             head = DELETION_HEAD.pack(
@@ -145,6 +153,38 @@ class WriteBatch:
         op = Op.EXPIRATION if expiration else Op.DELETION
         self._add(vb, row, key, seqno, op, head + key + value)
 
+    def put_body(
+        self, vb: int, key: bytes, seqno: int, op: Op, *, datatype: int, cas: int, body: bytes
+    ) -> None:
+        """Write a version whose DCP body (extras for `op`, `key`, value) is already encoded:
+        the flusher stores each checkpoint item's body as it was built when queued.
+
+        Raises:
+            ValueError: as for `set`, or a body too short for its extras and key.
+            RuntimeError: the batch has ended.
+        """
+        row = self._rows.get(vb) if self._open else None
+        if row is None:
+            row = self._row(vb)
+        key_at = _MUTATION_EXTRAS_SIZE if op is Op.MUTATION else _DELETION_EXTRAS_SIZE
+        value_size = len(body) - key_at - len(key)
+        if (
+            seqno <= row.high_seqno
+            or not 0 < len(key) <= _KEY_SIZE_MAX
+            or value_size > _VALUE_SIZE_MAX
+            or datatype & ~DATATYPE_MASK
+        ):
+            _check_item(vb, row, key, seqno, value_size, datatype)
+        if value_size < 0 or body[key_at : key_at + len(key)] != key:
+            raise ValueError(f"vb {vb} seqno {seqno}: body does not hold key {key[:64]!r}")
+        if _unpack_body_seqno(body)[0] != seqno:
+            raise ValueError(f"vb {vb} seqno {seqno}: body says another seqno")
+        try:
+            prefix = _pack_prefix(_TAGS[op], datatype, len(key), cas)
+        except struct.error as error:
+            raise ValueError(f"vb {vb} seqno {seqno}: field out of range: {error}") from None
+        self._add(vb, row, key, seqno, op, prefix + body)
+
     def put_record(self, record: Record) -> None:
         """Write a record received from elsewhere (replica path); `record.body` is stored as is.
 
@@ -152,7 +192,7 @@ class WriteBatch:
             ValueError, RuntimeError: as for `set`.
         """
         row = self._row(record.vb)
-        _check_item(record.vb, row, record.key, record.seqno, record.value, record.datatype)
+        _check_item(record.vb, row, record.key, record.seqno, len(record.value), record.datatype)
         self._add(record.vb, row, record.key, record.seqno, record.op, encode_stored(record))
 
     def set_vbucket_meta(
@@ -286,14 +326,16 @@ class WriteBatch:
             raise RuntimeError("this write batch has ended; start another with store.write_batch()")
 
 
-def _check_item(vb: int, row: VbState, key: bytes, seqno: int, value: bytes, datatype: int) -> None:
+def _check_item(
+    vb: int, row: VbState, key: bytes, seqno: int, value_size: int, datatype: int
+) -> None:
     if seqno <= row.high_seqno:
         raise ValueError(f"vb {vb}: seqno {seqno} must be above the high seqno {row.high_seqno}")
     if not 0 < len(key) <= limits.STORED_KEY_SIZE_MAX:
         raise ValueError(
             f"vb {vb} seqno {seqno}: key length {len(key)} outside 1..STORED_KEY_SIZE_MAX"
         )
-    if len(value) > limits.VALUE_SIZE_MAX:
-        raise ValueError(f"vb {vb} seqno {seqno}: value of {len(value)} bytes over VALUE_SIZE_MAX")
+    if value_size > limits.VALUE_SIZE_MAX:
+        raise ValueError(f"vb {vb} seqno {seqno}: value of {value_size} bytes over VALUE_SIZE_MAX")
     if datatype & ~DATATYPE_MASK:
         raise ValueError(f"vb {vb} seqno {seqno}: datatype {datatype!r} has bits above 0x07")

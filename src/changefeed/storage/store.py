@@ -12,9 +12,12 @@ Contract:
 - Per vbucket, written seqnos strictly increase; `high_seqno` moves with the records in the same
   transaction. Compaction purges old tombstones and raises `purge_seqno` (whole, `compact`, or
   in bounded chunks, `compact_chunk`); `rollback` truncates.
-- One process, one `Store` per environment, one write batch at a time. Reads (`get`, `scan`)
-  see the last committed batch and may run while a batch is being filled. The metadata getters
-  answer from an in-memory copy that changes only after a commit.
+- One process, one `Store` per environment, one writer at a time. A batch may be filled on one
+  thread and committed on another (`begin_batch` / `commit_batch`: the node's flusher commits
+  off its event loop, since LMDB's commit and fsync release the GIL); a writer that comes
+  meanwhile waits for that commit. Reads (`get`, `scan`) see the last committed batch and may
+  run while a batch is filled or committed. The metadata getters answer from an in-memory
+  copy that changes only after a commit.
 
 Not here: seqno allocation, dedup, the failover log's meaning, vbucket state transitions. Those
 live above (vbucket.py, checkpoint/, failover.py); storage stores what it is given.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -56,6 +60,8 @@ from changefeed.storage.record import Record, decode_record
 from changefeed.storage.vbmeta import VbState, VBucketMeta, decode_vbstate, encode_vbstate
 
 _DATABASES: Final = (b"by_seqno", b"by_key", b"vbmeta", b"meta")
+# A writer waits this long for another thread's commit (one fsync, normally milliseconds).
+WRITER_WAIT_S: Final = 120.0
 SHUTDOWN_TOKEN_FILE: Final = "clean-shutdown"  # written after a clean close, beside data.mdb
 
 
@@ -104,7 +110,9 @@ class Store:
             raise ValueError(f"map_size_bytes {map_size_bytes} must be positive")
         self._map_size_bytes = map_size_bytes
         self._path = os.fspath(path)
-        self._batch_open = False
+        self._batch_open = False  # a `write_batch` block is running (nesting is a bug)
+        # Held from a batch's start to the end of its commit, by whichever thread commits.
+        self._writer = threading.Lock()
         self._closed = True
         self.set_aside_to: Path | None = None
         try:
@@ -221,6 +229,10 @@ class Store:
             return
         if self._batch_open:
             raise RuntimeError("close() inside a write batch: end the batch first")
+        with self._writing():  # after a commit still running on another thread
+            self._close(clean)
+
+    def _close(self, clean: bool) -> None:
         self._closed = True
         try:
             with _translated_errors(self._map_size_bytes):
@@ -249,23 +261,68 @@ class Store:
             StorageFullError: the map is full; nothing of the batch was written.
             StorageError: LMDB failed; nothing of the batch was written.
         """
-        self._require_open()
-        if self._batch_open:
-            raise RuntimeError("a write batch is already open on this store")
-        batch = _batch.WriteBatch(self._rows)
+        batch = self.begin_batch()
         self._batch_open = True
         try:
             try:
                 yield batch
             except BaseException:
-                batch.close()
+                self.abort_batch(batch)
                 raise
+            self.commit_batch(batch)
+        finally:
+            self._batch_open = False
+
+    def begin_batch(self) -> _batch.WriteBatch:
+        """Start a batch to commit with `commit_batch` (on any thread) or drop with
+        `abort_batch`; waits while another thread commits one. Exactly one of the two must
+        follow, or no other write can start.
+
+        Raises:
+            RuntimeError: a `write_batch` block is open on this store (nesting is a bug).
+            StorageError: the store is closed, or a writer held it for WRITER_WAIT_S.
+        """
+        self._require_open()
+        if self._batch_open:
+            raise RuntimeError("a write batch is already open on this store")
+        self._acquire_writer()
+        if self._closed:
+            self._writer.release()
+            raise StorageError("the store is closed")
+        return _batch.WriteBatch(self._rows)
+
+    def commit_batch(self, batch: _batch.WriteBatch) -> None:
+        """Apply `batch` in one write transaction and commit it (fsync when durable).
+
+        Raises:
+            StorageFullError: the map is full; nothing of the batch was written.
+            StorageError: LMDB failed; nothing of the batch was written.
+        """
+        try:
             with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
                 rows = batch.apply(txn, self._by_seqno, self._by_key, self._vbmeta)
             self._rows.update(rows)
         finally:
             batch.close()
-            self._batch_open = False
+            self._writer.release()
+
+    def abort_batch(self, batch: _batch.WriteBatch) -> None:
+        """Drop `batch` unwritten."""
+        batch.close()
+        self._writer.release()
+
+    def _acquire_writer(self) -> None:
+        if not self._writer.acquire(timeout=WRITER_WAIT_S):
+            raise StorageError(f"the store's writer was busy for {WRITER_WAIT_S:.0f} s")
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Hold the writer (compaction, rollback, close) after any commit in flight."""
+        self._acquire_writer()
+        try:
+            yield
+        finally:
+            self._writer.release()
 
     def compact(
         self,
@@ -302,15 +359,16 @@ class Store:
             self._known_row(vb)
         purge_seqnos: dict[int, int] = {}
         for vb in targets:
-            row = self._rows[vb].copy()
-            with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
-                purged_max, purged = purge_tombstones(
-                    txn, self._by_seqno, self._by_key, vb, delete_time_max
-                )
-                row.purge_seqno = max(row.purge_seqno, purged_max)
-                if purged:
-                    txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=self._vbmeta)
-            self._rows[vb] = row
+            with self._writing():  # the row as a commit in flight leaves it
+                row = self._rows[vb].copy()
+                with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
+                    purged_max, purged = purge_tombstones(
+                        txn, self._by_seqno, self._by_key, vb, delete_time_max
+                    )
+                    row.purge_seqno = max(row.purge_seqno, purged_max)
+                    if purged:
+                        txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=self._vbmeta)
+                self._rows[vb] = row
             purge_seqnos[vb] = row.purge_seqno
         return purge_seqnos
 
@@ -337,11 +395,28 @@ class Store:
             StorageError, CorruptRecordError: as for a batch; nothing of the chunk was written.
         """
         self._require_writable()
-        row = self._known_row(vb).copy()
+        self._known_row(vb)
         if not (0 <= start_seqno <= limits.SEQNO_MAX and 0 <= seqno_max <= limits.SEQNO_MAX):
             raise ValueError(f"range {start_seqno}..{seqno_max} outside 0..SEQNO_MAX")
         if records_max < 1:
             raise ValueError(f"records_max {records_max} must be at least 1")
+        with self._writing():  # the row as a commit in flight leaves it
+            row = self._known_row(vb).copy()
+            chunk = self._purge_chunk(vb, row, delete_time_max, start_seqno, seqno_max, records_max)
+            self._rows[vb] = row
+        assert row.purge_seqno >= chunk.seqno_purged_max, (row, chunk)
+        assert chunk.visited <= records_max, (chunk, records_max)
+        return chunk
+
+    def _purge_chunk(
+        self,
+        vb: int,
+        row: VbState,
+        delete_time_max: float,
+        start_seqno: int,
+        seqno_max: int,
+        records_max: int,
+    ) -> PurgeChunk:
         with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
             chunk = purge_tombstones_chunk(
                 txn,
@@ -356,9 +431,6 @@ class Store:
             if chunk.purged:
                 row.purge_seqno = max(row.purge_seqno, chunk.seqno_purged_max)
                 txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=self._vbmeta)
-        self._rows[vb] = row
-        assert row.purge_seqno >= chunk.seqno_purged_max, (row, chunk)
-        assert chunk.visited <= records_max, (chunk, records_max)
         return chunk
 
     def rollback(self, vb: int, seqno: int) -> int:
@@ -381,20 +453,22 @@ class Store:
             StorageError, CorruptRecordError: as for a batch.
         """
         self._require_writable()
-        row = self._known_row(vb).copy()
+        self._known_row(vb)
         if not 0 <= seqno <= limits.SEQNO_MAX:
             raise ValueError(f"rollback seqno {seqno} outside 0..SEQNO_MAX")
-        if seqno >= row.high_seqno:
-            return seqno
-        with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
-            point = 0 if _has_older_versions(txn, self._by_seqno, vb, seqno) else seqno
-            _, removed_live = discard_after(txn, self._by_seqno, self._by_key, vb, point)
-            row.high_seqno = point
-            row.purge_seqno = min(row.purge_seqno, point)
-            row.snap_start = row.snap_end = point
-            row.item_count -= removed_live
-            txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=self._vbmeta)
-        self._rows[vb] = row
+        with self._writing():  # the row as a commit in flight leaves it
+            row = self._known_row(vb).copy()
+            if seqno >= row.high_seqno:
+                return seqno
+            with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
+                point = 0 if _has_older_versions(txn, self._by_seqno, vb, seqno) else seqno
+                _, removed_live = discard_after(txn, self._by_seqno, self._by_key, vb, point)
+                row.high_seqno = point
+                row.purge_seqno = min(row.purge_seqno, point)
+                row.snap_start = row.snap_end = point
+                row.item_count -= removed_live
+                txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=self._vbmeta)
+            self._rows[vb] = row
         return point
 
     # --- reads ----------------------------------------------------------------------------------
@@ -416,16 +490,38 @@ class Store:
         # Every write looks its key up here: an inline try costs less than the context manager.
         try:
             with self._env.begin() as txn:
-                entry = txn.get(VB_KEY.pack(vb) + key, db=self._by_key)
-                if entry is None:
-                    return None
-                seqno, op = decode_by_key_value(vb, entry)
-                data = txn.get(SEQNO_KEY.pack(vb, seqno), db=self._by_seqno)
+                return self._get_in(txn, vb, key)
         except lmdb.Error as error:
             with _translated_errors(self._map_size_bytes):
                 raise error
+
+    def get_many(self, vb: int, keys: Iterable[bytes]) -> dict[bytes, Record | None]:
+        """`get` of many keys of `vb` in one read transaction (a received batch of writes
+        looks up its keys at once): every key maps to its record or None."""
+        self._require_open()
+        _check_vb(vb)
+        found: dict[bytes, Record | None] = {}
+        try:
+            with self._env.begin() as txn:
+                for key in keys:
+                    if 0 < len(key) <= limits.STORED_KEY_SIZE_MAX:
+                        found[key] = self._get_in(txn, vb, key)
+                    else:
+                        found[key] = None
+        except lmdb.Error as error:
+            with _translated_errors(self._map_size_bytes):
+                raise error
+        return found
+
+    def _get_in(self, txn: lmdb.Transaction, vb: int, key: bytes) -> Record | None:
+        entry = txn.get(VB_KEY.pack(vb) + key, db=self._by_key)
+        if entry is None:
+            return None
+        seqno, op = decode_by_key_value(vb, entry)
+        data = txn.get(SEQNO_KEY.pack(vb, seqno), db=self._by_seqno)
         if data is None:
             raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} has no record")
+        assert isinstance(data, bytes), type(data)  # the environment does not use buffers
         record = decode_record(vb, seqno, data)
         if record.key != key or record.op != op:
             raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} disagrees with record")

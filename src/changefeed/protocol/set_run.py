@@ -1,0 +1,112 @@
+"""A run of plain SET requests taken from a receive buffer in one pass, as columns. No I/O.
+
+Pipelined ingest is a buffer of many SETs back to back. Decoding each into a ``Frame`` and
+dispatching it alone costs more than applying the write, so the server takes the longest
+prefix of the buffer made of *plain* SETs (classic magic, so no framing extras and no
+durability; 8 bytes of extras; no CAS; a key and a value within the limits `decode_store`
+enforces; valid datatype bits) and hands it over as columns. Anything else ends the run and
+goes through the ordinary per-frame path, which also reports every malformed header: a run
+never consumes a frame it did not fully check.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from dataclasses import dataclass, field
+from typing import Final
+
+from changefeed import limits
+from changefeed.protocol.frame import HEADER_FORMAT
+from changefeed.protocol.kv import MUTATION_TOKEN
+from changefeed.protocol.opcode import DATATYPE_MASK, Magic, Opcode
+
+_SET_HEAD: Final = struct.Struct(HEADER_FORMAT + "II")  # the header | flags, expiry
+_HEAD_SIZE: Final = _SET_HEAD.size
+_HEADER_SIZE: Final = limits.HEADER_SIZE
+_EXTRAS_SIZE: Final = 8
+_REQUEST: Final = int(Magic.REQUEST)
+_SET: Final = int(Opcode.SET)
+_DATATYPE_INVALID: Final = ~DATATYPE_MASK
+_KEY_SIZE_MAX: Final = limits.KEY_SIZE_MAX
+_VALUE_SIZE_MAX: Final = limits.VALUE_SIZE_MAX
+assert _HEAD_SIZE == _HEADER_SIZE + _EXTRAS_SIZE
+
+
+@dataclass(slots=True)
+class SetRun:
+    """Plain SETs in arrival order, one entry per request in each column."""
+
+    vbuckets: list[int] = field(default_factory=list)
+    opaques: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    values: list[bytes] = field(default_factory=list)
+    flags: list[int] = field(default_factory=list)
+    expiries: list[int] = field(default_factory=list)
+    datatypes: list[int] = field(default_factory=list)
+    consumed: int = 0  # bytes of the buffer the run took
+
+    def __len__(self) -> int:
+        return len(self.opaques)
+
+
+def take_set_run(
+    buffer: bytes | bytearray, start: int, frame_size_max: int, items_max: int
+) -> SetRun:
+    """The plain SETs at ``buffer[start:]``, up to ``items_max`` (empty if the first frame is
+    anything else or incomplete). ``frame_size_max`` is the reader's body limit: a larger
+    frame ends the run (the per-frame path answers it)."""
+    run = SetRun()
+    end = len(buffer)
+    pos = start
+    view = memoryview(buffer)
+    unpack = _SET_HEAD.unpack_from
+    vbuckets, opaques, keys, values = run.vbuckets, run.opaques, run.keys, run.values
+    flags_out, expiries, datatypes = run.flags, run.expiries, run.datatypes
+    try:
+        while len(opaques) < items_max and end - pos >= _HEAD_SIZE:  # bounded by the buffer
+            magic, opcode, keylen, extlen, datatype, vb, bodylen, opaque, cas, flags, expiry = (
+                unpack(buffer, pos)
+            )
+            total = _HEADER_SIZE + bodylen
+            if (
+                magic != _REQUEST
+                or opcode != _SET
+                or extlen != _EXTRAS_SIZE
+                or cas
+                or not 0 < keylen <= _KEY_SIZE_MAX
+                or bodylen - _EXTRAS_SIZE - keylen > _VALUE_SIZE_MAX
+                or datatype & _DATATYPE_INVALID
+                or bodylen > frame_size_max
+                or _EXTRAS_SIZE + keylen > bodylen
+                or end - pos < total
+            ):
+                break
+            key_at = pos + _HEAD_SIZE
+            value_at = key_at + keylen
+            pos += total
+            vbuckets.append(vb)
+            opaques.append(opaque)
+            keys.append(bytes(view[key_at:value_at]))
+            values.append(bytes(view[value_at:pos]))
+            flags_out.append(flags)
+            expiries.append(expiry)
+            datatypes.append(datatype)
+    finally:
+        view.release()  # the caller may resize the buffer next
+    run.consumed = pos - start
+    return run
+
+
+_SUCCESS_REPLY: Final = struct.Struct(HEADER_FORMAT)
+_SUCCESS_REPLY_WITH_TOKEN: Final = struct.Struct(HEADER_FORMAT + MUTATION_TOKEN.format[1:])
+_TOKEN_SIZE: Final = MUTATION_TOKEN.size
+
+# The success reply of a SET, from the request's opaque and the write's CAS (and, when the
+# connection negotiated MutationSeqno, its vb_uuid and seqno): status 0, no key or value.
+pack_set_success: Final = functools.partial(
+    _SUCCESS_REPLY.pack, int(Magic.RESPONSE), _SET, 0, 0, 0, 0, 0
+)
+pack_set_success_with_token: Final = functools.partial(
+    _SUCCESS_REPLY_WITH_TOKEN.pack, int(Magic.RESPONSE), _SET, 0, _TOKEN_SIZE, 0, 0, _TOKEN_SIZE
+)
