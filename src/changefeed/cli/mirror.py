@@ -1,19 +1,22 @@
 """``changefeed mirror``: the streaming Delta mirror as a long-running job, and its status.
 
-``changefeed mirror --cluster H:P --tables DIR`` runs ``readStream.format("changefeed") ->
-foreachBatch(MirrorWriter)`` (``spark/mirror.py``: a changelog and a current-state mirror, exactly
-once) until SIGTERM or SIGINT, which stop it between micro-batches; run it again with the same
-``--tables`` (and ``--checkpoint``) and it resumes where it stopped. ``--once`` mirrors what is
-there now and exits (availableNow). Documents become typed columns (``--schema`` DDL, else
-inferred from a sample; the columns the mirror table already has keep their types, so a restart
-never drops or retypes a column), or stay bytes with ``--format binary``.
+``changefeed mirror --cluster H:P[,H:P...] --tables DIR`` runs ``readStream.format(
+"changefeed") -> foreachBatch(MirrorWriter)`` (``spark/mirror.py``: a changelog and a
+current-state mirror, exactly once) until SIGTERM or SIGINT, which stop it between
+micro-batches; run it again with the same ``--tables`` (and ``--checkpoint``) and it resumes
+where it stopped. ``--cluster`` is one node, or seed nodes of a cluster: each vbucket is read
+from its active node, and a failover moves the streams without restarting the query.
+``--once`` mirrors what is there now and exits (availableNow). Documents become typed columns
+(``--schema`` DDL, else inferred from a sample; the columns the mirror table already has keep
+their types, so a restart never drops or retypes a column), or stay bytes with ``--format
+binary``.
 
 A progress line (stderr; one JSON object per micro-batch on stdout with ``--json``) shows
-micro-batches, rows and rows/s, and the lag: the node's high seqnos minus the seqnos the mirror
-has committed (items) and the age of the oldest change not mirrored yet (``spark/lag.py``).
+micro-batches, rows and rows/s, and the lag: the active nodes' high seqnos minus the seqnos the
+mirror has committed (items) and the age of the oldest change not mirrored yet (``spark/lag.py``).
 
 ``changefeed mirror status --tables DIR`` reads the mirror table's Delta app transaction (the
-last micro-batch it committed), that batch's end offsets from the checkpoint, and the node's
+last micro-batch it committed), that batch's end offsets from the checkpoint, and the actives'
 high seqnos: the same lag, per vbucket, without Spark.
 
 Exit status: 0 stopped or done; 1 the query or the node failed (one line naming it); 2 usage.
@@ -21,6 +24,7 @@ Exit status: 0 stopped or done; 1 the query or the node failed (one line naming 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -34,24 +38,29 @@ import click
 STOP_WAIT_S: Final = 300.0  # for the running micro-batch to end after SIGTERM
 PROGRESS_INTERVAL_S: Final = 1.0
 LAG_INTERVAL_S: Final = 2.0
+LAG_WAIT_S: Final = 2.0  # the progress line's planning wait for an active node
 LAGGING_SHOWN_MAX: Final = 10
 
 
 def _node_options(cluster: str, bucket: str, user: str, password: str) -> dict[str, str]:
-    nodes = [n.strip() for n in cluster.split(",") if n.strip()]
-    if len(nodes) != 1:
-        raise click.BadParameter(
-            "give one node (host:port); reading a multi-node cluster is not supported yet",
-            param_hint="--cluster",
-        )
-    return {"cluster": nodes[0], "bucket": bucket, "user": user, "password": password}
+    """The source options reaching ``cluster``: one node, or seed nodes ``h1:p1,h2:p2`` of a
+    cluster (any one that answers gives the map; each vbucket is read from its active)."""
+    from changefeed.spark.options import OptionError, SourceOptions
+
+    options = {"cluster": cluster.strip(), "bucket": bucket, "user": user, "password": password}
+    try:
+        SourceOptions.parse(options)
+    except OptionError as error:
+        raise click.BadParameter(str(error), param_hint="--cluster") from None
+    return options
 
 
 def _common(f: Any) -> Any:
     for option in reversed(
         [
             click.option("--cluster", default="127.0.0.1:11210", show_default=True,
-                         help="host:port of the node."),
+                         help="host:port of the node, or seed nodes of a cluster: "
+                              "h1:p1,h2:p2,..."),
             click.option("--bucket", default="default", show_default=True),
             click.option("--user", default="Administrator", show_default=True,
                          envvar="CHANGEFEED_USER"),
@@ -293,6 +302,8 @@ def _lag_after(options: Any, progress: list[Any]) -> Any:
     ended = [p for p in progress if p["sources"] and p["sources"][0].get("endOffset")]
     if not ended:
         return None
+    # Shortly: during a failover the line waits for no new active (the query itself does).
+    options = dataclasses.replace(options, node_timeout_s=min(options.node_timeout_s, LAG_WAIT_S))
     try:
         committed = offsets_from_json(json.loads(ended[-1]["sources"][0]["endOffset"]))
         latest, _ = fetch_latest_sync(options)
@@ -329,7 +340,7 @@ def status(cluster: str, bucket: str, user: str, password: str, tables: Path | N
     batch = table.transaction_version(APP_ID)
     committed = _committed_offsets(checkpoint or tables / "_checkpoint", batch)
     options = SourceOptions.parse(_node_options(cluster, bucket, user, password))
-    latest, _ = _run(lambda: fetch_latest_sync(options), options.host + f":{options.port}")
+    latest, _ = _run(lambda: fetch_latest_sync(options), options.cluster_text)
     lag = measure_lag_sync(options, committed, latest)
     actions = pa.table(table.get_add_actions(flatten=True))
     rows = int(pc.sum(actions.column("num_records")).as_py() or 0)
@@ -392,7 +403,7 @@ def _run(call: Any, address: str) -> Any:
     try:
         return call()
     except (OSError, TimeoutError) as error:
-        raise click.ClickException(f"cannot reach the node at {address}: {error}") from None
+        raise click.ClickException(f"cannot reach the cluster at {address}: {error}") from None
 
 
 def _first_line(text: str) -> str:

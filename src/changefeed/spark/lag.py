@@ -1,7 +1,8 @@
 """How far a reader (the mirror) is behind the node, per vbucket and in total.
 
-- items: the node's high seqno minus the committed seqno (seqnos, so an upper bound on the
-  changes still to read: deduplication may have merged some);
+- items: the high seqno (of the vbucket's active node, on a cluster) minus the committed
+  seqno (seqnos, so an upper bound on the changes still to read: deduplication may have
+  merged some);
 - age: seconds since the oldest change not yet committed was written. It is read from that
   change's CAS, which the node takes from its hybrid clock (nanoseconds since the epoch,
   ``vbucket.py``): the first change after the committed offset is fetched over DCP, only for
@@ -28,13 +29,12 @@ import numpy as np
 
 from changefeed.consumer import (
     Changes,
-    ClientConfig,
-    DcpClient,
     Rollback,
     SessionState,
     StreamEnded,
     StreamRefused,
 )
+from changefeed.spark.cluster import client_config, dcp_client
 from changefeed.spark.offsets import Offsets, VbOffset
 from changefeed.spark.options import SourceOptions
 
@@ -155,15 +155,13 @@ async def _first_cas(
     options: SourceOptions, pending: dict[int, VbOffset], latest: Offsets
 ) -> dict[int, int]:
     """vbucket -> CAS of its first change after ``pending[vb]`` (up to its latest seqno)."""
-    config = ClientConfig(
-        host=options.host, port=options.port, bucket=options.bucket, user=options.user,
-        password=options.password, name=f"changefeed:lag:{uuid.uuid4().hex}",
-        rollback_to_snapshot=False,
-    )  # fmt: skip
+    config = client_config(
+        options, f"changefeed:lag:{uuid.uuid4().hex}", rollback_to_snapshot=False
+    )
     found: dict[int, int] = {}
     unfinished = set(pending)
     state = SessionState({vb: o.session(vb) for vb, o in pending.items()})
-    async with DcpClient(config) as client:
+    async with dcp_client(options, config) as client:  # each vbucket from its active
         ends = {vb: min(latest[vb].seqno, o.seqno + AGE_WINDOW_SEQNOS) for vb, o in pending.items()}
         await client.stream(sorted(pending), state, end_seqnos=ends)
         async for event in client.events():

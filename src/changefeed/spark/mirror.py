@@ -82,6 +82,7 @@ from changefeed.consumer.change_rows import (
     OP_ROLLBACK,
 )
 from changefeed.consumer.current_state import Document, read_current_state
+from changefeed.spark.cluster import reachable_config
 from changefeed.spark.documents import DocumentReader
 from changefeed.spark.key_index import KeyIndex, key_hashes
 from changefeed.spark.merge_source import (
@@ -373,7 +374,13 @@ class MirrorWriter:
             password=options.password,
         )
         raw = {key.encode("utf-8", "surrogateescape"): key for key in keys}
-        docs = asyncio.run(read_current_state(config, set(keys.values()), raw.keys()))
+
+        async def current() -> dict[bytes, Document]:
+            # Through whichever seed answers: the first may be the node that just failed.
+            reachable = await reachable_config(options, config)
+            return await read_current_state(reachable, set(keys.values()), raw.keys())
+
+        docs = asyncio.run(current())
         rows: list[dict[str, Any]] = []
         for raw_key, key in raw.items():
             doc = docs.get(raw_key)

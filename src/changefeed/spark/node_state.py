@@ -1,48 +1,225 @@
-"""What the planner asks a node: each vbucket's high seqno and current vb_uuid.
+"""What the planner asks the cluster: each vbucket's high seqno and current vb_uuid, from the
+node holding its active copy.
 
-Runs in Spark's per-query runner process (offset planning), over a short-lived connection.
+Runs in Spark's per-query runner process (offset planning), over short-lived connections. The
+cluster map comes from the first seed that answers (GET_CLUSTER_CONFIG, ``cluster.py``); each
+active node then gets one connection carrying, pipelined, GET_FAILOVER_LOG for each of its
+vbuckets and last GET_ALL_VB_SEQNOS filtered to ACTIVE. Only the active's numbers mean
+anything: a replica lags it, and a stream is read from the active anyway. A vbucket the node
+does not list as active (its active moved since the map was read: a failover) is asked again
+after the map is read again, and so is a vbucket whose node does not answer (killed, and not
+failed over yet), with backoff, until ``options.node_timeout_s``: a failover takes a few
+seconds, so a micro-batch planned during one waits for it rather than failing. After that the
+error names the nodes and vbuckets that did not answer.
+
+A node outside any cluster serves a one-node map placing every vbucket on itself; a node that
+serves none is asked for everything, as before clusters existed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import struct
+from typing import Final
 
-from changefeed.consumer.handshake import call, connect
-from changefeed.protocol.dcp import decode_failover_log, encode_get_failover_log
+from changefeed.consumer.connection import Connection
+from changefeed.consumer.dcp_map import MapFollower
+from changefeed.consumer.handshake import connect
+from changefeed.protocol.dcp import WireVbucketState, decode_failover_log, encode_get_failover_log
 from changefeed.protocol.errors import error_for_status
-from changefeed.protocol.kv import decode_vb_seqnos
+from changefeed.protocol.frame import Frame
+from changefeed.protocol.kv import decode_vb_seqnos, encode_request
 from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.status import Status
+from changefeed.spark.cluster import dial_seed, retriable
 from changefeed.spark.offsets import Offsets, VbOffset
 from changefeed.spark.options import SourceOptions
 
+AGENT: Final = "changefeed-spark"
+RETRY_BACKOFF_S: Final = (0.05, 0.1, 0.2, 0.5, 1.0)  # then 1 s between attempts
+NODE_CONNECT_TIMEOUT_S: Final = 5.0
+ALL_STATES: Final = 0  # GET_ALL_VB_SEQNOS filter: every vbucket the node holds (not dead)
+
+
+class NodeUnavailableError(ConnectionError):
+    """Some vbuckets' active nodes did not answer within ``nodeTimeoutS``; names them."""
+
+
+class _Planner:
+    """One planning round: the map, a connection per node asked, and why each vbucket that is
+    still missing could not be answered (for the error)."""
+
+    def __init__(self, options: SourceOptions, seed: tuple[str, int], deadline: float) -> None:
+        self.options = options
+        self.deadline = deadline  # loop time
+        self.map = MapFollower(seed[0], seed[1], self._dial)
+        self.conns: dict[str, Connection] = {}
+        self.why: dict[int, str] = {}  # vb -> what the last attempt found
+
+    async def _dial(self, host: str, port: int) -> Connection:
+        o = self.options
+        return await connect(
+            host, port, agent=AGENT, user=o.user, password=o.password, bucket=o.bucket,
+            timeout_s=NODE_CONNECT_TIMEOUT_S,
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        conns, self.conns = list(self.conns.values()), {}
+        for conn in conns:
+            await conn.close()
+
+    async def _conn(self, server: str) -> Connection:
+        conn = self.conns.get(server)
+        if conn is not None and conn.closed is None:
+            return conn
+        conn = await self._dial(*self.map.address(server))
+        self.conns[server] = conn
+        return conn
+
+    async def ask(self, server: str, vbuckets: list[int]) -> dict[int, VbOffset]:
+        """High seqno and vb_uuid of those of ``vbuckets`` that ``server`` holds active (all
+        it holds, without a map); the others get a reason in ``self.why``."""
+        try:
+            conn = await self._conn(server)
+            return await self._ask_on(conn, server, vbuckets)
+        except Exception as error:
+            if not retriable(error):
+                raise
+            dropped = self.conns.pop(server, None)
+            if dropped is not None:
+                await dropped.close()
+            for vb in vbuckets:
+                self.why[vb] = f"node {server} did not answer ({error!r})"
+            return {}
+
+    async def _ask_on(
+        self, conn: Connection, server: str, vbuckets: list[int]
+    ) -> dict[int, VbOffset]:
+        logs: list[asyncio.Future[Frame]] = []
+        for vb in vbuckets:
+            opaque = conn.next_opaque()
+            logs.append(conn.expect(opaque))
+            conn.send(encode_get_failover_log(vb, opaque, dcp=False))
+        # Last, so that a vbucket still active now was active when its log was read (a node
+        # only stops being active, it does not become active again without a failover).
+        state = ALL_STATES if self.map.cluster_map is None else WireVbucketState.ACTIVE
+        opaque = conn.next_opaque()
+        seqnos_answer = conn.expect(opaque)
+        conn.send(
+            encode_request(Opcode.GET_ALL_VB_SEQNOS, opaque=opaque, extras=struct.pack(">I", state))
+        )
+        futures = [*logs, seqnos_answer]
+        try:
+            await conn.drain()
+            async with asyncio.timeout_at(
+                max(self.deadline, asyncio.get_running_loop().time() + 1)
+            ):
+                answers = [await future for future in logs]
+                seqnos = await seqnos_answer
+        except BaseException:
+            for future in futures:  # none left pending, no exception left unretrieved
+                if not future.done():
+                    future.cancel()
+                elif not future.cancelled():
+                    future.exception()
+            raise
+        if seqnos.status != Status.SUCCESS:
+            raise error_for_status(seqnos.status, f"vbucket seqnos of {server}")
+        active = dict(decode_vb_seqnos(seqnos.value))
+        rev = self.map.cluster_map.rev if self.map.cluster_map is not None else 0
+        out: dict[int, VbOffset] = {}
+        for vb, answer in zip(vbuckets, answers, strict=True):
+            if answer.status == Status.NOT_MY_VBUCKET:
+                self.map.learn(answer.value)
+                self.why[vb] = f"node {server} answered NOT_MY_VBUCKET (map rev {rev})"
+                continue
+            if answer.status != Status.SUCCESS:
+                raise error_for_status(answer.status, f"failover log of vbucket {vb} on {server}")
+            if vb not in active:
+                self.why[vb] = f"node {server} no longer holds it active (map rev {rev})"
+                continue
+            uuid = decode_failover_log(answer.value)[0][0]
+            high = active[vb]
+            out[vb] = VbOffset(uuid, high, high, high)
+        return out
+
 
 async def fetch_latest(options: SourceOptions) -> tuple[Offsets, int]:
-    """Return ``({vb: VbOffset at the high seqno}, number of vbuckets in the bucket)``."""
-    conn = await connect(
-        options.host, options.port, agent="changefeed-spark", user=options.user,
-        password=options.password, bucket=options.bucket,
-    )  # fmt: skip
+    """Return ``({vb: VbOffset at its active's high seqno}, number of vbuckets in the bucket)``.
+
+    Raises:
+        NodeUnavailableError: some vbuckets' actives did not answer within ``nodeTimeoutS``
+            (a node down and not failed over); the message names the nodes and vbuckets.
+        SeedsUnreachableError: no seed answered.
+        StatusError: a node refused us for good (authentication, no such bucket).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + options.node_timeout_s
+    conn, seed = await dial_seed(options, AGENT)
+    planner = _Planner(options, seed, deadline)
     try:
-        seqnos = dict(decode_vb_seqnos((await call(conn, Opcode.GET_ALL_VB_SEQNOS)).value))
-        total = max(seqnos) + 1 if seqnos else 0
-        wanted = options.vbucket_ids(total)
-        futures = []
-        for vb in wanted:
+        try:
+            await planner.map.read(conn)
+        except BaseException:
+            await conn.close()
+            raise
+        planner.conns[planner.map.bootstrap] = conn
+        cluster_map = planner.map.cluster_map
+        if cluster_map is not None:
+            total = cluster_map.vbuckets
+        else:  # a node without a map: it holds the whole bucket
             opaque = conn.next_opaque()
-            futures.append(conn.expect(opaque))
-            conn.send(encode_get_failover_log(vb, opaque, dcp=False))
+            request = encode_request(Opcode.GET_ALL_VB_SEQNOS, opaque=opaque)
+            seqnos = dict(decode_vb_seqnos((await conn.request(request, opaque)).value))
+            total = max(seqnos) + 1 if seqnos else 0
+        missing = options.vbucket_ids(total)
         latest: Offsets = {}
-        for vb, future in zip(wanted, futures, strict=True):
-            response = await asyncio.wait_for(future, 30.0)
-            if response.status != Status.SUCCESS:
-                raise error_for_status(response.status, f"failover log of vbucket {vb}")
-            uuid = decode_failover_log(response.value)[0][0]
-            high = seqnos.get(vb, 0)
-            latest[vb] = VbOffset(uuid, high, high, high)
-        return latest, total
+        for attempt in range(1_000_000):  # bounded by the deadline
+            by_server: dict[str, list[int]] = {}
+            for vb in missing:
+                server = planner.map.route(vb)
+                if server is None:
+                    rev = planner.map.cluster_map.rev if planner.map.cluster_map else 0
+                    planner.why[vb] = f"no active node in map rev {rev}"
+                else:
+                    by_server.setdefault(server, []).append(vb)
+            found = await asyncio.gather(*(planner.ask(s, v) for s, v in by_server.items()))
+            for answered in found:
+                latest.update(answered)
+            missing = [vb for vb in missing if vb not in latest]
+            if not missing:
+                return latest, total
+            delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+            if loop.time() + delay > deadline:
+                raise NodeUnavailableError(_unavailable(options, missing, planner.why))
+            await asyncio.sleep(delay)
+            await planner.map.refresh()
+        raise AssertionError("unreachable: the deadline ends the loop")
     finally:
-        await conn.close()
+        await planner.close()
+
+
+def _unavailable(options: SourceOptions, missing: list[int], why: dict[int, str]) -> str:
+    """One message naming, per reason (usually: a node), the vbuckets it kept unanswered."""
+    by_reason: dict[str, list[int]] = {}
+    for vb in missing:
+        by_reason.setdefault(why.get(vb, "no answer"), []).append(vb)
+    parts = [f"{reason}: vbuckets {_ranges(vbs)}" for reason, vbs in sorted(by_reason.items())]
+    return (
+        f"no active node answered for {len(missing)} vbuckets within nodeTimeoutS="
+        f"{options.node_timeout_s:g} s (a node down and not failed over?): " + "; ".join(parts)
+    )
+
+
+def _ranges(vbuckets: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out: list[str] = []
+    for vb in sorted(vbuckets):
+        if out and out[-1].split("-")[-1] == str(vb - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{vb}"
+        else:
+            out.append(str(vb))
+    return ",".join(out)
 
 
 def fetch_latest_sync(options: SourceOptions) -> tuple[Offsets, int]:

@@ -1,8 +1,13 @@
 """Options of the ``changefeed`` Spark source, named like Spark's Kafka source where they mean
 the same thing.
 
-- ``cluster``: ``host:port`` of a node (a ``couchbase://`` or ``changefeed://`` prefix is
-  allowed); default ``127.0.0.1:11210``.
+- ``cluster``: seed nodes ``host:port[,host:port...]``, like a Couchbase connection string (a
+  ``couchbase://`` or ``changefeed://`` prefix is allowed); default ``127.0.0.1:11210``. Any
+  reachable seed gives the cluster map; each vbucket is then read from its active node
+  (``cluster.py``). One seed is enough; more let a query start while some are down.
+- ``nodeTimeoutS``: how long planning keeps asking for a vbucket whose active node does not
+  answer or has moved (refreshing the map meanwhile: a failover takes a few seconds) before it
+  fails, naming the node; default 30.
 - ``bucket``: default ``default``.
 - ``user`` / ``password``: else ``CHANGEFEED_USER`` / ``CHANGEFEED_PASSWORD``; default
   ``Administrator`` / ``password``.
@@ -35,6 +40,10 @@ from typing import Any
 
 from changefeed.spark.documents import CORRUPT_COLUMN, FORMATS, MODES
 
+# A failover takes a few seconds (lease timeout, election, promotion): planning waits this long
+# for a vbucket's active to answer before it fails the query, naming the node.
+NODE_TIMEOUT_S = 30.0
+
 
 class OptionError(ValueError):
     """A bad option; the message names it."""
@@ -42,7 +51,7 @@ class OptionError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SourceOptions:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the first seed (``seeds[0]``), for callers that dial one node
     port: int = 11210
     bucket: str = "default"
     user: str = "Administrator"
@@ -60,20 +69,20 @@ class SourceOptions:
     corrupt_column: str = CORRUPT_COLUMN
     transport: str = "tcp"
     shm_dir: str = ""
+    # Every seed node in the order given; empty means (host, port) alone.
+    seeds: tuple[tuple[str, int], ...] = ()
+    node_timeout_s: float = NODE_TIMEOUT_S
 
     @classmethod
     def parse(cls, options: dict[str, str]) -> SourceOptions:
         """Raises OptionError naming the option."""
         lowered = {k.lower(): v for k, v in options.items()}
-        cluster = lowered.get("cluster", "127.0.0.1:11210")
-        for prefix in ("couchbase://", "changefeed://"):
-            cluster = cluster.removeprefix(prefix)
-        host, _, port = cluster.rpartition(":")
-        if not host or not port.isdigit():
-            raise OptionError(f"option cluster must be host:port, not {cluster!r}")
+        seeds = _seeds(lowered.get("cluster", "127.0.0.1:11210"))
         return cls(
-            host=host,
-            port=int(port),
+            host=seeds[0][0],
+            port=seeds[0][1],
+            seeds=seeds,
+            node_timeout_s=_seconds(lowered, "nodetimeouts", NODE_TIMEOUT_S),
             bucket=lowered.get("bucket", "default"),
             user=lowered.get("user", os.environ.get("CHANGEFEED_USER", "Administrator")),
             password=lowered.get("password", os.environ.get("CHANGEFEED_PASSWORD", "password")),
@@ -91,6 +100,17 @@ class SourceOptions:
             transport=_choice(lowered, "transport", ("tcp", "shm"), "tcp").lower(),
             shm_dir=lowered.get("shmdir", ""),
         )
+
+    @property
+    def seed_nodes(self) -> tuple[tuple[str, int], ...]:
+        """The seeds to bootstrap from, in order (a hand-built ``SourceOptions`` without
+        ``seeds`` has its one node)."""
+        return self.seeds or ((self.host, self.port),)
+
+    @property
+    def cluster_text(self) -> str:
+        """The seeds as the ``cluster`` option spells them (for messages)."""
+        return ",".join(f"{host}:{port}" for host, port in self.seed_nodes)
 
     @property
     def documents_as_json(self) -> bool:
@@ -131,6 +151,40 @@ class SourceOptions:
         if not isinstance(value, dict):
             raise OptionError("option startingOffsets JSON must be an object of vbucket -> offset")
         return value
+
+
+def _seeds(cluster: str) -> tuple[tuple[str, int], ...]:
+    """``host:port[,host:port...]`` (one prefix for the whole string, as in a Couchbase
+    connection string) -> the seeds in order, duplicates dropped."""
+    text = cluster.strip()
+    for prefix in ("couchbase://", "changefeed://"):
+        text = text.removeprefix(prefix)
+    seeds: list[tuple[str, int]] = []
+    for part in text.split(","):
+        node = part.strip()
+        for prefix in ("couchbase://", "changefeed://"):
+            node = node.removeprefix(prefix)
+        host, _, port = node.rpartition(":")
+        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+            raise OptionError(
+                f"option cluster must be host:port or a list host:port,host:port, not {cluster!r}"
+            )
+        if (host, int(port)) not in seeds:
+            seeds.append((host, int(port)))
+    return tuple(seeds)
+
+
+def _seconds(options: dict[str, str], name: str, default: float) -> float:
+    raw = options.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise OptionError(f"option {name} must be a number of seconds, not {raw!r}") from None
+    if not value > 0:
+        raise OptionError(f"option {name} must be > 0")
+    return value
 
 
 def _int(options: dict[str, str], name: str, default: int) -> int:

@@ -27,17 +27,17 @@ import pyarrow.compute as pc
 from changefeed import limits
 from changefeed.consumer import (
     Changes,
-    ClientConfig,
-    DcpClient,
     Disconnected,
     Rollback,
     SessionState,
     Snapshot,
     StreamEnded,
+    StreamOpened,
     StreamRefused,
 )
 from changefeed.consumer.change_rows import ChangeRows
 from changefeed.protocol.status import Status
+from changefeed.spark.cluster import client_config, dcp_client
 from changefeed.spark.offsets import VbOffset
 from changefeed.spark.options import SourceOptions
 
@@ -77,15 +77,11 @@ async def read_ranges(
     # reader finishes the vbucket itself once it has everything up to ``ends``.
     request_ends = {r.vbucket: max(r.end_seqno, r.start.seqno) for r in to_read}
     state = SessionState({r.vbucket: r.start.session(r.vbucket) for r in to_read})
-    config = ClientConfig(
-        host=options.host,
-        port=options.port,
-        bucket=options.bucket,
-        user=options.user,
-        password=options.password,
+    config = client_config(
+        options,
         # Unique per read: the node closes the older connection of a reused DCP name, and
         # id() values repeat across the Python workers Spark forks from one daemon.
-        name=f"changefeed:spark:{uuid.uuid4().hex}",
+        f"changefeed:spark:{uuid.uuid4().hex}",
         rollback_to_snapshot=False,  # the mirror re-reads rolled-back keys from the node
     )
     if options.transport == "shm" and all(r.end_seqno > r.start.seqno for r in to_read):
@@ -99,7 +95,8 @@ async def read_ranges(
             yield batch
         return
     snaps = {r.vbucket: (r.start.snap_start, r.start.snap_end) for r in to_read}
-    async with DcpClient(config) as client:
+    planned = {r.vbucket: r.end_vb_uuid for r in to_read}
+    async with dcp_client(options, config) as client:
         await client.stream(sorted(ends), state, end_seqnos=request_ends)
         unfinished = set(ends)
         rows = ChangeRows()
@@ -115,6 +112,12 @@ async def read_ranges(
                 _on_rollback(rows, event, ranges, options)
                 if event.seqno >= ends[event.vbucket]:
                     unfinished.discard(event.vbucket)
+            elif isinstance(event, StreamOpened):
+                branch = branch_point(event.failover_log, planned[event.vbucket])
+                if branch is not None and branch < ends[event.vbucket]:
+                    ends[event.vbucket] = branch  # later seqnos are another history's
+                    if client.session.get(event.vbucket).seqno >= branch:
+                        unfinished.discard(event.vbucket)
             elif isinstance(event, StreamEnded):
                 unfinished.discard(event.vbucket)
             elif isinstance(event, StreamRefused):
@@ -130,6 +133,19 @@ async def read_ranges(
                 break  # closing the connection ends the streams still open
         if len(rows):
             yield rows.to_batch()
+
+
+def branch_point(failover_log: list[tuple[int, int]], planned_uuid: int) -> int | None:
+    """The last seqno the history of ``failover_log`` (newest entry first, as a stream
+    request's answer carries it) shares with the history the planner saw (``planned_uuid``):
+    the start seqno of the oldest entry newer than ``planned_uuid``. None when the log's
+    newest entry is the planned one, or the planned uuid is unknown (0) or not in the log
+    (nothing to say: the stream's own rollback rules apply)."""
+    uuids = [entry_uuid for entry_uuid, _ in failover_log]
+    if planned_uuid == 0 or planned_uuid not in uuids:
+        return None
+    index = uuids.index(planned_uuid)
+    return None if index == 0 else failover_log[index - 1][1]
 
 
 def _on_rollback(

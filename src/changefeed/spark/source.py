@@ -2,8 +2,11 @@
 rows and ``spark.read.format("changefeed")`` for a consistent snapshot of the bucket.
 
 Planning (``initialOffset``, ``latestOffset``, ``partitions``) runs in Spark's per-query runner
-process and asks the node for high seqnos and vb_uuids; ``read`` runs on executors and streams
-its vbucket group over DCP (``reading.py``). Rows travel as Arrow record batches.
+process and asks each vbucket's active node for its high seqno and vb_uuid (``node_state.py``;
+option ``cluster`` lists seed nodes, any reachable one gives the map); ``read`` runs on
+executors and streams its vbucket group over DCP, each vbucket from its active (``reading.py``).
+A failover moves the streams and the planning with the map, so a query keeps running through it.
+Rows travel as Arrow record batches.
 
 With ``format=json`` (the default) ``read`` turns each batch's documents into the schema's typed
 columns (``documents.py``); the schema comes from option ``schema`` or is inferred when Spark
