@@ -1,27 +1,35 @@
 """One TCP connection to a node: a reader task, request/response matching by opaque.
 
-The connection owns the socket and a ``FrameReader``; it knows nothing about DCP streams. Bytes
-read are decoded in batches; responses (magic 0x81/0x18) resolve the future registered for
-their opaque, everything else (DCP requests a producer pushes) goes to ``on_push`` with the batch,
-in wire order. Every wait has a deadline, and the only buffer is the reader's (one frame).
+The connection owns the socket and its receive buffer; it knows nothing about DCP streams.
+Bytes read are decoded in batches (``decode_batch``); responses (magic 0x81/0x18) resolve the
+future registered for their opaque, everything else (DCP requests a producer pushes) goes to
+``on_push`` with the batch, in wire order. Every wait has a deadline, and the only buffer is the
+receive buffer (what one read brought plus at most one unfinished frame).
+
+Pipelined store windows (``expect_window``) skip the per-request future: the replies to a
+window are decoded straight from the receive buffer into its ``StoreReplies`` (``kv_pipeline``),
+and one future per window is resolved when the last reply is in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from collections.abc import Callable
 from enum import Enum
 
 from changefeed import limits
-from changefeed.protocol.batch import Batch
+from changefeed.protocol.batch import Batch, decode_batch
 from changefeed.protocol.errors import ProtocolError
-from changefeed.protocol.frame import Frame
+from changefeed.protocol.frame import Frame, decode_frame
+from changefeed.protocol.kv_pipeline import OPAQUE_MASK, StoreReplies, complete_frame_size
 from changefeed.protocol.opcode import Magic
-from changefeed.protocol.reader import FrameReader
 
 READ_CHUNK_BYTES = 256 * 1024
+# Compact the receive buffer once this many consumed bytes sit in front of it (FrameReader's
+# rule): parsing stays linear without a memmove per read.
+COMPACT_THRESHOLD_BYTES = 64 * 1024
+_RESPONSE_MAGICS = frozenset((int(Magic.RESPONSE), int(Magic.ALT_RESPONSE)))
 PushHandler = Callable[[Batch], None]
 
 
@@ -52,12 +60,16 @@ class Connection:
     ) -> None:
         self._reader = reader
         self._writer = writer
-        self._frames = FrameReader(frame_size_max)
+        assert 0 < frame_size_max < 2**32, frame_size_max
+        self.frame_size_max = frame_size_max
+        self._buffer = bytearray()
+        self._start = 0  # offset of the first unconsumed byte of _buffer
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._collecting: dict[
             int, tuple[list[Frame], Callable[[Frame], bool], asyncio.Future[list[Frame]]]
         ] = {}
-        self._opaques = itertools.count(1)
+        self._windows: list[tuple[StoreReplies, asyncio.Future[StoreReplies]]] = []
+        self._next_opaque = 1
         self.on_push: PushHandler | None = None
         self.on_close: Callable[[ConnectionClosedError], None] | None = None
         self.closed: ConnectionClosedError | None = None
@@ -74,7 +86,16 @@ class Connection:
         return cls(reader, writer)
 
     def next_opaque(self) -> int:
-        return next(self._opaques) & 0xFFFF_FFFF
+        opaque = self._next_opaque
+        self._next_opaque = opaque + 1
+        return opaque & OPAQUE_MASK
+
+    def reserve_opaques(self, count: int) -> int:
+        """Take ``count`` consecutive opaques (mod 2**32) at once; returns the first."""
+        assert count >= 0, count
+        first = self._next_opaque
+        self._next_opaque = first + count
+        return first & OPAQUE_MASK
 
     def send(self, data: bytes) -> None:
         """Queue bytes for the socket (no response expected).
@@ -121,6 +142,33 @@ class Connection:
         self._pending[opaque] = future
         return future
 
+    def expect_window(
+        self, first_opaque: int, count: int
+    ) -> tuple[StoreReplies, asyncio.Future[StoreReplies]]:
+        """Register for the replies to a window of ``count`` pipelined store requests with
+        opaques ``first_opaque + index`` (from ``reserve_opaques``), before sending them.
+
+        The replies are decoded into the returned ``StoreReplies``; the future is resolved with
+        it once every request is answered, or fails with ``ConnectionClosedError`` if the
+        connection goes first (the replies that came are kept). Call ``forget_window`` when
+        giving up on a window before it is done.
+
+        Raises:
+            ConnectionClosedError: the connection is gone (nothing would ever answer).
+        """
+        self._check_open()
+        replies = StoreReplies(first_opaque, count)
+        future: asyncio.Future[StoreReplies] = asyncio.get_running_loop().create_future()
+        if count == 0:
+            future.set_result(replies)
+        else:
+            self._windows.append((replies, future))
+        return replies, future
+
+    def forget_window(self, replies: StoreReplies) -> None:
+        """Stop routing replies to ``replies`` (a window given up on); later ones are unclaimed."""
+        self._windows = [entry for entry in self._windows if entry[0] is not replies]
+
     async def request_many(
         self, data: bytes, opaque: int, last: Callable[[Frame], bool], *, timeout_s: float = 30.0
     ) -> list[Frame]:
@@ -130,7 +178,8 @@ class Connection:
         self._collecting[opaque] = ([], last, future)
         try:
             self.send(data)
-            return await asyncio.wait_for(future, timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: see request()
+                return await future
         finally:
             self._collecting.pop(opaque, None)
 
@@ -139,7 +188,11 @@ class Connection:
         future = self.expect(opaque)
         try:
             self.send(data)
-            return await asyncio.wait_for(future, timeout_s)
+            # Not asyncio.wait_for: on 3.11 it returns the result of a future that completed
+            # as the caller was cancelled, and the cancel is lost (a loop of requests then
+            # never stops; tests/integration/test_request_cancel.py).
+            async with asyncio.timeout(timeout_s):
+                return await future
         finally:
             self._pending.pop(opaque, None)
 
@@ -167,31 +220,100 @@ class Connection:
                 if not data:
                     self._fail(ConnectionClosedError(CloseReason.EOF))
                     return
-                self._frames.feed(data)
-                self._dispatch(self._frames.read_batch())
+                self._receive(data)
         except ProtocolError as error:
             self._fail(ConnectionClosedError(CloseReason.PROTOCOL_ERROR, str(error)))
             self._writer.close()
         except OSError as error:
             self._fail(ConnectionClosedError(CloseReason.IO_ERROR, str(error)))
 
+    def _receive(self, data: bytes) -> None:
+        """Decode what has arrived: replies to store windows straight into their windows,
+        everything else as a batch (``_dispatch``); keep an unfinished frame for the next read.
+
+        Raises:
+            ProtocolError: the peer's bytes break the protocol.
+        """
+        buffer = self._buffer
+        start = self._start
+        if start >= COMPACT_THRESHOLD_BYTES and start * 2 >= len(buffer):
+            del buffer[:start]
+            start = 0
+        buffer += data
+        try:
+            while start < len(buffer):  # bounded: each turn consumes a frame or ends
+                if self._windows:
+                    start = self._take_window_replies(start)
+                    if self._windows:  # what stopped them: an unfinished frame, or another's?
+                        size = complete_frame_size(buffer, start, self.frame_size_max)
+                        if size == 0:
+                            break  # nothing more, or an unfinished frame
+                        if buffer[start] in _RESPONSE_MAGICS:
+                            # Another request's answer amid a window's: alone, then windows.
+                            frame = decode_frame(buffer, start, size)
+                            start += size
+                            if not self._resolve(frame) and self.on_push is not None:
+                                self.on_push(Batch(controls=[(0, frame)]))
+                            continue
+                    elif start >= len(buffer):
+                        break
+                batch = decode_batch(buffer, start, frame_size_max=self.frame_size_max)
+                start += batch.consumed
+                self._dispatch(batch)
+                break
+        finally:
+            if start == len(buffer):
+                buffer.clear()
+                start = 0
+            self._start = start
+
+    def _take_window_replies(self, start: int) -> int:
+        """Feed the buffer from ``start`` to the store windows (while any takes a reply);
+        resolve the windows completed. Returns where the first reply no window took starts."""
+        buffer = self._buffer
+        while True:  # bounded: a turn that moves nothing ends it
+            moved = False
+            for replies, future in self._windows:
+                stop = replies.feed(buffer, start, self.frame_size_max)
+                if stop != start:
+                    moved = True
+                    start = stop
+                if replies.remaining == 0 and not future.done():
+                    future.set_result(replies)
+            if any(replies.remaining == 0 for replies, _ in self._windows):
+                self._windows = [entry for entry in self._windows if entry[0].remaining]
+            if not moved or not self._windows or start >= len(buffer):
+                return start
+
     def _dispatch(self, batch: Batch) -> None:
         """Resolve awaited responses; hand everything else, in order, to ``on_push``."""
         unclaimed: list[tuple[int, Frame]] = []
         for position, frame in batch.controls:
-            if frame.magic in (Magic.RESPONSE, Magic.ALT_RESPONSE):
-                if self._collect(frame):
-                    continue
-                # Pop: upsert_many registers with expect() and never pops itself; leaving the
-                # future here would grow _pending by one entry per pipelined request.
-                future = self._pending.pop(frame.opaque, None)
-                if future is not None and not future.done():
-                    future.set_result(frame)
-                    continue
-            unclaimed.append((position, frame))
+            if not self._resolve(frame):
+                unclaimed.append((position, frame))
         batch.controls = unclaimed
         if (unclaimed or len(batch.changes)) and self.on_push is not None:
             self.on_push(batch)
+
+    def _resolve(self, frame: Frame) -> bool:
+        """Hand a response to whoever waits for it: True if someone did."""
+        if frame.magic not in _RESPONSE_MAGICS:
+            return False
+        if self._collect(frame):
+            return True
+        # Pop: a future left here would grow _pending by one entry per unanswered caller.
+        future = self._pending.pop(frame.opaque, None)
+        if future is not None and not future.done():
+            future.set_result(frame)
+            return True
+        for replies, window in self._windows:
+            if replies.take(frame):
+                if replies.remaining == 0:
+                    self._windows = [entry for entry in self._windows if entry[0].remaining]
+                    if not window.done():
+                        window.set_result(replies)
+                return True
+        return False
 
     def _collect(self, frame: Frame) -> bool:
         entry = self._collecting.get(frame.opaque)
@@ -215,11 +337,13 @@ class Connection:
             if error.reason is not CloseReason.LOCAL and self.on_close is not None:
                 self.on_close(error)
         error = self.closed
-        waiting: list[asyncio.Future[Frame] | asyncio.Future[list[Frame]]] = list(
-            self._pending.values()
-        )
+        waiting: list[
+            asyncio.Future[Frame] | asyncio.Future[list[Frame]] | asyncio.Future[StoreReplies]
+        ] = list(self._pending.values())
         waiting.extend(many for _, _, many in self._collecting.values())
+        waiting.extend(window for _, window in self._windows)
         self._pending.clear()
+        self._windows = []
         for future in waiting:
             if not future.done():
                 future.set_exception(error)

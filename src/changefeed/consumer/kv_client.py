@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
+from zlib import crc32
 
 from changefeed.consumer.connection import Connection, ConnectionClosedError
 from changefeed.consumer.handshake import call, connect
@@ -35,18 +37,22 @@ from changefeed.protocol.kv import (
     encode_request,
     encode_store,
 )
+from changefeed.protocol.kv_pipeline import FRAME, TOKEN, StoreReplies, encode_stores
 from changefeed.protocol.opcode import Feature, Opcode
 from changefeed.protocol.status import Status
 from changefeed.vbmap import ClusterMap, NodeAddress, vbucket_for_key
 
 Durability = Literal["none", "persist"]
 PIPELINE_DEPTH_MAX = 1024  # requests in flight per upsert_many window
+WINDOW_REPLY_TIMEOUT_S = 60.0  # how long a window's node may take to answer all of it
 ROUTE_RETRY_S = 15.0  # how long a request follows the map (a failover takes a few seconds)
 NOT_MY_VBUCKET_BACKOFF_S = 0.05  # times the attempt number, when the answer had no newer map
 ROUTE_BACKOFF_MAX_S = 0.5
 TEMPORARY_FAILURE_RETRY_S = 2.5  # TMPFAIL is retried this long (the SDKs' KV timeout), then raised
 TEMPORARY_FAILURE_BACKOFF_MAX_S = 0.05  # the flusher frees memory within milliseconds
 Connector = Callable[[str, int], Awaitable[Connection]]
+# A window sent: the connection, the item indexes in it, their replies and its one future.
+_SentWindow = tuple[Connection, Sequence[int], StoreReplies, asyncio.Future[StoreReplies]]
 PERSIST_POLL_S = 0.002
 
 
@@ -345,9 +351,10 @@ class KvClient:
         write answered NOT_MY_VBUCKET is retried on its own after the map is updated.
         """
         results: list[MutationResult | None] = [None] * len(items)
+        vbuckets = _vbuckets_of(items, self.vbuckets)
         for first in range(0, len(items), PIPELINE_DEPTH_MAX):
             await self._store_window(
-                items, range(first, min(len(items), first + PIPELINE_DEPTH_MAX)), results
+                items, vbuckets, range(first, min(len(items), first + PIPELINE_DEPTH_MAX)), results
             )
         done = [r for r in results if r is not None]
         assert len(done) == len(items), (len(done), len(items))
@@ -358,13 +365,34 @@ class KvClient:
             await asyncio.gather(*(self.wait_persisted(r) for r in newest.values()))
         return done
 
+    async def _window_connections(
+        self, vbuckets: list[int], pending: Sequence[int]
+    ) -> dict[int, Connection | BaseException]:
+        """The connection to each vbucket of `pending`'s active node, or why there is none
+        (raised at once when the client cannot fail over)."""
+        routes: dict[int, Connection | BaseException] = {}
+        for vb in dict.fromkeys(vbuckets[i] for i in pending):  # first use first, as sent
+            try:
+                routes[vb] = await self._conn_for(vb)
+            except (OSError, ConnectionClosedError, NotMyVbucketError) as error:
+                if not self._can_fail_over:
+                    raise
+                routes[vb] = error
+        return routes
+
     async def _store_window(
         self,
         items: list[tuple[bytes, bytes]],
+        vbuckets: list[int],
         indexes: range,
         results: list[MutationResult | None],
     ) -> None:
         """Send one window pipelined, to every node it needs at once, and fill `results`.
+
+        Each node's share of the window is encoded at once (``kv_pipeline.encode_stores``) and
+        sent in one write; its replies are decoded by the connection into one ``StoreReplies``
+        (one future per node, none per write). Plain successes become results directly; any
+        other answer goes through the per-frame handling, in input order.
 
         Writes answered TMPFAIL, NOT_MY_VBUCKET (the map moved) or lost with their node go
         again together, pipelined, after a backoff — not one by one, so a node shedding load
@@ -374,43 +402,84 @@ class KvClient:
         following = self.cluster_map is not None
         lost = (OSError, ConnectionClosedError, NotMyVbucketError)
         start = time.monotonic()
-        pending = list(indexes)
+        pending: Sequence[int] = indexes
         gone: BaseException | None = None  # the last connection loss, raised if it persists
         rounds = 0
         while pending:  # bounded by the retry times
-            sent: list[tuple[int, int, asyncio.Future[Frame] | None]] = []
-            used: dict[int, Connection] = {}
-            for i in pending:
-                key, value = items[i]
-                vb = self.vbucket_of(key)
+            # -- route: each write to its vbucket's node; the unroutable go again -----------
+            if self.cluster_map is None:
+                targets: list[tuple[Connection, Sequence[int]]] = [(self._conn, pending)]
+                unsent: list[tuple[int, BaseException]] = []
+            else:
+                targets, unsent = _split_by_connection(
+                    await self._window_connections(vbuckets, pending), vbuckets, pending
+                )
+                if unsent:
+                    gone = unsent[-1][1]
+            # -- send: one encoded buffer and one window per connection ----------------------
+            sent: list[_SentWindow] = []
+            for conn, group in targets:
+                if isinstance(group, range) and group.step == 1:  # all of a first round
+                    group_items = items[group.start : group.stop]
+                    group_vbuckets = vbuckets[group.start : group.stop]
+                else:
+                    group_items = [items[i] for i in group]
+                    group_vbuckets = [vbuckets[i] for i in group]
                 try:
-                    conn = await self._conn_for(vb)
-                    opaque = conn.next_opaque()
-                    future = conn.expect(opaque)
-                    conn.send(encode_store(StoreCommand(Opcode.SET, vb, opaque, key, value)))
+                    first = conn.reserve_opaques(len(group))
+                    data = encode_stores(Opcode.SET, group_items, group_vbuckets, first)
+                    replies, done = conn.expect_window(first, len(group))
+                    conn.send(data)
                 except lost as error:
                     if not self._can_fail_over:
                         raise
                     gone = error
-                    sent.append((i, vb, None))
+                    unsent.extend((i, error) for i in group)
                     continue
-                used[id(conn)] = conn
-                sent.append((i, vb, future))
-            for conn in used.values():
+                sent.append((conn, group, replies, done))
+            for conn, *_ in sent:
                 with contextlib.suppress(*lost):  # a lost node: its writes go again
                     await conn.drain()
+            # -- answers: plain successes at once, the rest per frame, in input order ------
             again: list[int] = []
             last: Frame | None = None
-            for i, vb, waiting in sent:
+            others: list[tuple[int, StoreReplies | None, int, BaseException | None]] = [
+                (i, None, 0, error) for i, error in unsent
+            ]
+            for conn, group, replies, done in sent:
+                failed: BaseException | None = None
+                try:
+                    async with asyncio.timeout(WINDOW_REPLY_TIMEOUT_S):  # keeps a cancel
+                        await done
+                except lost as error:  # the replies that came before are kept
+                    failed = error
+                finally:
+                    conn.forget_window(replies)
+                if failed is None and not replies.frames:
+                    _fill_results(results, group, vbuckets, replies)
+                else:
+                    others.extend((i, replies, j, failed) for j, i in enumerate(group))
+            others.sort(key=_first)
+            for i, answers, j, reason in others:
+                vb = vbuckets[i]
                 response = None
-                if waiting is not None:
-                    try:
-                        response = await asyncio.wait_for(waiting, 60.0)
-                    except lost as error:
-                        if not self._can_fail_over:
-                            raise
-                        gone = error
+                if answers is not None:
+                    state = answers.state[j]
+                    if state == TOKEN:
+                        results[i] = MutationResult(
+                            vbucket=vb,
+                            seqno=answers.seqno[j],
+                            cas=answers.cas[j],
+                            vb_uuid=answers.vb_uuid[j],
+                        )
+                        continue
+                    if state == FRAME:
+                        response = answers.frames[j]
                 if response is None:
+                    assert reason is not None, (i, j)
+                    if not self._can_fail_over:
+                        raise reason
+                    gone = reason
                     self.retries += 1
                 elif response.status == Status.NOT_MY_VBUCKET and following:
                     self.retries += 1
@@ -494,6 +563,93 @@ class KvClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"seqno {result.seqno} of vb {result.vbucket} not persisted")
             await asyncio.sleep(PERSIST_POLL_S)
+
+
+def _vbuckets_of(items: list[tuple[bytes, bytes]], vbuckets: int) -> list[int]:
+    """``vbmap.vbucket_for_key`` of each item's key, in one pass (its formula, inlined)."""
+    assert vbuckets >= 1, vbuckets
+    return [((crc32(key) >> 16) & 0x7FFF) % vbuckets for key, _ in items]
+
+
+def _split_by_connection(
+    routes: dict[int, Connection | BaseException], vbuckets: list[int], pending: Sequence[int]
+) -> tuple[list[tuple[Connection, Sequence[int]]], list[tuple[int, BaseException]]]:
+    """Group `pending` by the connection of its vbucket (input order kept in each group);
+    writes whose vbucket has none come back with the reason."""
+    found = {id(target): target for target in routes.values()}
+    if len(found) == 1:  # one node takes the whole window (always, on a single node)
+        (target,) = found.values()
+        if isinstance(target, Connection):
+            return [(target, pending)], []
+        return [], [(i, target) for i in pending]
+    groups: dict[int, tuple[Connection, list[int]]] = {}
+    unsent: list[tuple[int, BaseException]] = []
+    for i in pending:
+        route = routes[vbuckets[i]]
+        if isinstance(route, Connection):
+            groups.setdefault(id(route), (route, []))[1].append(i)
+        else:
+            unsent.append((i, route))
+    return list(groups.values()), unsent
+
+
+def _fill_results(
+    results: list[MutationResult | None],
+    group: Sequence[int],
+    vbuckets: list[int],
+    replies: StoreReplies,
+) -> None:
+    """Results for a window answered with plain successes only (replies index = group index)."""
+    if isinstance(group, range) and group.step == 1:
+        results[group.start : group.stop] = _mutation_results(
+            vbuckets[group.start : group.stop], replies
+        )
+        return
+    for i, result in zip(
+        group, _mutation_results([vbuckets[i] for i in group], replies), strict=True
+    ):
+        results[i] = result
+
+
+# MutationResult is a frozen slots dataclass: its __init__ sets each field through
+# object.__setattr__, half the cost of a pipelined write's result. Setting the slots directly
+# makes the same objects (equal, same repr and hash) at twice the speed; only while the fields
+# are the four below (checked here; otherwise the constructor is used).
+_RESULT_SLOTS = ("vbucket", "seqno", "cas", "vb_uuid")
+_FAST_RESULTS = (
+    tuple(field.name for field in dataclasses.fields(MutationResult)) == _RESULT_SLOTS
+    and MutationResult.__slots__ == _RESULT_SLOTS
+    and not hasattr(MutationResult, "__post_init__")
+)
+
+
+def _mutation_results(vbuckets: list[int], replies: StoreReplies) -> list[MutationResult]:
+    """``MutationResult`` of each plain success of ``replies`` (all of them are)."""
+    columns = zip(vbuckets, replies.seqno, replies.cas, replies.vb_uuid, strict=True)
+    if not _FAST_RESULTS:
+        return [
+            MutationResult(vbucket=vb, seqno=seqno, cas=cas, vb_uuid=uuid)
+            for vb, seqno, cas, uuid in columns
+        ]
+    new = object.__new__
+    cls = MutationResult
+    set_vbucket, set_seqno, set_cas, set_uuid = (
+        vars(MutationResult)[name].__set__ for name in _RESULT_SLOTS
+    )
+    made: list[MutationResult] = []
+    append = made.append
+    for vb, seqno, cas, uuid in columns:
+        result = new(cls)
+        set_vbucket(result, vb)
+        set_seqno(result, seqno)
+        set_cas(result, cas)
+        set_uuid(result, uuid)
+        append(result)
+    return made
+
+
+def _first(entry: tuple[int, StoreReplies | None, int, BaseException | None]) -> int:
+    return entry[0]
 
 
 def _check(response: Frame) -> None:
