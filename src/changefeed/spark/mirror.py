@@ -73,7 +73,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
-from changefeed.consumer import ClientConfig
 from changefeed.consumer.change_rows import (
     CHANGE_ROW_SCHEMA,
     INT64_MAX,
@@ -82,7 +81,7 @@ from changefeed.consumer.change_rows import (
     OP_ROLLBACK,
 )
 from changefeed.consumer.current_state import Document, read_current_state
-from changefeed.spark.cluster import reachable_config
+from changefeed.spark.cluster import client_config, reachable_config
 from changefeed.spark.documents import DocumentReader
 from changefeed.spark.key_index import KeyIndex, key_hashes
 from changefeed.spark.merge_source import (
@@ -366,13 +365,7 @@ class MirrorWriter:
         if not keys:
             return source_schema(mirror_schema(schema)).empty_table()
         options = SourceOptions.parse(self.options)
-        config = ClientConfig(
-            host=options.host,
-            port=options.port,
-            bucket=options.bucket,
-            user=options.user,
-            password=options.password,
-        )
+        config = client_config(options, "changefeed-mirror")
         raw = {key.encode("utf-8", "surrogateescape"): key for key in keys}
 
         async def current() -> dict[bytes, Document]:
