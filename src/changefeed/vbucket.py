@@ -700,8 +700,9 @@ class VBucket:
         self, key: bytes, stored: dict[bytes, Record | None] | None = None
     ) -> Item | Record | None:
         """The live (not deleted, not expired) newest version of `key`, memory first; then
-        `stored` if it holds the key (looked up earlier in this loop step: nothing commits
-        in between), else the store."""
+        `stored` if it holds the key (looked up earlier in this loop step for keys not in
+        memory; a commit running meanwhile on the writer thread cannot change them, as its
+        items stay in memory until the loop accounts for it), else the store."""
         found: Item | Record | None = self.manager.find(key)
         if found is None:
             if stored is not None and key in stored:
