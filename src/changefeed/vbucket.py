@@ -22,6 +22,14 @@ Contract:
   vbucket the store does not know is created (state persisted, fresh failover log).
 - Replica/pending vbuckets take items from their active with `queue_replicated` (seqno and CAS
   as given).
+- SyncWrites (durable writes): a write with a durability `level` queues a PREPARE (`SyncItem`)
+  that reads and application streams do not see; the key is then refused to other writers
+  (SYNC_WRITE_IN_PROGRESS) until `commit` queues the committed document at a new seqno (same
+  CAS) or `abort` ends it. When to commit is the server's decision (server/sync_writes.py). A
+  replica keeps the prepares it receives; a later committed change or an abort of the key ends
+  one. Pending prepares survive a restart (the store keeps them); a vbucket that is or becomes
+  ACTIVE with prepares still pending commits them — any of them may have been acknowledged as
+  durable, and committing one that was not is an allowed outcome of an ambiguous write.
 
 Not here: the wire (server/), streams (producer/ reads through `stream()`), replica rollback and
 the replica's own snapshot ranges (cluster/), compaction scheduling. Not thread-safe: one event
@@ -46,6 +54,7 @@ from changefeed.checkpoint import (
     Item,
     MemoryBudget,
     StreamReader,
+    SyncItem,
 )
 from changefeed.failover import FailoverLog
 from changefeed.protocol.errors import (
@@ -56,6 +65,7 @@ from changefeed.protocol.errors import (
     NotLockedError,
     NotMyVbucketError,
     StatusError,
+    SyncWriteInProgressError,
     TemporaryFailureError,
 )
 from changefeed.protocol.kv import MutationResult
@@ -149,7 +159,13 @@ class VBucket:
         self._flush_batch_bytes_max = flush_batch_bytes_max
         self._last_cas = self._recover_cas()
         self._locks: dict[bytes, _Lock] = {}  # GET_LOCKED; any write of the key drops its entry
+        # key -> its pending SyncWrite prepare, oldest first (insertion order = seqno order).
+        self._pending: dict[bytes, SyncItem] = {}
+        for level, record in store.prepares(vb):
+            self._pending[record.key] = _prepare_of(record, level)
         assert self.manager.high_seqno == self._high_seqno, (self.manager, self._high_seqno)
+        if self._pending and self._state is VBucketState.ACTIVE:
+            self._commit_recovered()
 
     def __repr__(self) -> str:
         return (
@@ -204,6 +220,95 @@ class VBucket:
         self._state = state
         self._persist_meta()
         assert self._state is state, (self._state, state)
+        if state is VBucketState.ACTIVE and self._pending:
+            self.commit_all_pending()
+
+    # -- SyncWrites -----------------------------------------------------------------------------
+
+    @property
+    def pending_prepares(self) -> list[SyncItem]:
+        """Pending SyncWrite prepares, oldest first."""
+        return list(self._pending.values())
+
+    def pending_prepare(self, key: bytes) -> SyncItem | None:
+        """The pending prepare of `key`, if any."""
+        return self._pending.get(key) if self._pending else None
+
+    def commit(self, key: bytes) -> MutationResult:
+        """Commit the pending prepare of `key`: its document at a new seqno, with its CAS.
+
+        Raises:
+            NotMyVbucketError: not active.
+            KeyNotFoundError: no prepare of `key` is pending.
+            CheckpointMemoryFullError: checkpoint memory is full; the prepare stays pending.
+        """
+        self._require_active()
+        prepare = self._pending.get(key)
+        if prepare is None:
+            raise KeyNotFoundError(f"vb {self._vb}: no durable write of {key[:64]!r} pending")
+        seqno = self._high_seqno + 1
+        self.manager.queue(prepare.committed(seqno))
+        del self._pending[key]
+        self._high_seqno = seqno
+        if self._locks:
+            self._locks.pop(key, None)
+        self._retain_pending()
+        return MutationResult(vbucket=self._vb, seqno=seqno, cas=prepare.cas, vb_uuid=self.vb_uuid)
+
+    def abort(self, key: bytes) -> int:
+        """Abort the pending prepare of `key` (it never becomes visible); return the abort's
+        seqno, or 0 when no prepare of `key` was pending.
+
+        Raises:
+            NotMyVbucketError: not active.
+            CheckpointMemoryFullError: checkpoint memory is full; the prepare stays pending.
+        """
+        self._require_active()
+        prepare = self._pending.get(key)
+        if prepare is None:
+            return 0
+        seqno = self._high_seqno + 1
+        self.manager.queue(
+            SyncItem(
+                seqno,
+                key,
+                Op.ABORT,
+                Op.DELETION,
+                b"",
+                prepare.cas,
+                prepared_seqno=prepare.seqno,
+            )
+        )
+        del self._pending[key]
+        self._high_seqno = seqno
+        self._retain_pending()
+        return seqno
+
+    def commit_all_pending(self) -> int:
+        """Commit every pending prepare (a vbucket that became active with prepares pending);
+        return how many. Checkpoint memory full leaves the rest pending for a later call."""
+        committed = 0
+        for key in list(self._pending):
+            try:
+                self.commit(key)
+            except CheckpointMemoryFullError:
+                break
+            committed += 1
+        return committed
+
+    def _commit_recovered(self) -> None:
+        """At warmup of an active vbucket: commit the kept prepares, except one whose key was
+        committed again after it (an aborted write whose abort was not persisted before a
+        crash, then overwritten): that one is aborted, never resurrected over a newer value."""
+        for key, prepare in list(self._pending.items()):
+            newest = self.manager.find(key) or self._store.get(self._vb, key)
+            if newest is not None and newest.seqno > prepare.seqno:
+                self.abort(key)
+        self.commit_all_pending()
+
+    def _retain_pending(self) -> None:
+        first = next(iter(self._pending.values()), None)
+        self.manager.retain_from(None if first is None else first.seqno)
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -216,17 +321,20 @@ class VBucket:
         expiry: int = 0,
         datatype: int = 0,
         cas: int = 0,
+        level: int = 0,
     ) -> MutationResult:
         """Store `value` under `key`; with a non-zero `cas`, only if it is the current CAS.
 
         Args:
             expiry: absolute seconds since the epoch after which the document expires; 0 never.
+            level: a durability level (SyncWrite): queue a prepare, committed later (`commit`).
 
         Raises:
             NotMyVbucketError: not active.
             KeyNotFoundError: `cas` given and the key does not exist.
             KeyExistsError: `cas` given and it differs from the key's CAS.
             CheckpointMemoryFullError: checkpoint memory is full (TMPFAIL).
+            SyncWriteInProgressError: a durable write of the key is pending.
         """
         self._require_active()
         current = self._current(key)
@@ -242,6 +350,7 @@ class VBucket:
             expiry=expiry,
             datatype=datatype,
             rev_seqno=rev_seqno,
+            level=level,
         )
 
     def set_many(
@@ -289,7 +398,14 @@ class VBucket:
         return results
 
     def add(
-        self, key: bytes, value: bytes, *, flags: int = 0, expiry: int = 0, datatype: int = 0
+        self,
+        key: bytes,
+        value: bytes,
+        *,
+        flags: int = 0,
+        expiry: int = 0,
+        datatype: int = 0,
+        level: int = 0,
     ) -> MutationResult:
         """Store `value` only if `key` does not exist.
 
@@ -299,7 +415,7 @@ class VBucket:
         self._require_active()
         if self._current(key) is not None:
             raise KeyExistsError(f"vb {self._vb}: key {key[:64]!r} exists")
-        return self.set(key, value, flags=flags, expiry=expiry, datatype=datatype)
+        return self.set(key, value, flags=flags, expiry=expiry, datatype=datatype, level=level)
 
     def replace(
         self,
@@ -310,6 +426,7 @@ class VBucket:
         expiry: int = 0,
         datatype: int = 0,
         cas: int = 0,
+        level: int = 0,
     ) -> MutationResult:
         """Store `value` only if `key` exists (and, with `cas`, has that CAS).
 
@@ -319,9 +436,11 @@ class VBucket:
         self._require_active()
         if self._current(key) is None:
             raise KeyNotFoundError(f"vb {self._vb}: key {key[:64]!r} not found")
-        return self.set(key, value, flags=flags, expiry=expiry, datatype=datatype, cas=cas)
+        return self.set(
+            key, value, flags=flags, expiry=expiry, datatype=datatype, cas=cas, level=level
+        )
 
-    def delete(self, key: bytes, *, cas: int = 0) -> MutationResult:
+    def delete(self, key: bytes, *, cas: int = 0, level: int = 0) -> MutationResult:
         """Delete `key` (queue a tombstone); with a non-zero `cas`, only if it matches.
 
         Raises:
@@ -337,7 +456,9 @@ class VBucket:
         self._check_lock(key, current, cas)
         if cas:
             self._check_cas(key, current, cas)
-        return self._queue_write(key, Op.DELETION, b"", rev_seqno=current.rev_seqno + 1)
+        return self._queue_write(
+            key, Op.DELETION, b"", rev_seqno=current.rev_seqno + 1, level=level
+        )
 
     def queue_replicated(self, item: Item) -> None:
         """Take an item streamed from the active (replica or pending state), seqno and CAS as is.
@@ -358,6 +479,16 @@ class VBucket:
         self.manager.queue(item)
         self._high_seqno = item.seqno
         self._last_cas = max(self._last_cas, item.cas)
+        if item.op is Op.PREPARE:
+            assert isinstance(item, SyncItem), item
+            self._pending.pop(item.key, None)  # an older one, its end deduplicated away
+            self._pending[item.key] = item
+            self._retain_pending()
+        elif self._pending and item.key in self._pending:
+            # An abort, or a committed change of the key (a commit arrives as the committed
+            # document, like a plain write after it): either ends the prepare.
+            del self._pending[item.key]
+            self._retain_pending()
 
     def replica_snapshot(self, snap_start: int, snap_end: int) -> None:
         """The active's snapshot marker: items up to `snap_end` follow, in their own checkpoint.
@@ -415,6 +546,8 @@ class VBucket:
             self.manager, self._store, batch_bytes_max=self._flush_batch_bytes_max
         )
         self._high_seqno = point
+        self._pending = {k: p for k, p in self._pending.items() if p.seqno <= point}
+        self._retain_pending()
         assert self.persisted_seqno == point, (self.persisted_seqno, point)
         return point
 
@@ -719,7 +852,7 @@ class VBucket:
 
     def _expire(self, found: Item | Record) -> None:
         # Memory full: it still reads as missing, and the next access queues the expiration.
-        with contextlib.suppress(CheckpointMemoryFullError):
+        with contextlib.suppress(CheckpointMemoryFullError, SyncWriteInProgressError):
             self._queue_write(found.key, Op.EXPIRATION, b"", rev_seqno=found.rev_seqno + 1)
 
     def _check_cas(self, key: bytes, current: Item | Record | None, cas: int) -> None:
@@ -765,19 +898,44 @@ class VBucket:
         flags: int = 0,
         expiry: int = 0,
         datatype: int = 0,
+        level: int = 0,
     ) -> MutationResult:
+        if self._pending and key in self._pending:
+            raise SyncWriteInProgressError(
+                f"vb {self._vb}: key {key[:64]!r} has a durable write pending"
+            )
         _check_fields(key, value, flags, expiry, datatype)
         seqno = self._high_seqno + 1
         cas = self._next_cas()
         delete_time = 0 if op is Op.MUTATION else min(int(self._clock()), _U32_MAX)
-        item = Item(seqno, key, op, value, cas, flags, expiry, datatype, rev_seqno, delete_time)
+        item: Item
+        if level:
+            item = SyncItem(
+                seqno, key, Op.PREPARE, Op.DELETION if op is Op.EXPIRATION else op, value, cas,
+                flags, expiry, datatype, rev_seqno, delete_time, level=level,
+            )  # fmt: skip
+        else:
+            item = Item(seqno, key, op, value, cas, flags, expiry, datatype, rev_seqno, delete_time)
         self.manager.queue(item)
+        if level:
+            assert isinstance(item, SyncItem), item
+            self._pending[key] = item
+            self._retain_pending()
         self._high_seqno = seqno
         self._last_cas = cas
         if self._locks:
             self._locks.pop(key, None)  # a new version is never locked
         assert self.manager.high_seqno == seqno, (self.manager.high_seqno, seqno)
         return MutationResult(vbucket=self._vb, seqno=seqno, cas=cas, vb_uuid=self.vb_uuid)
+
+
+def _prepare_of(record: Record, level: int) -> SyncItem:
+    """The pending prepare a kept record (Store.prepares) stands for."""
+    return SyncItem(
+        record.seqno, record.key, Op.PREPARE, Op.DELETION if record.deleted else Op.MUTATION,
+        record.value, record.cas, record.flags, record.expiry, record.datatype,
+        record.rev_seqno, record.delete_time, level=level,
+    )  # fmt: skip
 
 
 def _check_fields(key: bytes, value: bytes, flags: int, expiry: int, datatype: int) -> None:

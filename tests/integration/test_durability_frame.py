@@ -1,6 +1,8 @@
-"""A write carrying a durability frame (what the official SDK sends for durability=MAJORITY)
-is answered DURABILITY_IMPOSSIBLE while the node has no replicas — never a false SUCCESS —
-and the write does not happen. A bad level is DURABILITY_INVALID_LEVEL."""
+"""A write carrying a durability frame (what the official SDK sends for durability=MAJORITY) on
+a node alone: its chain is the node itself, so a majority is the node, and the write is
+answered SUCCESS once the node has persisted it (every level waits for the active's
+persistence). A command that does not take a level yet is answered DURABILITY_IMPOSSIBLE and
+changes nothing — never a false SUCCESS. A bad level is DURABILITY_INVALID_LEVEL."""
 
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ from changefeed.protocol.kv import STORE_EXTRAS
 from changefeed.protocol.opcode import Magic, Opcode
 from changefeed.protocol.status import Status
 from changefeed.vbmap import vbucket_for_key
-from support.clients import kv_connect, raw_connection
+from support.clients import kv_connect, raw_connection, stats
 from support.nodes import NodeFactory
 
 
-def durable_request(opcode: int, key: bytes, payload: bytes, vbuckets: int) -> bytes:
+def durable_request(
+    opcode: int, key: bytes, payload: bytes, vbuckets: int, value: bytes = b"{}"
+) -> bytes:
     extras = STORE_EXTRAS.pack(0, 0) if opcode == Opcode.SET else b""
     return encode_frame(
         Magic.ALT_REQUEST,
@@ -28,7 +32,7 @@ def durable_request(opcode: int, key: bytes, payload: bytes, vbuckets: int) -> b
         opaque=7,
         extras=extras,
         key=key,
-        value=b"{}" if opcode == Opcode.SET else b"",
+        value=value if opcode in (Opcode.SET, Opcode.APPEND) else b"",
         framing_extras=encode_frame_info(FRAME_INFO_DURABILITY, payload),
     )
 
@@ -36,14 +40,12 @@ def durable_request(opcode: int, key: bytes, payload: bytes, vbuckets: int) -> b
 @pytest.mark.parametrize(
     ("opcode", "payload", "status"),
     [
-        (Opcode.SET, b"\x01", Status.DURABILITY_IMPOSSIBLE),  # majority
-        (Opcode.SET, b"\x03\x27\x10", Status.DURABILITY_IMPOSSIBLE),  # persistToMajority, 10 s
-        (Opcode.DELETE, b"\x02", Status.DURABILITY_IMPOSSIBLE),  # majorityAndPersistActive
         (Opcode.SET, b"\x00", Status.DURABILITY_INVALID_LEVEL),
         (Opcode.SET, b"\x09", Status.DURABILITY_INVALID_LEVEL),
+        (Opcode.APPEND, b"\x01", Status.DURABILITY_IMPOSSIBLE),  # no level for APPEND yet
     ],
 )
-def test_durable_writes_are_refused_until_replicas_exist(
+def test_refused_durable_writes_change_nothing(
     nodes: NodeFactory, opcode: int, payload: bytes, status: Status
 ) -> None:
     node = nodes(vbuckets=4)
@@ -52,15 +54,50 @@ def test_durable_writes_are_refused_until_replicas_exist(
         kv = await kv_connect(node)
         conn = await raw_connection(node)
         try:
-            if opcode == Opcode.DELETE:
+            if opcode == Opcode.APPEND:
                 await kv.upsert(b"doc", b"before")
             response = await conn.request(durable_request(opcode, b"doc", payload, 4), 7)
             assert response.status == status, hex(response.status)
-            if opcode == Opcode.DELETE:
-                assert (await kv.get(b"doc")).value == b"before"  # not deleted
+            if opcode == Opcode.APPEND:
+                assert (await kv.get(b"doc")).value == b"before"  # not appended
             else:
                 with pytest.raises(KeyNotFoundError):  # not written
                     await kv.get(b"doc")
+        finally:
+            await conn.close()
+            await kv.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"\x01", b"\x02", b"\x03\x27\x10"],  # majority, majorityAndPersistActive, persistToMajority
+    ids=["majority", "majorityAndPersistActive", "persistToMajority-10s"],
+)
+def test_a_node_alone_honours_durable_writes_once_persisted(
+    nodes: NodeFactory, payload: bytes
+) -> None:
+    node = nodes(vbuckets=4)
+    vb = vbucket_for_key(b"doc", 4)
+
+    async def scenario() -> None:
+        kv = await kv_connect(node)
+        conn = await raw_connection(node)
+        try:
+            response = await conn.request(durable_request(Opcode.SET, b"doc", payload, 4), 7)
+            seqnos = await stats(conn, f"vbucket-seqno {vb}")
+            assert response.status == Status.SUCCESS, hex(response.status)
+            assert int(seqnos[f"vb_{vb}:high_seqno"]) == 2  # prepare at 1, its commit at 2
+            written = await kv.get(b"doc")
+            assert (written.value, written.cas) == (b"{}", response.cas)
+            # Acknowledged only once on disk: the persisted seqno covers the prepare (seqno 1;
+            # its commit is 2). Fetched before anything else could persist more.
+            assert int(seqnos[f"vb_{vb}:last_persisted_seqno"]) >= 1
+            response = await conn.request(durable_request(Opcode.DELETE, b"doc", payload, 4), 7)
+            assert response.status == Status.SUCCESS, hex(response.status)
+            with pytest.raises(KeyNotFoundError):
+                await kv.get(b"doc")
         finally:
             await conn.close()
             await kv.close()

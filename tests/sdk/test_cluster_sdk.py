@@ -1,6 +1,6 @@
 """The official SDK against a 3-node cluster (issue 14 with issue 11): it bootstraps from one
 node, routes by the real map, reads replicas (get_any_replica, get_all_replicas), follows a
-failover, and a durable write is refused as DurabilityImpossible, never acknowledged."""
+failover, and a durable write is acknowledged only once a majority of its copies hold it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from couchbase.cluster import Cluster
 from couchbase.durability import Durability, ServerDurability
-from couchbase.exceptions import DurabilityImpossibleException
 from couchbase.options import UpsertOptions
 
 from changefeed.cli.node_process import NodeProcess
@@ -67,12 +66,24 @@ def test_the_sdk_routes_by_the_map_and_reads_every_replica(
         assert all(c.content_as[dict] == {"n": i} for c in copies)
 
 
-def test_a_durable_write_is_refused_not_acknowledged(sdk: Cluster) -> None:
+def test_a_durable_write_is_acknowledged_once_a_majority_holds_it(sdk: Cluster) -> None:
     collection = sdk.bucket("default").default_collection()
     options = UpsertOptions(durability=ServerDurability(Durability.MAJORITY))
-    with pytest.raises(DurabilityImpossibleException):
-        collection.upsert("durable", {"x": 1}, options)
-    assert not collection.exists("durable").exists  # nothing was applied
+    for i in range(16):
+        key = f"durable-{i}"
+        result = collection.upsert(key, {"x": i}, options)
+        assert collection.get(key).cas == result.cas
+        # At the ack a majority (the active and a replica) holds the prepare; the commit
+        # follows it to every copy. (That a promoted replica commits what it holds is
+        # tests/cluster/test_sync_writes.py's business.)
+        deadline = time.monotonic() + 10
+        while True:
+            copies = [c for c in collection.get_all_replicas(key) if c.cas == result.cas]
+            if len(copies) == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert len(copies) == 3, (key, len(copies))
+        assert all(c.content_as[dict] == {"x": i} for c in copies)
 
 
 def test_the_sdk_follows_a_failover(sdk: Cluster, three: list[NodeProcess]) -> None:

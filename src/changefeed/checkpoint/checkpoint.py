@@ -8,6 +8,11 @@ the replaced item's slot neither re-reads it nor skips anything after it. Holes 
 only while no cursor is inside (`compact`). [snap_start, snap_end] covers every seqno queued here,
 including deduplicated ones.
 
+SyncWrite items (PREPARE, ABORT: checkpoint/item.py `SyncItem`) live in a second namespace,
+`prepared_index`: they never replace anything and are never replaced (a replica must receive
+every prepare), and reads do not find them. The manager starts a new checkpoint rather than
+put a key twice in that namespace, and never collapses a checkpoint holding them.
+
 Only the open checkpoint takes items (`add`); a closed one changes only by `absorb` (collapse),
 which the manager runs only on checkpoints no cursor is in.
 
@@ -17,13 +22,16 @@ Not here: the list of checkpoints, cursors, memory quota (manager.py, cursor.py,
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 from changefeed.checkpoint.item import CHECKPOINT_START, DUMMY, Item, MetaItem
 from changefeed.checkpoint.memory import item_size_bytes
+from changefeed.storage import Op
 
 Slot = Item | MetaItem | None
 
 _FIRST_ITEM_INDEX = 2  # after DUMMY and CHECKPOINT_START
+SYNC_OPS: Final = frozenset((Op.PREPARE, Op.ABORT))
 
 
 class Checkpoint:
@@ -33,6 +41,7 @@ class Checkpoint:
         id: increasing per manager; list order equals id order.
         items: DUMMY, CHECKPOINT_START, then items and holes (None) in seqno order.
         key_index: key -> index in `items` of the live item with that key.
+        prepared_index: the same for SyncWrite PREPARE/ABORT items (never deduplicated).
         snap_start, snap_end: snapshot range (snap_end = snap_start - 1 while empty).
         marker_end: on a replica, the end of the active's snapshot this checkpoint mirrors.
         is_open: True for the newest checkpoint, the only one that takes items.
@@ -56,6 +65,7 @@ class Checkpoint:
         "memory_bytes",
         "next",
         "on_replace",
+        "prepared_index",
         "prev",
         "snap_end",
         "snap_start",
@@ -67,6 +77,7 @@ class Checkpoint:
         self.id = checkpoint_id
         self.items: list[Slot] = [DUMMY]
         self.key_index: dict[bytes, int] = {}
+        self.prepared_index: dict[bytes, int] = {}
         self.snap_start = snap_start
         self.snap_end = snap_start - 1
         # A replica's checkpoint mirrors a snapshot of its active: the marker's end, which the
@@ -116,11 +127,16 @@ class Checkpoint:
         if len(items) == 1:
             items.append(CHECKPOINT_START)
         delta = size_bytes
-        old_index = self.key_index.get(item.key)
-        if old_index is not None:
-            delta -= self._punch_hole(old_index, item.seqno)
-        items.append(item)
-        self.key_index[item.key] = len(items) - 1
+        if item.op in SYNC_OPS:
+            assert item.key not in self.prepared_index, (item, self)  # the manager's rule
+            items.append(item)
+            self.prepared_index[item.key] = len(items) - 1
+        else:
+            old_index = self.key_index.get(item.key)
+            if old_index is not None:
+                delta -= self._punch_hole(old_index, item.seqno)
+            items.append(item)
+            self.key_index[item.key] = len(items) - 1
         self.live_count += 1
         self.snap_end = item.seqno
         self.memory_bytes += delta
@@ -141,6 +157,7 @@ class Checkpoint:
         assert self.cursor_count == 0, self
         assert newer.cursor_count == 0, newer
         assert newer.snap_start > self.snap_end, (self, newer)
+        assert not self.prepared_index and not newer.prepared_index, (self, newer)
         freed = 0
         items = self.items
         key_index = self.key_index
@@ -200,9 +217,13 @@ class Checkpoint:
             return
         live = self.live_items()
         self.items = [DUMMY, CHECKPOINT_START, *live]
-        self.key_index = {item.key: index for index, item in enumerate(live, _FIRST_ITEM_INDEX)}
+        self.key_index = {}
+        self.prepared_index = {}
+        for index, item in enumerate(live, _FIRST_ITEM_INDEX):
+            (self.prepared_index if item.op in SYNC_OPS else self.key_index)[item.key] = index
         self.hole_count = 0
-        assert len(self.key_index) == self.live_count, (len(self.key_index), self.live_count)
+        indexed = len(self.key_index) + len(self.prepared_index)
+        assert indexed == self.live_count, (indexed, self.live_count)
 
     def check_invariants(self) -> None:
         """O(n) walk of every fact this module promises; tests call it after each mutation."""
@@ -214,11 +235,14 @@ class Checkpoint:
         meta_count = min(len(items), _FIRST_ITEM_INDEX)
         assert len(items) - meta_count == self.live_count + self.hole_count, self
         assert sum(1 for slot in items if slot is None) == self.hole_count, self
-        assert len(self.key_index) == self.live_count, (len(self.key_index), self.live_count)
-        for key, index in self.key_index.items():
-            slot = items[index]
-            assert isinstance(slot, Item), (key, index, slot)
-            assert slot.key == key, (key, slot)
+        indexed = len(self.key_index) + len(self.prepared_index)
+        assert indexed == self.live_count, (indexed, self.live_count)
+        for index_map, sync in ((self.key_index, False), (self.prepared_index, True)):
+            for key, index in index_map.items():
+                slot = items[index]
+                assert isinstance(slot, Item), (key, index, slot)
+                assert slot.key == key, (key, slot)
+                assert (slot.op in SYNC_OPS) is sync, (key, slot)
         seqnos = [item.seqno for item in live]
         assert seqnos == sorted(set(seqnos)), seqnos
         if live:

@@ -27,12 +27,13 @@ import itertools
 from typing import Final
 
 from changefeed import limits
+from changefeed.checkpoint.checkpoint import SYNC_OPS
 from changefeed.checkpoint.cursor import Cursor
-from changefeed.checkpoint.item import Item
+from changefeed.checkpoint.item import Item, SyncItem
 from changefeed.checkpoint.manager import CheckpointManager
 from changefeed.checkpoint.memory import item_size_bytes
 from changefeed.checkpoint.snapshot import CursorSignal, SnapshotStart
-from changefeed.storage import Store, WriteBatch
+from changefeed.storage import Op, Store, WriteBatch
 
 BACKUP_CURSOR_NAME: Final = "persistence-backup"
 
@@ -44,6 +45,7 @@ class StagedFlush:
     backup: Cursor
     snapshot_before: SnapshotStart | None
     items: list[Item]
+    kept_before: frozenset[bytes] = frozenset()  # Flusher.kept_prepares, to undo
 
 
 class Flusher:
@@ -78,6 +80,9 @@ class Flusher:
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._waiter_ids = itertools.count()
         self.stats = {"batches": 0, "items": 0, "failed_batches": 0}
+        # Keys whose SyncWrite prepare the store keeps (put_prepare): the next committed
+        # change, or an abort, of such a key ends it there.
+        self.kept_prepares: set[bytes] = {record.key for _, record in store.prepares(manager.vb)}
 
     @property
     def persisted_seqno(self) -> int:
@@ -138,7 +143,7 @@ class Flusher:
         if not self._manager.has_next(cursor):
             return None
         backup = self._manager.clone_cursor(cursor, BACKUP_CURSOR_NAME)
-        staged = StagedFlush(backup, self._snapshot, [])
+        staged = StagedFlush(backup, self._snapshot, [], frozenset(self.kept_prepares))
         try:
             staged.items = self._read_batch(cursor)
             if staged.items:
@@ -168,6 +173,7 @@ class Flusher:
         if staged is None:
             return
         self.stats["failed_batches"] += 1
+        self.kept_prepares = set(staged.kept_before)
         self._manager.move_cursor(self._cursor(), staged.backup)
         self._snapshot = staged.snapshot_before
         self._manager.remove_cursor(staged.backup)
@@ -228,12 +234,31 @@ class Flusher:
         assert snapshot.snap_start <= items[-1].seqno <= snapshot.snap_end, (snapshot, items[-1])
         vb = self._manager.vb
         put_body = batch.put_body
+        kept = self.kept_prepares
         for item in items:  # each item's DCP body was encoded once, when it was queued
+            if item.op in SYNC_OPS:
+                self._write_sync(batch, vb, item)
+                continue
             put_body(
                 vb, item.key, item.seqno, item.op, datatype=item.datatype, cas=item.cas,
                 body=item.body,
             )  # fmt: skip
+            if kept and item.key in kept:
+                batch.end_prepare(vb, item.key)  # committed, or overwritten after an abort
+                kept.discard(item.key)
         batch.set_vbucket_meta(vb, snap_start=snapshot.snap_start, snap_end=snapshot.snap_end)
+
+    def _write_sync(self, batch: WriteBatch, vb: int, item: Item) -> None:
+        assert isinstance(item, SyncItem), item
+        if item.op is Op.PREPARE:
+            batch.put_prepare(
+                vb, item.key, item.seqno, item.doc_op, level=item.level,
+                datatype=item.datatype, cas=item.cas, body=item.body,
+            )  # fmt: skip
+            self.kept_prepares.add(item.key)
+        else:
+            batch.end_prepare(vb, item.key, item.seqno)
+            self.kept_prepares.discard(item.key)
 
     def _resolve_waiters(self) -> None:
         waiters = self._waiters

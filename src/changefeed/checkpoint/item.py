@@ -10,6 +10,12 @@ the body the store keeps for it (storage/record.py: mutation extras, or deletion
 tombstone). Every stream that sends the item frames that one body (producer/item_encoding.py);
 the value is not kept a second time, `value` is the body's tail.
 
+A `SyncItem` is a SyncWrite's item (a durable write, issue 12): a PREPARE holds the pending
+document — body in its document's layout, op PREPARE, `doc_op` MUTATION or DELETION — that no
+read or application stream sees; an ABORT ends one unseen. A commit is a plain `Item` of the
+committed document at its own seqno. Both kinds go in a checkpoint's prepared namespace
+(checkpoint.py): a prepare is never deduplicated.
+
 Meta items (`DUMMY`, `CHECKPOINT_START`) only mark positions inside a checkpoint; they are never
 yielded to a reader (seed mutation-manager.md, "Dummy item" / "Start Snapshot item").
 
@@ -162,6 +168,77 @@ class Item:
         item.delete_time = record.delete_time
         assert item.seqno == record.seqno, (item.seqno, record.seqno)
         return item
+
+
+class SyncItem(Item):
+    """A PREPARE or ABORT of a SyncWrite (see the module docstring).
+
+    Args:
+        seqno, key, cas, flags, expiry, datatype, rev_seqno, delete_time: as `Item`'s, for
+            the prepared document (an ABORT: its own seqno, the key, the prepare's CAS).
+        op: PREPARE or ABORT.
+        doc_op: the prepared document's op, MUTATION or DELETION (an ABORT: DELETION).
+        value: the prepared document's value (an ABORT: b"").
+        level: the durability level asked for (protocol DurabilityLevel; 0 on an ABORT).
+        prepared_seqno: an ABORT's prepare (0 on a PREPARE).
+    """
+
+    __slots__ = ("doc_op", "level", "prepared_seqno")
+
+    def __init__(
+        self,
+        seqno: int,
+        key: bytes,
+        op: Op,
+        doc_op: Op,
+        value: bytes,
+        cas: int,
+        flags: int = 0,
+        expiry: int = 0,
+        datatype: int = 0,
+        rev_seqno: int = 1,
+        delete_time: int = 0,
+        *,
+        level: int = 0,
+        prepared_seqno: int = 0,
+    ) -> None:
+        assert op in (Op.PREPARE, Op.ABORT), op
+        assert doc_op in (Op.MUTATION, Op.DELETION), doc_op
+        super().__init__(
+            seqno, key, doc_op, value, cas, flags, expiry, datatype, rev_seqno, delete_time
+        )
+        self.op = op
+        self.doc_op = doc_op
+        self.level = level
+        self.prepared_seqno = prepared_seqno
+
+    @property
+    def value(self) -> bytes:
+        return self.body[self.extras_size + len(self.key) :]
+
+    @property
+    def extras_size(self) -> int:
+        return MUTATION_EXTRAS_SIZE if self.doc_op is _MUTATION else DELETION_EXTRAS_SIZE
+
+    @property
+    def deleted(self) -> bool:
+        return self.doc_op is not Op.MUTATION
+
+    def _fields(self) -> tuple[object, ...]:
+        return (*super()._fields(), self.doc_op, self.level, self.prepared_seqno)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not SyncItem:
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def committed(self, seqno: int) -> Item:
+        """The plain item that commits this prepare at `seqno`: the same document and CAS."""
+        assert self.op is Op.PREPARE, self
+        return Item(
+            seqno, self.key, self.doc_op, self.value, self.cas, self.flags, self.expiry,
+            self.datatype, self.rev_seqno, self.delete_time,
+        )  # fmt: skip
 
 
 class MetaItem:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Final
 
 from changefeed import limits
-from changefeed.checkpoint.checkpoint import Checkpoint
+from changefeed.checkpoint.checkpoint import SYNC_OPS, Checkpoint
 from changefeed.checkpoint.cursor import Cursor, CursorKind, Event
 from changefeed.checkpoint.item import CHECKPOINT_START, Item
 from changefeed.checkpoint.memory import MemoryBudget, item_size_bytes
@@ -107,6 +107,8 @@ class CheckpointManager:
         self._replica_cursors_droppable = replica_cursors_droppable
         self._clock = clock
         self._memory_bytes = 0
+        # Checkpoints whose snapshot reaches this seqno are kept (`retain_from`).
+        self._retain_seqno = limits.SEQNO_MAX + 1
         self._next_checkpoint_id = 1
         self._open = self._new_checkpoint()
         self._head = self._open
@@ -198,8 +200,11 @@ class CheckpointManager:
         if open_checkpoint.has_items and (
             open_checkpoint.cursor_count > 0
             or open_checkpoint.memory_bytes >= self._checkpoint_max_bytes
+            or (item.op in SYNC_OPS and item.key in open_checkpoint.prepared_index)
         ):
-            self._close_open()  # a reader is inside, or it is full: it must not change any more
+            # A reader is inside, or it is full: it must not change any more. Or a second
+            # prepare/abort of the key: that namespace holds a key once and never dedups.
+            self._close_open()
             open_checkpoint = self._open
         delta_bytes = open_checkpoint.add(item, size_bytes)
         self._charge(delta_bytes)
@@ -226,6 +231,14 @@ class CheckpointManager:
     def snapshot_end(self) -> int:
         """The end of the snapshot being received (a replica), else the high seqno."""
         return max(self._high_seqno, self._open.marker_end)
+
+    def retain_from(self, seqno: int | None) -> None:
+        """Keep every checkpoint from the one holding `seqno` on in memory, cursors or not
+        (None: stop). The vbucket keeps its oldest pending SyncWrite prepare here: a replica
+        that must backfill from disk then still reads every pending prepare from memory,
+        since the store keeps prepares out of the seqno index."""
+        self._retain_seqno = limits.SEQNO_MAX + 1 if seqno is None else seqno
+        self._free_unreferenced_head()
 
     def close_open_checkpoint(self) -> None:
         """Close the open checkpoint if it holds items, so that it can be freed once read."""
@@ -536,7 +549,11 @@ class CheckpointManager:
             self._collapse_around(checkpoint)
 
     def _free_unreferenced_head(self) -> None:
-        while self._head is not self._open and self._head.cursor_count == 0:
+        while (
+            self._head is not self._open
+            and self._head.cursor_count == 0
+            and self._head.snap_end < self._retain_seqno
+        ):
             freed = self._head
             following = freed.next
             assert following is not None, freed
@@ -546,6 +563,7 @@ class CheckpointManager:
             freed.next = None
             freed.items = []  # a detached cursor may still refer to it; its memory goes now
             freed.key_index = {}
+            freed.prepared_index = {}
             freed.memory_bytes = 0
             self.stats["checkpoints_freed"] += 1
 
@@ -553,13 +571,23 @@ class CheckpointManager:
         """Merge the maximal run of closed cursorless checkpoints around `checkpoint`."""
         assert not checkpoint.is_open, checkpoint
         assert checkpoint.cursor_count == 0, checkpoint
+        if checkpoint.prepared_index:
+            return  # SyncWrite items are never deduplicated (checkpoint.py)
         first = checkpoint
-        while first.prev is not None and first.prev.cursor_count == 0:
+        while (
+            first.prev is not None
+            and first.prev.cursor_count == 0
+            and not first.prev.prepared_index
+        ):
             first = first.prev
-        assert first is not self._head, first  # a cursorless head is freed before collapsing
+        # A cursorless head is freed before collapsing, unless it is retained (`retain_from`).
+        assert first is not self._head or first.snap_end >= self._retain_seqno, first
         following = first.next
         while (
-            following is not None and not following.is_open and following.cursor_count == 0
+            following is not None
+            and not following.is_open
+            and following.cursor_count == 0
+            and not following.prepared_index
         ):  # bounded by the list length
             freed_bytes = first.absorb(following)
             self._charge(-freed_bytes)

@@ -38,6 +38,7 @@ from changefeed.storage.record import DELETION_EXTRAS_SIZE, MUTATION_EXTRAS_SIZE
 # key 472 against 471). The body replaced a separate value object (320 before it).
 ITEM_OVERHEAD_BYTES: Final = 361
 _MUTATION: Final = Op.MUTATION
+_PREPARE: Final = Op.PREPARE
 _MUTATION_BODY_OVERHEAD_BYTES: Final = ITEM_OVERHEAD_BYTES - MUTATION_EXTRAS_SIZE
 _TOMBSTONE_BODY_OVERHEAD_BYTES: Final = ITEM_OVERHEAD_BYTES - DELETION_EXTRAS_SIZE
 
@@ -45,7 +46,7 @@ _TOMBSTONE_BODY_OVERHEAD_BYTES: Final = ITEM_OVERHEAD_BYTES - DELETION_EXTRAS_SI
 def item_size_bytes(item: Item) -> int:
     """Bytes charged for `item`: key + value + ITEM_OVERHEAD_BYTES."""
     # len(body) = extras + key + value; read from the body, `value` would copy it.
-    if item.op is _MUTATION:
+    if item.op is _MUTATION or (item.op is _PREPARE and not item.deleted):
         return len(item.body) + _MUTATION_BODY_OVERHEAD_BYTES
     return len(item.body) + _TOMBSTONE_BODY_OVERHEAD_BYTES
 

@@ -17,6 +17,10 @@ Rules (seed follower-catch-up.md, dcp-rollback.md, replication-anchors.md §1.3)
   asks for the rest of a snapshot it held only partly.
 - Received and persisted seqnos are acknowledged (DCP_SEQNO_ACKNOWLEDGED) every
   `ack_interval_s` while they move; the active decides the in-sync set from them.
+- SyncWrites: DCP_PREPARE and DCP_ABORT are queued in wire order like any item (the vbucket
+  keeps prepares pending); a commit arrives as the committed document. A batch that held a
+  prepare is acknowledged at once, not at the next tick: the active's durable writes wait on
+  these acknowledgements.
 - When checkpoint memory is full, the rest of a batch waits and the socket stops being read:
   the active's flow-control window fills and it stops sending (bounded memory both sides).
 
@@ -33,7 +37,7 @@ import logging
 from collections import deque
 from typing import Final
 
-from changefeed.checkpoint import CheckpointMemoryFullError, Item
+from changefeed.checkpoint import CheckpointMemoryFullError, Item, SyncItem
 from changefeed.consumer.connection import Connection, ConnectionClosedError
 from changefeed.consumer.handshake import connect
 from changefeed.protocol.batch import Batch, ChangeColumns
@@ -54,6 +58,7 @@ from changefeed.protocol.dcp import (
     encode_seqno_acknowledged,
     encode_stream_request,
 )
+from changefeed.protocol.dcp_items import Prepare, decode_abort, decode_prepare
 from changefeed.protocol.errors import ProtocolError, StatusError, error_for_status
 from changefeed.protocol.frame import Frame, encode_response
 from changefeed.protocol.opcode import Feature, Magic, Opcode
@@ -140,6 +145,7 @@ class ReplicaFeed:
         # several vbuckets: each item keeps its own).
         self._backlog: deque[tuple[int, Item]] = deque()
         self._failure: BaseException | None = None
+        self._prepared = False  # the batch being taken held a prepare: acknowledge at once
 
     @property
     def name(self) -> str:
@@ -261,6 +267,9 @@ class ReplicaFeed:
             if len(changes) > done:
                 self._apply(changes.slice(done, len(changes)))
             self._ack_bytes(batch.item_bytes)
+            if self._prepared:
+                self._prepared = False
+                self._send_acks()
         except (StatusError, ProtocolError, ValueError) as error:
             # Bad data from the active: stop this connection (the next one starts from what
             # the vbuckets really hold) rather than take anything doubtful.
@@ -337,6 +346,18 @@ class ReplicaFeed:
             self._retry_later(frame.vbucket)
         elif opcode == Opcode.DCP_SET_VBUCKET_STATE:
             self._send(encode_response(frame))
+        elif opcode == Opcode.DCP_PREPARE:
+            self._queue(frame.vbucket, _prepare_item(decode_prepare(frame)))
+            self._prepared = True
+            self.stats.items += 1
+        elif opcode == Opcode.DCP_ABORT:
+            abort = decode_abort(frame)
+            item = SyncItem(
+                abort.abort_seqno, abort.key, Op.ABORT, Op.DELETION, b"", 1,
+                prepared_seqno=abort.prepared_seqno,
+            )  # fmt: skip
+            self._queue(frame.vbucket, item)
+            self.stats.items += 1
 
     def _settle_backlog(self) -> None:
         """A marker must not overtake items still waiting for memory: take them first."""
@@ -399,6 +420,13 @@ class ReplicaFeed:
         if self._conn is not None:
             with contextlib.suppress(ConnectionClosedError):
                 self._conn.send(data)
+
+
+def _prepare_item(p: Prepare) -> SyncItem:
+    return SyncItem(
+        p.seqno, p.key, Op.PREPARE, Op.DELETION if p.deleted else Op.MUTATION, p.value, p.cas,
+        p.flags, p.expiry, p.datatype, p.rev_seqno, p.delete_time, level=p.level,
+    )  # fmt: skip
 
 
 async def _expect_ok(conn: Connection, data: bytes, opaque: int) -> Frame:

@@ -15,15 +15,16 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 from zlib import crc32
 
 from changefeed.consumer.connection import Connection, ConnectionClosedError
 from changefeed.consumer.handshake import call, connect
 from changefeed.protocol.errors import NotMyVbucketError, StatusError, error_for_status
-from changefeed.protocol.frame import Frame
+from changefeed.protocol.frame import Frame, encode_frame
+from changefeed.protocol.frame_info import DurabilityLevel, DurabilityRequirement, encode_durability
 from changefeed.protocol.kv import (
     CompactDb,
     CompactionSummary,
@@ -38,11 +39,22 @@ from changefeed.protocol.kv import (
     encode_store,
 )
 from changefeed.protocol.kv_pipeline import FRAME, TOKEN, StoreReplies, encode_stores
-from changefeed.protocol.opcode import Feature, Opcode
+from changefeed.protocol.opcode import Feature, Magic, Opcode
 from changefeed.protocol.status import Status
 from changefeed.vbmap import ClusterMap, NodeAddress, vbucket_for_key
 
-Durability = Literal["none", "persist"]
+# "persist": wait until the active node has the write on disk (OBSERVE_SEQNO polling). The
+# others are the SyncWrite levels of the durability frame: the node answers once a majority of
+# the vbucket's copies hold the write (and, per level, have persisted it) — or answers
+# SYNC_WRITE_AMBIGUOUS when that did not happen within the timeout, never a false success.
+Durability = Literal["none", "persist", "majority", "majorityAndPersistActive", "persistToMajority"]
+SYNC_LEVELS: Final[Mapping[str, DurabilityLevel]] = {
+    "majority": DurabilityLevel.MAJORITY,
+    "majorityAndPersistActive": DurabilityLevel.MAJORITY_AND_PERSIST_TO_ACTIVE,
+    "persistToMajority": DurabilityLevel.PERSIST_TO_MAJORITY,
+}
+SYNC_WRITE_TIMEOUT_MS = 10_000  # the SDKs' default durable-write timeout
+SYNC_WRITE_PENDING_RETRY_S = 10.0  # SYNC_WRITE_IN_PROGRESS on the key is retried this long
 PIPELINE_DEPTH_MAX = 1024  # requests in flight per upsert_many window
 WINDOW_REPLY_TIMEOUT_S = 60.0  # how long a window's node may take to answer all of it
 ROUTE_RETRY_S = 15.0  # how long a request follows the map (a failover takes a few seconds)
@@ -54,6 +66,13 @@ Connector = Callable[[str, int], Awaitable[Connection]]
 # A window sent: the connection, the item indexes in it, their replies and its one future.
 _SentWindow = tuple[Connection, Sequence[int], StoreReplies, asyncio.Future[StoreReplies]]
 PERSIST_POLL_S = 0.002
+
+
+def _durability_frame(durability: Durability) -> bytes:
+    level = SYNC_LEVELS.get(durability)
+    if level is None:
+        return b""
+    return encode_durability(DurabilityRequirement(level, SYNC_WRITE_TIMEOUT_MS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +215,7 @@ class KvClient:
         return True
 
     async def _request(
-        self, vb: int, build: Callable[[int], bytes], *, timeout_s: float = 30.0
+        self, vb: int, build: Callable[[int], bytes], *, timeout_s: float = 30.0, sync: bool = False
     ) -> Frame:
         """Send a request for `vb` to its active node and return the answer.
 
@@ -204,7 +223,9 @@ class KvClient:
         ask another node), a node that cannot be reached or drops the connection, a vbucket
         without an active (a failover in progress) — each is retried with backoff for up to
         ROUTE_RETRY_S, the time a failover takes. TMPFAIL is retried for
-        TEMPORARY_FAILURE_RETRY_S. Without a map, only TMPFAIL is retried.
+        TEMPORARY_FAILURE_RETRY_S, and a durable (``sync``) write meeting another one's pending
+        prepare (SYNC_WRITE_IN_PROGRESS) for SYNC_WRITE_PENDING_RETRY_S. Without a map, only
+        TMPFAIL and SYNC_WRITE_IN_PROGRESS are retried.
         """
         start = time.monotonic()
         attempt = tmpfails = 0
@@ -230,6 +251,14 @@ class KvClient:
                 # retry such answers with backoff, and so do we, for a bounded time.
                 tmpfails += 1
                 self.temporary_failures += 1
+                await asyncio.sleep(min(TEMPORARY_FAILURE_BACKOFF_MAX_S, 0.001 * 2**tmpfails))
+                continue
+            if (
+                sync
+                and response.status == Status.SYNC_WRITE_IN_PROGRESS
+                and time.monotonic() - start < SYNC_WRITE_PENDING_RETRY_S
+            ):
+                tmpfails += 1
                 await asyncio.sleep(min(TEMPORARY_FAILURE_BACKOFF_MAX_S, 0.001 * 2**tmpfails))
                 continue
             if response.status != Status.NOT_MY_VBUCKET or self.cluster_map is None:
@@ -288,12 +317,13 @@ class KvClient:
         datatype: int = 0,
     ) -> MutationResult:
         vb = self.vbucket_of(key)
+        framing = _durability_frame(durability)
 
         def build(opaque: int) -> bytes:
             command = StoreCommand(opcode, vb, opaque, key, value, flags, expiry, cas, datatype)
-            return encode_store(command)
+            return encode_store(command, framing)
 
-        result = _mutation_result(await self._request(vb, build), vb)
+        result = _mutation_result(await self._request(vb, build, sync=bool(framing)), vb)
         if durability == "persist":
             await self.wait_persisted(result)
         return result
@@ -333,11 +363,20 @@ class KvClient:
         self, key: bytes, *, cas: int = 0, durability: Durability = "none"
     ) -> MutationResult:
         vb = self.vbucket_of(key)
+        framing = _durability_frame(durability)
 
         def build(opaque: int) -> bytes:
-            return encode_request(Opcode.DELETE, vbucket=vb, opaque=opaque, key=key, cas=cas)
+            return encode_frame(
+                Magic.ALT_REQUEST if framing else Magic.REQUEST,
+                Opcode.DELETE,
+                framing_extras=framing,
+                vbucket=vb,
+                opaque=opaque,
+                key=key,
+                cas=cas,
+            )
 
-        result = _mutation_result(await self._request(vb, build), vb)
+        result = _mutation_result(await self._request(vb, build, sync=bool(framing)), vb)
         if durability == "persist":
             await self.wait_persisted(result)
         return result
@@ -350,6 +389,8 @@ class KvClient:
         Each window is sent to the nodes holding its keys' vbuckets, all nodes at once; a
         write answered NOT_MY_VBUCKET is retried on its own after the map is updated.
         """
+        if durability in SYNC_LEVELS:
+            return await self._upsert_many_sync(items, durability)
         results: list[MutationResult | None] = [None] * len(items)
         vbuckets = _vbuckets_of(items, self.vbuckets)
         for first in range(0, len(items), PIPELINE_DEPTH_MAX):
@@ -363,6 +404,19 @@ class KvClient:
             for result in done:
                 newest[result.vbucket] = result
             await asyncio.gather(*(self.wait_persisted(r) for r in newest.values()))
+        return done
+
+    async def _upsert_many_sync(
+        self, items: list[tuple[bytes, bytes]], durability: Durability
+    ) -> list[MutationResult]:
+        """Durable writes, ``PIPELINE_DEPTH_MAX`` in flight: each is acknowledged on its own
+        (when its copies hold it), so a window of them is a set of concurrent requests."""
+        done: list[MutationResult] = []
+        for first in range(0, len(items), PIPELINE_DEPTH_MAX):
+            window = items[first : first + PIPELINE_DEPTH_MAX]
+            done.extend(
+                await asyncio.gather(*(self.upsert(k, v, durability=durability) for k, v in window))
+            )
         return done
 
     async def _window_connections(

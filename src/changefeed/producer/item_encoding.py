@@ -18,6 +18,11 @@ dcp-wire.md §7.4-7.5), NoValue (the body without its value, datatype 0) and str
 framing extras go between the header and the body). A stored record on the fallback is decoded
 and checked first (`decode_record`), so a damaged record raises instead of being sent.
 
+SyncWrite items (a PREPARE or ABORT, checkpoint/item.py `SyncItem`) have no fast-path entry, so a
+run holding one takes the fallback: a replica stream (`sync_writes`) gets DCP_PREPARE / DCP_ABORT,
+any other stream nothing — the item counts as framed with 0 bytes, so the stream moves past its
+seqno and still reaches its snapshot's end. Commits are plain items (the committed document).
+
 Not here: flow control and snapshot markers (encoder.py), what a stream sends (stream.py).
 """
 
@@ -29,15 +34,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from changefeed.checkpoint.item import Item
+from changefeed.checkpoint.item import Item, SyncItem
 from changefeed.protocol.dcp_items import (
     DELETION_V1_EXTRAS,
     DELETION_V2_EXTRAS,
     EXPIRATION_EXTRAS,
     HEADER_FRONT,
     MUTATION_EXTRAS,
+    Abort,
+    Prepare,
     deletion_v1_body,
+    encode_abort,
     encode_item_body,
+    encode_prepare,
     expiration_body,
 )
 from changefeed.protocol.frame import HEADER
@@ -61,6 +70,7 @@ _OP_DCP_DELETION: Final = int(Opcode.DCP_DELETION)
 _OP_DCP_EXPIRATION: Final = int(Opcode.DCP_EXPIRATION)
 _MUTATION: Final = Op.MUTATION
 _EXPIRATION: Final = Op.EXPIRATION
+_SYNC_OPS: Final = frozenset((Op.PREPARE, Op.ABORT))
 _HEADER_SIZE: Final = HEADER.size
 _FRONT_SIZE: Final = HEADER_FRONT.size
 _pack_header: Final = HEADER.pack
@@ -79,6 +89,7 @@ class ItemOptions:
     delete_times: bool = False  # IncludeDeleteTimes: deletion V2 extras
     expiry_opcode: bool = False  # enable_expiry_opcode (only with delete_times)
     no_value: bool = False  # NoValue: strip values
+    sync_writes: bool = False  # a replica stream: PREPARE and ABORT are sent
 
 
 class ItemFramer:
@@ -207,13 +218,29 @@ class ItemFramer:
         written = 0
         count = 0
         for item in items:  # bounded by the run
-            pieces = self.frame(item.op, len(item.key), item.datatype, item.cas, item.body)
+            if item.op in _SYNC_OPS:
+                pieces = self._sync_frame(item) if self.options.sync_writes else []
+            else:
+                pieces = self.frame(item.op, len(item.key), item.datatype, item.cas, item.body)
             parts += pieces
             written += sum(map(len, pieces))
             count += 1
             if written >= bytes_max:
                 break
         return b"".join(parts), count, written
+
+    def _sync_frame(self, item: Item) -> list[bytes]:
+        assert isinstance(item, SyncItem), item
+        if self.stream_id is not None:
+            raise ValueError("stream-ids and sync writes do not combine (dcp-wire.md §8)")
+        if item.op is Op.ABORT:
+            abort = Abort(self.vb, self.opaque, item.key, item.prepared_seqno, item.seqno)
+            return [encode_abort(abort)]
+        prepare = Prepare(
+            self.vb, self.opaque, item.seqno, item.key, item.value, item.cas, item.rev_seqno,
+            item.flags, item.expiry, item.deleted, item.level, item.datatype, item.delete_time,
+        )  # fmt: skip
+        return [encode_prepare(prepare)]
 
     def _stored_one_by_one(
         self, records: Sequence[bytes], bytes_max: int

@@ -142,6 +142,8 @@ class DcpProducer:
         self.options = ItemOptions(
             delete_times=bool(flags & OpenFlag.INCLUDE_DELETE_TIMES),
             no_value=bool(flags & (OpenFlag.NO_VALUE | OpenFlag.NO_VALUE_WITH_UNDERLYING_DATATYPE)),
+            sync_writes=role
+            is StreamRole.REPLICA,  # replicas hold prepares; readers never see them
         )
         self.marker_version = MarkerVersion.V1
         self.stream_ids_enabled = False

@@ -359,3 +359,102 @@ def _check_item(frame: Frame, seqno: int, nmeta: int) -> None:
         raise ProtocolError(f"DCP item with nmeta {nmeta}")
     if not frame.key:
         raise ProtocolError("DCP item without a key")
+
+
+# -- the sync-write family (dcp-wire.md §7.15), sent only on replica streams -----------------------
+
+PREPARE_EXTRAS = struct.Struct(">QQIIIBBB")  # by_seqno rev flags exp lock_time nru deleted level
+ABORT_EXTRAS = struct.Struct(">QQ")  # prepared_seqno, abort_seqno (COMMIT's layout too)
+assert PREPARE_EXTRAS.size == 31
+assert ABORT_EXTRAS.size == 16
+
+
+@dataclass(frozen=True, slots=True)
+class Prepare:
+    """DCP_PREPARE: a durable write pending on the active (its document, not yet visible)."""
+
+    vbucket: int
+    opaque: int
+    seqno: int
+    key: bytes
+    value: bytes
+    cas: int
+    rev_seqno: int
+    flags: int
+    expiry: int
+    deleted: bool
+    level: int
+    datatype: int = 0
+    delete_time: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """DCP_ABORT: the prepare at `prepared_seqno` ended unseen, at `abort_seqno`."""
+
+    vbucket: int
+    opaque: int
+    key: bytes
+    prepared_seqno: int
+    abort_seqno: int
+
+
+def encode_prepare(p: Prepare) -> bytes:
+    """A deleted prepare carries its delete time in the expiration field (kv_engine does)."""
+    extras = PREPARE_EXTRAS.pack(
+        p.seqno,
+        p.rev_seqno,
+        p.flags,
+        p.delete_time if p.deleted else p.expiry,
+        0,
+        0,
+        int(p.deleted),
+        p.level,
+    )
+    return encode_frame(
+        Magic.REQUEST,
+        Opcode.DCP_PREPARE,
+        datatype=p.datatype,
+        vbucket=p.vbucket,
+        opaque=p.opaque,
+        cas=p.cas,
+        extras=extras,
+        key=p.key,
+        value=p.value,
+    )
+
+
+def decode_prepare(frame: Frame) -> Prepare:
+    """Raises ProtocolError(EINVAL): extras not 31 bytes, seqno 0, no key, CAS 0, level 0."""
+    if len(frame.extras) != PREPARE_EXTRAS.size:
+        raise ProtocolError(f"DCP_PREPARE extras of {len(frame.extras)} bytes, not 31")
+    seqno, rev, flags, expiry, _, _, deleted, level = PREPARE_EXTRAS.unpack(frame.extras)
+    _check_item(frame, seqno, 0)
+    if frame.cas == 0 or not 1 <= level <= 3 or deleted > 1:
+        raise ProtocolError(f"DCP_PREPARE cas {frame.cas}, level {level}, deleted {deleted}")
+    return Prepare(
+        frame.vbucket, frame.opaque, seqno, frame.key, frame.value, frame.cas, rev,
+        flags, 0 if deleted else expiry, bool(deleted), level, frame.datatype,
+        expiry if deleted else 0,
+    )  # fmt: skip
+
+
+def encode_abort(a: Abort) -> bytes:
+    return encode_frame(
+        Magic.REQUEST,
+        Opcode.DCP_ABORT,
+        vbucket=a.vbucket,
+        opaque=a.opaque,
+        extras=ABORT_EXTRAS.pack(a.prepared_seqno, a.abort_seqno),
+        key=a.key,
+    )
+
+
+def decode_abort(frame: Frame) -> Abort:
+    """Raises ProtocolError(EINVAL): extras not 16 bytes, no key, abort not after prepare."""
+    if len(frame.extras) != ABORT_EXTRAS.size:
+        raise ProtocolError(f"DCP_ABORT extras of {len(frame.extras)} bytes, not 16")
+    prepared, aborted = ABORT_EXTRAS.unpack(frame.extras)
+    if not frame.key or not 0 < prepared < aborted:
+        raise ProtocolError(f"DCP_ABORT of prepare {prepared} at {aborted}")
+    return Abort(frame.vbucket, frame.opaque, frame.key, prepared, aborted)

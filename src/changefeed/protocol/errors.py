@@ -144,6 +144,13 @@ class SyncWriteAmbiguousError(StatusError):
     retriable = True
 
 
+class SyncWriteInProgressError(StatusError):
+    """The key has a durable write pending (its prepare is not committed or aborted yet)."""
+
+    status = Status.SYNC_WRITE_IN_PROGRESS
+    retriable = True
+
+
 def _registry() -> dict[int, type[StatusError]]:
     table: dict[int, type[StatusError]] = {}
     pending: list[type[StatusError]] = list(StatusError.__subclasses__())

@@ -127,6 +127,14 @@ class DurabilityRequirement:
 _TIMEOUT = struct.Struct(">H")
 
 
+def encode_durability(requirement: DurabilityRequirement) -> bytes:
+    """The durability frame info a client puts in a write's framing extras."""
+    payload = bytes((requirement.level,))
+    if requirement.timeout_ms is not None:
+        payload += _TIMEOUT.pack(requirement.timeout_ms)
+    return encode_frame_info(FRAME_INFO_DURABILITY, payload)
+
+
 def durability_of(framing_extras: bytes) -> DurabilityRequirement | None:
     """Return the durability requirement in ``framing_extras``, or None when there is none.
 

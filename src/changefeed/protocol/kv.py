@@ -120,11 +120,14 @@ class StoreCommand:
     datatype: int = 0
 
 
-def encode_store(command: StoreCommand) -> bytes:
+def encode_store(command: StoreCommand, framing_extras: bytes = b"") -> bytes:
+    """A SET/ADD/REPLACE request; ``framing_extras`` (e.g. a durability frame) make it alt-magic."""
     if command.opcode not in STORE_OPCODES:
         raise ValueError(f"not a store opcode: {command.opcode}")
-    return encode_request(
+    return encode_frame(
+        Magic.ALT_REQUEST if framing_extras else Magic.REQUEST,
         command.opcode,
+        framing_extras=framing_extras,
         vbucket=command.vbucket,
         opaque=command.opaque,
         cas=command.cas,

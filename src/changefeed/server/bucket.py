@@ -59,6 +59,8 @@ class Bucket:
         self._flush_task: asyncio.Task[None] | None = None
         self._dirty = asyncio.Event()
         self.persistence = PersistenceHealth()
+        # Told the vbuckets a flush round persisted more of (durable writes wait on it).
+        self.persisted_listeners: list[Callable[[list[int]], None]] = []
         # The flusher's commits run here, off the event loop (one writer: LMDB has one).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="changefeed-flush")
 
@@ -186,6 +188,10 @@ class Bucket:
         else:
             wrote = sum(vb.flusher.staged_committed(pending) for vb, pending in staged)
             self.persistence.succeeded()
+            if self.persisted_listeners:
+                moved = [vb.vb for vb, pending in staged if pending is not None]
+                for listener in self.persisted_listeners:
+                    listener(moved)
         if cancelled:
             raise asyncio.CancelledError  # close(): stop, with every staged item settled
         if failure is not None:
@@ -200,8 +206,9 @@ class Bucket:
             raise NotMyVbucketError(f"vbucket {vb} does not exist")
         return found
 
-    def store_command(self, command: StoreCommand) -> MutationResult:
-        """SET / ADD / REPLACE; TMPFAIL while the store cannot persist."""
+    def store_command(self, command: StoreCommand, *, level: int = 0) -> MutationResult:
+        """SET / ADD / REPLACE; TMPFAIL while the store cannot persist. A durability `level`
+        queues a prepare (server/sync_writes.py decides its outcome)."""
         vb = self.vbucket(command.vbucket)
         self.persistence.check_writable()
         expiry = absolute_expiry(command.expiry, self._clock())
@@ -212,6 +219,7 @@ class Bucket:
                 flags=command.flags,
                 expiry=expiry,
                 datatype=command.datatype,
+                level=level,
             )
         if command.opcode == Opcode.REPLACE:
             return vb.replace(
@@ -221,6 +229,7 @@ class Bucket:
                 expiry=expiry,
                 datatype=command.datatype,
                 cas=command.cas,
+                level=level,
             )
         return vb.set(
             command.key,
@@ -229,6 +238,7 @@ class Bucket:
             expiry=expiry,
             datatype=command.datatype,
             cas=command.cas,
+            level=level,
         )
 
     def set_run(self, run: SetRun) -> list[MutationResult | StatusError]:
@@ -268,11 +278,11 @@ class Bucket:
         assert None not in results, run.opaques
         return cast("list[MutationResult | StatusError]", results)
 
-    def delete(self, vb: int, key: bytes, *, cas: int = 0) -> MutationResult:
-        """DELETE; TMPFAIL while the store cannot persist."""
+    def delete(self, vb: int, key: bytes, *, cas: int = 0, level: int = 0) -> MutationResult:
+        """DELETE; TMPFAIL while the store cannot persist; `level` as `store_command`."""
         vbucket = self.vbucket(vb)
         self.persistence.check_writable()
-        return vbucket.delete(key, cas=cas)
+        return vbucket.delete(key, cas=cas, level=level)
 
     def get(self, vb: int, key: bytes) -> Document:
         vbucket = self.vbucket(vb)

@@ -38,6 +38,7 @@ from changefeed.protocol.errors import (
     StatusError,
 )
 from changefeed.protocol.frame import Frame, encode_response
+from changefeed.protocol.frame_info import durability_of
 from changefeed.protocol.kv import (
     GET_RESPONSE_EXTRAS,
     MutationResult,
@@ -79,7 +80,7 @@ SUPPORTED_FEATURES = frozenset(
         Feature.CLUSTERMAP_CHANGE_NOTIFICATION_BRIEF,
         Feature.XATTR,  # xattr paths of sub-document lookups: the virtual $document
         Feature.VATTR,
-        Feature.SYNC_REPLICATION,  # durability frames, answered DURABILITY_IMPOSSIBLE
+        Feature.SYNC_REPLICATION,  # durability frames: SyncWrites (server/sync_writes.py)
         Feature.PRESERVE_TTL,
     }
 )
@@ -114,6 +115,7 @@ class ClientConnection(asyncio.Protocol):
         )
         # While a SASL exchange hashes off the loop, later frames wait (their order matters).
         self._sasl_task: asyncio.Task[None] | None = None
+        self._later: set[asyncio.Task[None]] = set()  # answers that wait (`answer_later`)
         self.peer_host = ""
         self.features: set[int] = set()
         self.bucket_selected = False
@@ -157,6 +159,8 @@ class ClientConnection(asyncio.Protocol):
         self.context.connections.discard(self)
         self.context.map_subscribers.discard(self)
         self.context.partial.release(self)
+        for task in list(self._later):
+            task.cancel()
         if self._sasl_task is not None:
             self._sasl_task.cancel()
             self._sasl_task = None
@@ -165,6 +169,8 @@ class ClientConnection(asyncio.Protocol):
             if self.replica_name is not None and tracker is not None:
                 for vb in self.dcp.producer.streams:
                     tracker.stream_closed(vb, self.replica_name)
+                    if self.context.sync_writes is not None:
+                        self.context.sync_writes.on_progress(vb)
             self.dcp.close()
             self.context.dcp.unregister(self.dcp)
             self.dcp = None
@@ -369,6 +375,22 @@ class ClientConnection(asyncio.Protocol):
         except (ProtocolError, StatusError) as error:
             self._reply_error(frame, error)
 
+    def answer_later(self, request: Frame, answer: Coroutine[Any, Any, None]) -> None:
+        """Run `answer`, which replies to `request`, as a task of this connection (a durable
+        write answers once its copies hold it); an error it raises is answered as
+        `_dispatch` answers one. Cancelled when the connection closes."""
+
+        async def run() -> None:
+            try:
+                await answer
+            except (ProtocolError, StatusError) as error:
+                if self.transport is not None and not self.transport.is_closing():
+                    self._reply_error(request, error)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
     def _reply_error(self, frame: Frame, error: ProtocolError | StatusError) -> None:
         if isinstance(error, ProtocolError):
             self.reply(frame, error.status, value=str(error).encode())
@@ -498,16 +520,28 @@ def _select_bucket(c: ClientConnection, f: Frame) -> None:
 def _store(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     command = decode_store(f)
-    kv_commands.refuse_durability(f)
     if kv_commands.preserve_ttl_of(f.framing_extras):
         command = kv_commands.keep_expiry(c, command)
+    requirement = durability_of(f.framing_extras)
+    if requirement is not None:
+        kv_commands.durable_write(
+            c, f, command.key, requirement,
+            lambda level: c.context.bucket.store_command(command, level=level),
+        )  # fmt: skip
+        return
     _reply_mutation(c, f, c.context.bucket.store_command(command))
 
 
 def _delete(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     key = decode_key_only(f)
-    kv_commands.refuse_durability(f)
+    requirement = durability_of(f.framing_extras)
+    if requirement is not None:
+        kv_commands.durable_write(
+            c, f, key, requirement,
+            lambda level: c.context.bucket.delete(f.vbucket, key, cas=f.cas, level=level),
+        )  # fmt: skip
+        return
     _reply_mutation(c, f, c.context.bucket.delete(f.vbucket, key, cas=f.cas))
 
 
@@ -666,6 +700,8 @@ def _dcp_seqno_acknowledged(c: ClientConnection, f: Frame) -> None:
         return
     persisted = ack.persisted if ack.persisted is not None else 0
     tracker.acknowledged(f.vbucket, c.replica_name, ack.received, persisted)
+    if c.context.sync_writes is not None:
+        c.context.sync_writes.on_progress(f.vbucket)
 
 
 def _get_replica(c: ClientConnection, f: Frame) -> None:

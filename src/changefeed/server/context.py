@@ -23,6 +23,7 @@ from changefeed.server.expiry_pager import ExpiryPager
 from changefeed.server.rate_limit import ByteRate
 from changefeed.server.registry import DcpRegistry
 from changefeed.server.replication import ReplicationTracker
+from changefeed.server.sync_writes import SyncWriteMonitor
 from changefeed.server.users import Users
 from changefeed.vbmap import ClusterMap, NodeAddress
 
@@ -73,6 +74,7 @@ class ServerContext:
             replica feeds), by group name.
         map_subscribers: connections that asked to be told of cluster map changes
             (`push_cluster_map`).
+        sync_writes: the durable writes pending on this node's active vbuckets.
     """
 
     config: NodeConfig
@@ -95,6 +97,7 @@ class ServerContext:
         default_factory=dict
     )
     map_subscribers: set[MapSubscriber] = dataclasses.field(default_factory=set)
+    sync_writes: SyncWriteMonitor | None = None
 
     def current_map(self) -> ClusterMap:
         """The map clients route by: the cluster's, or this node alone with every vbucket."""

@@ -26,9 +26,11 @@ answers the mutation token when MutationSeqno was negotiated.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 
 from changefeed import limits
 from changefeed.protocol.error_map import decode_get_error_map, error_map_json
@@ -42,7 +44,11 @@ from changefeed.protocol.errors import (
     ProtocolError,
 )
 from changefeed.protocol.frame import Frame
-from changefeed.protocol.frame_info import decode_frame_infos, durability_of
+from changefeed.protocol.frame_info import (
+    DurabilityRequirement,
+    decode_frame_infos,
+    durability_of,
+)
 from changefeed.protocol.kv import (
     GET_RESPONSE_EXTRAS,
     MutationResult,
@@ -114,15 +120,37 @@ def wire_status(c: Requester, status: int) -> int:
     return status
 
 
+def durable_write(
+    c: Requester,
+    f: Frame,
+    key: bytes,
+    requirement: DurabilityRequirement,
+    write: Callable[[int], MutationResult],
+) -> None:
+    """A SyncWrite: refuse it up front if its level cannot be met (DURABILITY_IMPOSSIBLE),
+    else `write` queues the prepare (raising as a plain write would) and the answer goes out
+    when the monitor commits it — or SYNC_WRITE_AMBIGUOUS when it cannot tell in time."""
+    monitor = c.context.sync_writes
+    if monitor is None:
+        raise DurabilityImpossibleError("durable writes need a running node")
+    monitor.check_possible(f.vbucket)
+    prepared = write(int(requirement.level))
+    outcome = monitor.track(f.vbucket, key, prepared, requirement)
+
+    async def answer() -> None:
+        reply_mutation(c, f, await asyncio.shield(outcome))
+
+    c.answer_later(f, answer())
+
+
 def refuse_durability(f: Frame) -> None:
-    """Durability levels (SyncWrites) are not implemented yet: a write that asks for one gets
-    DURABILITY_IMPOSSIBLE, never a success pretending the level was met. Every mutation
-    handler calls this one function."""
+    """Commands other than SET/ADD/REPLACE/DELETE do not take a durability level yet: one
+    that asks gets DURABILITY_IMPOSSIBLE, never a success pretending the level was met."""
     requirement = durability_of(f.framing_extras)
     if requirement is not None:
         raise DurabilityImpossibleError(
-            f"durability {requirement.level.name.lower()} is not supported yet; "
-            "the write was not applied"
+            f"durability {requirement.level.name.lower()} is not supported for opcode "
+            f"0x{f.opcode:02x}; the write was not applied"
         )
 
 

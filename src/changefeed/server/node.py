@@ -28,6 +28,7 @@ from changefeed.server.metrics import serve_metrics
 from changefeed.server.rate_limit import ByteRate
 from changefeed.server.replication import ReplicationTracker
 from changefeed.server.shm_publisher import ShmPublisher
+from changefeed.server.sync_writes import SyncWriteMonitor
 from changefeed.server.users import Users, load_or_create_node_secret
 
 log = logging.getLogger("changefeed.node")
@@ -111,6 +112,12 @@ class Node:
                 lag_max_s=config.replica_lag_max_s,
                 clock=monotonic,
             ),
+        )
+        context = self.context
+        context.sync_writes = SyncWriteMonitor(
+            bucket,
+            replicas_of=lambda vb: [n.name for n in context.current_map().replica_nodes(vb)],
+            replication=context.replication,
         )
         self._server: asyncio.Server | None = None
         self._metrics: asyncio.Server | None = None

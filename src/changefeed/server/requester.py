@@ -7,7 +7,8 @@ them (no cycle); `ClientConnection` satisfies it structurally.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.status import Status
@@ -45,4 +46,8 @@ class Requester(Protocol):
 
     def send(self, data: bytes) -> None:
         """Write an unsolicited frame (a server push)."""
+        ...
+
+    def answer_later(self, request: Frame, answer: Coroutine[Any, Any, None]) -> None:
+        """Run `answer` (it replies to `request`) as a task of the connection."""
         ...

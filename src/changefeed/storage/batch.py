@@ -61,13 +61,15 @@ class WriteBatch:
     Using the batch after its block ended raises RuntimeError.
     """
 
-    __slots__ = ("_bytes", "_committed", "_keys", "_open", "_records", "_rows")
+    __slots__ = ("_bytes", "_committed", "_keys", "_open", "_prepared", "_records", "_rows")
 
     def __init__(self, committed: Mapping[int, VbState]) -> None:
         self._committed = committed
         self._rows: dict[int, VbState] = {}  # vb -> working copy of its metadata
         self._records: dict[bytes, bytes] = {}  # by_seqno key -> stored record
         self._keys: dict[bytes, tuple[int, bytes]] = {}  # by_key key -> (vb, by_key value)
+        # prepared key -> level byte + stored prepare, or None: the key's prepare has ended.
+        self._prepared: dict[bytes, bytes | None] = {}
         self._bytes = 0  # stored bytes held in _records
         self._open = True
 
@@ -185,6 +187,60 @@ class WriteBatch:
             raise ValueError(f"vb {vb} seqno {seqno}: field out of range: {error}") from None
         self._add(vb, row, key, seqno, op, prefix + body)
 
+    def put_prepare(
+        self,
+        vb: int,
+        key: bytes,
+        seqno: int,
+        op: Op,
+        *,
+        level: int,
+        datatype: int,
+        cas: int,
+        body: bytes,
+    ) -> None:
+        """Keep a pending SyncWrite prepare of `key`: its document (`op` MUTATION or DELETION,
+        `body` in that layout) and durability `level`, in the `prepared` database, not in
+        `by_seqno`: no read or application stream sees it. The vbucket's high seqno moves to
+        `seqno`, so a restart knows the seqno was used.
+
+        Raises:
+            ValueError: as for `put_body`, or `op` is not MUTATION/DELETION.
+            RuntimeError: the batch has ended.
+        """
+        if op not in (Op.MUTATION, Op.DELETION):
+            raise ValueError(f"vb {vb} seqno {seqno}: a prepare of {op!r}")
+        row = self._row(vb)
+        key_at = _MUTATION_EXTRAS_SIZE if op is Op.MUTATION else _DELETION_EXTRAS_SIZE
+        _check_item(vb, row, key, seqno, len(body) - key_at - len(key), datatype)
+        if body[key_at : key_at + len(key)] != key or _unpack_body_seqno(body)[0] != seqno:
+            raise ValueError(f"vb {vb} seqno {seqno}: body is not this prepare's")
+        if not 0 <= level <= 0xFF:
+            raise ValueError(f"vb {vb} seqno {seqno}: durability level {level}")
+        try:
+            prefix = _pack_prefix(_TAGS[op], datatype, len(key), cas)
+        except struct.error as error:
+            raise ValueError(f"vb {vb} seqno {seqno}: field out of range: {error}") from None
+        self._prepared[_VB_PREFIXES[vb] + key] = bytes((level,)) + prefix + body
+        row.high_seqno = seqno
+
+    def end_prepare(self, vb: int, key: bytes, seqno: int = 0) -> None:
+        """Forget the kept prepare of `key` (committed, aborted or overwritten), if any.
+
+        A non-zero `seqno` is that of an abort, which stores nothing else: the vbucket's high
+        seqno moves to it.
+
+        Raises:
+            ValueError: `seqno` not above the high seqno.
+            RuntimeError: the batch has ended.
+        """
+        row = self._row(vb)
+        if seqno:
+            if seqno <= row.high_seqno:
+                raise ValueError(f"vb {vb}: abort seqno {seqno} <= high seqno {row.high_seqno}")
+            row.high_seqno = seqno
+        self._prepared[_VB_PREFIXES[vb] + key] = None
+
     def put_record(self, record: Record) -> None:
         """Write a record received from elsewhere (replica path); `record.body` is stored as is.
 
@@ -244,6 +300,7 @@ class WriteBatch:
         by_seqno: lmdb._Database,
         by_key: lmdb._Database,
         vbmeta: lmdb._Database,
+        prepared: lmdb._Database | None = None,
     ) -> dict[int, VbState]:
         """Write the batch into `txn`, the store's write transaction; the batch then ends.
 
@@ -258,6 +315,13 @@ class WriteBatch:
         self._open = False
         if self._keys:
             self._apply_items(txn, by_seqno, by_key)
+        if self._prepared:
+            assert prepared is not None, "a batch with prepares needs the prepared database"
+            for key, kept in self._prepared.items():
+                if kept is None:
+                    txn.delete(key, db=prepared)
+                else:
+                    txn.put(key, kept, db=prepared)
         for vb, row in self._rows.items():
             txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=vbmeta)  # encode checks invariants
         return self._rows
@@ -267,6 +331,7 @@ class WriteBatch:
         self._open = False
         self._records.clear()
         self._keys.clear()
+        self._prepared.clear()
 
     def _apply_items(
         self, txn: lmdb.Transaction[bytes], by_seqno: lmdb._Database, by_key: lmdb._Database

@@ -1,11 +1,13 @@
 """Byte layouts of the LMDB keys and index values (everything except the record itself).
 
-Contract: the three named databases are keyed so that LMDB's byte order is the order we scan in.
+Contract: the named databases are keyed so that LMDB's byte order is the order we scan in.
 
     by_seqno key   0 vb u16 | 2 seqno u64                       (10 bytes, big-endian)
                    -> the stored record (see record.py)
     by_key key     0 vb u16 | 2 key bytes                      (2 + len(key) bytes)
                    -> 0 seqno u64 | 8 op u8                    (9 bytes)
+    prepared key   0 vb u16 | 2 key bytes                      (as by_key)
+                   -> 0 durability level u8 | 1 the prepare stored as its document (record.py)
     vbmeta key     0 vb u16                                    (2 bytes) -> JSON (see vbmeta.py)
     meta key       ASCII name                                  -> small ASCII value
 

@@ -57,11 +57,18 @@ DELETION_EXTRAS_SIZE: Final = 21
 
 
 class Op(IntEnum):
-    """What a record does to its key."""
+    """What a record does to its key.
+
+    PREPARE and ABORT are SyncWrite items (checkpoint/item.py `SyncItem`): a pending durable
+    write and its abandonment. They are never stored in `by_seqno` and have no tag; a pending
+    prepare is kept in the `prepared` database (store.py) in its document's layout.
+    """
 
     MUTATION = 1
     DELETION = 2
     EXPIRATION = 3
+    PREPARE = 4
+    ABORT = 5
 
 
 PREFIX_FORMAT: Final = ">BBHQ"  # tag, datatype, key_len, cas (the layout above)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -56,12 +57,13 @@ from changefeed.storage.keys import (
     VB_KEY,
     decode_by_key_value,
 )
-from changefeed.storage.record import Record, decode_record
+from changefeed.storage.record import PREFIX, Record, decode_record
 from changefeed.storage.vbmeta import VbState, VBucketMeta, decode_vbstate, encode_vbstate
 
-_DATABASES: Final = (b"by_seqno", b"by_key", b"vbmeta", b"meta")
+_DATABASES: Final = (b"by_seqno", b"by_key", b"vbmeta", b"meta", b"prepared")
 # A writer waits this long for another thread's commit (one fsync, normally milliseconds).
 WRITER_WAIT_S: Final = 120.0
+_SEQNO_IN_BODY: Final = struct.Struct(">Q")  # both extras layouts start with by_seqno
 SHUTDOWN_TOKEN_FILE: Final = "clean-shutdown"  # written after a clean close, beside data.mdb
 
 
@@ -150,6 +152,7 @@ class Store:
                 self._by_key = self._env.open_db(b"by_key", txn=txn)
                 self._vbmeta = self._env.open_db(b"vbmeta", txn=txn)
                 self._meta = self._env.open_db(b"meta", txn=txn)
+                self._prepared = self._env.open_db(b"prepared", txn=txn)
                 flag = txn.get(META_SHUTDOWN, db=self._meta)
                 txn.put(META_SHUTDOWN, META_UNCLEAN, db=self._meta)
             self._env.sync(True)
@@ -300,7 +303,7 @@ class Store:
         """
         try:
             with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
-                rows = batch.apply(txn, self._by_seqno, self._by_key, self._vbmeta)
+                rows = batch.apply(txn, self._by_seqno, self._by_key, self._vbmeta, self._prepared)
             self._rows.update(rows)
         finally:
             batch.close()
@@ -467,11 +470,34 @@ class Store:
                 row.purge_seqno = min(row.purge_seqno, point)
                 row.snap_start = row.snap_end = point
                 row.item_count -= removed_live
+                for key, seqno_of_prepare in _prepared_seqnos(txn, self._prepared, vb):
+                    if seqno_of_prepare > point:
+                        txn.delete(key, db=self._prepared)
                 txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=self._vbmeta)
             self._rows[vb] = row
         return point
 
     # --- reads ----------------------------------------------------------------------------------
+
+    def prepares(self, vb: int) -> list[tuple[int, Record]]:
+        """The SyncWrite prepares of `vb` kept pending (WriteBatch.put_prepare): (durability
+        level, the prepare as its document's record), in seqno order. A restarted node takes
+        them up again: nothing acknowledged as durable may be forgotten.
+
+        Raises:
+            ValueError: vb outside 0..VBUCKETS_MAX-1.
+            CorruptRecordError: a kept prepare does not decode.
+        """
+        self._require_open()
+        _check_vb(vb)
+        found: list[tuple[int, Record]] = []
+        with _translated_errors(self._map_size_bytes), self._env.begin() as txn:
+            for key, seqno in _prepared_seqnos(txn, self._prepared, vb):
+                kept = txn.get(key, db=self._prepared)
+                assert kept is not None, key
+                found.append((kept[0], decode_record(vb, seqno, bytes(kept[1:]))))
+        found.sort(key=lambda pair: pair[1].seqno)
+        return found
 
     def get(self, vb: int, key: bytes) -> Record | None:
         """The newest version of `key` in `vb`, tombstones included (check `.deleted`).
@@ -670,6 +696,24 @@ class Store:
         if row is None:
             raise ValueError(f"vb {vb!r} has no metadata in this store")
         return row
+
+
+def _prepared_seqnos(
+    txn: lmdb.Transaction[bytes], prepared: lmdb._Database, vb: int
+) -> list[tuple[bytes, int]]:
+    """(prepared key, seqno of the prepare) of every kept prepare of `vb`."""
+    prefix = VB_KEY.pack(vb)
+    found: list[tuple[bytes, int]] = []
+    cursor = txn.cursor(db=prepared)
+    if not cursor.set_range(prefix):
+        return found
+    for key, kept in cursor:  # bounded by the vbucket's pending prepares
+        if not key.startswith(prefix):
+            break
+        if len(kept) < 1 + PREFIX.size + 8:
+            raise CorruptRecordError(vb, None, f"kept prepare of {len(kept)} bytes")
+        found.append((bytes(key), _SEQNO_IN_BODY.unpack_from(kept, 1 + PREFIX.size)[0]))
+    return found
 
 
 def _check_vb(vb: int) -> None:

@@ -94,6 +94,7 @@ def test_retriable_policy() -> None:
         "BusyError",
         "TemporaryFailureError",
         "SyncWriteAmbiguousError",
+        "SyncWriteInProgressError",  # the pending durable write ends within its timeout
         "LockedError",  # the lock times out
     }
     assert NotMyVbucketError.retriable

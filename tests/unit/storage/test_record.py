@@ -32,10 +32,12 @@ seqnos = st.integers(1, U64)
 vbs = st.integers(0, limits.VBUCKETS_MAX - 1)
 datatypes = st.integers(0, 7)
 
+STORED_OPS = (Op.MUTATION, Op.DELETION, Op.EXPIRATION)  # PREPARE/ABORT are never records
+
 
 @st.composite
 def records(draw: st.DrawFn) -> Record:
-    op = draw(st.sampled_from(Op))
+    op = draw(st.sampled_from(STORED_OPS))
     mutation = op is Op.MUTATION
     return Record.create(
         draw(vbs),

@@ -1,0 +1,236 @@
+"""The active side of SyncWrites: when a durable write's prepare is held by enough copies.
+
+A write that carries a durability level is queued as a prepare (`VBucket.set(level=...)`), which
+no read and no application stream sees. This monitor decides its outcome:
+
+- **Commit** once the level is met, counted over the vbucket's chain in the current map (the
+  active and its replicas, dead ones included; alone, the chain is this node):
+  `majority` and `majorityAndPersistActive` — a majority of the chain has received the prepare
+  and the active has persisted it; `persistToMajority` — a majority has persisted it, the
+  active among them. A replica holds the prepare once it acknowledged a seqno at or past it
+  (DCP_SEQNO_ACKNOWLEDGED, server/replication.py): replica streams deliver in seqno order and
+  every pending prepare is read from memory (`CheckpointManager.retain_from`), so a replica
+  past the seqno has the prepare. `majority` also waits for the active's own persistence —
+  stronger than Couchbase's: an active that restarts within the failover timeout keeps its
+  vbuckets and comes back with only what it persisted, and its replicas roll back to it; an
+  acknowledged write it held only in memory would be lost.
+- **DURABILITY_IMPOSSIBLE** up front, nothing written, when fewer chain copies than a majority
+  are reachable (the active plus replicas whose stream is open).
+- **Abort** at the write's timeout (the client's, else `default_timeout_s`), answered
+  SYNC_WRITE_AMBIGUOUS — never a false success: the prepare may still be on a replica that
+  gets promoted and commits it. A vbucket that stops being active here answers its waiters
+  AMBIGUOUS too; its prepares stay with it (a promoted copy commits the ones it holds).
+
+The monitor owns each pending write's life (commit, timer, abort); the connection only awaits
+the outcome, so a client that disconnects changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from changefeed.checkpoint import CheckpointMemoryFullError
+from changefeed.protocol.errors import (
+    DurabilityImpossibleError,
+    StatusError,
+    SyncWriteAmbiguousError,
+)
+from changefeed.protocol.frame_info import DurabilityLevel, DurabilityRequirement
+from changefeed.protocol.kv import MutationResult
+from changefeed.server.bucket import Bucket
+from changefeed.server.replication import ReplicationTracker
+from changefeed.vbucket_state import VBucketState
+
+log = logging.getLogger("changefeed.sync_writes")
+
+DEFAULT_TIMEOUT_S: Final = 10.0  # the SDKs' durable-write timeout, when the frame has none
+TIMEOUT_MIN_S: Final = 0.001
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    vb: int
+    key: bytes
+    seqno: int
+    level: DurabilityLevel
+    future: asyncio.Future[MutationResult]
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class SyncWriteStats:
+    """Outcomes over the node's life (STAT `sync-writes`, /metrics)."""
+
+    prepared: int = 0
+    committed: int = 0
+    aborted: int = 0  # timed out: answered SYNC_WRITE_AMBIGUOUS
+    impossible: int = 0
+    ambiguous_state: int = 0  # the vbucket stopped being active here
+
+
+class SyncWriteMonitor:
+    """Pending durable writes of this node's active vbuckets and their outcomes.
+
+    Args:
+        bucket: the node's bucket.
+        replicas_of: the replica node names of a vbucket in the current map.
+        replication: replica acks (None: a node alone, no replicas).
+        default_timeout_s: a write's timeout when its durability frame has none.
+    """
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        *,
+        replicas_of: Callable[[int], Sequence[str]],
+        replication: ReplicationTracker | None,
+        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self._bucket = bucket
+        self._replicas_of = replicas_of
+        self._replication = replication
+        self._default_timeout_s = default_timeout_s
+        self._pending: dict[int, dict[bytes, _Pending]] = {}
+        self.stats = SyncWriteStats()
+        bucket.persisted_listeners.append(self.on_persisted)
+
+    @property
+    def pending_count(self) -> int:
+        return sum(len(waiting) for waiting in self._pending.values())
+
+    def check_possible(self, vb: int) -> None:
+        """Raise DurabilityImpossibleError unless a majority of vb's chain is reachable."""
+        replicas = self._replicas_of(vb)
+        reachable = 1 + sum(1 for r in replicas if self._connected(vb, r))
+        majority = (1 + len(replicas)) // 2 + 1
+        if reachable < majority:
+            self.stats.impossible += 1
+            raise DurabilityImpossibleError(
+                f"vb {vb}: {reachable} of {1 + len(replicas)} copies reachable, "
+                f"a majority is {majority}; the write was not applied"
+            )
+
+    def track(
+        self, vb: int, key: bytes, prepared: MutationResult, requirement: DurabilityRequirement
+    ) -> asyncio.Future[MutationResult]:
+        """Follow the prepare just queued for `key` (at `prepared.seqno`); the future gets the
+        commit's result, or SyncWriteAmbiguousError."""
+        loop = asyncio.get_running_loop()
+        pending = _Pending(vb, key, prepared.seqno, requirement.level, loop.create_future())
+        timeout_s = (
+            max(TIMEOUT_MIN_S, requirement.timeout_ms / 1000)
+            if requirement.timeout_ms
+            else self._default_timeout_s
+        )
+        pending.timer = loop.call_later(timeout_s, self._expire, pending)
+        self._pending.setdefault(vb, {})[key] = pending
+        self.stats.prepared += 1
+        self.check(vb)
+        return pending.future
+
+    def on_progress(self, vb: int) -> None:
+        """A replica of `vb` acknowledged more (or its stream closed)."""
+        if vb in self._pending:
+            self.check(vb)
+
+    def on_persisted(self, vbs: Sequence[int]) -> None:
+        """The flusher persisted more of `vbs` on this node."""
+        for vb in vbs:
+            if vb in self._pending:
+                self.check(vb)
+
+    def check(self, vb: int) -> None:
+        """Commit every pending write of `vb` whose level is met."""
+        waiting = self._pending.get(vb)
+        if not waiting:
+            return
+        vbucket = self._bucket.vbucket(vb)
+        if vbucket.state is not VBucketState.ACTIVE:
+            for pending in list(waiting.values()):
+                self.stats.ambiguous_state += 1
+                self._finish(pending, SyncWriteAmbiguousError(f"vb {vb} is no longer active here"))
+            return
+        replicas = self._replicas_of(vb)
+        majority = (1 + len(replicas)) // 2 + 1
+        persisted_here = vbucket.persisted_seqno
+        for pending in list(waiting.values()):
+            if not self._met(vb, pending, replicas, majority, persisted_here):
+                continue
+            try:
+                result = vbucket.commit(pending.key)
+            except CheckpointMemoryFullError:
+                return  # the flusher frees memory; its next round checks again
+            except StatusError as error:  # the prepare is gone (a rollback): outcome unknown
+                self._finish(pending, SyncWriteAmbiguousError(str(error)))
+                continue
+            self.stats.committed += 1
+            self._finish(pending, result)
+
+    def _met(
+        self,
+        vb: int,
+        pending: _Pending,
+        replicas: Sequence[str],
+        majority: int,
+        persisted_here: int,
+    ) -> bool:
+        if persisted_here < pending.seqno:
+            return False  # every level waits for the active's own persistence (see above)
+        seqno = pending.seqno
+        if pending.level is DurabilityLevel.PERSIST_TO_MAJORITY:
+            held = 1 + sum(1 for r in replicas if self._persisted(vb, r) >= seqno)
+        else:
+            held = 1 + sum(1 for r in replicas if self._received(vb, r) >= seqno)
+        return held >= majority
+
+    def _expire(self, pending: _Pending) -> None:
+        if pending.future.done():
+            return
+        vbucket = self._bucket.vbucket(pending.vb)
+        if vbucket.state is VBucketState.ACTIVE:
+            try:
+                vbucket.abort(pending.key)
+                self.stats.aborted += 1
+            except CheckpointMemoryFullError:
+                log.warning("vb %d: abort of a timed-out durable write deferred", pending.vb)
+                pending.timer = asyncio.get_running_loop().call_later(0.05, self._expire, pending)
+                return
+        self._finish(
+            pending,
+            SyncWriteAmbiguousError(
+                f"vb {pending.vb}: durability {pending.level.name.lower()} not met in time"
+            ),
+        )
+
+    def _finish(self, pending: _Pending, outcome: MutationResult | BaseException) -> None:
+        waiting = self._pending.get(pending.vb)
+        if waiting is not None and waiting.get(pending.key) is pending:
+            del waiting[pending.key]
+            if not waiting:
+                del self._pending[pending.vb]
+        if pending.timer is not None:
+            pending.timer.cancel()
+        if pending.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            pending.future.set_exception(outcome)
+            pending.future.exception()  # retrieved: a waiter that left must not warn
+        else:
+            pending.future.set_result(outcome)
+
+    def _connected(self, vb: int, replica: str) -> bool:
+        return self._replication is not None and self._replication.progress(vb, replica).connected
+
+    def _received(self, vb: int, replica: str) -> int:
+        if self._replication is None:
+            return 0
+        return self._replication.progress(vb, replica).received_seqno
+
+    def _persisted(self, vb: int, replica: str) -> int:
+        if self._replication is None:
+            return 0
+        return self._replication.progress(vb, replica).persisted_seqno
