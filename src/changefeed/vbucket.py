@@ -165,7 +165,7 @@ class VBucket:
             self._pending[record.key] = _prepare_of(record, level)
         assert self.manager.high_seqno == self._high_seqno, (self.manager, self._high_seqno)
         if self._pending and self._state is VBucketState.ACTIVE:
-            self._commit_recovered()
+            self.commit_all_pending()
 
     def __repr__(self) -> str:
         return (
@@ -285,26 +285,22 @@ class VBucket:
         return seqno
 
     def commit_all_pending(self) -> int:
-        """Commit every pending prepare (a vbucket that became active with prepares pending);
-        return how many. Checkpoint memory full leaves the rest pending for a later call."""
+        """Commit every pending prepare (a vbucket that is or became active with prepares
+        pending); return how many. A prepare whose key has a newer committed version (an
+        abort lost in a crash, the key written again) is aborted: never resurrected over a
+        newer value. Checkpoint memory full leaves the rest pending for a later call."""
         committed = 0
-        for key in list(self._pending):
+        for key, prepare in list(self._pending.items()):
+            newest = self.manager.find(key) or self._store.get(self._vb, key)
             try:
+                if newest is not None and newest.seqno > prepare.seqno:
+                    self.abort(key)
+                    continue
                 self.commit(key)
             except CheckpointMemoryFullError:
                 break
             committed += 1
         return committed
-
-    def _commit_recovered(self) -> None:
-        """At warmup of an active vbucket: commit the kept prepares, except one whose key was
-        committed again after it (an aborted write whose abort was not persisted before a
-        crash, then overwritten): that one is aborted, never resurrected over a newer value."""
-        for key, prepare in list(self._pending.items()):
-            newest = self.manager.find(key) or self._store.get(self._vb, key)
-            if newest is not None and newest.seqno > prepare.seqno:
-                self.abort(key)
-        self.commit_all_pending()
 
     def _retain_pending(self) -> None:
         first = next(iter(self._pending.values()), None)

@@ -372,6 +372,7 @@ class CheckpointManager:
         for cursor in list(self._cursors.values()):
             self._detach(cursor)
         self.persistence_cursor = None
+        self._retain_seqno = limits.SEQNO_MAX + 1  # nothing is kept any more
         if self._open.has_items:
             self._close_open()
         self._free_unreferenced_head()

@@ -68,11 +68,11 @@ _SentWindow = tuple[Connection, Sequence[int], StoreReplies, asyncio.Future[Stor
 PERSIST_POLL_S = 0.002
 
 
-def _durability_frame(durability: Durability) -> bytes:
+def _durability_frame(durability: Durability, timeout_ms: int) -> bytes:
     level = SYNC_LEVELS.get(durability)
     if level is None:
         return b""
-    return encode_durability(DurabilityRequirement(level, SYNC_WRITE_TIMEOUT_MS))
+    return encode_durability(DurabilityRequirement(level, timeout_ms))
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +111,8 @@ class KvClient:
         self.cluster_map = cluster_map
         self._connector = connector
         self.tmpfail_retry_s = tmpfail_retry_s  # 0: a TMPFAIL is raised at once
+        # How long the node may take to meet a durable write's level (then AMBIGUOUS).
+        self.durability_timeout_ms = SYNC_WRITE_TIMEOUT_MS
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self.retries = 0  # NOT_MY_VBUCKET answers retried (tests and stats read it)
@@ -317,7 +319,7 @@ class KvClient:
         datatype: int = 0,
     ) -> MutationResult:
         vb = self.vbucket_of(key)
-        framing = _durability_frame(durability)
+        framing = _durability_frame(durability, self.durability_timeout_ms)
 
         def build(opaque: int) -> bytes:
             command = StoreCommand(opcode, vb, opaque, key, value, flags, expiry, cas, datatype)
@@ -363,7 +365,7 @@ class KvClient:
         self, key: bytes, *, cas: int = 0, durability: Durability = "none"
     ) -> MutationResult:
         vb = self.vbucket_of(key)
-        framing = _durability_frame(durability)
+        framing = _durability_frame(durability, self.durability_timeout_ms)
 
         def build(opaque: int) -> bytes:
             return encode_frame(
