@@ -24,7 +24,9 @@ from support.nodes import NodeFactory
 def durable_request(
     opcode: int, key: bytes, payload: bytes, vbuckets: int, value: bytes = b"{}"
 ) -> bytes:
-    extras = STORE_EXTRAS.pack(0, 0) if opcode == Opcode.SET else b""
+    extras = {Opcode.SET: STORE_EXTRAS.pack(0, 0), Opcode.TOUCH: b"\x00\x00\x00\x10"}.get(
+        opcode, b""
+    )
     return encode_frame(
         Magic.ALT_REQUEST,
         opcode,
@@ -32,7 +34,7 @@ def durable_request(
         opaque=7,
         extras=extras,
         key=key,
-        value=value if opcode in (Opcode.SET, Opcode.APPEND) else b"",
+        value=value if opcode == Opcode.SET else b"",
         framing_extras=encode_frame_info(FRAME_INFO_DURABILITY, payload),
     )
 
@@ -42,7 +44,7 @@ def durable_request(
     [
         (Opcode.SET, b"\x00", Status.DURABILITY_INVALID_LEVEL),
         (Opcode.SET, b"\x09", Status.DURABILITY_INVALID_LEVEL),
-        (Opcode.APPEND, b"\x01", Status.DURABILITY_IMPOSSIBLE),  # no level for APPEND yet
+        (Opcode.TOUCH, b"\x01", Status.DURABILITY_IMPOSSIBLE),  # TOUCH takes no level
     ],
 )
 def test_refused_durable_writes_change_nothing(
@@ -54,12 +56,12 @@ def test_refused_durable_writes_change_nothing(
         kv = await kv_connect(node)
         conn = await raw_connection(node)
         try:
-            if opcode == Opcode.APPEND:
-                await kv.upsert(b"doc", b"before")
+            if opcode == Opcode.TOUCH:
+                before = await kv.upsert(b"doc", b"before")
             response = await conn.request(durable_request(opcode, b"doc", payload, 4), 7)
             assert response.status == status, hex(response.status)
-            if opcode == Opcode.APPEND:
-                assert (await kv.get(b"doc")).value == b"before"  # not appended
+            if opcode == Opcode.TOUCH:
+                assert (await kv.get(b"doc")).cas == before.cas  # not touched
             else:
                 with pytest.raises(KeyNotFoundError):  # not written
                     await kv.get(b"doc")

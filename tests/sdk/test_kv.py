@@ -17,7 +17,6 @@ from couchbase.exceptions import (
     DocumentLockedException,
     DocumentNotFoundException,
     DocumentNotLockedException,
-    DurabilityImpossibleException,
 )
 from couchbase.options import (
     DecrementOptions,
@@ -187,20 +186,14 @@ def test_durable_writes_on_one_node_are_honoured(
         assert current.cas == result.cas and current.content_as[dict] == after  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(
-    "write",
-    [
-        lambda c, k: c.binary().append(k, b"x", durability=MAJORITY),
-        lambda c, k: c.binary().increment(f"{k}-counter", durability=MAJORITY),
-    ],
-    ids=["append", "increment"],
-)
-def test_durable_writes_without_a_level_yet_are_impossible_and_change_nothing(
-    collection: Collection, key: str, write: Callable[[Collection, str], object]
+def test_durable_read_modify_writes_on_one_node_are_honoured(
+    collection: Collection, key: str
 ) -> None:
-    written = collection.upsert(key, {"v": 1})
-    with pytest.raises(DurabilityImpossibleException):
-        write(collection, key)
-    current = collection.get(key)
-    assert current.cas == written.cas and current.content_as[dict] == {"v": 1}
-    assert not collection.exists(f"{key}-counter").exists
+    collection.upsert(key, "ab", UpsertOptions(transcoder=RawStringTranscoder()))
+    appended = collection.binary().append(key, b"c", durability=MAJORITY)
+    assert collection.get(key, transcoder=RawStringTranscoder()).cas == appended.cas
+    assert collection.get(key, transcoder=RawStringTranscoder()).value == "abc"
+    counted = collection.binary().increment(f"{key}-counter", durability=MAJORITY)
+    assert counted.content == 0  # created with the initial value
+    counted = collection.binary().increment(f"{key}-counter", durability=MAJORITY)
+    assert counted.content == 1

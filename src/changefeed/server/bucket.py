@@ -336,19 +336,24 @@ class Bucket:
         expiry: int,
         datatype: int,
         cas: int = 0,
+        level: int = 0,
     ) -> MutationResult:
         """SET / ADD / REPLACE with an absolute `expiry` (a read-modify-write keeping the
-        document's own); TMPFAIL while the store cannot persist."""
+        document's own); TMPFAIL while the store cannot persist; `level` as `store_command`."""
         vbucket = self.active(vb)
         self.persistence.check_writable()
         if opcode == Opcode.ADD:
-            return vbucket.add(key, value, flags=flags, expiry=expiry, datatype=datatype)
+            return vbucket.add(
+                key, value, flags=flags, expiry=expiry, datatype=datatype, level=level
+            )
         if opcode == Opcode.REPLACE:
             return vbucket.replace(
-                key, value, flags=flags, expiry=expiry, datatype=datatype, cas=cas
+                key, value, flags=flags, expiry=expiry, datatype=datatype, cas=cas, level=level
             )
         assert opcode == Opcode.SET, opcode
-        return vbucket.set(key, value, flags=flags, expiry=expiry, datatype=datatype, cas=cas)
+        return vbucket.set(
+            key, value, flags=flags, expiry=expiry, datatype=datatype, cas=cas, level=level
+        )
 
     def get_locked(self, vb: int, key: bytes, lock_s: int) -> Document:
         """GET_LOCKED; a lock time of 0 or above ITEM_LOCK_MAX_S gets ITEM_LOCK_DEFAULT_S."""

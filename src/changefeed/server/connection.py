@@ -38,7 +38,6 @@ from changefeed.protocol.errors import (
     StatusError,
 )
 from changefeed.protocol.frame import Frame, encode_response
-from changefeed.protocol.frame_info import durability_of
 from changefeed.protocol.kv import (
     GET_RESPONSE_EXTRAS,
     MutationResult,
@@ -48,7 +47,6 @@ from changefeed.protocol.kv import (
     decode_store,
     decode_vb_state_filter,
     encode_hello_features,
-    encode_mutation_token,
     encode_observe_seqno_result,
     encode_vb_seqnos,
 )
@@ -522,35 +520,17 @@ def _store(c: ClientConnection, f: Frame) -> None:
     command = decode_store(f)
     if kv_commands.preserve_ttl_of(f.framing_extras):
         command = kv_commands.keep_expiry(c, command)
-    requirement = durability_of(f.framing_extras)
-    if requirement is not None:
-        kv_commands.durable_write(
-            c, f, command.key, requirement,
-            lambda level: c.context.bucket.store_command(command, level=level),
-        )  # fmt: skip
-        return
-    _reply_mutation(c, f, c.context.bucket.store_command(command))
+    kv_commands.write_then_reply(
+        c, f, command.key, lambda level: c.context.bucket.store_command(command, level=level)
+    )
 
 
 def _delete(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     key = decode_key_only(f)
-    requirement = durability_of(f.framing_extras)
-    if requirement is not None:
-        kv_commands.durable_write(
-            c, f, key, requirement,
-            lambda level: c.context.bucket.delete(f.vbucket, key, cas=f.cas, level=level),
-        )  # fmt: skip
-        return
-    _reply_mutation(c, f, c.context.bucket.delete(f.vbucket, key, cas=f.cas))
-
-
-def _reply_mutation(c: ClientConnection, f: Frame, result: MutationResult) -> None:
-    """CAS in the header; the mutation token as extras when MutationSeqno was negotiated."""
-    extras = b""
-    if Feature.MUTATION_SEQNO in c.features:
-        extras = encode_mutation_token(result.vb_uuid, result.seqno)
-    c.reply(f, extras=extras, cas=result.cas)
+    kv_commands.write_then_reply(
+        c, f, key, lambda level: c.context.bucket.delete(f.vbucket, key, cas=f.cas, level=level)
+    )
 
 
 def _get(c: ClientConnection, f: Frame) -> None:

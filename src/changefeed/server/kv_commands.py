@@ -120,12 +120,31 @@ def wire_status(c: Requester, status: int) -> int:
     return status
 
 
+def write_then_reply(
+    c: Requester,
+    f: Frame,
+    key: bytes,
+    write: Callable[[int], MutationResult],
+    *,
+    value: bytes = b"",
+) -> None:
+    """Do `write` and answer with its result (and `value`): at once for a plain write (level
+    0), once the monitor commits it for one with a durability frame (`durable_write`)."""
+    requirement = durability_of(f.framing_extras)
+    if requirement is None:
+        reply_mutation(c, f, write(0), value=value)
+    else:
+        durable_write(c, f, key, requirement, write, value=value)
+
+
 def durable_write(
     c: Requester,
     f: Frame,
     key: bytes,
     requirement: DurabilityRequirement,
     write: Callable[[int], MutationResult],
+    *,
+    value: bytes = b"",
 ) -> None:
     """A SyncWrite: refuse it up front if its level cannot be met (DURABILITY_IMPOSSIBLE),
     else `write` queues the prepare (raising as a plain write would) and the answer goes out
@@ -138,14 +157,14 @@ def durable_write(
     outcome = monitor.track(f.vbucket, key, prepared, requirement)
 
     async def answer() -> None:
-        reply_mutation(c, f, await asyncio.shield(outcome))
+        reply_mutation(c, f, await asyncio.shield(outcome), value=value)
 
     c.answer_later(f, answer())
 
 
 def refuse_durability(f: Frame) -> None:
-    """Commands other than SET/ADD/REPLACE/DELETE do not take a durability level yet: one
-    that asks gets DURABILITY_IMPOSSIBLE, never a success pretending the level was met."""
+    """TOUCH and GAT do not take a durability level (the SDKs send none): one that asks gets
+    DURABILITY_IMPOSSIBLE, never a success pretending the level was met."""
     requirement = durability_of(f.framing_extras)
     if requirement is not None:
         raise DurabilityImpossibleError(
@@ -291,46 +310,34 @@ def arithmetic(c: Requester, f: Frame) -> None:
     c.require_bucket()
     command = decode_arithmetic(f)
     require_privilege(c, Privilege.READ)
-    refuse_durability(f)
     bucket = c.context.bucket
     current = bucket.read(f.vbucket, command.key)
     if current is None:
         if command.expiry == ARITHMETIC_NO_CREATE or command.cas:
             raise KeyNotFoundError(f"key {command.key[:64]!r} not found")
         number = command.initial
-        result = bucket.write(
-            Opcode.ADD,
-            f.vbucket,
-            command.key,
-            str(number).encode(),
-            flags=0,
-            expiry=bucket.expiry_from_wire(command.expiry),
-            datatype=Datatype.JSON,
-        )
+        opcode, flags, expiry = Opcode.ADD, 0, bucket.expiry_from_wire(command.expiry)
     else:
         bucket.active(f.vbucket).check_write(command.key, command.cas)
         stored = parse_counter(current.value)
         if stored is None:
             raise DeltaBadValueError(f"key {command.key[:64]!r} does not hold a u64 number")
         number = apply_arithmetic(command.opcode, stored, command.delta)
-        result = bucket.write(
-            Opcode.SET,
-            f.vbucket,
-            command.key,
-            str(number).encode(),
-            flags=current.flags,
-            expiry=current.expiry,
-            datatype=Datatype.JSON,
-            cas=command.cas,
-        )
-    reply_mutation(c, f, result, value=U64.pack(number))
+        opcode, flags, expiry = Opcode.SET, current.flags, current.expiry
+    write_then_reply(
+        c, f, command.key,
+        lambda level: bucket.write(
+            opcode, f.vbucket, command.key, str(number).encode(), flags=flags, expiry=expiry,
+            datatype=Datatype.JSON, cas=command.cas, level=level,
+        ),
+        value=U64.pack(number),
+    )  # fmt: skip
 
 
 def concat(c: Requester, f: Frame) -> None:
     """APPEND / PREPEND."""
     c.require_bucket()
     key, data = decode_concat(f)
-    refuse_durability(f)
     bucket = c.context.bucket
     current = bucket.read(f.vbucket, key)
     if current is None:
@@ -342,14 +349,10 @@ def concat(c: Requester, f: Frame) -> None:
     if len(value) > limits.VALUE_SIZE_MAX:
         raise ProtocolError(f"the result would be {len(value)} bytes", Status.E2BIG)
     datatype = Datatype.JSON if is_json(value) else Datatype.RAW
-    result = bucket.write(
-        Opcode.SET,
-        f.vbucket,
-        key,
-        value,
-        flags=current.flags,
-        expiry=current.expiry,
-        datatype=datatype,
-        cas=f.cas,
-    )
-    reply_mutation(c, f, result)
+    write_then_reply(
+        c, f, key,
+        lambda level: bucket.write(
+            Opcode.SET, f.vbucket, key, value, flags=current.flags, expiry=current.expiry,
+            datatype=datatype, cas=f.cas, level=level,
+        ),
+    )  # fmt: skip

@@ -189,7 +189,6 @@ def multi_mutation(c: Requester, f: Frame) -> None:
     _check_request(c, request.doc_flags, request.specs)
     if any(s.xattr for s in request.specs):
         raise NotSupportedError("user extended attributes are not supported")
-    kv_commands.refuse_durability(f)
     preserve_ttl = kv_commands.preserve_ttl_of(f.framing_extras)
     bucket = c.context.bucket
     current = bucket.read(f.vbucket, request.key)
@@ -229,8 +228,10 @@ def multi_mutation(c: Requester, f: Frame) -> None:
     if delete:
         if creating:
             raise KeyNotFoundError(f"key {request.key[:64]!r} not found")
-        result = bucket.delete(f.vbucket, request.key, cas=request.cas)
-        kv_commands.reply_mutation(c, f, result)
+        kv_commands.write_then_reply(
+            c, f, request.key,
+            lambda level: bucket.delete(f.vbucket, request.key, cas=request.cas, level=level),
+        )  # fmt: skip
         return
     if parsed:
         body = dumps(root)
@@ -246,17 +247,15 @@ def multi_mutation(c: Requester, f: Frame) -> None:
         flags = request.user_flags
     else:
         flags = current.flags if current is not None else 0
-    result = bucket.write(
-        Opcode.ADD if creating else Opcode.SET,
-        f.vbucket,
-        request.key,
-        body,
-        flags=flags,
-        expiry=expiry,
-        datatype=datatype,
-        cas=request.cas,
-    )
-    kv_commands.reply_mutation(c, f, result, value=encode_mutation_results(results))
+    opcode = Opcode.ADD if creating else Opcode.SET
+    kv_commands.write_then_reply(
+        c, f, request.key,
+        lambda level: bucket.write(
+            opcode, f.vbucket, request.key, body, flags=flags, expiry=expiry,
+            datatype=datatype, cas=request.cas, level=level,
+        ),
+        value=encode_mutation_results(results),
+    )  # fmt: skip
 
 
 def _initial_root(specs: tuple[Spec, ...]) -> Any:
