@@ -654,18 +654,19 @@ class ClusterMetadata:
 
     async def _wait_deleted(self, key: bytes, start_revision: int, timeout_s: float) -> None:
         """Return when ``key`` is deleted at or after ``start_revision``, or after
-        ``timeout_s`` (the caller then looks again)."""
-        with contextlib.suppress(aetcd.exceptions.WatchTimeoutError):
-            await self._call(
-                self.client.watch_once(
+        ``timeout_s`` (the caller then looks again). The watch's own timeout is the normal
+        end of a wait, so it is caught before `_call` would report it as etcd failing."""
+
+        async def watch() -> None:
+            with contextlib.suppress(aetcd.exceptions.WatchTimeoutError):
+                await self.client.watch_once(
                     key,
                     timeout=timeout_s,
                     start_revision=start_revision,
                     kind=aetcd.rtypes.EventKind.DELETE,
-                ),
-                "watch leader",
-                timeout_s + self.timeout_s,
-            )
+                )
+
+        await self._call(watch(), "watch leader", timeout_s + self.timeout_s)
 
     # -- following a key range ----------------------------------------------------------------
 

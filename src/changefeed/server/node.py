@@ -116,7 +116,11 @@ class Node:
         context = self.context
         context.sync_writes = SyncWriteMonitor(
             bucket,
-            replicas_of=lambda vb: [n.name for n in context.current_map().replica_nodes(vb)],
+            replicas_of=lambda vb: (
+                []
+                if context.cluster_map is None
+                else [n.name for n in context.cluster_map.replica_nodes(vb)]
+            ),
             replication=context.replication,
         )
         self._server: asyncio.Server | None = None
