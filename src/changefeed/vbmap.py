@@ -47,6 +47,21 @@ class NodeAddress:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class VbMove:
+    """A vbucket a rebalance is moving (issue 12): `chain` is where its copies go.
+
+    Nodes in `chain` but not in the map's chain of `vb` are being built: they are fed by the
+    active like replicas, but clients, failover and the in-sync set do not count them yet.
+    `takeover`: the active has stopped taking writes for `vb` (state pending) so the new
+    active receives the last of them before the map makes it active.
+    """
+
+    vb: int
+    chain: tuple[int, ...]
+    takeover: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ClusterMap:
     """Which node holds each vbucket's active and replica copies, at one revision.
 
@@ -60,12 +75,14 @@ class ClusterMap:
         nodes: the nodes, in the order chains refer to them.
         chains: per vbucket, the node indexes of its copies, active first.
         replicas: copies per vbucket besides the active (every chain has replicas + 1 entries).
+        moves: vbuckets a rebalance is moving now (``VbMove``), at most one per vbucket.
     """
 
     rev: int
     nodes: tuple[NodeAddress, ...]
     chains: tuple[tuple[int, ...], ...]
     replicas: int = 0
+    moves: tuple[VbMove, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rev < 0:
@@ -84,6 +101,17 @@ class ClusterMap:
                 )
             if len(set(placed)) != len(placed):
                 raise ValueError(f"vb {vb}: chain {chain} puts two copies on one node")
+        moving = [m.vb for m in self.moves]
+        if len(set(moving)) != len(moving) or any(not 0 <= v < len(self.chains) for v in moving):
+            raise ValueError(f"moves name vbuckets twice or out of range: {moving}")
+        for move in self.moves:
+            placed = [i for i in move.chain if i != -1]
+            if (
+                len(move.chain) != self.replicas + 1
+                or len(set(placed)) != len(placed)
+                or any(not 0 <= i < len(self.nodes) for i in placed)
+            ):
+                raise ValueError(f"vb {move.vb}: bad move chain {move.chain}")
 
     @property
     def vbuckets(self) -> int:
@@ -95,6 +123,10 @@ class ClusterMap:
             if node.name == name:
                 return i
         return None
+
+    def move_of(self, vb: int) -> VbMove | None:
+        """The rebalance move of `vb` in progress, if any."""
+        return next((m for m in self.moves if m.vb == vb), None)
 
     def active(self, vb: int) -> NodeAddress | None:
         """The node holding vb's active copy (None while it has none)."""
@@ -114,12 +146,17 @@ class ClusterMap:
 
     def to_json(self) -> dict[str, object]:
         """The map as stored in etcd and in a node's data dir (`from_json` reads it back)."""
-        return {
+        document: dict[str, object] = {
             "rev": self.rev,
             "replicas": self.replicas,
             "nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in self.nodes],
             "chains": [list(chain) for chain in self.chains],
         }
+        if self.moves:
+            document["moves"] = [
+                {"vb": m.vb, "chain": list(m.chain), "takeover": m.takeover} for m in self.moves
+            ]
+        return document
 
     @classmethod
     def from_json(cls, data: object) -> ClusterMap:
@@ -134,7 +171,11 @@ class ClusterMap:
                 NodeAddress(str(n["name"]), str(n["host"]), int(n["port"])) for n in data["nodes"]
             )
             chains = tuple(tuple(int(i) for i in chain) for chain in data["chains"])
-            return cls(int(data["rev"]), nodes, chains, int(data["replicas"]))
+            moves = tuple(
+                VbMove(int(m["vb"]), tuple(int(i) for i in m["chain"]), bool(m["takeover"]))
+                for m in data.get("moves", ())
+            )
+            return cls(int(data["rev"]), nodes, chains, int(data["replicas"]), moves)
         except (AssertionError, KeyError, TypeError) as error:
             raise ValueError(f"not a cluster map: {error!r}") from error
 

@@ -1,4 +1,5 @@
-"""``changefeed cluster start | status | stop``: a local cluster of nodes on loopback, on etcd.
+"""``changefeed cluster start | status | stop | failover | add | remove``: a local cluster of
+nodes on loopback, on etcd.
 
 ``start`` launches an etcd (unless ``--etcd URL`` names one) and N ``changefeed serve``
 processes (through ``NodeProcess``, the one launcher), each with its own directory under
@@ -7,7 +8,10 @@ orchestrator has written the first map and every node answers. The processes out
 command (each in its own process group); ``stop`` stops them by the recorded pids (nodes
 first, with SIGTERM: a clean shutdown; then etcd). ``status`` reads the map from etcd and
 each copy's seqnos from its node (STAT ``vbucket-seqno``), plus the active's view of each
-replica (STAT ``replication``) when the node has it.
+replica (STAT ``replication``) when the node has it. ``add`` and ``remove`` hand a rebalance
+request to the orchestrator (cluster/rebalance.py) and follow its progress until the map is
+the target; ``add`` first starts the node in ``--dir`` (as ``start`` does), ``remove`` waits for
+the removed node to stop (it stops by itself once the map no longer lists it).
 
 Failures are one ``Error:`` line naming the endpoint, node or file: exit 1; usage errors exit 2.
 """
@@ -32,6 +36,7 @@ from changefeed.cli.node_process import NodeProcess
 from changefeed.cluster.etcd_server import EtcdServer, process_runs, stop_pid
 from changefeed.cluster.failover import plan_failover
 from changefeed.cluster.metadata import ClusterMetadata, MetadataUnavailableError
+from changefeed.cluster.rebalance import read_request, read_status, request_rebalance
 from changefeed.consumer.handshake import connect
 from changefeed.protocol.errors import AuthError, StatusError
 from changefeed.protocol.kv import encode_request
@@ -439,6 +444,7 @@ async def _status(
         live = await md.live_nodes()
         leader = await md.leader()
         statuses = await md.node_statuses()
+        rebalance = await read_status(md)
     finally:
         await md.close()
     report: dict[str, Any] = {
@@ -449,7 +455,12 @@ async def _status(
         "map": None,
         "nodes": [],
         "vbuckets": [],
+        "rebalance": None,
     }
+    if rebalance is not None:
+        report["rebalance"] = {
+            k: v for k, v in rebalance.to_json().items() if k != "target"
+        }  # the target is one chain per vbucket: in etcd for whoever needs it
     if stored is None:
         return report
     cluster_map, revision = stored
@@ -607,6 +618,14 @@ def _render(report: Mapping[str, Any]) -> str:
         f"map rev {cluster_map['rev']}: {cluster_map['vbuckets']} vbuckets, "
         f"{cluster_map['replicas']} replicas"
     )
+    rebalance = report.get("rebalance")
+    if rebalance is not None:
+        state = "done" if rebalance["done"] else rebalance["error"] or "in progress"
+        lines.append(
+            f"rebalance to {', '.join(rebalance['nodes'])}: {rebalance['moved']}/"
+            f"{rebalance['total']} vbuckets moved ({state})"
+        )
+        lines.extend(f"  waiting: {w}" for w in rebalance["waiting"] if not rebalance["done"])
     for node in report["nodes"]:
         state = "live" if node["live"] else "NOT LIVE"
         reach = "serving" if node["reachable"] else f"unreachable ({node['error']})"
@@ -756,5 +775,237 @@ async def _failover(
                     return {"rev": moved.rev, "promoted": promoted, "refused": refused}
             await asyncio.sleep(0.1)
         raise click.ClickException(f"no map without {node} as active after {timeout_s:g} s")
+    finally:
+        await md.close()
+
+
+# -- rebalance: add and remove ---------------------------------------------------------------
+
+REBALANCE_TIMEOUT_S = 600.0
+REGISTER_WAIT_S = 30.0
+
+
+def _rebalance_options(command: Any) -> Any:
+    """The options `add` and `remove` share."""
+    for option in reversed(
+        [
+            click.option(
+                "--dir",
+                "directory",
+                type=click.Path(path_type=Path, file_okay=False),
+                help="A directory `cluster start` made (reads and updates its cluster.json).",
+            ),
+            click.option("--etcd", "etcd_url", help="Or the etcd endpoint (http://host:port)..."),
+            click.option("--cluster", "name", help="...and the cluster name (default 'default')."),
+            click.option(
+                "--timeout-s",
+                type=float,
+                default=REBALANCE_TIMEOUT_S,
+                show_default=True,
+                help="Wait this long for the rebalance (it goes on after; run again to wait).",
+            ),
+            click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON."),
+        ]
+    ):
+        command = option(command)
+    return command
+
+
+@cluster.command()
+@click.argument("node")
+@_rebalance_options
+@click.option("--log-level", default="INFO", show_default=True, help="The new node's log level.")
+def add(
+    node: str,
+    directory: Path | None,
+    etcd_url: str | None,
+    name: str | None,
+    timeout_s: float,
+    as_json: bool,
+    log_level: str,
+) -> None:
+    """Add NODE and rebalance: with --dir, start it there (like `start`; again if it stopped);
+    with --etcd, NODE must be running already (`changefeed serve --etcd ... --node-name NODE`).
+    Vbuckets move to it with a replica stream then a takeover; clients follow the map."""
+    etcd_url, name = _where(directory, etcd_url, name)
+    if directory is not None:
+        _start_added(directory.resolve(), node, log_level)
+    outcome = _run(_rebalance(etcd_url, name, node, True, timeout_s))
+    _report(outcome, as_json)
+
+
+@cluster.command()
+@click.argument("node")
+@_rebalance_options
+def remove(
+    node: str,
+    directory: Path | None,
+    etcd_url: str | None,
+    name: str | None,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
+    """Move everything off NODE (replica stream, then takeover, for each vbucket), drop it from
+    the map, and stop it (it stops by itself once out of the map; with --dir this waits for
+    its process and updates cluster.json)."""
+    etcd_url, name = _where(directory, etcd_url, name)
+    outcome = _run(_rebalance(etcd_url, name, node, False, timeout_s))
+    outcome["stopped"] = None
+    if directory is not None:
+        outcome["stopped"] = _stop_removed(directory.resolve(), node)
+    _report(outcome, as_json)
+
+
+def _report(outcome: Mapping[str, Any], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(outcome))
+        return
+    click.echo(
+        f"rebalance done: {outcome['moved']}/{outcome['total']} vbuckets moved in "
+        f"{outcome['seconds']:.1f} s; map rev {outcome['rev']} on {', '.join(outcome['nodes'])}"
+    )
+    if outcome.get("stopped"):
+        click.echo(f"{outcome['node']} stopped")
+
+
+def _start_added(directory: Path, node: str, log_level: str) -> None:
+    """Start NODE under `directory` as `start` starts its nodes, unless it runs already, and
+    record it in cluster.json.
+
+    Raises:
+        click.ClickException: no cluster there, or the node failed to start.
+    """
+    record = _read_record(directory)
+    known = next((n for n in record["nodes"] if n["name"] == node), None)
+    if (
+        known is not None
+        and known.get("pid")
+        and process_runs(int(known["pid"]), known["data_dir"])
+    ):
+        _say(f"{node} runs already (pid {known['pid']})")
+        return
+    process = NodeProcess(
+        directory / node,
+        vbuckets=int(record.get("vbuckets", 64)),
+        args=[
+            *("--etcd", str(record["etcd"]), "--cluster", str(record.get("cluster", "default"))),
+            *("--node-name", node, "--replicas", str(record.get("replicas", 1))),
+            *("--expected-nodes", str(max(1, len(record["nodes"])))),
+            *("--log-level", log_level),
+        ],
+    )
+    if known is not None:
+        process.port = int(known["port"])  # a restart: the port the map names
+    try:
+        process.start()
+    except (RuntimeError, TimeoutError, OSError) as error:
+        first = str(error).splitlines()[0] if str(error) else repr(error)
+        raise click.ClickException(f"{node}: {first} (log {process.log_path})") from None
+    record["nodes"] = [n for n in record["nodes"] if n["name"] != node]
+    record["nodes"].append(_node_record(process))
+    _write_record(directory, record)
+    _say(f"{node} {process.address} (pid {process.pid}, log {process.log_path})")
+
+
+def _stop_removed(directory: Path, node: str) -> bool:
+    """Make sure the removed node's process is stopped (it stops by itself once out of the
+    map; SIGTERM, then SIGKILL, if it has not) and drop it from cluster.json. Returns whether
+    it is stopped (False: cluster.json had no such process)."""
+    record = _read_record(directory)
+    known = next((n for n in record["nodes"] if n["name"] == node), None)
+    if known is None or not known.get("pid"):
+        return False
+    pid, marker = int(known["pid"]), str(known["data_dir"])
+    deadline = time.monotonic() + NODE_STOP_TIMEOUT_S
+    while process_runs(pid, marker) and time.monotonic() < deadline:
+        time.sleep(POLL_S)  # a clean stop of its own: it flushes first
+    stop_pid(pid, marker, timeout_s=NODE_STOP_TIMEOUT_S)  # a no-op when it has stopped
+    record["nodes"] = [n for n in record["nodes"] if n["name"] != node]
+    _write_record(directory, record)
+    return not process_runs(pid, marker)
+
+
+async def _rebalance(
+    endpoint: str, name: str, node: str, adding: bool, timeout_s: float
+) -> dict[str, Any]:
+    """Request the map over the nodes there are (or a rebalance in progress asks for) plus or
+    minus NODE, then follow ``rebalance/status`` until it is done.
+
+    Raises:
+        click.ClickException: no map, an unknown or unregistered node, the last node, a
+            refusal by the orchestrator, or not done within `timeout_s` (one line each).
+    """
+    begun = time.monotonic()
+    md = await ClusterMetadata.connect(endpoint, name)
+    try:
+        stored = await md.read_map()
+        if stored is None:
+            raise click.ClickException(f"cluster {name!r} has no map yet")
+        current = stored[0]
+        nodes = {n.name for n in current.nodes}
+        request, status = await read_request(md), await read_status(md)
+        in_progress = request is not None and not (
+            status is not None and status.id == request[0] and (status.done or status.error)
+        )
+        if request is not None and in_progress:
+            nodes = set(request[1])  # a rebalance in progress: build on what it asked for
+        if adding:
+            deadline = time.monotonic() + min(REGISTER_WAIT_S, timeout_s)
+            while node not in await md.live_nodes():
+                if time.monotonic() > deadline:
+                    raise click.ClickException(
+                        f"node {node!r} is not registered in cluster {name!r} (start it with "
+                        f"changefeed serve --etcd {endpoint} --cluster {name} --node-name {node}, "
+                        "or give --dir)"
+                    )
+                await asyncio.sleep(POLL_S)
+            nodes.add(node)
+        else:
+            if node not in nodes:
+                raise click.ClickException(
+                    f"node {node!r} is not in cluster {name!r} (nodes: {', '.join(sorted(nodes))})"
+                )
+            if nodes == {node}:
+                raise click.ClickException(f"{node} is the last node of cluster {name!r}")
+            nodes.discard(node)
+        if request is not None and in_progress and set(request[1]) == nodes:
+            # The same rebalance is under way (this command was interrupted, or timed out, or
+            # the orchestrator died): follow it to its end rather than plan it again.
+            request_id = request[0]
+            _say(f"rebalance to {', '.join(sorted(nodes))} in progress")
+        else:
+            request_id = await request_rebalance(md, sorted(nodes))
+            _say(f"rebalance to {', '.join(sorted(nodes))} requested")
+        deadline = begun + timeout_s
+        shown: tuple[int, int] | None = None
+        while True:  # bounded by the deadline
+            status = await read_status(md)
+            if status is not None and status.id == request_id:
+                if status.error is not None:
+                    raise click.ClickException(f"rebalance refused: {status.error}")
+                if (status.moved, status.total) != shown:
+                    shown = (status.moved, status.total)
+                    _say(f"rebalance: {status.moved}/{status.total} vbuckets moved")
+                if status.done:
+                    break
+            if time.monotonic() > deadline:
+                progress = "not started" if shown is None else f"{shown[0]}/{shown[1]} moved"
+                waits = "; ".join(status.waiting[:2]) if status and status.waiting else ""
+                raise click.ClickException(
+                    f"rebalance not done after {timeout_s:g} s ({progress}"
+                    + (f"; {waits}" if waits else "")
+                    + "): it goes on; run the command again to wait"
+                )
+            await asyncio.sleep(POLL_S * 2)
+        final = await md.read_map()
+        return {
+            "node": node,
+            "request": request_id,
+            "nodes": sorted(nodes),
+            "moved": status.moved,
+            "total": status.total,
+            "rev": final[0].rev if final is not None else None,
+            "seconds": round(time.monotonic() - begun, 3),
+        }
     finally:
         await md.close()

@@ -6,6 +6,15 @@ it sees (etcd watch), it:
   failover branch when promoted), later → REPLICA, absent → DEAD; a vbucket that stops being
   active here ends its DCP streams with STATE_CHANGED, so consumers re-request where the map
   now points;
+- follows a rebalance's moves (``ClusterMap.moves``, rebalance.py): a node in a move's chain
+  that holds no copy yet is a REPLICA fed by the active (the copy being built); the active of
+  a move in takeover goes PENDING — writes are refused (NOT_MY_VBUCKET) but its streams are
+  *not* ended, so the new copies receive everything it acknowledged; the streams end when the
+  map moves the vbucket away (PENDING → REPLICA or DEAD). The active publishes, per moving
+  vbucket, its state, high seqno and its replicas' acked seqnos, with the map revision applied,
+  which is what the orchestrator waits on before each step;
+- stops the node when a map no longer lists it after one did (``changefeed cluster remove``:
+  everything has moved off it);
 - runs one `ReplicaFeed` per active node it replicates from, restarting a feed only when its
   set of vbuckets or its source changed (a running catch-up is not disturbed by unrelated
   map changes);
@@ -179,12 +188,40 @@ class NodeAgent:
 
     def _status(self) -> dict[str, object]:
         bucket = self.node.context.bucket
-        high = {
-            str(vb): v.high_seqno
-            for vb, v in bucket.vbuckets.items()
-            if v.state in (VBucketState.ACTIVE, VBucketState.REPLICA)
+        held = (VBucketState.ACTIVE, VBucketState.REPLICA, VBucketState.PENDING)
+        high = {str(vb): v.high_seqno for vb, v in bucket.vbuckets.items() if v.state in held}
+        status: dict[str, object] = {"high": high}
+        cluster_map = self.applied
+        if cluster_map is None:
+            return status
+        status["rev"] = cluster_map.rev
+        moving = {
+            m.vb: bucket.vbuckets[m.vb]
+            for m in cluster_map.moves
+            if cluster_map.role_of(self.config.node_name, m.vb) == 0 and m.vb in bucket.vbuckets
         }
-        return {"high": high}
+        if moving:
+            acked: dict[int, dict[str, int]] = {vb: {} for vb in moving}
+            tracker = self.node.context.replication
+            for progress in tracker.snapshot() if tracker is not None else ():
+                if progress.vb in acked:
+                    acked[progress.vb][progress.replica] = progress.received_seqno
+            status["moving"] = {
+                str(vb): {"state": v.state.value, "high": v.high_seqno, "acked": acked[vb]}
+                for vb, v in moving.items()
+            }
+        # A copy a move builds or promotes says itself what it holds and has persisted: the
+        # takeover waits for the future active to have persisted the final high seqno (its
+        # active's tracker keeps the highest ack even if the copy restarted with less).
+        me = cluster_map.node_index(self.config.node_name)
+        copies = {
+            str(m.vb): [bucket.vbuckets[m.vb].high_seqno, bucket.vbuckets[m.vb].persisted_seqno]
+            for m in cluster_map.moves
+            if me is not None and me in m.chain and m.vb in bucket.vbuckets
+        }
+        if copies:
+            status["copies"] = copies
+        return status
 
     def _in_sync_sets(self) -> dict[int, tuple[str, ...]]:
         """Per vbucket active here: its replicas (by the map) that are in sync now."""
@@ -214,20 +251,22 @@ class NodeAgent:
             return
         context = self.node.context
         name = self.config.node_name
+        removed = (
+            self.applied is not None
+            and self.applied.node_index(name) is not None
+            and cluster_map.node_index(name) is None
+        )
         sources: dict[str, set[int]] = {}
         addresses: dict[str, NodeAddress] = {}
         for vb in range(cluster_map.vbuckets):
-            role = cluster_map.role_of(name, vb)
-            wanted = (
-                VBucketState.DEAD
-                if role is None
-                else VBucketState.ACTIVE
-                if role == 0
-                else VBucketState.REPLICA
-            )
+            wanted = self._wanted_state(cluster_map, vb)
             vbucket = context.bucket.vbucket(vb)
             if vbucket.state is not wanted:
-                if vbucket.state is VBucketState.ACTIVE:
+                owned = (VBucketState.ACTIVE, VBucketState.PENDING)
+                # ACTIVE -> PENDING is a takeover's fence (and back, an aborted one): the
+                # streams go on (the new active must receive the rest); they end when the
+                # vbucket really leaves.
+                if vbucket.state in owned and wanted not in owned:
                     context.dcp.end_streams(vb, StreamEndReason.STATE_CHANGED)
                     if context.replication is not None:
                         context.replication.forget(vb)
@@ -245,6 +284,26 @@ class NodeAgent:
             "applied map rev %d: %d replica feeds, pushed to %d connections",
             cluster_map.rev, len(self.feeds), pushed,
         )  # fmt: skip
+        if removed:
+            log.warning("map rev %d no longer lists this node (removed): stopping", cluster_map.rev)
+            self.node.request_stop()
+
+    def _wanted_state(self, cluster_map: ClusterMap, vb: int) -> VBucketState:
+        """This node's state for `vb` under `cluster_map`: its place in the chain, or in the
+        chain a rebalance moves the vbucket to (a copy being built is a replica)."""
+        name = self.config.node_name
+        role = cluster_map.role_of(name, vb)
+        move = cluster_map.move_of(vb)
+        if role == 0:
+            return (
+                VBucketState.PENDING if move is not None and move.takeover else VBucketState.ACTIVE
+            )
+        if role is not None:
+            return VBucketState.REPLICA
+        index = cluster_map.node_index(name)
+        if move is not None and index is not None and index in move.chain:
+            return VBucketState.REPLICA
+        return VBucketState.DEAD
 
     def _place_feeds(self, sources: dict[str, set[int]], addresses: dict[str, NodeAddress]) -> None:
         for source_name in list(self.feeds):

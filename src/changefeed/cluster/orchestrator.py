@@ -7,8 +7,10 @@ the leadership is lost it stops at once (the acting task is cancelled, and a wri
 its way fails inside etcd) and campaigns again.
 
 Today ``plan`` does one thing: with no map yet and at least ``expected_nodes`` live nodes, it
-places the initial map (rev 1). Failover and rebalance (issue 12) are more cases of ``plan``:
-it is given the live nodes and the current map, and returns the next map or None.
+places the initial map (rev 1). Then each step fails over what must be (failover.py), and
+otherwise takes the next step of a rebalance requested (rebalance.py: one map revision per
+step, so a rebalance interrupted here is carried on by the next orchestrator). Failover comes
+first: a dead active matters more than a balanced map.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from changefeed import limits
 from changefeed.cluster.failover import plan_failover
 from changefeed.cluster.metadata import ClusterMetadata, Leadership, MetadataUnavailableError
 from changefeed.cluster.placement import initial_map
+from changefeed.cluster.rebalance import STEP_INTERVAL_S as REBALANCE_STEP_INTERVAL_S
+from changefeed.cluster.rebalance import Rebalancer
 from changefeed.vbmap import ClusterMap, NodeAddress
 
 log = logging.getLogger(__name__)
@@ -79,6 +83,7 @@ class Orchestrator:
         self._refused_logged: list[tuple[int, str]] = []
         self._quorum_logged = False
         self._term_started = time.monotonic()
+        self.rebalancer = Rebalancer(metadata, candidate)
 
     @property
     def leading(self) -> bool:
@@ -134,8 +139,10 @@ class Orchestrator:
         backoff = limits.ETCD_RETRY_BACKOFF_MIN_S
         try:
             while True:
+                # A rebalance waits on the nodes' published statuses: look more often.
+                interval = REBALANCE_STEP_INTERVAL_S if self.rebalancer.running else STEP_INTERVAL_S
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(self.nodes_wait_log_s, STEP_INTERVAL_S)):
+                    async with asyncio.timeout(min(self.nodes_wait_log_s, interval)):
                         await changed.wait()
                 if follower.done():
                     follower.result()  # raises what broke it (a bug)
@@ -164,6 +171,8 @@ class Orchestrator:
         if current is not None:
             requests = await self.metadata.failover_requests()
             new = await self._fail_over(live, current, requests)
+            if new is None and not requests:
+                new = await self.rebalancer.step(live, current)
         if new is None:
             for node in requests:  # done earlier (or nothing to move): the request is answered
                 await self.metadata.clear_failover_request(node)

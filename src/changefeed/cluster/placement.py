@@ -18,11 +18,24 @@ are placed by a small max flow with per-node capacities floor, then ceil, of the
 pass is not enough: it leaves imbalances of 2.)
 
 The same inputs always give the same map: nodes are taken in name order.
+
+``rebalance_chains`` is the target of a rebalance (``changefeed cluster add/remove``): the same
+rules over a new set of nodes, starting from the chains there are, keeping every copy it can
+(each copy it does not keep is a vbucket streamed to another node). Actives first: each node's
+quota is floor or ceil of the mean, the ceils going to the nodes that hold most actives now;
+a node keeps actives up to its quota, the rest go to nodes under quota, preferring one that
+holds a copy already (a takeover, no data to send). Replicas then: quotas the same way (the
+ceils to the nodes holding most copies, never to one that would then need more copies than
+vbuckets it does not lead),
+existing copies kept up to the quota, missing ones given to the least loaded node that has
+no copy of that vbucket; when every node with room already has one, an augmenting path moves
+some other vbucket's replica along to make room (a max-flow step: it never unbalances).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 
 from changefeed.vbmap import REPLICAS_MAX, ClusterMap, NodeAddress
 
@@ -126,3 +139,144 @@ def _augment(capacity: list[list[int]], source: int, sink: int) -> bool:
         capacity[v][u] += 1
         v = u
     return True
+
+
+def rebalance_chains(
+    current: Sequence[Sequence[str | None]], nodes: Iterable[str], replicas: int
+) -> list[tuple[str | None, ...]]:
+    """The chains (node names, active first, None where no node is left) of a balanced map
+    over `nodes` that keeps as many of `current`'s copies as balance allows.
+
+    Args:
+        current: per vbucket, the names of its copies now (active first; None for none).
+            Names not in `nodes` are copies that go (their node leaves).
+        nodes: the names of the nodes of the new map.
+        replicas: replica copies per vbucket (fewer are placed when there are too few nodes).
+
+    Raises:
+        ValueError: no nodes, no vbuckets, or `replicas` out of range.
+    """
+    names = sorted(set(nodes))
+    if not names:
+        raise ValueError("a cluster map needs at least one node")
+    if not current:
+        raise ValueError("a cluster map needs at least one vbucket")
+    if not 0 <= replicas <= REPLICAS_MAX:
+        raise ValueError(f"replicas {replicas} outside 0..{REPLICAS_MAX}")
+    members = set(names)
+    vbuckets, count = len(current), len(names)
+    placed = min(replicas, count - 1)
+    holders = [[n for n in chain if n is not None and n in members] for chain in current]
+
+    # Actives: quotas floor/ceil, the ceils to the nodes holding the most actives now.
+    now = Counter(chain[0] for chain in current if chain and chain[0] in members)
+    base, extra = divmod(vbuckets, count)
+    ceils = set(sorted(names, key=lambda n: (-now[n], n))[:extra])
+    quota = {n: base + (n in ceils) for n in names}
+    load: Counter[str] = Counter()
+    active: list[str | None] = [None] * vbuckets
+    for vb, chain in enumerate(current):
+        keep = chain[0] if chain else None
+        if keep is not None and keep in members and load[keep] < quota[keep]:
+            active[vb] = keep
+            load[keep] += 1
+    for vb in range(vbuckets):
+        if active[vb] is None:
+            room = [n for n in names if load[n] < quota[n]]
+            pick = min(room, key=lambda n: (n not in holders[vb], load[n] - quota[n], n))
+            active[vb] = pick
+            load[pick] += 1
+
+    # Replicas: quotas floor/ceil, the ceils to the nodes with the fewest actives.
+    copies_now = Counter(n for vb in range(vbuckets) for n in holders[vb] if n != active[vb])
+    rbase, rextra = divmod(placed * vbuckets, count)
+    # A ceil never goes to a node that would then need more copies than vbuckets it does
+    # not lead (with replicas = nodes - 1 the ceils are forced onto the nodes with fewer
+    # actives); among the others, to the nodes holding most copies now.
+    rceils = set(
+        sorted(
+            names,
+            key=lambda n: (rbase + 1 > vbuckets - load[n], -copies_now[n], load[n], n),
+        )[:rextra]
+    )
+    rquota = {n: rbase + (n in rceils) for n in names}
+    rload: Counter[str] = Counter()
+    kept: list[list[str]] = [[] for _ in range(vbuckets)]
+    for vb, chain in enumerate(current):
+        # Its replicas in chain order, then its active if that is demoted (it has the data).
+        for n in [*chain[1:], *chain[:1]]:
+            if len(kept[vb]) >= placed:
+                break
+            if n is None or n not in members or n == active[vb] or n in kept[vb]:
+                continue
+            if rload[n] < rquota[n]:
+                kept[vb].append(n)
+                rload[n] += 1
+    for vb in range(vbuckets):
+        while len(kept[vb]) < placed:
+            taken = {active[vb], *kept[vb]}
+            room = [n for n in names if n not in taken and rload[n] < rquota[n]]
+            if room:
+                pick = min(room, key=lambda n: (rload[n] - rquota[n], n))
+                kept[vb].append(pick)
+                rload[pick] += 1
+            else:
+                _make_room(vb, names, holders, active, kept, rload, rquota)
+    result = []
+    for vb in range(vbuckets):
+        chain = [active[vb], *kept[vb]]
+        result.append(tuple(chain + [None] * (replicas + 1 - len(chain))))
+    return result
+
+
+def _make_room(
+    vb: int,
+    names: list[str],
+    holders: list[list[str]],
+    active: list[str | None],
+    kept: list[list[str]],
+    rload: Counter[str],
+    rquota: dict[str, int],
+) -> None:
+    """Give `vb` one more replica when every node with room already holds a copy of it: a
+    breadth-first augmenting path vb <- m0, m0's copy of vb1 -> m1, ..., ending at a node
+    with room (each node on the path gives one copy and takes one: loads stay in quota).
+    Nodes that hold a copy of the vbucket they would take are tried first (no data to send).
+
+    Raises:
+        AssertionError: no path (the quotas cannot be met: a bug in the quotas).
+    """
+    owners: dict[str, list[int]] = {n: [] for n in names}
+    for other, copies in enumerate(kept):
+        for n in copies:
+            owners[n].append(other)
+    taken = {active[vb], *kept[vb]}
+    starts = sorted((n for n in names if n not in taken), key=lambda n: n not in holders[vb])
+    parent: dict[str, tuple[str, int] | None] = {n: None for n in starts}
+    queue = deque(parent)
+    end: str | None = None
+    while queue and end is None:
+        node = queue.popleft()
+        for other in owners[node]:
+            if other == vb:
+                continue
+            busy = {active[other], *kept[other]}
+            for n in sorted(names, key=lambda n: n not in holders[other]):
+                if n in parent or n in busy:
+                    continue
+                parent[n] = (node, other)
+                if rload[n] < rquota[n]:
+                    end = n
+                    break
+                queue.append(n)
+            if end is not None:
+                break
+    assert end is not None, f"vb {vb}: no room for a replica within the quotas"
+    rload[end] += 1
+    node = end
+    step = parent[node]
+    while step is not None:  # walk back: each hop hands one vbucket's copy to the next node
+        giver, other = step
+        kept[other][kept[other].index(giver)] = node
+        node, step = giver, parent[giver]
+    kept[vb].append(node)
