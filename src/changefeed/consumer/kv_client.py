@@ -391,14 +391,12 @@ class KvClient:
         Each window is sent to the nodes holding its keys' vbuckets, all nodes at once; a
         write answered NOT_MY_VBUCKET is retried on its own after the map is updated.
         """
-        if durability in SYNC_LEVELS:
-            return await self._upsert_many_sync(items, durability)
         results: list[MutationResult | None] = [None] * len(items)
         vbuckets = _vbuckets_of(items, self.vbuckets)
+        framing = _durability_frame(durability, self.durability_timeout_ms)
         for first in range(0, len(items), PIPELINE_DEPTH_MAX):
-            await self._store_window(
-                items, vbuckets, range(first, min(len(items), first + PIPELINE_DEPTH_MAX)), results
-            )
+            window = range(first, min(len(items), first + PIPELINE_DEPTH_MAX))
+            await self._store_window(items, vbuckets, window, results, framing)
         done = [r for r in results if r is not None]
         assert len(done) == len(items), (len(done), len(items))
         if durability == "persist":
@@ -406,19 +404,6 @@ class KvClient:
             for result in done:
                 newest[result.vbucket] = result
             await asyncio.gather(*(self.wait_persisted(r) for r in newest.values()))
-        return done
-
-    async def _upsert_many_sync(
-        self, items: list[tuple[bytes, bytes]], durability: Durability
-    ) -> list[MutationResult]:
-        """Durable writes, ``PIPELINE_DEPTH_MAX`` in flight: each is acknowledged on its own
-        (when its copies hold it), so a window of them is a set of concurrent requests."""
-        done: list[MutationResult] = []
-        for first in range(0, len(items), PIPELINE_DEPTH_MAX):
-            window = items[first : first + PIPELINE_DEPTH_MAX]
-            done.extend(
-                await asyncio.gather(*(self.upsert(k, v, durability=durability) for k, v in window))
-            )
         return done
 
     async def _window_connections(
@@ -442,8 +427,10 @@ class KvClient:
         vbuckets: list[int],
         indexes: range,
         results: list[MutationResult | None],
+        framing: bytes = b"",
     ) -> None:
         """Send one window pipelined, to every node it needs at once, and fill `results`.
+        ``framing``: a durability frame on every write (their replies come as each commits).
 
         Each node's share of the window is encoded at once (``kv_pipeline.encode_stores``) and
         sent in one write; its replies are decoded by the connection into one ``StoreReplies``
@@ -483,7 +470,7 @@ class KvClient:
                     group_vbuckets = [vbuckets[i] for i in group]
                 try:
                     first = conn.reserve_opaques(len(group))
-                    data = encode_stores(Opcode.SET, group_items, group_vbuckets, first)
+                    data = encode_stores(Opcode.SET, group_items, group_vbuckets, first, framing)
                     replies, done = conn.expect_window(first, len(group))
                     conn.send(data)
                 except lost as error:
@@ -540,7 +527,7 @@ class KvClient:
                 elif response.status == Status.NOT_MY_VBUCKET and following:
                     self.retries += 1
                     self._learn_map(response.value)
-                elif response.status == Status.ETMPFAIL:
+                elif response.status in (Status.ETMPFAIL, Status.SYNC_WRITE_IN_PROGRESS):
                     self.temporary_failures += 1
                     last = response
                 else:

@@ -79,10 +79,12 @@ def encode_stores(
     items: Sequence[tuple[bytes, bytes]],
     vbuckets: Sequence[int],
     first_opaque: int,
+    framing_extras: bytes = b"",
 ) -> bytes:
     """The store requests (``opcode`` SET/ADD/REPLACE, no flags, expiry, CAS or datatype) of
     ``items`` to ``vbuckets`` (one per item) with opaques ``first_opaque + index`` (mod 2**32),
-    as one buffer: the concatenation of ``kv.encode_store`` of each.
+    as one buffer: the concatenation of ``kv.encode_store`` of each (with ``framing_extras``,
+    e.g. a durability frame, each is an alt-magic request encoded on its own).
 
     Raises:
         ValueError: as ``encode_store`` (not a store opcode, a key over 65,535 bytes).
@@ -104,10 +106,10 @@ def encode_stores(
         ]
     except struct.error:  # a field out of range: let the per-item encoder say which
         heads = []
-    if len(heads) != count or opcode not in STORE_OPCODES:
+    if len(heads) != count or opcode not in STORE_OPCODES or framing_extras:
         # The per-item encoder raises the error it would have raised; it may also succeed.
         return b"".join(
-            encode_store(StoreCommand(opcode, vb, op, key, value))
+            encode_store(StoreCommand(opcode, vb, op, key, value), framing_extras)
             for (key, value), vb, op in zip(items, vbuckets, opaques, strict=True)
         )
     parts: list[bytes] = [b""] * (3 * count)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from changefeed import limits
 from changefeed.producer.producer import DcpProducer
@@ -33,6 +33,7 @@ from changefeed.protocol.dcp import (
     encode_rollback_seqno,
 )
 from changefeed.protocol.errors import (
+    InternalError,
     NotMyVbucketError,
     ProtocolError,
     StatusError,
@@ -62,6 +63,7 @@ from changefeed.server.dcp_pump import DcpPump
 from changefeed.server.privileges import required_privilege
 from changefeed.server.stats import stat_group
 
+T = TypeVar("T")
 log = logging.getLogger("changefeed.server")
 
 SUPPORTED_FEATURES = frozenset(
@@ -113,7 +115,6 @@ class ClientConnection(asyncio.Protocol):
         )
         # While a SASL exchange hashes off the loop, later frames wait (their order matters).
         self._sasl_task: asyncio.Task[None] | None = None
-        self._later: set[asyncio.Task[None]] = set()  # answers that wait (`answer_later`)
         self.peer_host = ""
         self.features: set[int] = set()
         self.bucket_selected = False
@@ -157,8 +158,6 @@ class ClientConnection(asyncio.Protocol):
         self.context.connections.discard(self)
         self.context.map_subscribers.discard(self)
         self.context.partial.release(self)
-        for task in list(self._later):
-            task.cancel()
         if self._sasl_task is not None:
             self._sasl_task.cancel()
             self._sasl_task = None
@@ -373,21 +372,26 @@ class ClientConnection(asyncio.Protocol):
         except (ProtocolError, StatusError) as error:
             self._reply_error(frame, error)
 
-    def answer_later(self, request: Frame, answer: Coroutine[Any, Any, None]) -> None:
-        """Run `answer`, which replies to `request`, as a task of this connection (a durable
-        write answers once its copies hold it); an error it raises is answered as
-        `_dispatch` answers one. Cancelled when the connection closes."""
+    def answer_when_done(
+        self, request: Frame, outcome: asyncio.Future[T], answer: Callable[[T], None]
+    ) -> None:
+        """Answer `request` when `outcome` is done (a durable write answers once its copies
+        hold it): `answer(result)`, or its error as `_dispatch` answers one. Nothing is sent
+        once the connection is closed. A callback, not a task: one per write is cheaper."""
 
-        async def run() -> None:
-            try:
-                await answer
-            except (ProtocolError, StatusError) as error:
-                if self.transport is not None and not self.transport.is_closing():
-                    self._reply_error(request, error)
+        def done(future: asyncio.Future[T]) -> None:
+            if self.transport is None or self.transport.is_closing() or future.cancelled():
+                return
+            error = future.exception()
+            if error is None:
+                answer(future.result())
+            elif isinstance(error, (ProtocolError, StatusError)):
+                self._reply_error(request, error)
+            else:
+                log.error("answering %s: %r", self.peer, error)
+                self._reply_error(request, InternalError(str(error)))
 
-        task = asyncio.get_running_loop().create_task(run())
-        self._later.add(task)
-        task.add_done_callback(self._later.discard)
+        outcome.add_done_callback(done)
 
     def _reply_error(self, frame: Frame, error: ProtocolError | StatusError) -> None:
         if isinstance(error, ProtocolError):

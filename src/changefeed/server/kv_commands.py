@@ -26,7 +26,6 @@ answers the mutation token when MutationSeqno was negotiated.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -155,11 +154,7 @@ def durable_write(
     monitor.check_possible(f.vbucket)
     prepared = write(int(requirement.level))
     outcome = monitor.track(f.vbucket, key, prepared, requirement)
-
-    async def answer() -> None:
-        reply_mutation(c, f, await asyncio.shield(outcome), value=value)
-
-    c.answer_later(f, answer())
+    c.answer_when_done(f, outcome, lambda result: reply_mutation(c, f, result, value=value))
 
 
 def refuse_durability(f: Frame) -> None:

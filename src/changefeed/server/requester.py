@@ -7,13 +7,16 @@ them (no cycle); `ClientConnection` satisfies it structurally.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
-from typing import Any, Protocol
+import asyncio
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.status import Status
 from changefeed.server.authenticator import SaslAuthenticator
 from changefeed.server.context import ServerContext
+
+T = TypeVar("T")
 
 
 class Requester(Protocol):
@@ -48,6 +51,8 @@ class Requester(Protocol):
         """Write an unsolicited frame (a server push)."""
         ...
 
-    def answer_later(self, request: Frame, answer: Coroutine[Any, Any, None]) -> None:
-        """Run `answer` (it replies to `request`) as a task of the connection."""
+    def answer_when_done(
+        self, request: Frame, outcome: asyncio.Future[T], answer: Callable[[T], None]
+    ) -> None:
+        """Answer `request` with `answer(result)` once `outcome` is done (or its error)."""
         ...
