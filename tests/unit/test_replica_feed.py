@@ -12,7 +12,16 @@ import pytest
 from changefeed.checkpoint import CheckpointMemoryFullError, Item
 from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
 from changefeed.protocol.batch import decode_batch
-from changefeed.protocol.dcp_items import Mutation, encode_mutation
+from changefeed.protocol.dcp_items import (
+    Abort,
+    Commit,
+    Mutation,
+    Prepare,
+    encode_abort,
+    encode_commit,
+    encode_mutation,
+    encode_prepare,
+)
 from changefeed.protocol.snapshot_marker import MarkerFlag, SnapshotMarker, encode_snapshot_marker
 from changefeed.server.bucket import Bucket
 from changefeed.vbmap import NodeAddress
@@ -79,3 +88,41 @@ def test_memory_full_mid_run_keeps_each_item_in_its_own_vbucket(bucket: Bucket) 
             got = vbucket.get(b"vb%d-%d" % (vb, seqno))
             assert got is not None and (got.seqno, got.cas) == (seqno, 100 + seqno)
         assert vbucket.get(b"vb%d-1" % (1 - vb)) is None  # nothing of the other vbucket
+
+
+def test_sync_write_frames_are_taken_in_wire_order_behind_a_backlog(bucket: Bucket) -> None:
+    """DCP_PREPARE, DCP_COMMIT and DCP_ABORT wait behind items held for memory like any item:
+    a commit must find its prepare taken first."""
+    feed = feed_of(bucket)
+    buffer = run_of(
+        marker(0, 1, 6),
+        mutation(0, 1),  # memory is full for this one: everything after waits
+        encode_prepare(Prepare(0, 1, 2, b"p", b"prepared", 7, 1, 0, 0, False, 1)),
+        encode_commit(Commit(0, 1, b"p", 2, 3)),
+        encode_prepare(Prepare(0, 1, 4, b"q", b"never", 8, 1, 0, 0, False, 1)),
+        encode_abort(Abort(0, 1, b"q", 4, 5)),
+        mutation(0, 6),
+    )
+    target = bucket.vbucket(0)
+    real = target.queue_replicated
+    refused = [True]
+
+    def full_once(item: Item) -> None:
+        if refused[0]:
+            refused[0] = False
+            raise CheckpointMemoryFullError("full")
+        real(item)
+
+    target.queue_replicated = full_once  # type: ignore[method-assign]
+    feed._on_push(decode_batch(buffer))
+    assert target.high_seqno == 0 and feed._failure is None
+    feed._drain_backlog()
+    assert feed._failure is None
+    assert target.high_seqno == 6 and target.pending_prepares == []
+    committed = target.get(b"p")
+    assert committed is not None and (committed.value, committed.cas, committed.seqno) == (
+        b"prepared",
+        7,
+        3,
+    )
+    assert target.get(b"q") is None  # aborted: never visible

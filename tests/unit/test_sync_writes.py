@@ -20,13 +20,21 @@ from changefeed.checkpoint import Item, SyncItem
 from changefeed.producer.item_encoding import ItemFramer, ItemOptions
 from changefeed.protocol.dcp_items import (
     Abort,
+    Commit,
     Prepare,
     decode_abort,
+    decode_commit,
     decode_prepare,
     encode_abort,
+    encode_commit,
     encode_prepare,
 )
-from changefeed.protocol.errors import KeyNotFoundError, ProtocolError, SyncWriteInProgressError
+from changefeed.protocol.errors import (
+    InvalidArgumentsError,
+    KeyNotFoundError,
+    ProtocolError,
+    SyncWriteInProgressError,
+)
 from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.reader import FrameReader
 from changefeed.storage import Op, Store
@@ -171,29 +179,37 @@ def test_warmup_never_resurrects_a_prepare_over_a_newer_committed_value(store: S
 
 
 def test_application_streams_skip_prepares_and_aborts_replica_streams_get_them() -> None:
+    prepare = SyncItem(5, b"d", Op.PREPARE, Op.MUTATION, b"v5", 13, level=1)
     items: list[Item] = [
         Item(1, b"a", Op.MUTATION, b"v1", 10),
         SyncItem(2, b"b", Op.PREPARE, Op.MUTATION, b"v2", 11, flags=3, expiry=4, level=2),
         SyncItem(3, b"b", Op.ABORT, Op.DELETION, b"", 11, prepared_seqno=2),
         Item(4, b"c", Op.MUTATION, b"v4", 12),
+        prepare,
+        prepare.committed(6),
     ]
     application = ItemFramer(VB, 77, ItemOptions(delete_times=True))
     data, count, _ = application.items(items, 1 << 20)
-    assert count == 4  # every item counts as framed: the stream moves past all seqnos
-    assert [(f.opcode, f.key) for f in _frames(data)] == [
-        (Opcode.DCP_MUTATION, b"a"),
-        (Opcode.DCP_MUTATION, b"c"),
+    assert count == 6  # every item counts as framed: the stream moves past all seqnos
+    assert [(f.opcode, f.key, f.cas) for f in _frames(data)] == [
+        (Opcode.DCP_MUTATION, b"a", 10),
+        (Opcode.DCP_MUTATION, b"c", 12),
+        (Opcode.DCP_MUTATION, b"d", 13),  # the commit: the document, with the prepare's CAS
     ]
     replica = ItemFramer(VB, 77, ItemOptions(delete_times=True, sync_writes=True))
     data, count, _ = replica.items(items, 1 << 20)
     frames = _frames(data)
-    assert count == 4
+    assert count == 6
     assert [f.opcode for f in frames] == [
         Opcode.DCP_MUTATION,
         Opcode.DCP_PREPARE,
         Opcode.DCP_ABORT,
         Opcode.DCP_MUTATION,
+        Opcode.DCP_PREPARE,
+        Opcode.DCP_COMMIT,
     ]
+    commit = decode_commit(frames[5])
+    assert (commit.key, commit.prepared_seqno, commit.commit_seqno) == (b"d", 5, 6)
     prepare = decode_prepare(frames[1])
     assert (prepare.seqno, prepare.key, prepare.value, prepare.cas) == (2, b"b", b"v2", 11)
     assert (prepare.flags, prepare.expiry, prepare.level, prepare.deleted) == (3, 4, 2, False)
@@ -259,6 +275,28 @@ def test_abort_round_trips(prepared: int, gap: int, key: bytes) -> None:
     assert decode_abort(frame) == sent
 
 
+@given(prepared=st.integers(1, 2**63), gap=st.integers(1, 2**63 - 1), key=st.binary(min_size=1))
+def test_commit_round_trips(prepared: int, gap: int, key: bytes) -> None:
+    sent = Commit(VB, 9, key[:250], prepared, prepared + gap)
+    [frame] = _frames(encode_commit(sent))
+    assert decode_commit(frame) == sent
+
+
+def test_a_replica_commits_the_prepare_it_holds_and_refuses_one_it_does_not(store: Store) -> None:
+    replica = make(store, VBucketState.REPLICA)
+    replica.replica_snapshot(1, 3)
+    replica.queue_replicated(SyncItem(1, b"k", Op.PREPARE, Op.MUTATION, b"v", 21, flags=2, level=1))
+    with pytest.raises(InvalidArgumentsError):
+        replica.replica_commit(b"k", 9, 2)  # not the prepare it holds
+    with pytest.raises(InvalidArgumentsError):
+        replica.replica_commit(b"other", 1, 2)
+    replica.replica_commit(b"k", 1, 2)
+    document = replica.get(b"k")
+    assert document is not None
+    assert (document.value, document.cas, document.flags, document.seqno) == (b"v", 21, 2, 2)
+    assert replica.pending_prepares == []
+
+
 @given(data=st.binary(max_size=200))
 def test_the_sync_write_decoders_raise_only_protocol_errors(data: bytes) -> None:
     reader = FrameReader()
@@ -268,7 +306,7 @@ def test_the_sync_write_decoders_raise_only_protocol_errors(data: bytes) -> None
     except ProtocolError:
         return
     for frame in frames:
-        for decode in (decode_prepare, decode_abort):
+        for decode in (decode_prepare, decode_abort, decode_commit):
             with contextlib.suppress(ProtocolError):
                 decode(frame)
 

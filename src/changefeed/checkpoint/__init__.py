@@ -11,7 +11,7 @@ from changefeed.checkpoint.backfill import Backfill, BackfillQueue, DiskCursor
 from changefeed.checkpoint.checkpoint import Checkpoint
 from changefeed.checkpoint.cursor import Cursor, CursorKind, Event
 from changefeed.checkpoint.flusher import Flusher
-from changefeed.checkpoint.item import Item, SyncItem
+from changefeed.checkpoint.item import CommitItem, Item, SyncItem
 from changefeed.checkpoint.manager import PERSISTENCE_CURSOR_NAME, CheckpointManager, Registration
 from changefeed.checkpoint.memory import (
     ITEM_OVERHEAD_BYTES,
@@ -44,6 +44,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointManager",
     "CheckpointMemoryFullError",
+    "CommitItem",
     "Cursor",
     "CursorKind",
     "CursorSignal",

@@ -17,8 +17,9 @@ Rules (seed follower-catch-up.md, dcp-rollback.md, replication-anchors.md §1.3)
   asks for the rest of a snapshot it held only partly.
 - Received and persisted seqnos are acknowledged (DCP_SEQNO_ACKNOWLEDGED) every
   `ack_interval_s` while they move; the active decides the in-sync set from them.
-- SyncWrites: DCP_PREPARE and DCP_ABORT are queued in wire order like any item (the vbucket
-  keeps prepares pending); a commit arrives as the committed document. A batch that held a
+- SyncWrites: DCP_PREPARE, DCP_COMMIT and DCP_ABORT are taken in wire order like any item
+  (the vbucket keeps prepares pending; a commit makes the pending prepare's document the
+  committed one); a disk backfill sends a commit as the document itself. A batch that held a
   prepare is acknowledged at once, not at the next tick: the active's durable writes wait on
   these acknowledgements.
 - When checkpoint memory is full, the rest of a batch waits and the socket stops being read:
@@ -58,7 +59,13 @@ from changefeed.protocol.dcp import (
     encode_seqno_acknowledged,
     encode_stream_request,
 )
-from changefeed.protocol.dcp_items import Prepare, decode_abort, decode_prepare
+from changefeed.protocol.dcp_items import (
+    Commit,
+    Prepare,
+    decode_abort,
+    decode_commit,
+    decode_prepare,
+)
 from changefeed.protocol.errors import ProtocolError, StatusError, error_for_status
 from changefeed.protocol.frame import Frame, encode_response
 from changefeed.protocol.opcode import Feature, Magic, Opcode
@@ -143,7 +150,7 @@ class ReplicaFeed:
         self._unacked_bytes = 0
         # (vbucket, item) waiting for checkpoint memory, in wire order (a run may hold
         # several vbuckets: each item keeps its own).
-        self._backlog: deque[tuple[int, Item]] = deque()
+        self._backlog: deque[tuple[int, Item | Commit]] = deque()
         self._failure: BaseException | None = None
         self._prepared = False  # the batch being taken held a prepare: acknowledge at once
 
@@ -296,12 +303,12 @@ class ReplicaFeed:
             self._queue(vbs[i], item)
         self.stats.items += len(columns)
 
-    def _queue(self, vb: int, item: Item) -> None:
+    def _queue(self, vb: int, item: Item | Commit) -> None:
         if self._backlog:
             self._backlog.append((vb, item))
             return
         try:
-            self.bucket.vbucket(vb).queue_replicated(item)
+            self._take(vb, item)
         except CheckpointMemoryFullError:
             # Wait for the flusher to free memory; stop reading until the backlog is in.
             self._backlog.append((vb, item))
@@ -312,12 +319,19 @@ class ReplicaFeed:
         while self._backlog:
             vb, item = self._backlog[0]
             try:
-                self.bucket.vbucket(vb).queue_replicated(item)
+                self._take(vb, item)
             except CheckpointMemoryFullError:
                 return
             self._backlog.popleft()
         if self._conn is not None:
             self._conn.resume_reading()
+
+    def _take(self, vb: int, item: Item | Commit) -> None:
+        vbucket = self.bucket.vbucket(vb)
+        if isinstance(item, Commit):
+            vbucket.replica_commit(item.key, item.prepared_seqno, item.commit_seqno)
+        else:
+            vbucket.queue_replicated(item)
 
     def _on_control(self, frame: Frame) -> None:
         opcode = frame.opcode
@@ -349,6 +363,9 @@ class ReplicaFeed:
         elif opcode == Opcode.DCP_PREPARE:
             self._queue(frame.vbucket, _prepare_item(decode_prepare(frame)))
             self._prepared = True
+            self.stats.items += 1
+        elif opcode == Opcode.DCP_COMMIT:
+            self._queue(frame.vbucket, decode_commit(frame))
             self.stats.items += 1
         elif opcode == Opcode.DCP_ABORT:
             abort = decode_abort(frame)

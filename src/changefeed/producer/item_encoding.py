@@ -21,7 +21,8 @@ and checked first (`decode_record`), so a damaged record raises instead of being
 SyncWrite items (a PREPARE or ABORT, checkpoint/item.py `SyncItem`) have no fast-path entry, so a
 run holding one takes the fallback: a replica stream (`sync_writes`) gets DCP_PREPARE / DCP_ABORT,
 any other stream nothing — the item counts as framed with 0 bytes, so the stream moves past its
-seqno and still reaches its snapshot's end. Commits are plain items (the committed document).
+seqno and still reaches its snapshot's end. A commit (`CommitItem`) is the committed document,
+framed as a mutation or deletion for every stream but a replica's, which gets DCP_COMMIT.
 
 Not here: flow control and snapshot markers (encoder.py), what a stream sends (stream.py).
 """
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from changefeed.checkpoint.item import Item, SyncItem
+from changefeed.checkpoint.item import CommitItem, Item, SyncItem
 from changefeed.protocol.dcp_items import (
     DELETION_V1_EXTRAS,
     DELETION_V2_EXTRAS,
@@ -42,9 +43,11 @@ from changefeed.protocol.dcp_items import (
     HEADER_FRONT,
     MUTATION_EXTRAS,
     Abort,
+    Commit,
     Prepare,
     deletion_v1_body,
     encode_abort,
+    encode_commit,
     encode_item_body,
     encode_prepare,
     expiration_body,
@@ -129,6 +132,8 @@ class ItemFramer:
         """
         assert items, "a run holds at least one item"
         opcodes, extras = self._opcode_by_op, self._extras_by_op
+        if self.options.sync_writes and any(type(item) is CommitItem for item in items):
+            opcodes = None  # a replica stream frames commits as DCP_COMMIT
         if opcodes is not None and extras is not None:
             vb, opaque = self.vb, self.opaque
             try:
@@ -218,7 +223,7 @@ class ItemFramer:
         written = 0
         count = 0
         for item in items:  # bounded by the run
-            if item.op in _SYNC_OPS:
+            if item.op in _SYNC_OPS or (self.options.sync_writes and type(item) is CommitItem):
                 pieces = self._sync_frame(item) if self.options.sync_writes else []
             else:
                 pieces = self.frame(item.op, len(item.key), item.datatype, item.cas, item.body)
@@ -230,9 +235,12 @@ class ItemFramer:
         return b"".join(parts), count, written
 
     def _sync_frame(self, item: Item) -> list[bytes]:
-        assert isinstance(item, SyncItem), item
         if self.stream_id is not None:
             raise ValueError("stream-ids and sync writes do not combine (dcp-wire.md §8)")
+        if isinstance(item, CommitItem):
+            commit = Commit(self.vb, self.opaque, item.key, item.prepared_seqno, item.seqno)
+            return [encode_commit(commit)]
+        assert isinstance(item, SyncItem), item
         if item.op is Op.ABORT:
             abort = Abort(self.vb, self.opaque, item.key, item.prepared_seqno, item.seqno)
             return [encode_abort(abort)]

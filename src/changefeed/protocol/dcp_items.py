@@ -399,6 +399,18 @@ class Abort:
     abort_seqno: int
 
 
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """DCP_COMMIT: the prepare at `prepared_seqno` is committed at `commit_seqno` (the replica
+    holds the prepare's document)."""
+
+    vbucket: int
+    opaque: int
+    key: bytes
+    prepared_seqno: int
+    commit_seqno: int
+
+
 def encode_prepare(p: Prepare) -> bytes:
     """A deleted prepare carries its delete time in the expiration field (kv_engine does)."""
     extras = PREPARE_EXTRAS.pack(
@@ -448,6 +460,27 @@ def encode_abort(a: Abort) -> bytes:
         extras=ABORT_EXTRAS.pack(a.prepared_seqno, a.abort_seqno),
         key=a.key,
     )
+
+
+def encode_commit(c: Commit) -> bytes:
+    return encode_frame(
+        Magic.REQUEST,
+        Opcode.DCP_COMMIT,
+        vbucket=c.vbucket,
+        opaque=c.opaque,
+        extras=ABORT_EXTRAS.pack(c.prepared_seqno, c.commit_seqno),
+        key=c.key,
+    )
+
+
+def decode_commit(frame: Frame) -> Commit:
+    """Raises ProtocolError(EINVAL): extras not 16 bytes, no key, commit not after prepare."""
+    if len(frame.extras) != ABORT_EXTRAS.size:
+        raise ProtocolError(f"DCP_COMMIT extras of {len(frame.extras)} bytes, not 16")
+    prepared, committed = ABORT_EXTRAS.unpack(frame.extras)
+    if not frame.key or not 0 < prepared < committed:
+        raise ProtocolError(f"DCP_COMMIT of prepare {prepared} at {committed}")
+    return Commit(frame.vbucket, frame.opaque, frame.key, prepared, committed)
 
 
 def decode_abort(frame: Frame) -> Abort:
