@@ -33,6 +33,23 @@ def test_the_in_sync_replica_with_the_highest_seqno_is_promoted() -> None:
         assert names == ["n3", "n2", "n1"]
 
 
+def test_equally_caught_up_replicas_share_a_dead_nodes_vbuckets() -> None:
+    """Replicas 2 on 3 nodes puts every chain of a node in the same replica order: a tie on
+    the seqno must not hand all of the dead node's vbuckets to the first survivor."""
+    current = cluster(3, 2, vbuckets=12)
+    dead = "n1"
+    vbs = [vb for vb in range(12) if current.nodes[current.chains[vb][0]].name == dead]
+    in_sync = {vb: InSyncRecord(dead, frozenset({"n2", "n3"})) for vb in vbs}
+    highs = {"n2": dict.fromkeys(vbs, 10), "n3": dict.fromkeys(vbs, 10)}
+    plan = plan_failover(current, {"n2", "n3"}, in_sync, highs)
+    assert plan.new_map is not None
+    leading = {
+        name: sum(1 for chain in plan.new_map.chains if plan.new_map.nodes[chain[0]].name == name)
+        for name in ("n2", "n3")
+    }
+    assert abs(leading["n2"] - leading["n3"]) <= 1, (leading, plan.promoted)
+
+
 def test_no_in_sync_replica_is_refused_unless_forced() -> None:
     current = cluster(2, 1)
     vbs = [vb for vb in range(8) if current.nodes[current.chains[vb][0]].name == "n1"]

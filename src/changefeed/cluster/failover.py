@@ -70,6 +70,13 @@ def plan_failover(
     """
     names = [n.name for n in current.nodes]
     usable = {n for n in live if n not in failed}
+    # Actives each node leads (kept or promoted so far): between replicas equally caught up,
+    # the one leading fewest takes the vbucket, so a dead node's load is spread, not piled
+    # onto the first survivor.
+    leading = [0] * len(names)
+    for chain in current.chains:
+        if chain[0] != -1 and names[chain[0]] in usable:
+            leading[chain[0]] += 1
     chains: list[tuple[int, ...]] = []
     promoted: dict[int, str] = {}
     refused: dict[int, str] = {}
@@ -98,7 +105,11 @@ def plan_failover(
                 )
                 new_chain = list(chain)  # unchanged: it serves again when its active returns
             else:
-                best = max(eligible, key=lambda i: (high_seqnos.get(names[i], {}).get(vb, -1), -i))
+                best = max(
+                    eligible,
+                    key=lambda i: (high_seqnos.get(names[i], {}).get(vb, -1), -leading[i], -i),
+                )
+                leading[best] += 1
                 promoted[vb] = names[best]
                 # The old active keeps a replica slot of its vbucket: when it returns it is
                 # that vbucket's replica again (rolling back to the common history first), and
