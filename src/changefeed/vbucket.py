@@ -161,9 +161,6 @@ class VBucket:
         self._locks: dict[bytes, _Lock] = {}  # GET_LOCKED; any write of the key drops its entry
         # key -> its pending SyncWrite prepare, oldest first (insertion order = seqno order).
         self._pending: dict[bytes, SyncItem] = {}
-        # Seqnos of pending prepares queued in this checkpoint list (not the ones recovered
-        # from the store, nor ones from before a rollback): their commits may be DCP_COMMIT.
-        self._streamed: set[int] = set()
         for level, record in store.prepares(vb):
             self._pending[record.key] = _prepare_of(record, level)
         assert self.manager.high_seqno == self._high_seqno, (self.manager, self._high_seqno)
@@ -250,10 +247,8 @@ class VBucket:
         if prepare is None:
             raise KeyNotFoundError(f"vb {self._vb}: no durable write of {key[:64]!r} pending")
         seqno = self._high_seqno + 1
-        streamed = prepare.seqno in self._streamed
-        self.manager.queue(prepare.committed(seqno, prepare_streamed=streamed))
+        self.manager.queue(prepare.committed(seqno))
         del self._pending[key]
-        self._streamed.discard(prepare.seqno)
         self._high_seqno = seqno
         if self._locks:
             self._locks.pop(key, None)
@@ -285,7 +280,6 @@ class VBucket:
             )
         )
         del self._pending[key]
-        self._streamed.discard(prepare.seqno)
         self._high_seqno = seqno
         self._retain_pending()
         return seqno
@@ -483,16 +477,13 @@ class VBucket:
         self._last_cas = max(self._last_cas, item.cas)
         if item.op is Op.PREPARE:
             assert isinstance(item, SyncItem), item
-            older = self._pending.pop(item.key, None)  # its end deduplicated away
-            if older is not None:
-                self._streamed.discard(older.seqno)
+            self._pending.pop(item.key, None)  # an older one, its end deduplicated away
             self._pending[item.key] = item
-            self._streamed.add(item.seqno)
             self._retain_pending()
         elif self._pending and item.key in self._pending:
             # An abort, a commit, or a committed change of the key after them (a commit
             # deduplicated away, or sent as the document by a disk backfill): the prepare ends.
-            self._streamed.discard(self._pending.pop(item.key).seqno)
+            del self._pending[item.key]
             self._retain_pending()
 
     def replica_commit(self, key: bytes, prepared_seqno: int, commit_seqno: int) -> None:
@@ -501,7 +492,7 @@ class VBucket:
         Raises:
             NotMyVbucketError: not a replica.
             InvalidArgumentsError: no prepare of `key` at `prepared_seqno` is pending here
-                (the active only sends DCP_COMMIT to a stream that carried the prepare).
+                (the active sends DCP_COMMIT only to a replica that holds the prepare).
             CheckpointMemoryFullError: as `queue_replicated`.
         """
         self._require_replica()
@@ -512,8 +503,7 @@ class VBucket:
                 f"vb {self._vb}: DCP_COMMIT of {key[:64]!r} prepared at {prepared_seqno}, "
                 f"pending here: {held}"
             )
-        streamed = prepare.seqno in self._streamed
-        self.queue_replicated(prepare.committed(commit_seqno, prepare_streamed=streamed))
+        self.queue_replicated(prepare.committed(commit_seqno))
 
     def replica_snapshot(self, snap_start: int, snap_end: int) -> None:
         """The active's snapshot marker: items up to `snap_end` follow, in their own checkpoint.
@@ -572,7 +562,6 @@ class VBucket:
         )
         self._high_seqno = point
         self._pending = {k: p for k, p in self._pending.items() if p.seqno <= point}
-        self._streamed.clear()  # the new checkpoint list holds none of them
         self._retain_pending()
         assert self.persisted_seqno == point, (self.persisted_seqno, point)
         return point
@@ -946,7 +935,6 @@ class VBucket:
         if level:
             assert isinstance(item, SyncItem), item
             self._pending[key] = item
-            self._streamed.add(seqno)
             self._retain_pending()
         self._high_seqno = seqno
         self._last_cas = cas

@@ -232,26 +232,21 @@ class SyncItem(Item):
             return NotImplemented
         return self._fields() == other._fields()
 
-    def committed(self, seqno: int, *, prepare_streamed: bool = True) -> Item:
-        """The item that commits this prepare at `seqno`: the same document and CAS. A
-        `CommitItem` (a replica stream sends DCP_COMMIT) when the prepare was queued in the
-        same checkpoint list (`prepare_streamed`), so any stream that reaches the commit has
-        carried the prepare; else a plain item (the document itself)."""
+    def committed(self, seqno: int) -> CommitItem:
+        """The item that commits this prepare at `seqno`: the same document and CAS."""
         assert self.op is Op.PREPARE, self
-        cls = CommitItem if prepare_streamed else Item
-        item = cls(
+        item = CommitItem(
             seqno, self.key, self.doc_op, self.value, self.cas, self.flags, self.expiry,
             self.datatype, self.rev_seqno, self.delete_time,
         )  # fmt: skip
-        if isinstance(item, CommitItem):
-            item.prepared_seqno = self.seqno
+        item.prepared_seqno = self.seqno
         return item
 
 
 class CommitItem(Item):
     """A committed SyncWrite: the document at its commit seqno, a plain item to everyone but a
-    replica stream, which sends DCP_COMMIT (the replica holds the prepare). `prepared_seqno`:
-    the prepare it commits."""
+    replica stream that holds the prepare, which gets DCP_COMMIT (producer/item_encoding.py).
+    `prepared_seqno`: the prepare it commits."""
 
     __slots__ = ("prepared_seqno",)
     prepared_seqno: int

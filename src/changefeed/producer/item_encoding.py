@@ -22,7 +22,11 @@ SyncWrite items (a PREPARE or ABORT, checkpoint/item.py `SyncItem`) have no fast
 run holding one takes the fallback: a replica stream (`sync_writes`) gets DCP_PREPARE / DCP_ABORT,
 any other stream nothing — the item counts as framed with 0 bytes, so the stream moves past its
 seqno and still reaches its snapshot's end. A commit (`CommitItem`) is the committed document,
-framed as a mutation or deletion for every stream but a replica's, which gets DCP_COMMIT.
+framed as a mutation or deletion for every stream — and as DCP_COMMIT for a replica stream
+only when that replica holds the prepare: this stream sent it, or the stream started at or
+after its seqno (the replica's history up to its start is the active's, prepares included).
+A stream that started below the prepare and never got it (a disk backfill, the prepare's
+checkpoint freed once it committed) gets the document.
 
 Not here: flow control and snapshot markers (encoder.py), what a stream sends (stream.py).
 """
@@ -105,12 +109,21 @@ class ItemFramer:
     """
 
     def __init__(
-        self, vb: int, opaque: int, options: ItemOptions, stream_id: int | None = None
+        self,
+        vb: int,
+        opaque: int,
+        options: ItemOptions,
+        stream_id: int | None = None,
+        *,
+        start_seqno: int = 0,
     ) -> None:
         self.vb = vb
         self.opaque = opaque
         self.options = options
         self.stream_id = stream_id
+        self.start_seqno = start_seqno  # the stream's: a replica holds prepares up to it
+        # key -> seqno of the prepare this stream sent and has not sent the end of yet.
+        self._prepares_sent: dict[bytes, int] = {}
         # Fast-path tables indexed by op (items) and by stored tag (records); None if no fast path.
         self._opcode_by_op: _Table | None = None
         self._extras_by_op: _Table | None = None
@@ -132,8 +145,13 @@ class ItemFramer:
         """
         assert items, "a run holds at least one item"
         opcodes, extras = self._opcode_by_op, self._extras_by_op
-        if self.options.sync_writes and any(type(item) is CommitItem for item in items):
-            opcodes = None  # a replica stream frames commits as DCP_COMMIT
+        if self.options.sync_writes:
+            if any(type(item) is CommitItem for item in items):
+                opcodes = None  # a replica stream may frame commits as DCP_COMMIT
+            elif self._prepares_sent:
+                sent = self._prepares_sent
+                for item in items:  # a later change of a key ends its prepare
+                    sent.pop(item.key, None)
         if opcodes is not None and extras is not None:
             vb, opaque = self.vb, self.opaque
             try:
@@ -226,6 +244,8 @@ class ItemFramer:
             if item.op in _SYNC_OPS or (self.options.sync_writes and type(item) is CommitItem):
                 pieces = self._sync_frame(item) if self.options.sync_writes else []
             else:
+                if self._prepares_sent:
+                    self._prepares_sent.pop(item.key, None)
                 pieces = self.frame(item.op, len(item.key), item.datatype, item.cas, item.body)
             parts += pieces
             written += sum(map(len, pieces))
@@ -238,16 +258,21 @@ class ItemFramer:
         if self.stream_id is not None:
             raise ValueError("stream-ids and sync writes do not combine (dcp-wire.md §8)")
         if isinstance(item, CommitItem):
-            commit = Commit(self.vb, self.opaque, item.key, item.prepared_seqno, item.seqno)
-            return [encode_commit(commit)]
+            sent = self._prepares_sent.pop(item.key, None)
+            if sent == item.prepared_seqno or item.prepared_seqno <= self.start_seqno:
+                commit = Commit(self.vb, self.opaque, item.key, item.prepared_seqno, item.seqno)
+                return [encode_commit(commit)]
+            return self.frame(item.op, len(item.key), item.datatype, item.cas, item.body)
         assert isinstance(item, SyncItem), item
         if item.op is Op.ABORT:
+            self._prepares_sent.pop(item.key, None)
             abort = Abort(self.vb, self.opaque, item.key, item.prepared_seqno, item.seqno)
             return [encode_abort(abort)]
         prepare = Prepare(
             self.vb, self.opaque, item.seqno, item.key, item.value, item.cas, item.rev_seqno,
             item.flags, item.expiry, item.deleted, item.level, item.datatype, item.delete_time,
         )  # fmt: skip
+        self._prepares_sent[item.key] = item.seqno
         return [encode_prepare(prepare)]
 
     def _stored_one_by_one(
