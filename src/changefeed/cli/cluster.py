@@ -77,7 +77,7 @@ def _read_record(directory: Path) -> dict[str, Any]:
     return record
 
 
-def _write_record(directory: Path, record: Mapping[str, Any]) -> None:
+def write_record(directory: Path, record: Mapping[str, Any]) -> None:
     """Write atomically (a crash leaves the old record or the new one, never half)."""
     path = _record_path(directory)
     temporary = path.with_suffix(".tmp")
@@ -111,7 +111,7 @@ def _where(directory: Path | None, etcd_url: str | None, name: str | None) -> tu
     return etcd_url, name or "default"
 
 
-def _run(coroutine: Coroutine[Any, Any, T]) -> T:
+def run(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine; an unreachable etcd becomes one ``Error:`` line."""
     try:
         return asyncio.run(coroutine)
@@ -217,10 +217,10 @@ def start(
                 etcd_client_port=server.client_port,
                 etcd_peer_port=server.peer_port,
             )
-            _write_record(directory, record)
+            write_record(directory, record)
             _say(f"etcd {server.endpoint} (pid {server.pid}, log {server.log_path})")
         else:
-            stored = _run(_read_map(etcd_url, name))
+            stored = run(_read_map(etcd_url, name))
             if stored is not None and not previous:
                 raise click.ClickException(
                     f"cluster {name!r} already has a map (rev {stored.rev}) in etcd {etcd_url}: "
@@ -246,21 +246,21 @@ def start(
                 node.port = int(previous["nodes"][i]["port"])
             nodes.append(node)
         _say(f"starting {node_count} nodes under {directory}")
-        _start_nodes(nodes)  # together: a node may wait for the others before it serves
-        record["nodes"] = [_node_record(node) for node in nodes]
-        _write_record(directory, record)
+        start_nodes(nodes)  # together: a node may wait for the others before it serves
+        record["nodes"] = [node_record(node) for node in nodes]
+        write_record(directory, record)
         for node in nodes:
             _say(f"{node.root.name} {node.address} (pid {node.pid}, log {node.log_path})")
         _say("waiting for the first map and every node")
-        cluster_map = _run(_wait_until_up(endpoint, name, nodes, deadline))
+        cluster_map = run(wait_until_up(endpoint, name, nodes, deadline))
     except BaseException:
         _say("start failed: stopping what was started")
-        _stop_nodes(nodes)
+        stop_nodes(nodes)
         if server is not None:
             server.stop()
         record["stopped_at"] = time.time()
         if directory.exists():
-            _write_record(directory, record)
+            write_record(directory, record)
         raise
     _say(
         f"cluster {name!r} is up: map rev {cluster_map.rev}, {cluster_map.vbuckets} vbuckets, "
@@ -271,7 +271,7 @@ def start(
         click.echo(json.dumps(record, indent=1))
 
 
-def _node_record(node: NodeProcess) -> dict[str, Any]:
+def node_record(node: NodeProcess) -> dict[str, Any]:
     return {
         "name": node.root.name,
         "host": node.host,
@@ -283,7 +283,7 @@ def _node_record(node: NodeProcess) -> dict[str, Any]:
     }
 
 
-def _start_nodes(nodes: list[NodeProcess]) -> None:
+def start_nodes(nodes: list[NodeProcess]) -> None:
     """Start every node at once (threads: each start waits for its node's ready file).
 
     Raises:
@@ -302,7 +302,7 @@ def _start_nodes(nodes: list[NodeProcess]) -> None:
         raise click.ClickException("; ".join(sorted(failures)))
 
 
-def _stop_nodes(nodes: list[NodeProcess]) -> None:
+def stop_nodes(nodes: list[NodeProcess]) -> None:
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
         for node in nodes:
             if node.process is not None:
@@ -361,7 +361,7 @@ async def _read_map(endpoint: str, name: str) -> ClusterMap | None:
         await md.close()
 
 
-async def _wait_until_up(
+async def wait_until_up(
     endpoint: str, name: str, nodes: list[NodeProcess], deadline: float
 ) -> ClusterMap:
     """Wait for the first map, every node registered, and every node answering STAT.
@@ -395,7 +395,7 @@ async def _wait_until_up(
             )
         assert stored is not None
         for node in nodes:
-            await _stat(node.host, node.port, "", STAT_TIMEOUT_S)  # it serves
+            await stat(node.host, node.port, "", STAT_TIMEOUT_S)  # it serves
         return stored[0]
     finally:
         await md.close()
@@ -428,7 +428,7 @@ def status(
     """The map (with its rev), the nodes, and per vbucket each copy's high and persisted
     seqnos, replica lag in items, and what the active reports of its replicas."""
     etcd_url, name = _where(directory, etcd_url, name)
-    report = _run(_status(etcd_url, name, user, password, bucket))
+    report = run(_status(etcd_url, name, user, password, bucket))
     if as_json:
         click.echo(json.dumps(report, indent=1))
     else:
@@ -494,18 +494,18 @@ async def _node_stats(
     """(vbucket-seqno stats, replication stats, error): empty dicts and an error line when the
     node does not answer; replication is empty when the node has no such group."""
     try:
-        seqnos = await _stat(host, port, "vbucket-seqno", STAT_TIMEOUT_S, user, password, bucket)
+        seqnos = await stat(host, port, "vbucket-seqno", STAT_TIMEOUT_S, user, password, bucket)
     except (OSError, TimeoutError, StatusError, AuthError, click.ClickException) as error:
         message = error.format_message() if isinstance(error, click.ClickException) else str(error)
         return {}, {}, f"{type(error).__name__}: {message}".strip()
     try:
-        replication = await _stat(host, port, "replication", STAT_TIMEOUT_S, user, password, bucket)
+        replication = await stat(host, port, "replication", STAT_TIMEOUT_S, user, password, bucket)
     except (OSError, TimeoutError, StatusError, click.ClickException):
         replication = {}  # an older node, or one without replicas
     return seqnos, replication, None
 
 
-async def _stat(
+async def stat(
     host: str,
     port: int,
     group: str,
@@ -681,7 +681,7 @@ def stop(directory: Path, as_json: bool) -> None:
     if record.get("etcd_pid"):
         stopped["etcd"] = stop_pid(int(record["etcd_pid"]), str(record["etcd_data_dir"]))
     record["stopped_at"] = time.time()
-    _write_record(directory, record)
+    write_record(directory, record)
     if as_json:
         click.echo(json.dumps({"stopped": stopped}))
         return
@@ -720,7 +720,7 @@ def failover(
     seqno wins) and it stays a replica. Refused for a vbucket with no live in-sync replica
     unless --force."""
     etcd_url, name = _where(directory, etcd_url, name)
-    outcome = _run(_failover(etcd_url, name, node, force, timeout_s))
+    outcome = run(_failover(etcd_url, name, node, force, timeout_s))
     if as_json:
         click.echo(json.dumps(outcome))
     else:
@@ -830,7 +830,7 @@ def add(
     etcd_url, name = _where(directory, etcd_url, name)
     if directory is not None:
         _start_added(directory.resolve(), node, log_level)
-    outcome = _run(_rebalance(etcd_url, name, node, True, timeout_s))
+    outcome = run(_rebalance(etcd_url, name, node, True, timeout_s))
     _report(outcome, as_json)
 
 
@@ -849,7 +849,7 @@ def remove(
     the map, and stop it (it stops by itself once out of the map; with --dir this waits for
     its process and updates cluster.json)."""
     etcd_url, name = _where(directory, etcd_url, name)
-    outcome = _run(_rebalance(etcd_url, name, node, False, timeout_s))
+    outcome = run(_rebalance(etcd_url, name, node, False, timeout_s))
     outcome["stopped"] = None
     if directory is not None:
         outcome["stopped"] = _stop_removed(directory.resolve(), node)
@@ -902,8 +902,8 @@ def _start_added(directory: Path, node: str, log_level: str) -> None:
         first = str(error).splitlines()[0] if str(error) else repr(error)
         raise click.ClickException(f"{node}: {first} (log {process.log_path})") from None
     record["nodes"] = [n for n in record["nodes"] if n["name"] != node]
-    record["nodes"].append(_node_record(process))
-    _write_record(directory, record)
+    record["nodes"].append(node_record(process))
+    write_record(directory, record)
     _say(f"{node} {process.address} (pid {process.pid}, log {process.log_path})")
 
 
@@ -921,7 +921,7 @@ def _stop_removed(directory: Path, node: str) -> bool:
         time.sleep(POLL_S)  # a clean stop of its own: it flushes first
     stop_pid(pid, marker, timeout_s=NODE_STOP_TIMEOUT_S)  # a no-op when it has stopped
     record["nodes"] = [n for n in record["nodes"] if n["name"] != node]
-    _write_record(directory, record)
+    write_record(directory, record)
     return not process_runs(pid, marker)
 
 
