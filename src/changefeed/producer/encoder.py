@@ -77,14 +77,13 @@ class DcpEncoder:
         *,
         marker_version: MarkerVersion = MarkerVersion.V1,
         stream_id: int | None = None,
-        start_seqno: int = 0,
     ) -> None:
         self.vb = vb
         self.opaque = opaque
         self.options = options
         self.marker_version = marker_version
         self.stream_id = stream_id
-        self._framer = ItemFramer(vb, opaque, options, stream_id, start_seqno=start_seqno)
+        self._framer = ItemFramer(vb, opaque, options, stream_id)
 
     def snapshot_marker(self, out: list[bytes], marker: SnapshotStart, purge_seqno: int) -> int:
         v2_2 = self.marker_version is MarkerVersion.V2_2

@@ -23,10 +23,10 @@ run holding one takes the fallback: a replica stream (`sync_writes`) gets DCP_PR
 any other stream nothing — the item counts as framed with 0 bytes, so the stream moves past its
 seqno and still reaches its snapshot's end. A commit (`CommitItem`) is the committed document,
 framed as a mutation or deletion for every stream — and as DCP_COMMIT for a replica stream
-only when that replica holds the prepare: this stream sent it, or the stream started at or
-after its seqno (the replica's history up to its start is the active's, prepares included).
-A stream that started below the prepare and never got it (a disk backfill, the prepare's
-checkpoint freed once it committed) gets the document.
+only when this stream sent the prepare. A replica may be past a prepare's seqno without
+holding it (a disk snapshot skips prepares, and a committed prepare's checkpoint may be freed
+before the commit is persisted), so nothing else proves it holds one; a replica that does
+hold it ends it on the document as on any later committed change of the key.
 
 Not here: flow control and snapshot markers (encoder.py), what a stream sends (stream.py).
 """
@@ -114,14 +114,11 @@ class ItemFramer:
         opaque: int,
         options: ItemOptions,
         stream_id: int | None = None,
-        *,
-        start_seqno: int = 0,
     ) -> None:
         self.vb = vb
         self.opaque = opaque
         self.options = options
         self.stream_id = stream_id
-        self.start_seqno = start_seqno  # the stream's: a replica holds prepares up to it
         # key -> seqno of the prepare this stream sent and has not sent the end of yet.
         self._prepares_sent: dict[bytes, int] = {}
         # Fast-path tables indexed by op (items) and by stored tag (records); None if no fast path.
@@ -259,7 +256,7 @@ class ItemFramer:
             raise ValueError("stream-ids and sync writes do not combine (dcp-wire.md §8)")
         if isinstance(item, CommitItem):
             sent = self._prepares_sent.pop(item.key, None)
-            if sent == item.prepared_seqno or item.prepared_seqno <= self.start_seqno:
+            if sent == item.prepared_seqno:
                 commit = Commit(self.vb, self.opaque, item.key, item.prepared_seqno, item.seqno)
                 return [encode_commit(commit)]
             return self.frame(item.op, len(item.key), item.datatype, item.cas, item.body)

@@ -218,7 +218,6 @@ class DcpProducer:
             self.options,
             marker_version=self.marker_version,
             stream_id=request.stream_id,
-            start_seqno=accepted.start_seqno,
         )
         machine = StreamMachine(accepted.start_seqno, accepted.end_seqno)
         return Stream(vb, reader=reader, machine=machine, encoder=encoder, purge_seqno=purge_seqno)
