@@ -1,0 +1,90 @@
+"""The Jepsen-style chaos suite (issue 12, "Chaos suite"): a cluster with automatic failover
+under a nemesis (kill -9 and restart, clean restart, SIGSTOP/SIGCONT pause) while a loader
+writes at a durability level, a consumer streams and the Spark mirror mirrors; the checker's
+counts must all be zero (``nemesis.checker``).
+
+* ``test_chaos_short`` (default suite, CI): 3 nodes, 2 replicas, schedule A (one node at a
+  time), ``CHANGEFEED_CHAOS_SHORT_S`` (default 40) seconds of faults, with the mirror. Its
+  default seed is fixed (SHORT_SEED: restarts, pauses and kills, the active among them), so
+  a CI run is one known schedule; the long runs draw a fresh seed each time.
+* ``test_chaos_long`` (``-m slow``): ``CHANGEFEED_CHAOS_S`` (default 120) seconds per
+  schedule: A on 3 nodes, B (a minority together: 2 of 5) on 5 nodes; with the mirror.
+
+``CHANGEFEED_CHAOS_SEED`` replays a run's schedule (the report prints it);
+``CHANGEFEED_CHAOS_DURABILITY`` (default ``majority``; ``none``, ``majorityAndPersistActive``,
+``persistToMajority``) sets the loader's level. With ``none`` acknowledged writes may be lost
+on failover: the report counts those as information only. A healthy cluster that refuses the
+level (DURABILITY_IMPOSSIBLE before any fault) fails the test at once, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from nemesis.harness import (
+    ChaosConfig,
+    DurabilityUnsupportedError,
+    env_durability,
+    env_seed,
+    run_chaos,
+)
+from nemesis.history import Outcome
+from nemesis.schedule import Targets
+
+from changefeed.cluster.etcd_server import EtcdServer
+from support.etcd import cluster_name, etcd
+from support.nodes import NodeFactory
+
+__all__ = ["cluster_name", "etcd"]  # the cluster tests' fixtures, used here too
+SHORT_SEED = 766956336
+
+
+def play(config: ChaosConfig, nodes: NodeFactory, etcd: EtcdServer, name: str, tmp: Path) -> None:
+    try:
+        report = run_chaos(config, nodes, etcd, name, tmp)
+    except DurabilityUnsupportedError as error:  # SyncWrites are built: refusing is a bug
+        pytest.fail(f"{error} (CHANGEFEED_CHAOS_DURABILITY=none runs without durability)")
+    print(report.render())
+    assert report.operations()[Outcome.OK.value] > 0, "no write was acknowledged: nothing tested"
+    assert not report.failed, f"chaos checker failed:\n{report.render()}"
+
+
+@pytest.mark.timeout(600)
+def test_chaos_short(
+    nodes: NodeFactory, etcd: EtcdServer, cluster_name: str, tmp_path: Path
+) -> None:
+    config = ChaosConfig(
+        seed=env_seed(SHORT_SEED),
+        durability=env_durability(),
+        duration_s=float(os.environ.get("CHANGEFEED_CHAOS_SHORT_S", "40")),
+        targets="one",
+        nodes=3,
+        replicas=2,
+        mirror=os.environ.get("CHANGEFEED_CHAOS_MIRROR", "1") != "0",
+    )
+    play(config, nodes, etcd, cluster_name, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize(("targets", "count"), [("one", 3), ("minority", 5)])
+def test_chaos_long(
+    nodes: NodeFactory,
+    etcd: EtcdServer,
+    cluster_name: str,
+    tmp_path: Path,
+    targets: Targets,
+    count: int,
+) -> None:
+    config = ChaosConfig(
+        seed=env_seed(),
+        durability=env_durability(),
+        duration_s=float(os.environ.get("CHANGEFEED_CHAOS_S", "120")),
+        targets=targets,
+        nodes=count,
+        replicas=2,
+        keys=1000,
+    )
+    play(config, nodes, etcd, cluster_name, tmp_path)
