@@ -16,7 +16,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from changefeed.checkpoint import Item, SyncItem
+from changefeed.checkpoint import MARKER_FLAG_DISK, Item, SnapshotStart, SyncItem
+from changefeed.producer.encoder import DcpEncoder
 from changefeed.producer.item_encoding import ItemFramer, ItemOptions
 from changefeed.protocol.dcp_items import (
     Abort,
@@ -37,6 +38,7 @@ from changefeed.protocol.errors import (
 )
 from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.reader import FrameReader
+from changefeed.protocol.snapshot_marker import MarkerVersion, decode_snapshot_marker
 from changefeed.storage import Op, Store
 from changefeed.vbucket import VBucket, VBucketState
 
@@ -410,3 +412,50 @@ def test_reads_follow_a_model_of_committed_values(tmp_path: Path, actions: list)
         vb.close()
     finally:
         store.close()
+
+
+def _markers(vb: VBucket) -> list[SnapshotStart]:
+    reader = vb.stream("markers", 0)
+    try:
+        runs = reader.read_runs(10_000, 1 << 24)
+        while reader.has_next:  # bounded: a test's handful of items
+            runs += reader.read_runs(10_000, 1 << 24)
+    finally:
+        reader.close()
+    return [run for run in runs if isinstance(run, SnapshotStart)]
+
+
+def test_markers_carry_the_max_visible_and_a_safe_high_completed_seqno(store: Store) -> None:
+    vb = make(store)
+    vb.set(b"a", b"1")  # 1
+    vb.set(b"p", b"2", level=3)  # 2: persistToMajority, pending
+    vb.set(b"q", b"3", level=MAJORITY)  # 3
+    vb.commit(b"q")  # 4 commits 3, out of order: 2 is still pending
+    vb.set(b"r", b"5", level=MAJORITY)  # 5, pending: the snapshot's last item is invisible
+    memory = _markers(vb)[-1]
+    assert (memory.snap_end, memory.max_visible_seqno) == (5, 4)
+    assert memory.high_completed_seqno == 1  # 3 completed, but 2 is older and pending
+    vb.commit(b"p")  # 6
+    vb.abort(b"r")  # 7
+    memory = _markers(vb)[-1]
+    assert (memory.snap_end, memory.max_visible_seqno, memory.high_completed_seqno) == (7, 6, 5)
+    abort_only = _markers(vb)[-1]  # the abort took a checkpoint of its own (key r again)
+    assert (abort_only.snap_start, abort_only.max_visible_seqno) == (7, 6)
+    vb.flush()
+    vb.manager.close_open_checkpoint()  # cursorless once flushed: freed, the rest is on disk
+    disk = _markers(vb)[0]
+    assert disk.from_disk and disk.snap_end == 7
+    assert (disk.max_visible_seqno, disk.high_completed_seqno) == (6, 5)  # 7 is the abort
+    assert store.vbucket_meta(VB).high_completed_seqno == 5  # type: ignore[union-attr]
+
+
+def test_replica_streams_get_v2_markers_with_those_seqnos() -> None:
+    options = ItemOptions(delete_times=True, sync_writes=True)
+    encoder = DcpEncoder(VB, 77, options, marker_version=MarkerVersion.V2_0)
+    out: list[bytes] = []
+    encoder.snapshot_marker(out, SnapshotStart(1, 9, MARKER_FLAG_DISK, 8, 6), purge_seqno=0)
+    [frame] = _frames(b"".join(out))
+    marker = decode_snapshot_marker(frame)
+    assert marker.version is MarkerVersion.V2_0
+    assert (marker.snap_start, marker.snap_end, marker.max_visible_seqno) == (1, 9, 8)
+    assert marker.high_completed_seqno == 6

@@ -171,7 +171,13 @@ class Backfill:
         *,
         bytes_max: int = limits.BACKFILL_QUEUE_BYTES_MAX,
     ) -> None:
-        self.marker = SnapshotStart(start_seqno, end_seqno, MARKER_FLAG_DISK)
+        self.marker = SnapshotStart(
+            start_seqno,
+            end_seqno,
+            MARKER_FLAG_DISK,
+            store.last_seqno(vb, end_seqno),
+            min(store.high_completed_seqno(vb), end_seqno),
+        )
         self.queue = BackfillQueue(bytes_max)
         self.disk_cursor = DiskCursor(store, vb, start_seqno, end_seqno)
         self._marker_sent = False

@@ -24,7 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-from changefeed.checkpoint.item import CHECKPOINT_START, DUMMY, Item, MetaItem
+from changefeed.checkpoint.item import (
+    CHECKPOINT_START,
+    DUMMY,
+    CommitItem,
+    Item,
+    MetaItem,
+    SyncItem,
+)
 from changefeed.checkpoint.memory import item_size_bytes
 from changefeed.storage import Op
 
@@ -32,6 +39,7 @@ Slot = Item | MetaItem | None
 
 _FIRST_ITEM_INDEX = 2  # after DUMMY and CHECKPOINT_START
 SYNC_OPS: Final = frozenset((Op.PREPARE, Op.ABORT))
+_ABORT: Final = Op.ABORT
 
 
 class Checkpoint:
@@ -42,6 +50,9 @@ class Checkpoint:
         items: DUMMY, CHECKPOINT_START, then items and holes (None) in seqno order.
         key_index: key -> index in `items` of the live item with that key.
         prepared_index: the same for SyncWrite PREPARE/ABORT items (never deduplicated).
+        visible_end: seqno of the newest item a reader sees (not a PREPARE/ABORT), here or,
+            when this checkpoint has none, before it (the manager sets it at creation).
+        high_completed: the newest prepare this checkpoint commits or aborts, or 0.
         snap_start, snap_end: snapshot range (snap_end = snap_start - 1 while empty).
         marker_end: on a replica, the end of the active's snapshot this checkpoint mirrors.
         is_open: True for the newest checkpoint, the only one that takes items.
@@ -55,6 +66,7 @@ class Checkpoint:
     __slots__ = (
         "created_s",
         "cursor_count",
+        "high_completed",
         "hole_count",
         "id",
         "is_open",
@@ -69,6 +81,7 @@ class Checkpoint:
         "prev",
         "snap_end",
         "snap_start",
+        "visible_end",
     )
 
     def __init__(self, checkpoint_id: int, *, snap_start: int, created_s: float) -> None:
@@ -78,6 +91,8 @@ class Checkpoint:
         self.items: list[Slot] = [DUMMY]
         self.key_index: dict[bytes, int] = {}
         self.prepared_index: dict[bytes, int] = {}
+        self.visible_end = 0
+        self.high_completed = 0
         self.snap_start = snap_start
         self.snap_end = snap_start - 1
         # A replica's checkpoint mirrors a snapshot of its active: the marker's end, which the
@@ -131,7 +146,13 @@ class Checkpoint:
             assert item.key not in self.prepared_index, (item, self)  # the manager's rule
             items.append(item)
             self.prepared_index[item.key] = len(items) - 1
+            if item.op is _ABORT:
+                assert isinstance(item, SyncItem), item
+                self.high_completed = max(self.high_completed, item.prepared_seqno)
         else:
+            self.visible_end = item.seqno
+            if type(item) is CommitItem:
+                self.high_completed = max(self.high_completed, item.prepared_seqno)
             old_index = self.key_index.get(item.key)
             if old_index is not None:
                 delta -= self._punch_hole(old_index, item.seqno)
@@ -173,6 +194,8 @@ class Checkpoint:
         self.memory_bytes += newer.memory_bytes - freed
         self.snap_end = newer.snap_end
         self.marker_end = max(self.marker_end, newer.marker_end)
+        self.visible_end = max(self.visible_end, newer.visible_end)
+        self.high_completed = max(self.high_completed, newer.high_completed)
         newer.items = [DUMMY]
         newer.key_index = {}
         newer.memory_bytes = newer.live_count = newer.hole_count = 0

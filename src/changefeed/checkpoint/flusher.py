@@ -29,7 +29,7 @@ from typing import Final
 from changefeed import limits
 from changefeed.checkpoint.checkpoint import SYNC_OPS
 from changefeed.checkpoint.cursor import Cursor
-from changefeed.checkpoint.item import Item, SyncItem
+from changefeed.checkpoint.item import CommitItem, Item, SyncItem
 from changefeed.checkpoint.manager import CheckpointManager
 from changefeed.checkpoint.memory import item_size_bytes
 from changefeed.checkpoint.snapshot import CursorSignal, SnapshotStart
@@ -235,10 +235,16 @@ class Flusher:
         vb = self._manager.vb
         put_body = batch.put_body
         kept = self.kept_prepares
+        completed = 0
         for item in items:  # each item's DCP body was encoded once, when it was queued
             if item.op in SYNC_OPS:
                 self._write_sync(batch, vb, item)
+                if item.op is Op.ABORT:
+                    assert isinstance(item, SyncItem), item
+                    completed = max(completed, item.prepared_seqno)
                 continue
+            if type(item) is CommitItem:
+                completed = max(completed, item.prepared_seqno)
             put_body(
                 vb, item.key, item.seqno, item.op, datatype=item.datatype, cas=item.cas,
                 body=item.body,
@@ -246,7 +252,12 @@ class Flusher:
             if kept and item.key in kept:
                 batch.end_prepare(vb, item.key)  # committed, or overwritten after an abort
                 kept.discard(item.key)
-        batch.set_vbucket_meta(vb, snap_start=snapshot.snap_start, snap_end=snapshot.snap_end)
+        batch.set_vbucket_meta(
+            vb,
+            snap_start=snapshot.snap_start,
+            snap_end=snapshot.snap_end,
+            high_completed_seqno=self._manager.completed_bound(completed) if completed else None,
+        )
 
     def _write_sync(self, batch: WriteBatch, vb: int, item: Item) -> None:
         assert isinstance(item, SyncItem), item

@@ -109,6 +109,9 @@ class CheckpointManager:
         self._memory_bytes = 0
         # Checkpoints whose snapshot reaches this seqno are kept (`retain_from`).
         self._retain_seqno = limits.SEQNO_MAX + 1
+        # The newest seqno a reader sees (not a SyncWrite prepare/abort): a checkpoint of
+        # only those still announces the visible seqno before it.
+        self._visible_high = high_seqno
         self._next_checkpoint_id = 1
         self._open = self._new_checkpoint()
         self._head = self._open
@@ -207,6 +210,8 @@ class CheckpointManager:
             self._close_open()
             open_checkpoint = self._open
         delta_bytes = open_checkpoint.add(item, size_bytes)
+        if item.op not in SYNC_OPS:
+            self._visible_high = item.seqno
         self._charge(delta_bytes)
         self._high_seqno = item.seqno
         self.wakeup.notify()
@@ -239,6 +244,12 @@ class CheckpointManager:
         since the store keeps prepares out of the seqno index."""
         self._retain_seqno = limits.SEQNO_MAX + 1 if seqno is None else seqno
         self._free_unreferenced_head()
+
+    def completed_bound(self, completed: int) -> int:
+        """A high completed seqno safe to announce: `completed` (the newest prepare committed
+        or aborted) but below the oldest prepare still pending, which may be older — durable
+        writes complete out of order when their levels differ."""
+        return max(0, min(completed, self._retain_seqno - 1))
 
     def close_open_checkpoint(self) -> None:
         """Close the open checkpoint if it holds items, so that it can be freed once read."""
@@ -406,6 +417,8 @@ class CheckpointManager:
                         checkpoint.snap_start,
                         max(checkpoint.snap_end, checkpoint.marker_end),
                         _CHECKPOINT_FLAGS,
+                        checkpoint.visible_end,
+                        self.completed_bound(checkpoint.high_completed),
                     )
                 assert isinstance(slot, Item), slot
                 assert slot.seqno > cursor.last_seqno, (cursor, slot)
@@ -474,7 +487,11 @@ class CheckpointManager:
         else:  # mid-checkpoint: announce only what follows (dcp-wire.md §7.2, no Checkpoint flag)
             self._attach(cursor, checkpoint, checkpoint.position_after(seqno))
             cursor.pending_marker = SnapshotStart(
-                seqno + 1, checkpoint.snap_end, MARKER_FLAG_MEMORY
+                seqno + 1,
+                checkpoint.snap_end,
+                MARKER_FLAG_MEMORY,
+                checkpoint.visible_end,
+                self.completed_bound(checkpoint.high_completed),
             )
         assert cursor.checkpoint is checkpoint, (cursor, checkpoint)
 
@@ -507,6 +524,7 @@ class CheckpointManager:
         )
         self._next_checkpoint_id += 1
         checkpoint.on_replace = self._on_replace
+        checkpoint.visible_end = self._visible_high
         return checkpoint
 
     def _on_replace(self, replaced_seqno: int, replacing_seqno: int) -> None:

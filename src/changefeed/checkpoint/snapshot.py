@@ -31,11 +31,18 @@ class SnapshotStart:
         snap_start: first seqno the snapshot may hold (a deduplicated one may never arrive).
         snap_end: last seqno of the snapshot; the view is consistent once it is reached.
         flags: MARKER_FLAG_MEMORY [| MARKER_FLAG_CHECKPOINT] or MARKER_FLAG_DISK.
+        max_visible_seqno: the newest seqno in the snapshot a reader sees (SyncWrite
+            prepares and aborts are not seen), 0 if unknown.
+        high_completed_seqno: a prepare at or below which every prepare is committed or
+            aborted (0 if unknown). Both go in V2.0 markers (replica streams); they describe
+            the snapshot rather than delimit it, so equality ignores them.
     """
 
     snap_start: int
     snap_end: int
     flags: int
+    max_visible_seqno: int = dataclasses.field(default=0, compare=False)
+    high_completed_seqno: int = dataclasses.field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         assert 0 <= self.snap_start <= self.snap_end, (self.snap_start, self.snap_end)

@@ -94,6 +94,8 @@ class DcpEncoder:
                 marker.snap_start,
                 marker.snap_end,
                 marker.flags,
+                max_visible_seqno=marker.max_visible_seqno,
+                high_completed_seqno=marker.high_completed_seqno,
                 purge_seqno=purge_seqno if v2_2 else 0,
                 version=self.marker_version,
                 stream_id=self.stream_id,

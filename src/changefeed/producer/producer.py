@@ -145,7 +145,9 @@ class DcpProducer:
             sync_writes=role
             is StreamRole.REPLICA,  # replicas hold prepares; readers never see them
         )
-        self.marker_version = MarkerVersion.V1
+        # V2.0 markers (max visible and high completed seqnos) for replicas, which take
+        # SyncWrites; a plain client sees V1 unless it asks for V2.2 (dcp-wire.md §7.2).
+        self.marker_version = MarkerVersion.V2_0 if role is StreamRole.REPLICA else MarkerVersion.V1
         self.stream_ids_enabled = False
         self.send_stream_end_on_close = False
         self.v7_status_codes = False  # v7_dcp_status_codes: STREAM_NOT_FOUND for a missing stream

@@ -17,6 +17,7 @@ reasons come from the producer (CLOSED on CLOSE_STREAM, STATE_CHANGED, ...).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 from changefeed.checkpoint import SnapshotStart
@@ -100,7 +101,7 @@ class StreamMachine:
         self._first_marker = False
         self.snap_end = event.snap_end
         self._apply(StreamInput.DISK_MARKER if event.from_disk else StreamInput.MEMORY_MARKER)
-        return SnapshotStart(min(snap_start, event.snap_end), event.snap_end, event.flags)
+        return dataclasses.replace(event, snap_start=min(snap_start, event.snap_end))
 
     def item(self, seqno: int) -> None:
         """An item with `seqno` is being sent; the snapshot or the stream may be complete."""

@@ -259,8 +259,10 @@ class WriteBatch:
         failover_log: list[tuple[int, int]] | None = None,
         snap_start: int | None = None,
         snap_end: int | None = None,
+        high_completed_seqno: int | None = None,
     ) -> None:
-        """Create a vbucket or change its metadata; arguments left None keep their value.
+        """Create a vbucket or change its metadata; arguments left None keep their value
+        (`high_completed_seqno` only moves up).
 
         A new vbucket needs `state`; it starts with an empty failover log and zero counters.
 
@@ -292,6 +294,10 @@ class WriteBatch:
         working.state = new_state
         working.failover_log = log if log is not None else working.failover_log
         working.snap_start, working.snap_end = start, end
+        if high_completed_seqno is not None:
+            if type(high_completed_seqno) is not int or not 0 <= high_completed_seqno <= _U64_MAX:
+                raise ValueError(f"vb {vb}: high_completed_seqno {high_completed_seqno!r}")
+            working.high_completed_seqno = max(working.high_completed_seqno, high_completed_seqno)
         assert working.problem() is None, (vb, working)
 
     def apply(

@@ -468,6 +468,7 @@ class Store:
                 _, removed_live = discard_after(txn, self._by_seqno, self._by_key, vb, point)
                 row.high_seqno = point
                 row.purge_seqno = min(row.purge_seqno, point)
+                row.high_completed_seqno = min(row.high_completed_seqno, point)
                 row.snap_start = row.snap_end = point
                 row.item_count -= removed_live
                 for key, seqno_of_prepare in _prepared_seqnos(txn, self._prepared, vb):
@@ -631,6 +632,30 @@ class Store:
         """The vbuckets that have metadata, in ascending order."""
         self._require_open()
         return sorted(self._rows)
+
+    def last_seqno(self, vb: int, at_most: int) -> int:
+        """Seqno of the newest record of `vb` at or below `at_most` (0 if none): a disk
+        snapshot's max visible seqno (prepares and aborts are never records)."""
+        self._require_open()
+        _check_vb(vb)
+        with _translated_errors(self._map_size_bytes), self._env.begin() as txn:
+            cursor = txn.cursor(db=self._by_seqno)
+            after = SEQNO_KEY.pack(vb, at_most + 1) if at_most < limits.SEQNO_MAX else None
+            found = cursor.set_range(after) if after is not None else cursor.last()
+            if found and after is not None:
+                found = cursor.prev()
+            elif not found:
+                found = cursor.last()
+            if not found:
+                return 0
+            key_vb, seqno = SEQNO_KEY.unpack(cursor.key())
+            return int(seqno) if key_vb == vb else 0
+
+    def high_completed_seqno(self, vb: int) -> int:
+        """The newest SyncWrite prepare known completed in `vb`'s persisted state; 0 if none."""
+        self._require_open()
+        row = self._rows.get(vb)
+        return 0 if row is None else row.high_completed_seqno
 
     def high_seqno(self, vb: int) -> int:
         """Highest seqno written to `vb` (the rollback point after a rollback); 0 if unknown."""

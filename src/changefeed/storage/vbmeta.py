@@ -5,7 +5,11 @@ copy, which adds `item_count` (live keys). Both are checked when built from call
 when decoded from disk; the stored form is compact JSON:
 
     {"v": 1, "state": "active", "failover_log": [[vb_uuid, seqno], ...], "high_seqno": n,
-     "purge_seqno": n, "snap_start": n, "snap_end": n, "item_count": n}
+     "purge_seqno": n, "snap_start": n, "snap_end": n, "item_count": n,
+     "high_completed_seqno": n}
+
+`high_completed_seqno` (the newest SyncWrite prepare committed or aborted, as persisted) is
+optional on decode (0 when absent: metadata written before SyncWrites).
 
 Invariants (checked on encode and decode): state is one of VB_STATES; failover log entries are
 pairs of u64 and at most limits.FAILOVER_LOG_ENTRIES_MAX; 0 <= purge_seqno <= high_seqno;
@@ -28,7 +32,15 @@ from changefeed.vbucket_state import VBucketState
 VB_STATES: Final = tuple(state.value for state in VBucketState)
 _ENCODING_VERSION: Final = 1
 _U64_MAX: Final = 0xFFFF_FFFF_FFFF_FFFF
-_COUNTERS: Final = ("high_seqno", "purge_seqno", "snap_start", "snap_end", "item_count")
+_COUNTERS: Final = (
+    "high_seqno",
+    "purge_seqno",
+    "snap_start",
+    "snap_end",
+    "item_count",
+    "high_completed_seqno",
+)
+_OPTIONAL_COUNTERS: Final = frozenset({"high_completed_seqno"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,6 +53,7 @@ class VBucketMeta:
         high_seqno: highest seqno written (or the rollback point after a rollback).
         purge_seqno: highest seqno of a tombstone compaction removed (0 if none).
         snap_start, snap_end: the snapshot range last set with `set_vbucket_meta`.
+        high_completed_seqno: newest SyncWrite prepare completed (committed or aborted).
     """
 
     state: VBucketState
@@ -49,6 +62,7 @@ class VBucketMeta:
     purge_seqno: int
     snap_start: int
     snap_end: int
+    high_completed_seqno: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,6 +76,7 @@ class VbState:
     snap_start: int = 0
     snap_end: int = 0
     item_count: int = 0
+    high_completed_seqno: int = 0
 
     def copy(self) -> VbState:
         return dataclasses.replace(self)
@@ -74,6 +89,7 @@ class VbState:
             purge_seqno=self.purge_seqno,
             snap_start=self.snap_start,
             snap_end=self.snap_end,
+            high_completed_seqno=self.high_completed_seqno,
         )
 
     def problem(self) -> str | None:
@@ -133,7 +149,9 @@ def decode_vbstate(vb: int, data: bytes | memoryview) -> VbState:
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CorruptRecordError(vb, None, f"vbucket metadata is not JSON: {error}") from None
     expected_fields = {"v", "state", "failover_log", *_COUNTERS}
-    if type(document) is not dict or set(document) != expected_fields:
+    if type(document) is not dict or not (
+        expected_fields - _OPTIONAL_COUNTERS <= set(document) <= expected_fields
+    ):
         raise CorruptRecordError(vb, None, f"vbucket metadata has fields {document!r}")
     if document["v"] != _ENCODING_VERSION:
         raise CorruptRecordError(vb, None, f"vbucket metadata version {document['v']!r}")
@@ -151,7 +169,7 @@ def decode_vbstate(vb: int, data: bytes | memoryview) -> VbState:
     row = VbState(
         state=VBucketState(document["state"]),
         failover_log=failover_log,
-        **{name: document[name] for name in _COUNTERS},
+        **{name: document.get(name, 0) for name in _COUNTERS},
     )
     problem = row.problem()
     if problem is not None:
