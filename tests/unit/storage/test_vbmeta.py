@@ -41,6 +41,7 @@ def vbstates(draw: st.DrawFn) -> VbState:
         snap_start=snap_start,
         snap_end=draw(st.integers(snap_start, U64)),
         item_count=draw(st.integers(0, U64)),
+        high_completed_seqno=draw(st.integers(0, high)),
     )
 
 
@@ -51,10 +52,21 @@ def test_round_trip(row: VbState) -> None:
     public = row.public()
     assert public == VBucketMeta(
         row.state, list(row.failover_log), row.high_seqno, row.purge_seqno, row.snap_start,
-        row.snap_end,
+        row.snap_end, row.high_completed_seqno,
     )  # fmt: skip
     public.failover_log.append((1, 1))  # the view is a copy
     assert row.public() != public
+
+
+def test_metadata_written_before_sync_writes_reads_a_zero_high_completed_seqno() -> None:
+    older = {
+        "v": 1, "state": "replica", "failover_log": [[7, 0]], "high_seqno": 9,
+        "purge_seqno": 0, "snap_start": 9, "snap_end": 9, "item_count": 4,
+    }  # fmt: skip
+    row = decode_vbstate(1, json.dumps(older).encode())
+    assert (row.high_seqno, row.high_completed_seqno) == (9, 0)
+    with pytest.raises(CorruptRecordError):
+        decode_vbstate(1, json.dumps({**older, "unknown": 1}).encode())
 
 
 def test_copy_is_independent() -> None:
