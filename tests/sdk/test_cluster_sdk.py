@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from couchbase.cluster import Cluster
 from couchbase.durability import Durability, ServerDurability
+from couchbase.exceptions import DurabilityImpossibleException
 from couchbase.options import UpsertOptions
 
 from changefeed.cli.node_process import NodeProcess
+from changefeed.vbmap import vbucket_for_key
 from support.cluster import (
     cluster_map,
     start_cluster,
@@ -111,3 +113,39 @@ def test_the_sdk_follows_a_failover(sdk: Cluster, three: list[NodeProcess]) -> N
     )
     for i in range(0, 64, 5):
         assert collection.get(f"doc-{i}").content_as[dict] == {"n": i}
+
+
+def test_a_durable_write_without_enough_copies_is_impossible_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Replicas 1, the replica node stopped and not failed over: a majority of 2 copies is 2,
+    one is reachable, so the SDK gets DurabilityImpossibleException and nothing is written;
+    a plain upsert still goes through."""
+    with running_etcd(tmp_path) as etcd, node_factory(tmp_path) as nodes:
+        n1, n2 = start_cluster(nodes, etcd.endpoint, "sdk-two", count=2, replicas=1)
+        asyncio.run(wait_replicated([n1, n2]))
+        n2.stop()
+        cluster = connect(n1)
+        try:
+            collection = cluster.bucket("default").default_collection()
+            led = asyncio.run(cluster_map(n1))
+            key = next(
+                k for k in (f"lonely-{i}" for i in range(1000))
+                if (a := led.active(vbucket_for_key(k.encode(), led.vbuckets))) is not None
+                and a.port == n1.port
+            )  # fmt: skip
+            written = collection.upsert(key, {"plain": True})
+            options = UpsertOptions(durability=ServerDurability(Durability.MAJORITY))
+            deadline = time.monotonic() + 15
+            while True:  # until n1 notices the replica stream is gone
+                try:
+                    collection.upsert(key, {"durable": True}, options)
+                except DurabilityImpossibleException:
+                    break
+                assert time.monotonic() < deadline, "a durable write went through alone"
+                written = collection.get(key)
+                time.sleep(0.1)
+            current = collection.get(key)
+            assert current.cas == written.cas  # the refused write changed nothing
+        finally:
+            cluster.close()
