@@ -808,10 +808,9 @@ def etcd_running(work: Path) -> Iterator[EtcdServer]:
         _ETCD.remove(etcd)
 
 
-def main() -> None:
-    args = parse_args()
-    only = set(args.only or ["catchup", "ingest", "lag"])
-    work = Path(tempfile.mkdtemp(prefix="bench_cluster_"))
+def stop_on_signals(work: Path) -> None:
+    """On SIGTERM/SIGINT stop every node and etcd this benchmark started, drop `work`, exit:
+    a benchmark interrupted must not leave servers behind."""
 
     def abandon(signum: int, frame: object) -> None:
         log(f"signal {signum}: stopping child processes and exiting")
@@ -823,6 +822,14 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, abandon)
     signal.signal(signal.SIGINT, abandon)
+
+
+def main() -> None:
+    args = parse_args()
+    only = set(args.only or ["catchup", "ingest", "lag"])
+    work = Path(tempfile.mkdtemp(prefix="bench_cluster_"))
+
+    stop_on_signals(work)
     started = time.perf_counter()
     rows: dict[str, Row] = {}
     try:

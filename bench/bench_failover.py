@@ -51,10 +51,8 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import shlex
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -74,7 +72,6 @@ from changefeed.vbmap import ClusterMap, vbucket_for_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cluster import (
-    _ETCD,
     CpuMeter,
     config_file,
     etcd_running,
@@ -82,9 +79,10 @@ from bench_cluster import (
     node_args,
     source_tree,
     stat,
+    stop_on_signals,
 )
 from bench_node import log, machine, run_loop
-from node_bench_procs import node_process, stop_children
+from node_bench_procs import node_process
 
 CLUSTER = "failover"
 NODES = 3
@@ -491,16 +489,7 @@ def main() -> None:
     only = set(args.only or ["failover", "ingest"])
     work = Path(tempfile.mkdtemp(prefix="bench_failover_"))
 
-    def abandon(signum: int, frame: object) -> None:
-        log(f"signal {signum}: stopping child processes and exiting")
-        stop_children()
-        for etcd in _ETCD:
-            etcd.stop()
-        shutil.rmtree(work, ignore_errors=True)
-        os._exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, abandon)
-    signal.signal(signal.SIGINT, abandon)
+    stop_on_signals(work)
     started = time.perf_counter()
     runs: list[Run] = []
     rows: list[Ingest] = []

@@ -227,16 +227,8 @@ async def wait_in_sync_published(endpoint: str, cluster: str, *, timeout_s: floa
     deadline = time.monotonic() + timeout_s
     async with await ClusterMetadata.connect(endpoint, cluster) as metadata:
         while True:  # bounded by timeout_s
-            stored = await metadata.read_map()
-            assert stored is not None, "no map yet"
-            cmap = stored[0]
-            sets = await metadata.in_sync_sets()
-            missing = [
-                vb
-                for vb in range(cmap.vbuckets)
-                if vb not in sets
-                or {r.name for r in cmap.replica_nodes(vb)} - set(sets[vb].members)
-            ]
+            missing = await metadata.vbuckets_not_fully_in_sync()
+            assert missing is not None, "no map yet"
             if not missing:
                 return
             if time.monotonic() > deadline:

@@ -25,6 +25,7 @@ from changefeed.protocol.dcp_items import (
 from changefeed.protocol.snapshot_marker import MarkerFlag, SnapshotMarker, encode_snapshot_marker
 from changefeed.server.bucket import Bucket
 from changefeed.vbmap import NodeAddress
+from changefeed.vbucket import VBucket
 from changefeed.vbucket_state import VBucketState
 from support.buckets import ManualClock, open_bucket
 
@@ -55,6 +56,20 @@ def mutation(vb: int, seqno: int) -> bytes:
     return encode_mutation(Mutation(vb, 1, seqno, key, b"value", cas=100 + seqno))
 
 
+def memory_full_once(target: VBucket) -> None:
+    """The next item `target` is given is refused for memory; the ones after are taken."""
+    real = target.queue_replicated
+    refused = [True]
+
+    def full_once(item: Item) -> None:
+        if refused[0]:
+            refused[0] = False
+            raise CheckpointMemoryFullError("full")
+        real(item)
+
+    target.queue_replicated = full_once  # type: ignore[method-assign]
+
+
 def test_memory_full_mid_run_keeps_each_item_in_its_own_vbucket(bucket: Bucket) -> None:
     feed = feed_of(bucket)
     buffer = run_of(
@@ -68,16 +83,7 @@ def test_memory_full_mid_run_keeps_each_item_in_its_own_vbucket(bucket: Bucket) 
         mutation(1, 3),
     )
     target = bucket.vbucket(1)
-    real = target.queue_replicated
-    refused = [True]
-
-    def full_once(item: Item) -> None:
-        if refused[0]:
-            refused[0] = False
-            raise CheckpointMemoryFullError("full")
-        real(item)
-
-    target.queue_replicated = full_once  # type: ignore[method-assign]
+    memory_full_once(target)
     feed._on_push(decode_batch(buffer))
     assert bucket.vbucket(0).high_seqno == 1  # vb 0's later items wait behind the backlog
     feed._drain_backlog()  # the session loop's next tick: memory is back
@@ -104,16 +110,7 @@ def test_sync_write_frames_are_taken_in_wire_order_behind_a_backlog(bucket: Buck
         mutation(0, 6),
     )
     target = bucket.vbucket(0)
-    real = target.queue_replicated
-    refused = [True]
-
-    def full_once(item: Item) -> None:
-        if refused[0]:
-            refused[0] = False
-            raise CheckpointMemoryFullError("full")
-        real(item)
-
-    target.queue_replicated = full_once  # type: ignore[method-assign]
+    memory_full_once(target)
     feed._on_push(decode_batch(buffer))
     assert target.high_seqno == 0 and feed._failure is None
     feed._drain_backlog()

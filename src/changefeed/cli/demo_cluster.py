@@ -242,18 +242,9 @@ async def wait_in_sync_published(endpoint: str, timeout_s: float = IN_SYNC_WAIT_
     deadline = time.monotonic() + timeout_s
     async with await ClusterMetadata.connect(endpoint, CLUSTER_NAME) as md:
         while True:  # bounded by timeout_s
-            stored = await md.read_map()
-            sets = await md.in_sync_sets()
-            if stored is not None:
-                cmap = stored[0]
-                missing = [
-                    vb
-                    for vb in range(cmap.vbuckets)
-                    if vb not in sets
-                    or {r.name for r in cmap.replica_nodes(vb)} - set(sets[vb].members)
-                ]
-                if not missing:
-                    return
+            missing = await md.vbuckets_not_fully_in_sync()
+            if missing == []:
+                return
             if time.monotonic() > deadline:
                 raise click.ClickException(
                     f"in-sync sets not published within {timeout_s:g} s: a failover would be "

@@ -560,6 +560,21 @@ class ClusterMetadata:
                 found[vb] = InSyncRecord(str(document["active"]), members)
         return found
 
+    async def vbuckets_not_fully_in_sync(self) -> list[int] | None:
+        """Vbuckets whose last published in-sync set lacks some replica of the map (None:
+        no map yet). Until it is empty a failover of their active would be refused, so a
+        test, demo or benchmark that kills an active waits for it."""
+        stored = await self.read_map()
+        if stored is None:
+            return None
+        cmap = stored[0]
+        sets = await self.in_sync_sets()
+        return [
+            vb
+            for vb in range(cmap.vbuckets)
+            if vb not in sets or {r.name for r in cmap.replica_nodes(vb)} - set(sets[vb].members)
+        ]
+
     async def request_failover(self, node: str, *, force: bool = False) -> None:
         """Ask the orchestrator to fail `node` over (``changefeed cluster failover``)."""
         _check_name("node", node)

@@ -452,42 +452,47 @@ def decode_prepare(frame: Frame) -> Prepare:
 
 
 def encode_abort(a: Abort) -> bytes:
-    return encode_frame(
-        Magic.REQUEST,
-        Opcode.DCP_ABORT,
-        vbucket=a.vbucket,
-        opaque=a.opaque,
-        extras=ABORT_EXTRAS.pack(a.prepared_seqno, a.abort_seqno),
-        key=a.key,
+    return _encode_ending(
+        Opcode.DCP_ABORT, a.vbucket, a.opaque, a.key, a.prepared_seqno, a.abort_seqno
     )
 
 
 def encode_commit(c: Commit) -> bytes:
-    return encode_frame(
-        Magic.REQUEST,
-        Opcode.DCP_COMMIT,
-        vbucket=c.vbucket,
-        opaque=c.opaque,
-        extras=ABORT_EXTRAS.pack(c.prepared_seqno, c.commit_seqno),
-        key=c.key,
+    return _encode_ending(
+        Opcode.DCP_COMMIT, c.vbucket, c.opaque, c.key, c.prepared_seqno, c.commit_seqno
     )
 
 
 def decode_commit(frame: Frame) -> Commit:
     """Raises ProtocolError(EINVAL): extras not 16 bytes, no key, commit not after prepare."""
-    if len(frame.extras) != ABORT_EXTRAS.size:
-        raise ProtocolError(f"DCP_COMMIT extras of {len(frame.extras)} bytes, not 16")
-    prepared, committed = ABORT_EXTRAS.unpack(frame.extras)
-    if not frame.key or not 0 < prepared < committed:
-        raise ProtocolError(f"DCP_COMMIT of prepare {prepared} at {committed}")
+    prepared, committed = _decode_ending(frame, "DCP_COMMIT")
     return Commit(frame.vbucket, frame.opaque, frame.key, prepared, committed)
 
 
 def decode_abort(frame: Frame) -> Abort:
     """Raises ProtocolError(EINVAL): extras not 16 bytes, no key, abort not after prepare."""
-    if len(frame.extras) != ABORT_EXTRAS.size:
-        raise ProtocolError(f"DCP_ABORT extras of {len(frame.extras)} bytes, not 16")
-    prepared, aborted = ABORT_EXTRAS.unpack(frame.extras)
-    if not frame.key or not 0 < prepared < aborted:
-        raise ProtocolError(f"DCP_ABORT of prepare {prepared} at {aborted}")
+    prepared, aborted = _decode_ending(frame, "DCP_ABORT")
     return Abort(frame.vbucket, frame.opaque, frame.key, prepared, aborted)
+
+
+def _encode_ending(
+    opcode: Opcode, vbucket: int, opaque: int, key: bytes, prepared_seqno: int, seqno: int
+) -> bytes:
+    """COMMIT and ABORT share one layout: the prepare's seqno, their own, then the key."""
+    return encode_frame(
+        Magic.REQUEST,
+        opcode,
+        vbucket=vbucket,
+        opaque=opaque,
+        extras=ABORT_EXTRAS.pack(prepared_seqno, seqno),
+        key=key,
+    )
+
+
+def _decode_ending(frame: Frame, name: str) -> tuple[int, int]:
+    if len(frame.extras) != ABORT_EXTRAS.size:
+        raise ProtocolError(f"{name} extras of {len(frame.extras)} bytes, not 16")
+    prepared, seqno = ABORT_EXTRAS.unpack(frame.extras)
+    if not frame.key or not 0 < prepared < seqno:
+        raise ProtocolError(f"{name} of prepare {prepared} at {seqno}")
+    return int(prepared), int(seqno)
