@@ -76,6 +76,9 @@ from changefeed.vbmap import ClusterMap
 SEQNO_FOREVER = 0xFFFF_FFFF_FFFF_FFFF
 RECONNECT_ATTEMPTS_MAX = 60  # with the backoff capped at 5 s: about 5 minutes
 NOT_MY_VBUCKET_RETRIES = 10  # with the default backoff ~30 s: longer than a failover takes
+# While streams wait out a reconnect backoff, the map is read this often: a failover that
+# moves them to a live node places them at once, not at the next attempt (up to 5 s later).
+MAP_POLL_WHILE_WAITING_S = 0.25
 Start = Literal["beginning", "now"] | SessionState
 
 
@@ -311,11 +314,17 @@ class DcpClient:
         while True:  # ends when close() cancels it, or on a failure events() raises
             self._wake.clear()
             delay = self._retries.next_delay(loop.time())
+            polling = delay is not None and self.cluster_map is not None
+            if polling and delay is not None:
+                delay = min(delay, MAP_POLL_WHILE_WAITING_S)
             if delay is None or delay > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), delay)
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
             due, refresh = self._retries.take_due(loop.time())
             if not due:
+                if polling:
+                    await self._follow_map_while_waiting()
                 continue
             try:
                 if refresh:
@@ -324,6 +333,14 @@ class DcpClient:
             except Exception as error:  # not retriable (e.g. authentication): tell the app
                 self._fail(error)
                 return
+
+    async def _follow_map_while_waiting(self) -> None:
+        """Read the map (rate-limited by the follower); if it is newer, place the waiting
+        vbuckets now — a failover moved them, or the node they wait for is back."""
+        rev = self.cluster_map.rev if self.cluster_map is not None else 0
+        await self._map.refresh()
+        if self.cluster_map is not None and self.cluster_map.rev > rev:
+            self._retries.hurry(self._retries.pending(), asyncio.get_running_loop().time())
 
     def _moved(
         self, vbuckets: list[int], message: str, *, source: str | None, immediate: bool = False

@@ -149,6 +149,13 @@ class Retries:
     def pending(self) -> set[int]:
         return set(self._due)
 
+    def hurry(self, vbuckets: Iterable[int], now: float) -> None:
+        """Make the planned attempts of ``vbuckets`` due at once, without another map read (a
+        newer map was just read: it may place them on a live node)."""
+        for vb in vbuckets:
+            if vb in self._due:
+                self._due[vb] = _Due(now, refresh=False)
+
 
 def read_cluster_config(config: object, fallback_server: str) -> tuple[ClusterMap, str]:
     """The map in a GET_CLUSTER_CONFIG body and the ``host:port`` of the node that sent it

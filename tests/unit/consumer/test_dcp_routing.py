@@ -126,6 +126,15 @@ def test_retries_back_off_per_kind_and_reset_when_the_stream_opens() -> None:
     assert retries.schedule([2], RetryKind.MOVED, 0.0) == [2]
 
 
+def test_hurry_makes_waiting_attempts_due_now_without_another_map_read() -> None:
+    retries = Retries((5.0,), {RetryKind.MOVED: 2, RetryKind.UNREACHABLE: 3}, random.Random(1))
+    retries.schedule([4, 7], RetryKind.UNREACHABLE, 0.0)  # due in 2.5-7.5 s
+    assert retries.take_due(1.0) == ([], False)
+    retries.hurry([7, 9], 1.0)  # 9 waits for nothing: ignored
+    assert retries.take_due(1.0) == ([7], False)
+    assert retries.pending() == {4}
+
+
 def test_read_cluster_config_names_the_answering_node() -> None:
     nodes = (NodeAddress("a", "127.0.0.1", 1), NodeAddress("b", "127.0.0.1", 2))
     cmap = ClusterMap(7, nodes, ((0, 1), (1, 0)), 1)
