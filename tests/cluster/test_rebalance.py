@@ -295,14 +295,14 @@ async def orchestrator_of(endpoint: str, cluster: str) -> str:
         return leader[0]
 
 
-async def rebalance_status(endpoint: str, cluster: str) -> dict[str, object]:
+async def rebalance_status(endpoint: str, cluster: str) -> dict[str, object] | None:
+    """The rebalance's status in etcd; None until the orchestrator has taken the request up."""
     from changefeed.cluster.metadata import ClusterMetadata
     from changefeed.cluster.rebalance import read_status
 
     async with await ClusterMetadata.connect(endpoint, cluster) as metadata:
         status = await read_status(metadata)
-        assert status is not None
-        return status.to_json()
+        return None if status is None else status.to_json()
 
 
 def test_a_rebalance_whose_orchestrator_is_killed_finishes_when_run_again(
@@ -341,8 +341,10 @@ def test_a_rebalance_whose_orchestrator_is_killed_finishes_when_run_again(
     assert cut.returncode == 1 and "it goes on; run the command again" in cut.stderr, cut.stderr
     deadline = time.monotonic() + 60
     while True:  # kill it mid-way: some vbuckets moved, others not yet
+        # None at first: on a loaded machine the orchestrator may not have taken the request
+        # up when `add` gave up waiting (CI found the test asserting too early).
         status = asyncio.run(rebalance_status(etcd.endpoint, cluster_name))
-        if int(status["moved"]) >= 2:  # type: ignore[call-overload]
+        if status is not None and int(status["moved"]) >= 2:  # type: ignore[call-overload]
             break
         assert time.monotonic() < deadline, status
         time.sleep(0.05)
