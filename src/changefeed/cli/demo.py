@@ -16,8 +16,8 @@
    live keys, values, CAS and flags).
 
 ``--cluster`` runs the same workload and pipeline on three nodes and etcd and kills the node
-leading the most vbuckets mid-way: ``demo_cluster.py`` (imported only then), which reuses the
-workload, the checks and the report pieces here.
+leading the most vbuckets mid-way: ``demo_cluster.py``, which reuses the workload, the checks
+and the report pieces here; ``demo_command.py`` is the command that chooses.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from changefeed import limits
 from changefeed.cli.node_process import NodeProcess
 from changefeed.consumer import ClientConfig, GetResult, KvClient
 from changefeed.consumer.current_state import Document, read_current_state
@@ -307,43 +306,10 @@ def run_mirror(spark: Any, options: dict[str, str], tables: Path, checkpoint: Pa
     return [dict(p) for p in query.recentProgress]
 
 
-@click.command()
-@click.option("--items", default=50_000, show_default=True, help="KV operations to load.")
-@click.option(
-    "--vbuckets",
-    type=click.IntRange(1, limits.VBUCKETS_MAX),
-    help="Partitions of the bucket. Default 16; 4 with --cluster (one node leads half).",
-)
-@click.option("--batch-rows", default=10_000, show_default=True, help="maxOffsetsPerTrigger.")
-@click.option("--data-dir", type=click.Path(path_type=Path), help="Keep everything here.")
-@click.option("--seed", default=1, show_default=True)
-@click.option(
-    "--cluster",
-    "on_cluster",
-    is_flag=True,
-    help="3 nodes + etcd; the node leading the most vbuckets is killed mid-way (demo_cluster.py).",
-)
-@click.option("--replicas", type=click.IntRange(1, 2), default=1, show_default=True,
-              help="With --cluster: replicas per vbucket.")  # fmt: skip
-@click.option("--failover-timeout-s", type=click.IntRange(2, 3600), default=3, show_default=True,
-              help="With --cluster: the nodes' lease, kill to failover.")  # fmt: skip
-@click.option("--json", "as_json", is_flag=True, help="With --cluster: print the report as JSON.")
-def demo(items: int, vbuckets: int | None, batch_rows: int, data_dir: Path | None, seed: int,
-         on_cluster: bool, replicas: int, failover_timeout_s: int,
-         as_json: bool) -> None:  # fmt: skip
-    """Node → DCP → Spark → Delta mirror, with a query restart, verified on every column."""
-    if on_cluster:
-        from changefeed.cli.demo_cluster import VBUCKETS_DEFAULT, run_cluster_demo
-
-        run_cluster_demo(
-            items=items, vbuckets=vbuckets or VBUCKETS_DEFAULT, replicas=replicas,
-            failover_timeout_s=failover_timeout_s, batch_rows=batch_rows, data_dir=data_dir,
-            seed=seed, as_json=as_json,
-        )  # fmt: skip
-        return
-    if as_json:
-        raise click.UsageError("--json goes with --cluster")
-    vbuckets = vbuckets or 16
+def run_single_node_demo(
+    items: int, vbuckets: int, batch_rows: int, data_dir: Path | None, seed: int
+) -> None:
+    """The demo on one node (the `changefeed demo` command is cli/demo_command.py)."""
     console = Console()
     root = data_dir or Path(tempfile.mkdtemp(prefix="changefeed-demo-"))
     if data_dir is not None and data_dir.exists() and any(data_dir.iterdir()):

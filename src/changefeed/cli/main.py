@@ -8,7 +8,7 @@ from changefeed import __version__
 from changefeed.cli.client_commands import load, stats, stream
 from changefeed.cli.cluster import cluster
 from changefeed.cli.compact import compact
-from changefeed.cli.demo import demo
+from changefeed.cli.demo_command import demo
 from changefeed.cli.mirror import mirror
 from changefeed.cli.serve import serve, user
 
