@@ -12,9 +12,11 @@ Not here: opening, committing or aborting the transaction (store.py), reading.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import struct
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Final
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Final, Protocol
 
 from changefeed import limits
 from changefeed.storage.errors import CorruptRecordError
@@ -51,6 +53,38 @@ _MUTATION_EXTRAS_SIZE: Final = MUTATION_EXTRAS_SIZE
 _DELETION_EXTRAS_SIZE: Final = DELETION_EXTRAS_SIZE
 _pack_seqno_key: Final = SEQNO_KEY.pack
 _pack_by_key_value: Final = BY_KEY_VALUE.pack
+# `put_bodies` checks a batch's byte total in its loop against this bound, leaving room for
+# one record's prefix; a write that would pass it goes through `_add`, which refuses exactly.
+_RUN_BYTES_CHECKED: Final = limits.STORAGE_BATCH_BYTES_MAX - PREFIX.size
+_key_of: Final = operator.attrgetter("key")
+_seqno_of: Final = operator.attrgetter("seqno")
+_body_of: Final = operator.attrgetter("body")
+_op_of: Final = operator.attrgetter("op")
+_datatype_of: Final = operator.attrgetter("datatype")
+_cas_of: Final = operator.attrgetter("cas")
+_EXTRAS_SIZE_OF_OP: Final = {
+    Op.MUTATION: MUTATION_EXTRAS_SIZE,
+    Op.DELETION: DELETION_EXTRAS_SIZE,
+    Op.EXPIRATION: DELETION_EXTRAS_SIZE,
+}
+
+
+class BodyItem(Protocol):
+    """A version whose DCP body is encoded (the checkpoint's items are): `put_bodies` takes
+    runs of them. Read-only attributes, as `put_body`'s arguments."""
+
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def seqno(self) -> int: ...
+    @property
+    def op(self) -> Op: ...
+    @property
+    def datatype(self) -> int: ...
+    @property
+    def cas(self) -> int: ...
+    @property
+    def body(self) -> bytes: ...
 
 
 class WriteBatch:
@@ -186,6 +220,112 @@ class WriteBatch:
         except struct.error as error:
             raise ValueError(f"vb {vb} seqno {seqno}: field out of range: {error}") from None
         self._add(vb, row, key, seqno, op, prefix + body)
+
+    def put_bodies(self, vb: int, items: Sequence[BodyItem]) -> None:
+        """`put_body` for each of `items`, in order (seqnos rising): the flusher's run of one
+        vbucket. The checks and encodings run over the whole run at once, each as one
+        C-level pass (`map`, `all`, `max`), when the run is clean — the usual case: every
+        check passes and no key repeats, in the run or in the batch. Otherwise, one loop
+        item by item, which names the first bad item.
+
+        Raises:
+            ValueError, RuntimeError: as for `put_body`; the items before the bad one stay in
+                the batch (the flusher discards a batch that raised).
+        """
+        if not items:
+            return
+        row = self._rows.get(vb) if self._open else None
+        if row is None:
+            row = self._row(vb)
+        if not self._put_clean_run(vb, row, items):
+            self._put_bodies_one_by_one(vb, row, items)
+
+    def _put_clean_run(self, vb: int, row: VbState, items: Sequence[BodyItem]) -> bool:
+        """Put `items` if the whole run passes every check of `put_body`; False (nothing put)
+        if anything needs a closer look."""
+        keys = list(map(_key_of, items))
+        seqnos = list(map(_seqno_of, items))
+        bodies = list(map(_body_of, items))
+        ops = list(map(_op_of, items))
+        datatypes = list(map(_datatype_of, items))
+        key_sizes = list(map(len, keys))
+        key_ats = list(map(_EXTRAS_SIZE_OF_OP.__getitem__, ops))
+        by_keys = list(map(operator.add, itertools.repeat(_VB_PREFIXES[vb]), keys))
+        value_ends = list(
+            map(operator.sub, map(len, bodies), map(operator.add, key_ats, key_sizes))
+        )
+        if not (
+            row.high_seqno < seqnos[0]
+            and all(map(operator.lt, seqnos, itertools.islice(seqnos, 1, None)))
+            and min(key_sizes) > 0
+            and max(key_sizes) <= _KEY_SIZE_MAX
+            and min(value_ends) >= 0
+            and max(value_ends) <= _VALUE_SIZE_MAX
+            and min(datatypes) >= 0
+            and max(datatypes) <= DATATYPE_MASK
+            and all(map(bytes.startswith, bodies, keys, key_ats))
+            and list(map(_unpack_body_seqno, bodies)) == list(zip(seqnos))
+            and len(set(by_keys)) == len(by_keys)
+            and self._keys.keys().isdisjoint(by_keys)
+        ):
+            return False
+        try:
+            tags = map(_TAGS.__getitem__, ops)
+            prefixes = map(_pack_prefix, tags, datatypes, key_sizes, map(_cas_of, items))
+            stored = list(map(operator.add, prefixes, bodies))
+        except struct.error:
+            return False  # a CAS out of range: the loop names it
+        stored_bytes = self._bytes + sum(map(len, stored))
+        if stored_bytes > limits.STORAGE_BATCH_BYTES_MAX:
+            return False
+        seqno_keys = map(_pack_seqno_key, itertools.repeat(vb), seqnos)
+        self._records.update(zip(seqno_keys, stored, strict=True))
+        by_key_values = map(_pack_by_key_value, seqnos, ops)
+        self._keys.update(zip(by_keys, zip(itertools.repeat(vb), by_key_values), strict=True))
+        self._bytes = stored_bytes
+        row.high_seqno = seqnos[-1]
+        return True
+
+    def _put_bodies_one_by_one(self, vb: int, row: VbState, items: Sequence[BodyItem]) -> None:
+        prefix_of_vb = _VB_PREFIXES[vb]
+        records, keys = self._records, self._keys
+        pack_prefix, pack_by_key, pack_seqno = _pack_prefix, _pack_by_key_value, _pack_seqno_key
+        tags, mutation = _TAGS, Op.MUTATION
+        stored_bytes = self._bytes
+        high = row.high_seqno
+        try:
+            for item in items:  # the flusher's hot loop: checks inline, put_body explains
+                key, seqno, op, body = item.key, item.seqno, item.op, item.body
+                key_size = len(key)
+                key_at = _MUTATION_EXTRAS_SIZE if op is mutation else _DELETION_EXTRAS_SIZE
+                if (
+                    seqno <= high
+                    or not 0 < key_size <= _KEY_SIZE_MAX
+                    or len(body) - key_at - key_size > _VALUE_SIZE_MAX
+                    or item.datatype & ~DATATYPE_MASK
+                    or not body.startswith(key, key_at)
+                    or _unpack_body_seqno(body)[0] != seqno
+                    or stored_bytes > _RUN_BYTES_CHECKED - len(body)
+                ):
+                    row.high_seqno, self._bytes = high, stored_bytes
+                    self.put_body(
+                        vb, key, seqno, op, datatype=item.datatype, cas=item.cas, body=body
+                    )  # raises, or writes it when only the byte total needed a closer look
+                    high, stored_bytes = seqno, self._bytes
+                    continue
+                stored = pack_prefix(tags[op], item.datatype, key_size, item.cas) + body
+                by_key_key = prefix_of_vb + key
+                if by_key_key in keys:  # written earlier in this batch: drop that version
+                    old_seqno = BY_KEY_VALUE.unpack(keys[by_key_key][1])[0]
+                    stored_bytes -= len(records.pop(pack_seqno(vb, old_seqno)))
+                records[pack_seqno(vb, seqno)] = stored
+                keys[by_key_key] = (vb, pack_by_key(seqno, op))
+                stored_bytes += len(stored)
+                high = seqno
+        except struct.error as error:
+            raise ValueError(f"vb {vb}: a field out of range: {error}") from None
+        finally:
+            row.high_seqno, self._bytes = high, stored_bytes
 
     def put_prepare(
         self,
