@@ -21,7 +21,7 @@ Not here: the list of checkpoints, cursors, memory quota (manager.py, cursor.py,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from changefeed.checkpoint.item import (
@@ -32,7 +32,11 @@ from changefeed.checkpoint.item import (
     MetaItem,
     SyncItem,
 )
-from changefeed.checkpoint.memory import item_size_bytes
+from changefeed.checkpoint.memory import (
+    MUTATION_BODY_OVERHEAD_BYTES,
+    TOMBSTONE_BODY_OVERHEAD_BYTES,
+    item_size_bytes,
+)
 from changefeed.storage import Op
 
 Slot = Item | MetaItem | None
@@ -40,6 +44,7 @@ Slot = Item | MetaItem | None
 _FIRST_ITEM_INDEX = 2  # after DUMMY and CHECKPOINT_START
 SYNC_OPS: Final = frozenset((Op.PREPARE, Op.ABORT))
 _ABORT: Final = Op.ABORT
+_MUTATION: Final = Op.MUTATION
 
 
 class Checkpoint:
@@ -163,6 +168,50 @@ class Checkpoint:
         self.memory_bytes += delta
         self._maybe_compact()
         return delta
+
+    def add_run(self, items: Sequence[Item], start: int, full_bytes: int) -> tuple[int, int]:
+        """`add` for `items[start:]` in order — plain items (type `Item`: no SyncWrite ones),
+        seqnos rising — until this checkpoint holds `full_bytes` (at least one is added).
+
+        Returns:
+            (index in `items` of the first item not added, change in accounted bytes).
+        """
+        assert self.is_open, self
+        assert start < len(items), (start, len(items))
+        assert items[start].seqno > self.snap_end, (items[start].seqno, self.snap_end)
+        slots = self.items
+        if len(slots) == 1:
+            slots.append(CHECKPOINT_START)
+        key_index = self.key_index
+        memory_bytes = self.memory_bytes
+        delta = 0
+        stop = start
+        count = len(items)
+        while stop < count:  # bounded by the run; one item per round
+            item = items[stop]
+            stop += 1
+            assert type(item) is Item, item
+            size = len(item.body) + (
+                MUTATION_BODY_OVERHEAD_BYTES
+                if item.op is _MUTATION
+                else TOMBSTONE_BODY_OVERHEAD_BYTES
+            )  # item_size_bytes, inline
+            old_index = key_index.get(item.key)
+            if old_index is not None:
+                size -= self._punch_hole(old_index, item.seqno)
+            slots.append(item)
+            key_index[item.key] = len(slots) - 1
+            delta += size
+            if memory_bytes + delta >= full_bytes:
+                break
+        added = stop - start
+        last = items[stop - 1].seqno
+        assert last > self.snap_end, (last, self.snap_end)
+        self.live_count += added
+        self.snap_end = self.visible_end = last
+        self.memory_bytes = memory_bytes + delta
+        self._maybe_compact()
+        return stop, delta
 
     def absorb(self, newer: Checkpoint) -> int:
         """Collapse the next checkpoint `newer` into this one, deduplicating across both.

@@ -30,12 +30,14 @@ from changefeed import limits
 from changefeed.checkpoint.checkpoint import SYNC_OPS
 from changefeed.checkpoint.cursor import Cursor
 from changefeed.checkpoint.item import CommitItem, Item, SyncItem
-from changefeed.checkpoint.manager import CheckpointManager
+from changefeed.checkpoint.manager import CheckpointManager, ItemRun
 from changefeed.checkpoint.memory import item_size_bytes
 from changefeed.checkpoint.snapshot import CursorSignal, SnapshotStart
 from changefeed.storage import Op, Store, WriteBatch
 
 BACKUP_CURSOR_NAME: Final = "persistence-backup"
+_RUN_ITEMS_MAX: Final = 4096  # items taken from the persistence cursor per call
+_PLAIN: Final = {Item}  # a batch of only these is written by one put_bodies call
 
 
 @dataclasses.dataclass(slots=True)
@@ -217,15 +219,20 @@ class Flusher:
         items: list[Item] = []
         batch_bytes = 0
         while batch_bytes < self._batch_bytes_max:  # bounded by the batch size
-            event = self._manager.next_event(cursor)
-            if isinstance(event, CursorSignal):
-                assert event is CursorSignal.CAUGHT_UP, event  # never dropped
+            room = self._batch_bytes_max - batch_bytes
+            got = self._manager.next_run(cursor, _RUN_ITEMS_MAX, room)
+            if isinstance(got, CursorSignal):
+                assert got is CursorSignal.CAUGHT_UP, got  # never dropped
                 break
-            if isinstance(event, SnapshotStart):
-                self._snapshot = event
+            if isinstance(got, SnapshotStart):
+                self._snapshot = got
                 continue
-            items.append(event)
-            batch_bytes += item_size_bytes(event)
+            if isinstance(got, ItemRun):
+                items += got.items
+                batch_bytes += got.charged_bytes
+            else:
+                items.append(got)
+                batch_bytes += item_size_bytes(got)
         return items
 
     def _write(self, batch: WriteBatch, items: list[Item]) -> None:
@@ -233,9 +240,12 @@ class Flusher:
         assert snapshot is not None, items[0]
         assert snapshot.snap_start <= items[-1].seqno <= snapshot.snap_end, (snapshot, items[-1])
         vb = self._manager.vb
-        put_body = batch.put_body
         kept = self.kept_prepares
         completed = 0
+        if not kept and set(map(type, items)) == _PLAIN:  # the common case, checked in C
+            batch.put_bodies(vb, items)
+            items = []
+        put_body = batch.put_body
         for item in items:  # each item's DCP body was encoded once, when it was queued
             if item.op in SYNC_OPS:
                 self._write_sync(batch, vb, item)

@@ -152,6 +152,36 @@ class Item:
         )
 
     @classmethod
+    def of_body(
+        cls,
+        seqno: int,
+        key: bytes,
+        op: Op,
+        body: bytes,
+        cas: int,
+        flags: int,
+        expiry: int,
+        datatype: int,
+        rev_seqno: int,
+        delete_time: int,
+    ) -> Item:
+        """The item whose DCP body is `body`, already encoded with these fields (a replica's
+        received change: its frame's body is the stored layout). Nothing is encoded again;
+        the caller vouches that `body` holds the fields (the frame decoder read them there)."""
+        item = cls.__new__(cls)
+        item.seqno = seqno
+        item.key = key
+        item.op = op
+        item.body = body
+        item.cas = cas
+        item.flags = flags
+        item.expiry = expiry
+        item.datatype = datatype
+        item.rev_seqno = rev_seqno
+        item.delete_time = delete_time
+        return item
+
+    @classmethod
     def from_record(cls, record: Record) -> Item:
         """Build the item a disk backfill yields for a stored `record` (same fields, and the
         record's body itself: nothing is encoded again)."""

@@ -24,14 +24,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterator
-from typing import Final
+from collections.abc import Callable, Iterator, Sequence
+from typing import Final, NamedTuple
 
 from changefeed import limits
 from changefeed.checkpoint.checkpoint import SYNC_OPS, Checkpoint
 from changefeed.checkpoint.cursor import Cursor, CursorKind, Event
 from changefeed.checkpoint.item import CHECKPOINT_START, Item
-from changefeed.checkpoint.memory import MemoryBudget, item_size_bytes
+from changefeed.checkpoint.memory import (
+    ITEM_OVERHEAD_BYTES,
+    MUTATION_BODY_OVERHEAD_BYTES,
+    CheckpointMemoryFullError,
+    MemoryBudget,
+    item_size_bytes,
+)
 from changefeed.checkpoint.snapshot import (
     CAUGHT_UP,
     DROPPED,
@@ -41,6 +47,7 @@ from changefeed.checkpoint.snapshot import (
     SnapshotStart,
 )
 from changefeed.checkpoint.wakeup import Wakeup
+from changefeed.storage import Op
 
 PERSISTENCE_CURSOR_NAME: Final = "persistence"
 _CHECKPOINT_FLAGS: Final = MARKER_FLAG_MEMORY | MARKER_FLAG_CHECKPOINT
@@ -70,6 +77,17 @@ class Registration:
     def needs_backfill(self) -> bool:
         """True when the caller must read [backfill_start, backfill_end] from disk first."""
         return self.backfill_start is not None
+
+
+_MUTATION: Final = Op.MUTATION
+
+
+class ItemRun(NamedTuple):
+    """Items a cursor read in one step (`CheckpointManager.next_run`) and what they are
+    charged (`item_size_bytes`), so the caller need not add it up again."""
+
+    items: list[Item]
+    charged_bytes: int
 
 
 class CheckpointManager:
@@ -218,6 +236,60 @@ class CheckpointManager:
         if self._budget.over_upper_mark:
             self._budget.recover()
         assert self._high_seqno == item.seqno, (self._high_seqno, item.seqno)
+
+    def queue_run(self, items: Sequence[Item]) -> int:
+        """`queue` each of `items` in order — plain items (type `Item`), seqnos rising — with
+        one budget check, one charge per checkpoint and one wakeup for the run: the hot path
+        of a received batch of writes and of a replica's received run.
+
+        A checkpoint a cursor has entered is closed first, as `queue` does; the run may then
+        fill the open one (no cursor can have read into it meanwhile, so no marker already
+        sent announces a shorter snapshot) and continues in the next.
+
+        Returns:
+            How many were queued: all, unless checkpoint memory ran out part of the way (the
+            caller queues the rest later).
+
+        Raises:
+            CheckpointMemoryFullError: not even the first item fits; nothing was changed.
+        """
+        if not items:
+            return 0
+        assert items[0].seqno > self._high_seqno, (items[0].seqno, self._high_seqno)
+        assert items[-1].seqno <= limits.SEQNO_MAX, items[-1].seqno
+        bound = sum([len(item.body) for item in items]) + len(items) * ITEM_OVERHEAD_BYTES
+        try:
+            self._budget.make_room(bound)
+        except CheckpointMemoryFullError:
+            return self._queue_while_room(items)
+        done = 0
+        while done < len(items):  # bounded: each round adds >= 1 item
+            open_checkpoint = self._open
+            if open_checkpoint.has_items and (
+                open_checkpoint.cursor_count > 0
+                or open_checkpoint.memory_bytes >= self._checkpoint_max_bytes
+            ):
+                self._close_open()
+                open_checkpoint = self._open
+            done, delta_bytes = open_checkpoint.add_run(items, done, self._checkpoint_max_bytes)
+            self._charge(delta_bytes)
+            # Before a checkpoint after this one is made: it starts past what is queued.
+            self._visible_high = self._high_seqno = items[done - 1].seqno
+        self.wakeup.notify()
+        if self._budget.over_upper_mark:
+            self._budget.recover()
+        return len(items)
+
+    def _queue_while_room(self, items: Sequence[Item]) -> int:
+        """Queue items one at a time until memory is full (memory is short: no hurry)."""
+        for queued, item in enumerate(items):  # bounded by the run
+            try:
+                self.queue(item)
+            except CheckpointMemoryFullError:
+                if queued == 0:
+                    raise
+                return queued
+        return len(items)
 
     def start_snapshot(self, snap_start: int, snap_end: int) -> None:
         """A replica received its active's snapshot marker [snap_start, snap_end]: the items
@@ -428,6 +500,40 @@ class CheckpointManager:
             if checkpoint.next is None:
                 return CAUGHT_UP
             self._enter_next(cursor)
+
+    def next_run(
+        self, cursor: Cursor, items_max: int, bytes_max: int
+    ) -> Event | ItemRun | CursorSignal:
+        """`next_event`, except that items following in the cursor's checkpoint come as one
+        list: at most `items_max`, and no more once they are charged `bytes_max` bytes
+        (`item_size_bytes`)."""
+        assert items_max > 0 and bytes_max > 0, (items_max, bytes_max)
+        if not cursor.attached or cursor.pending_marker is not None:
+            return self.next_event(cursor)
+        items = cursor.checkpoint.items
+        index = cursor.index + 1
+        first = items[index] if index < len(items) else None
+        if not isinstance(first, Item):
+            return self.next_event(cursor)  # a marker, a hole, or the next checkpoint
+        assert first.seqno > cursor.last_seqno, (cursor, first)
+        run: list[Item] = []
+        size = 0
+        stop = min(len(items), index + items_max)
+        for slot in items[index:stop]:  # bounded by items_max; only items and holes here
+            index += 1
+            if slot is not None:
+                assert isinstance(slot, Item), slot
+                run.append(slot)
+                size += (
+                    len(slot.body) + MUTATION_BODY_OVERHEAD_BYTES
+                    if slot.op is _MUTATION
+                    else item_size_bytes(slot)
+                )  # item_size_bytes, the common case inline
+                if size >= bytes_max:
+                    break
+        cursor.index = index - 1
+        cursor.last_seqno = run[-1].seqno
+        return ItemRun(run, size)
 
     def has_next(self, cursor: Cursor) -> bool:
         """True if `next_event(cursor)` would return an event now (not when caught up/detached)."""

@@ -39,16 +39,17 @@ from changefeed.storage.record import DELETION_EXTRAS_SIZE, MUTATION_EXTRAS_SIZE
 ITEM_OVERHEAD_BYTES: Final = 361
 _MUTATION: Final = Op.MUTATION
 _PREPARE: Final = Op.PREPARE
-_MUTATION_BODY_OVERHEAD_BYTES: Final = ITEM_OVERHEAD_BYTES - MUTATION_EXTRAS_SIZE
-_TOMBSTONE_BODY_OVERHEAD_BYTES: Final = ITEM_OVERHEAD_BYTES - DELETION_EXTRAS_SIZE
+# Bytes charged beyond len(body), whose extras are part of the overhead above.
+MUTATION_BODY_OVERHEAD_BYTES: Final = ITEM_OVERHEAD_BYTES - MUTATION_EXTRAS_SIZE
+TOMBSTONE_BODY_OVERHEAD_BYTES: Final = ITEM_OVERHEAD_BYTES - DELETION_EXTRAS_SIZE
 
 
 def item_size_bytes(item: Item) -> int:
     """Bytes charged for `item`: key + value + ITEM_OVERHEAD_BYTES."""
     # len(body) = extras + key + value; read from the body, `value` would copy it.
     if item.op is _MUTATION or (item.op is _PREPARE and not item.deleted):
-        return len(item.body) + _MUTATION_BODY_OVERHEAD_BYTES
-    return len(item.body) + _TOMBSTONE_BODY_OVERHEAD_BYTES
+        return len(item.body) + MUTATION_BODY_OVERHEAD_BYTES
+    return len(item.body) + TOMBSTONE_BODY_OVERHEAD_BYTES
 
 
 class CheckpointMemoryFullError(TemporaryFailureError):

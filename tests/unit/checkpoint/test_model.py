@@ -94,6 +94,32 @@ class MutationManagerMachine(RuleBasedStateMachine):
         for n in range(count):
             self._queue(b"m%d" % ((self.model.high_seqno + n) % keys), False, b"x" * 20)
 
+    @rule(
+        changes=st.lists(
+            st.tuples(st.sampled_from(KEYS), st.booleans(), st.binary(max_size=20)),
+            min_size=1,
+            max_size=40,
+        )
+    )
+    def queue_run(self, changes: list[tuple[bytes, bool, bytes]]) -> None:
+        """A run queued at once (a received batch, a replica's run): keys may repeat inside
+        it; memory may run out part of the way, and then exactly a prefix is queued."""
+        first = self.model.high_seqno + 1
+        run = [
+            item(seqno, key, b"" if delete else value, Op.DELETION if delete else Op.MUTATION)
+            for seqno, (key, delete, value) in enumerate(changes, first)
+        ]
+        try:
+            queued = self.manager.queue_run(run)
+        except CheckpointMemoryFullError:
+            self.refused += 1
+            assert self.manager.high_seqno == self.model.high_seqno
+            return
+        assert 1 <= queued <= len(run), queued
+        assert self.manager.high_seqno == run[queued - 1].seqno
+        for one in run[:queued]:
+            self.model.append(one)
+
     @rule()
     def flush(self) -> None:
         self.flusher.flush()
