@@ -71,6 +71,7 @@ from changefeed.protocol.errors import (
 from changefeed.protocol.kv import MutationResult
 from changefeed.protocol.kv_ops import LOCKED_CAS, DocumentMeta
 from changefeed.storage import Op, Record, Store
+from changefeed.storage.record import DELETION_EXTRAS_SIZE, MUTATION_EXTRAS_SIZE
 from changefeed.vbucket_state import VBucketState
 
 __all__ = ["Document", "MutationResult", "VBucket", "VBucketState"]
@@ -81,6 +82,14 @@ _CAS_RECOVERY_RECORDS_MAX: Final = 1024
 _NS_PER_S: Final = 1_000_000_000
 _U32_MAX: Final = 0xFFFF_FFFF
 _DATATYPE_MASK: Final = 0x07  # dcp-wire.md §1.4: JSON | Snappy | XATTR
+_U64_MAX: Final = limits.SEQNO_MAX  # CAS is a u64 like a seqno
+_KEY_SIZE_MAX: Final = limits.STORED_KEY_SIZE_MAX
+_VALUE_SIZE_MAX: Final = limits.VALUE_SIZE_MAX
+_EXTRAS_SIZE: Final = {
+    Op.MUTATION: MUTATION_EXTRAS_SIZE,
+    Op.DELETION: DELETION_EXTRAS_SIZE,
+    Op.EXPIRATION: DELETION_EXTRAS_SIZE,
+}  # an item body's extras, by op (checkpoint/item.py)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -358,40 +367,95 @@ class VBucket:
         datatypes: Sequence[int],
     ) -> list[MutationResult | StatusError]:
         """`set` without CAS of each write, in order, as a received batch of SETs: the stored
-        versions of the keys are looked up in one read transaction, not one each. A write
-        that `set` would refuse gets its error in the result; the others still apply.
+        versions of the keys are looked up in one read transaction, and the writes are queued
+        as one run (`CheckpointManager.queue_run`). A write that `set` would refuse gets its
+        error in the result; the others still apply. A key found expired gets its expiration
+        queued first, as `set` does; when checkpoint memory runs out part of the way, the
+        writes past that point get CheckpointMemoryFullError (TMPFAIL) and take no seqno.
 
         `expiries` are absolute, as `set`'s.
         """
         if self._state is not VBucketState.ACTIVE:
             error = NotMyVbucketError(f"vb {self._vb} is {self._state.value}, not active")
             return [error] * len(keys)
-        find = self.manager.find
-        stored = self._store.get_many(self._vb, [key for key in keys if find(key) is None])
+        vb, vb_uuid = self._vb, self.vb_uuid
+        found_in_memory = {key: self.manager.find(key) for key in keys}
+        stored = self._store.get_many(vb, [k for k, v in found_in_memory.items() if v is None])
+        now = self._clock()
+        now_cas = int(now * _NS_PER_S)
+        seqno, cas = self._high_seqno, self._last_cas
+        pending, locks = self._pending, self._locks
         results: list[MutationResult | StatusError] = []
-        append = results.append
+        items: list[Item] = []
+        answers: list[int] = []  # per item, its index in `results` (-1: an expiration)
         for key, value, flag, expiry, datatype in zip(
             keys, values, flags, expiries, datatypes, strict=True
         ):
-            try:
-                current = self._current(key, stored)
-                if self._locks:
+            try:  # in the order `set` checks: the lookup (which may expire), lock, pending, fields
+                current: Item | Record | None = found_in_memory[key]
+                if current is None:
+                    current = stored[key] if key in stored else self._store.get(vb, key)
+                if current is not None and current.op is not Op.MUTATION:
+                    current = None
+                elif current is not None and current.expiry and current.expiry <= now:
+                    seqno, cas = seqno + 1, max(now_cas, cas + 1)
+                    expired = Item(
+                        seqno, key, Op.EXPIRATION, b"", cas,
+                        rev_seqno=current.rev_seqno + 1, delete_time=min(int(now), _U32_MAX),
+                    )  # fmt: skip
+                    items.append(expired)
+                    answers.append(-1)
+                    found_in_memory[key] = expired
+                    current = None
+                if locks:
                     self._check_lock(key, current, 0)
-                rev_seqno = current.rev_seqno + 1 if current is not None else 1
-                append(
-                    self._queue_write(
-                        key,
-                        Op.MUTATION,
-                        value,
-                        flags=flag,
-                        expiry=expiry,
-                        datatype=datatype,
-                        rev_seqno=rev_seqno,
+                if pending and key in pending:
+                    raise SyncWriteInProgressError(
+                        f"vb {vb}: key {key[:64]!r} has a durable write pending"
                     )
-                )
+                if (
+                    not 0 < len(key) <= _KEY_SIZE_MAX
+                    or len(value) > _VALUE_SIZE_MAX
+                    or not (0 <= flag <= _U32_MAX and 0 <= expiry <= _U32_MAX)
+                    or datatype & ~_DATATYPE_MASK
+                    or datatype < 0
+                ):
+                    _check_fields(key, value, flag, expiry, datatype)
             except StatusError as error:
-                append(error)
+                results.append(error)
+                continue
+            seqno, cas = seqno + 1, max(now_cas, cas + 1)
+            rev_seqno = current.rev_seqno + 1 if current is not None else 1
+            item = Item(seqno, key, Op.MUTATION, value, cas, flag, expiry, datatype, rev_seqno)
+            items.append(item)
+            answers.append(len(results))
+            found_in_memory[key] = item  # the next write of the key in this run follows it
+            results.append(MutationResult(vbucket=vb, seqno=seqno, cas=cas, vb_uuid=vb_uuid))
+        self._queue_answered(items, answers, results)
         return results
+
+    def _queue_answered(
+        self, items: list[Item], answers: list[int], results: list[MutationResult | StatusError]
+    ) -> None:
+        """Queue `items` as one run; the results of those memory had no room for become
+        CheckpointMemoryFullError (the run stops there: later seqnos are never used)."""
+        if not items:
+            return
+        try:
+            queued = self.manager.queue_run(items)
+        except CheckpointMemoryFullError as error:
+            queued, full = 0, error
+        else:
+            full = CheckpointMemoryFullError(f"vb {self._vb}: checkpoint memory is full")
+        for index in answers[queued:]:
+            if index >= 0:
+                results[index] = full
+        if queued:
+            self._high_seqno, self._last_cas = items[queued - 1].seqno, items[queued - 1].cas
+            if self._locks:
+                for item in items[:queued]:  # a new version is never locked
+                    self._locks.pop(item.key, None)
+        assert self.manager.high_seqno == self._high_seqno, (self.manager, self._high_seqno)
 
     def add(
         self,
@@ -485,6 +549,63 @@ class VBucket:
             # deduplicated away, or sent as the document by a disk backfill): the prepare ends.
             del self._pending[item.key]
             self._retain_pending()
+
+    def queue_replicated_run(self, items: Sequence[Item]) -> int:
+        """`queue_replicated` for a run of plain items (type `Item`: mutations and tombstones,
+        seqnos rising), checked as a run and queued with one `CheckpointManager.queue_run`.
+
+        Returns:
+            How many were queued: all, unless checkpoint memory ran out part of the way (the
+            replica stream holds the rest back and pauses).
+
+        Raises:
+            NotMyVbucketError, InvalidArgumentsError, CheckpointMemoryFullError: as
+                `queue_replicated`; on a bad item nothing of the run is queued.
+        """
+        self._require_replica()
+        if not items:
+            return 0
+        high = self._high_seqno
+        if not high < items[0].seqno or not items[-1].seqno <= self.manager.snapshot_end:
+            raise InvalidArgumentsError(
+                f"vb {self._vb}: replicated seqnos {items[0].seqno}..{items[-1].seqno} outside "
+                f"the snapshot being received ({high}, {self.manager.snapshot_end}]"
+            )
+        last_cas = self._last_cas
+        previous = high
+        for item in items:  # the replica's hot loop: each check inline, _check_fields explains
+            seqno, cas = item.seqno, item.cas
+            if (
+                seqno <= previous
+                or not 0 < cas <= _U64_MAX
+                or not 0 < len(item.key) <= _KEY_SIZE_MAX
+                or len(item.body) - len(item.key) - _EXTRAS_SIZE[item.op] > _VALUE_SIZE_MAX
+                or item.datatype & ~_DATATYPE_MASK
+            ):
+                self._refuse_replicated(item, previous)
+            previous = seqno
+            if cas > last_cas:
+                last_cas = cas
+        queued = self.manager.queue_run(items)
+        self._high_seqno = items[queued - 1].seqno
+        self._last_cas = max(self._last_cas, max(item.cas for item in items[:queued]))
+        if self._pending:
+            for item in items[:queued]:  # a committed change of a pending key ends the prepare
+                if item.key in self._pending:
+                    del self._pending[item.key]
+                    self._retain_pending()
+        return queued
+
+    def _refuse_replicated(self, item: Item, previous: int) -> None:
+        """Raise the error `queue_replicated_run` found in `item` (after `previous`)."""
+        if item.seqno <= previous:
+            raise InvalidArgumentsError(
+                f"vb {self._vb}: replicated seqno {item.seqno} does not follow {previous}"
+            )
+        if not 0 < item.cas <= limits.SEQNO_MAX:
+            raise InvalidArgumentsError(f"vb {self._vb}: cas {item.cas} is not a non-zero u64")
+        _check_fields(item.key, item.value, item.flags, item.expiry, item.datatype)
+        raise AssertionError(f"the run's checks refused {item!r}, _check_fields did not")
 
     def replica_commit(self, key: bytes, prepared_seqno: int, commit_seqno: int) -> None:
         """DCP_COMMIT from the active: commit the pending prepare of `key` at `commit_seqno`.

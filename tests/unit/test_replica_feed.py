@@ -4,26 +4,33 @@ a run that mixes vbuckets, and nothing is applied twice or out of order."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from changefeed.checkpoint import CheckpointMemoryFullError, Item
+from changefeed import limits
+from changefeed.checkpoint import CheckpointMemoryFullError, Item, SyncItem
 from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
 from changefeed.protocol.batch import decode_batch
 from changefeed.protocol.dcp_items import (
     Abort,
     Commit,
+    Deletion,
+    Expiration,
     Mutation,
     Prepare,
     encode_abort,
     encode_commit,
+    encode_deletion,
+    encode_expiration,
     encode_mutation,
     encode_prepare,
 )
+from changefeed.protocol.errors import InvalidArgumentsError
 from changefeed.protocol.snapshot_marker import MarkerFlag, SnapshotMarker, encode_snapshot_marker
 from changefeed.server.bucket import Bucket
+from changefeed.storage import Op
 from changefeed.vbmap import NodeAddress
 from changefeed.vbucket import VBucket
 from changefeed.vbucket_state import VBucketState
@@ -57,8 +64,9 @@ def mutation(vb: int, seqno: int) -> bytes:
 
 
 def memory_full_once(target: VBucket) -> None:
-    """The next item `target` is given is refused for memory; the ones after are taken."""
-    real = target.queue_replicated
+    """The next item `target` is given is refused for memory (alone or first of a run: the
+    feed queues runs, and items held back one by one); the ones after are taken."""
+    real, real_run = target.queue_replicated, target.queue_replicated_run
     refused = [True]
 
     def full_once(item: Item) -> None:
@@ -67,7 +75,14 @@ def memory_full_once(target: VBucket) -> None:
             raise CheckpointMemoryFullError("full")
         real(item)
 
+    def run_full_once(items: Sequence[Item]) -> int:
+        if refused[0]:
+            refused[0] = False
+            raise CheckpointMemoryFullError("full")
+        return real_run(items)
+
     target.queue_replicated = full_once  # type: ignore[method-assign]
+    target.queue_replicated_run = run_full_once  # type: ignore[method-assign]
 
 
 def test_memory_full_mid_run_keeps_each_item_in_its_own_vbucket(bucket: Bucket) -> None:
@@ -123,3 +138,89 @@ def test_sync_write_frames_are_taken_in_wire_order_behind_a_backlog(bucket: Buck
         3,
     )
     assert target.get(b"q") is None  # aborted: never visible
+
+
+@pytest.mark.parametrize("vectorise", [True, False])
+def test_replicated_items_equal_the_actives_byte_for_byte(bucket: Bucket, vectorise: bool) -> None:
+    """A mutation's item takes its frame body as is (no re-encoding): every field and the body
+    equal what the active built, for both decoders; tombstones are encoded again, equally."""
+    active = [
+        Item(1, b"plain", Op.MUTATION, b"v" * 40, 101),
+        Item(2, b"fields", Op.MUTATION, b'{"a":1}', 102, 0xDEADBEEF, 1_900_000_000, 1, 9),
+        Item(3, b"gone", Op.DELETION, b"", 103, rev_seqno=4, delete_time=1_800_000_000),
+        Item(4, b"expired", Op.EXPIRATION, b"", 104, rev_seqno=2, delete_time=1_800_000_001),
+        Item(5, b"plain", Op.MUTATION, b"again", 105, rev_seqno=2),
+    ]
+    frames = [marker(0, 1, 5)]
+    for one in active:
+        if one.op is Op.MUTATION:
+            frames.append(
+                encode_mutation(
+                    Mutation(0, 1, one.seqno, one.key, one.value, one.cas, one.rev_seqno,
+                             one.flags, one.expiry, datatype=one.datatype)
+                )
+            )  # fmt: skip
+        elif one.op is Op.DELETION:
+            frames.append(
+                encode_deletion(
+                    Deletion(0, 1, one.seqno, one.key, one.cas, one.rev_seqno, one.delete_time)
+                )
+            )
+        else:
+            frames.append(
+                encode_expiration(
+                    Expiration(0, 1, one.seqno, one.key, one.cas, one.rev_seqno, one.delete_time)
+                )
+            )
+    feed = feed_of(bucket)
+    feed._on_push(decode_batch(run_of(*frames), vectorise=vectorise))
+    assert feed._failure is None
+    manager = bucket.vbucket(0).manager
+    held = [one for checkpoint in manager.checkpoints() for one in checkpoint.live_items()]
+    assert held == active[1:]  # seqno 1 was deduplicated by seqno 5, key "plain"
+    assert [type(one) for one in held] == [Item] * 4
+    bucket.vbucket(0).flush()
+    stored = bucket.store.get(0, b"fields")
+    assert stored is not None and stored.body == active[1].body
+
+
+def test_a_bad_run_is_refused_whole(bucket: Bucket) -> None:
+    """queue_replicated_run checks the run before queuing any of it: the error names the
+    problem and the vbucket holds what it held."""
+    target = bucket.vbucket(0)
+    target.replica_snapshot(1, 10)
+
+    def run(*items: Item) -> None:
+        with pytest.raises(InvalidArgumentsError) as raised:
+            target.queue_replicated_run(list(items))
+        assert target.high_seqno == 0 and target.manager.high_seqno == 0, raised.value
+        raise raised.value
+
+    good = Item(1, b"a", Op.MUTATION, b"v", 1)
+    with pytest.raises(InvalidArgumentsError, match="does not follow"):
+        run(good, Item(1, b"b", Op.MUTATION, b"v", 2))
+    with pytest.raises(InvalidArgumentsError, match="cas 0"):
+        run(good, Item(2, b"b", Op.MUTATION, b"v", 0))
+    with pytest.raises(InvalidArgumentsError, match="key length"):
+        run(good, Item(2, b"k" * (limits.STORED_KEY_SIZE_MAX + 1), Op.MUTATION, b"v", 2))
+    with pytest.raises(InvalidArgumentsError, match="outside the snapshot"):
+        run(good, Item(11, b"b", Op.MUTATION, b"v", 2))
+    body = bytes(31) + b"b" + bytes(limits.VALUE_SIZE_MAX + 1)
+    too_big = Item.of_body(2, b"b", Op.MUTATION, body, 2, 0, 0, 0, 1, 0)
+    with pytest.raises(InvalidArgumentsError, match="over"):
+        run(good, too_big)
+    assert target.queue_replicated_run([good, Item(2, b"b", Op.MUTATION, b"v", 2)]) == 2
+    assert target.high_seqno == 2
+
+
+def test_a_run_ends_the_pending_prepare_of_its_key(bucket: Bucket) -> None:
+    """A disk backfill sends a committed document instead of DCP_COMMIT: the run that holds
+    it ends the replica's pending prepare of that key, and only of that key."""
+    target = bucket.vbucket(0)
+    target.replica_snapshot(1, 4)
+    for seqno, key in ((1, b"p"), (2, b"q")):
+        target.queue_replicated(
+            SyncItem(seqno, key, Op.PREPARE, Op.MUTATION, b"x", 10 + seqno, level=1)
+        )
+    assert target.queue_replicated_run([Item(3, b"p", Op.MUTATION, b"done", 13)]) == 1
+    assert [prepare.key for prepare in target.pending_prepares] == [b"q"]

@@ -34,9 +34,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections import deque
 from typing import Final
+
+import numpy as np
 
 from changefeed.checkpoint import CheckpointMemoryFullError, Item, SyncItem
 from changefeed.consumer.connection import Connection, ConnectionClosedError
@@ -60,6 +63,7 @@ from changefeed.protocol.dcp import (
     encode_stream_request,
 )
 from changefeed.protocol.dcp_items import (
+    MUTATION_EXTRAS,
     Commit,
     Prepare,
     decode_abort,
@@ -78,6 +82,9 @@ from changefeed.vbmap import NodeAddress
 log = logging.getLogger("changefeed.replication")
 
 SEQNO_FOREVER: Final = 0xFFFF_FFFF_FFFF_FFFF
+_MUTATION: Final = Op.MUTATION
+_OPCODE_MUTATION: Final = int(Opcode.DCP_MUTATION)
+_MUTATION_BODY_EXTRAS: Final = MUTATION_EXTRAS.size  # a DCP_MUTATION body's extras
 _OP_OF_OPCODE: Final = {
     Opcode.DCP_MUTATION: Op.MUTATION,
     Opcode.DCP_DELETION: Op.DELETION,
@@ -291,17 +298,48 @@ class ReplicaFeed:
             self._conn.pause_reading()
 
     def _apply(self, columns: ChangeColumns) -> None:
-        opcodes, vbs, seqnos = columns.opcode, columns.vbucket, columns.seqno
-        keys, values = columns.key, columns.value
+        """Queue received changes per vbucket run. A mutation's frame body is the stored
+        body (extras | key | value, the layout the store keeps), so its item takes that
+        slice as is; tombstones are rare and encoded again."""
+        if not len(columns):
+            return
+        data = columns.data
+        opcodes, seqnos, keys = columns.opcode, columns.seqno, columns.key
+        key_start, value_end = columns.array("key_start").tolist(), columns.array("value_end")
+        value_end_list = value_end.tolist()
         cas, flags, expiry = columns.cas, columns.flags, columns.expiry
         datatype, rev, delete_time = columns.datatype, columns.rev_seqno, columns.delete_time
-        for i in range(len(columns)):
-            item = Item(
-                seqnos[i], keys[i], _OP_OF_OPCODE[Opcode(opcodes[i])], values[i], cas[i],
-                flags[i], expiry[i], datatype[i], rev[i], delete_time[i],
-            )  # fmt: skip
-            self._queue(vbs[i], item)
+        of_body, mutation, extras = Item.of_body, _OPCODE_MUTATION, _MUTATION_BODY_EXTRAS
+        vbs = columns.array("vbucket")
+        cuts = [0, *(np.flatnonzero(vbs[1:] != vbs[:-1]) + 1).tolist(), len(columns)]
+        for start, stop in itertools.pairwise(cuts):  # one vbucket's run each
+            items = [
+                of_body(
+                    seqnos[i], keys[i], _MUTATION, data[key_start[i] - extras : value_end_list[i]],
+                    cas[i], flags[i], expiry[i], datatype[i], rev[i], 0,
+                )
+                if opcodes[i] == mutation
+                else Item(
+                    seqnos[i], keys[i], _OP_OF_OPCODE[Opcode(opcodes[i])], columns.value[i],
+                    cas[i], flags[i], expiry[i], datatype[i], rev[i], delete_time[i],
+                )
+                for i in range(start, stop)
+            ]  # fmt: skip
+            self._queue_run(int(vbs[start]), items)
         self.stats.items += len(columns)
+
+    def _queue_run(self, vb: int, items: list[Item]) -> None:
+        if not self._backlog:
+            try:
+                taken = self.bucket.vbucket(vb).queue_replicated_run(items)
+            except CheckpointMemoryFullError:
+                taken = 0
+            if taken == len(items):
+                return
+            items = items[taken:]
+            if self._conn is not None:  # wait for the flusher to free memory
+                self._conn.pause_reading()
+        self._backlog.extend((vb, item) for item in items)
 
     def _queue(self, vb: int, item: Item | Commit) -> None:
         if self._backlog:

@@ -1,0 +1,119 @@
+"""``VBucket.set_many`` (a received batch of SETs, queued as one run) against ``set`` one write
+at a time on a twin vbucket with the same clock: the same answers, the same items in memory
+(every field and the body) and the same store after a flush — through repeated keys, keys
+found expired, locked keys, pending durable writes, bad fields and memory running out."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from changefeed import limits
+from changefeed.checkpoint import Item, MemoryBudget, item_size_bytes
+from changefeed.protocol.errors import StatusError
+from changefeed.protocol.kv import MutationResult
+from changefeed.storage import Op, Store
+from changefeed.vbucket import VBucket, VBucketState
+
+VB = 5
+NOW = 1_700_000_000.0
+KEYS = [b"a", b"b", b"c", b"expired", b"locked", b"durable"]
+ONE = item_size_bytes(Item(1, b"a", Op.MUTATION, b"v" * 8, 1))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def twin(path: Path, quota_items: int) -> tuple[VBucket, Store, Clock]:
+    """A vbucket holding the same history as its twin: a stored key, one that expires, a
+    locked key and a pending durable write."""
+    store = Store(path, map_size_bytes=64 * 1024 * 1024, durable=False)
+    clock = Clock()
+    budget = MemoryBudget(quota_items * ONE)
+    vbucket = VBucket(store, VB, state=VBucketState.ACTIVE, clock=clock,
+                      rng=random.Random(1), budget=budget)  # fmt: skip
+    vbucket.set(b"a", b"stored")
+    vbucket.set(b"expired", b"soon", expiry=int(NOW) + 5)
+    vbucket.set(b"locked", b"held")
+    vbucket.flush()
+    vbucket.get_locked(b"locked", 30.0)
+    vbucket.set(b"durable", b"pending", level=1)
+    vbucket.flush()
+    clock.now = NOW + 10  # "expired" is now past its expiry
+    return vbucket, store, clock
+
+
+def answer(outcome: MutationResult | StatusError) -> object:
+    if isinstance(outcome, MutationResult):
+        return (outcome.vbucket, outcome.seqno, outcome.cas, outcome.vb_uuid)
+    return (type(outcome).__name__, outcome.code)
+
+
+def memory(vbucket: VBucket) -> dict[bytes, Item]:
+    """Each key's newest item in memory (a run may deduplicate inside one checkpoint what one
+    write at a time put in two: an expiration and the write after it)."""
+    return {one.key: one for c in vbucket.manager.checkpoints() for one in c.live_items()}
+
+
+def stored(store: Store) -> list[object]:
+    return [
+        (r.seqno, r.key, r.op, r.value, r.cas, r.rev_seqno, r.flags, r.expiry, r.datatype,
+         r.delete_time)
+        for r in store.scan(VB, 0, store.high_seqno(VB))
+    ]  # fmt: skip
+
+
+writes = st.lists(
+    st.tuples(
+        st.sampled_from([*KEYS, b"k" * (limits.STORED_KEY_SIZE_MAX + 1)]),
+        st.binary(max_size=8),
+        st.integers(0, 3),  # flags
+        st.sampled_from([0, int(NOW) + 100]),  # expiry
+        st.sampled_from([0, 1, 8]),  # datatype; 8 is refused
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=writes, quota_items=st.sampled_from([8, 14, 1000]))
+def test_set_many_answers_and_queues_what_set_does_one_by_one(
+    tmp_path_factory: pytest.TempPathFactory,
+    batch: list[tuple[bytes, bytes, int, int, int]],
+    quota_items: int,
+) -> None:
+    run_vb, run_store, _ = twin(tmp_path_factory.mktemp("run"), quota_items)
+    one_vb, one_store, _ = twin(tmp_path_factory.mktemp("one"), quota_items)
+    try:
+        keys, values, flags, expiries, datatypes = (list(column) for column in zip(*batch))
+        got = run_vb.set_many(keys, values, flags, expiries, datatypes)
+        want: list[MutationResult | StatusError] = []
+        full = False
+        for key, value, flag, expiry, datatype in batch:
+            if full:  # the run stops where memory ran out; one by one, later ones may fit
+                want.append(got[len(want)])
+                continue
+            try:
+                want.append(one_vb.set(key, value, flags=flag, expiry=expiry, datatype=datatype))
+            except StatusError as error:
+                want.append(error)
+                full = error.code == 0x86  # TMPFAIL
+        assert list(map(answer, got)) == list(map(answer, want))
+        assert run_vb.high_seqno == one_vb.high_seqno
+        assert memory(run_vb) == memory(one_vb)
+        run_vb.flush()
+        one_vb.flush()
+        assert stored(run_store) == stored(one_store)
+    finally:
+        run_store.close()
+        one_store.close()
