@@ -328,3 +328,8 @@ SHM_PERSIST_POLL_S = 0.002
 
 assert SHM_ROWS_PER_BATCH_MAX <= ROWS_PER_BATCH_MAX
 assert SHM_PENDING_ROWS_MAX >= SHM_ROWS_PER_BATCH_MAX
+
+# A node process's interpreter settings (server/node.py `tune_interpreter` says why): the
+# cyclic GC's young-generation threshold (CPython: 700) and the GIL switch interval (5 ms).
+GC_YOUNG_THRESHOLD = 50_000
+GIL_SWITCH_INTERVAL_S = 0.0005
