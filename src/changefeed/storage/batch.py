@@ -53,9 +53,6 @@ _MUTATION_EXTRAS_SIZE: Final = MUTATION_EXTRAS_SIZE
 _DELETION_EXTRAS_SIZE: Final = DELETION_EXTRAS_SIZE
 _pack_seqno_key: Final = SEQNO_KEY.pack
 _pack_by_key_value: Final = BY_KEY_VALUE.pack
-# `put_bodies` checks a batch's byte total in its loop against this bound, leaving room for
-# one record's prefix; a write that would pass it goes through `_add`, which refuses exactly.
-_RUN_BYTES_CHECKED: Final = limits.STORAGE_BATCH_BYTES_MAX - PREFIX.size
 _key_of: Final = operator.attrgetter("key")
 _seqno_of: Final = operator.attrgetter("seqno")
 _body_of: Final = operator.attrgetter("body")
@@ -95,13 +92,25 @@ class WriteBatch:
     Using the batch after its block ended raises RuntimeError.
     """
 
-    __slots__ = ("_bytes", "_committed", "_keys", "_open", "_prepared", "_records", "_rows")
+    __slots__ = (
+        "_bytes",
+        "_committed",
+        "_keys",
+        "_mutations",
+        "_open",
+        "_prepared",
+        "_records",
+        "_rows",
+    )
 
     def __init__(self, committed: Mapping[int, VbState]) -> None:
         self._committed = committed
         self._rows: dict[int, VbState] = {}  # vb -> working copy of its metadata
         self._records: dict[bytes, bytes] = {}  # by_seqno key -> stored record
-        self._keys: dict[bytes, tuple[int, bytes]] = {}  # by_key key -> (vb, by_key value)
+        self._keys: dict[bytes, bytes] = {}  # by_key key -> by_key value
+        # vb -> how many of the versions the batch holds are mutations (its item_count change
+        # before the versions they replace in the store are counted, at apply)
+        self._mutations: dict[int, int] = {}
         # prepared key -> level byte + stored prepare, or None: the key's prepare has ended.
         self._prepared: dict[bytes, bytes | None] = {}
         self._bytes = 0  # stored bytes held in _records
@@ -238,7 +247,7 @@ class WriteBatch:
         if row is None:
             row = self._row(vb)
         if not self._put_clean_run(vb, row, items):
-            self._put_bodies_one_by_one(vb, row, items)
+            self._put_bodies_one_by_one(vb, items)
 
     def _put_clean_run(self, vb: int, row: VbState, items: Sequence[BodyItem]) -> bool:
         """Put `items` if the whole run passes every check of `put_body`; False (nothing put)
@@ -281,51 +290,16 @@ class WriteBatch:
         seqno_keys = map(_pack_seqno_key, itertools.repeat(vb), seqnos)
         self._records.update(zip(seqno_keys, stored, strict=True))
         by_key_values = map(_pack_by_key_value, seqnos, ops)
-        self._keys.update(zip(by_keys, zip(itertools.repeat(vb), by_key_values), strict=True))
+        self._keys.update(zip(by_keys, by_key_values, strict=True))
+        self._mutations[vb] = self._mutations.get(vb, 0) + ops.count(Op.MUTATION)
         self._bytes = stored_bytes
         row.high_seqno = seqnos[-1]
         return True
 
-    def _put_bodies_one_by_one(self, vb: int, row: VbState, items: Sequence[BodyItem]) -> None:
-        prefix_of_vb = _VB_PREFIXES[vb]
-        records, keys = self._records, self._keys
-        pack_prefix, pack_by_key, pack_seqno = _pack_prefix, _pack_by_key_value, _pack_seqno_key
-        tags, mutation = _TAGS, Op.MUTATION
-        stored_bytes = self._bytes
-        high = row.high_seqno
-        try:
-            for item in items:  # the flusher's hot loop: checks inline, put_body explains
-                key, seqno, op, body = item.key, item.seqno, item.op, item.body
-                key_size = len(key)
-                key_at = _MUTATION_EXTRAS_SIZE if op is mutation else _DELETION_EXTRAS_SIZE
-                if (
-                    seqno <= high
-                    or not 0 < key_size <= _KEY_SIZE_MAX
-                    or len(body) - key_at - key_size > _VALUE_SIZE_MAX
-                    or item.datatype & ~DATATYPE_MASK
-                    or not body.startswith(key, key_at)
-                    or _unpack_body_seqno(body)[0] != seqno
-                    or stored_bytes > _RUN_BYTES_CHECKED - len(body)
-                ):
-                    row.high_seqno, self._bytes = high, stored_bytes
-                    self.put_body(
-                        vb, key, seqno, op, datatype=item.datatype, cas=item.cas, body=body
-                    )  # raises, or writes it when only the byte total needed a closer look
-                    high, stored_bytes = seqno, self._bytes
-                    continue
-                stored = pack_prefix(tags[op], item.datatype, key_size, item.cas) + body
-                by_key_key = prefix_of_vb + key
-                if by_key_key in keys:  # written earlier in this batch: drop that version
-                    old_seqno = BY_KEY_VALUE.unpack(keys[by_key_key][1])[0]
-                    stored_bytes -= len(records.pop(pack_seqno(vb, old_seqno)))
-                records[pack_seqno(vb, seqno)] = stored
-                keys[by_key_key] = (vb, pack_by_key(seqno, op))
-                stored_bytes += len(stored)
-                high = seqno
-        except struct.error as error:
-            raise ValueError(f"vb {vb}: a field out of range: {error}") from None
-        finally:
-            row.high_seqno, self._bytes = high, stored_bytes
+    def _put_bodies_one_by_one(self, vb: int, items: Sequence[BodyItem]) -> None:
+        for item in items:  # bounded by the run
+            put = item.key, item.seqno, item.op
+            self.put_body(vb, *put, datatype=item.datatype, cas=item.cas, body=item.body)
 
     def put_prepare(
         self,
@@ -477,27 +451,26 @@ class WriteBatch:
         self._open = False
         self._records.clear()
         self._keys.clear()
+        self._mutations.clear()
         self._prepared.clear()
 
     def _apply_items(
         self, txn: lmdb.Transaction[bytes], by_seqno: lmdb._Database, by_key: lmdb._Database
     ) -> None:
         count_delta = dict.fromkeys(self._rows, 0)
+        count_delta.update(self._mutations)
         found = txn.cursor(db=by_key).getmulti(list(self._keys))
-        for key, old in found:
-            vb = self._keys[key][0]
+        for key, old in found:  # the versions this batch replaces (updates, not inserts)
+            vb = VB_KEY.unpack_from(key)[0]
             old_seqno, old_op = decode_by_key_value(vb, old)
             if not txn.delete(SEQNO_KEY.pack(vb, old_seqno), db=by_seqno):
                 raise CorruptRecordError(vb, old_seqno, "by_key points at a missing record")
             count_delta[vb] -= old_op == Op.MUTATION
-        for vb, by_key_value in self._keys.values():
-            count_delta[vb] += by_key_value[8] == Op.MUTATION
         # Sorting the records first was measured: no faster (the same pages are touched).
         consumed, added = txn.cursor(db=by_seqno).putmulti(self._records.items(), dupdata=False)
         assert consumed == added == len(self._records), (consumed, added, len(self._records))
-        items = [(key, by_key_value) for key, (_, by_key_value) in self._keys.items()]
-        consumed, added = txn.cursor(db=by_key).putmulti(items, dupdata=False)
-        assert consumed == added == len(items), (consumed, added, len(items))
+        consumed, added = txn.cursor(db=by_key).putmulti(self._keys.items(), dupdata=False)
+        assert consumed == added == len(self._keys), (consumed, added, len(self._keys))
         for vb, delta in count_delta.items():
             row = self._rows[vb]
             row.item_count += delta
@@ -524,11 +497,14 @@ class WriteBatch:
             )
         by_key_key = _VB_PREFIXES[vb] + key
         previous = self._keys.get(by_key_key)
+        mutations = self._mutations.get(vb, 0) + (op == Op.MUTATION)
         if previous is not None:  # the key was written earlier in this batch: drop that version
-            previous_seqno = BY_KEY_VALUE.unpack(previous[1])[0]
+            previous_seqno, previous_op = BY_KEY_VALUE.unpack(previous)
             self._bytes -= len(self._records.pop(_pack_seqno_key(vb, previous_seqno)))
+            mutations -= previous_op == Op.MUTATION
+        self._mutations[vb] = mutations
         self._records[_pack_seqno_key(vb, seqno)] = stored
-        self._keys[by_key_key] = (vb, _pack_by_key_value(seqno, op))
+        self._keys[by_key_key] = _pack_by_key_value(seqno, op)
         self._bytes += len(stored)
         row.high_seqno = seqno
 
