@@ -1,19 +1,26 @@
-"""``changefeed stream --state S --output F`` killed with SIGKILL loses nothing and repeats at most
-its last batch.
+"""``changefeed stream --state S --output F`` killed with SIGKILL loses nothing and writes every
+change once.
 
 The command appends to F and saves S atomically after each batch it has written and synced
 (a batch: what arrived since the last commit, at most ``COMMIT_LINES_MAX`` lines plus one read),
-so after a crash S is never ahead of F, and F is ahead of S by at most one batch. The
-scenario: a first run streams to the latest seqnos; then ``--follow`` runs are killed with
-SIGKILL while the node takes writes (the first one during a large backfill); a last run
-finishes. Checked against a fresh DCP stream of the node (the truth), field by field:
+with F's length then, so after a crash S is never ahead of F, and F is ahead of S by at most one
+batch; a rerun cuts F back to the length S names and streams that batch again. The scenario: a
+first run streams to the latest seqnos; then ``--follow`` runs are killed with SIGKILL while the
+node takes writes (the first one during a large backfill); a last run finishes. Checked against
+a fresh DCP stream of the node (the truth), field by field:
 
-* every line of F is whole JSON, and the lines past what S said at a kill form a suffix of F at
-  that moment, no longer than one batch (the "last batch twice");
-* without those suffixes, seqnos rise strictly per vbucket (every change at most once);
-* every change the truth holds is in F once, with every field equal; a change in F that the
-  truth no longer holds was superseded by a later change of its key (deduplication), so the
-  newest change per key in F equals the truth's, every field.
+* at each kill, every line of F is whole JSON but maybe the last, the lines past what S said
+  form a suffix of F, no longer than one batch, and S's length of F is where that suffix
+  starts; the next run keeps F up to there, byte for byte, and starts each vbucket past S;
+* in the final F, seqnos rise strictly per vbucket (every change at most once, even the ones a
+  killed run had written past its state);
+* every change the truth holds is in F, with every field equal; a change in F that the truth no
+  longer holds was superseded by a later change of its key (deduplication), so the newest
+  change per key in F equals the truth's, every field.
+
+(The runs used to keep the lines past S. A run killed soon after its first commit, before it
+streamed past them again in every vbucket, then left lines far from F's end that its S did not
+cover: the flake that ``test_stream_rerun_cut.py`` reproduces deterministically.)
 """
 
 from __future__ import annotations
@@ -65,8 +72,9 @@ OPS = {
 class Kill:
     """What was on disk when a --follow run was killed."""
 
-    lines: int  # lines of the output file when the next run started
+    output: bytes  # the output file as the kill left it
     state: dict[int, int]  # vb -> seqno, as the state file said
+    committed: int  # the output's length the state file says was synced
 
 
 @dataclass
@@ -114,10 +122,18 @@ def run_to_latest(node: NodeProcess, state: Path, output: Path) -> None:
     assert "Traceback" not in result.stderr, result.stderr
 
 
-def state_seqnos(state: Path) -> dict[int, int]:
+def read_state(state: Path) -> tuple[dict[int, int], int]:
+    """vb -> seqno, and the output length the state says was synced (format 2)."""
     if not state.exists():
-        return {}
-    return {int(vb): entry["seqno"] for vb, entry in json.loads(state.read_text()).items()}
+        return {}, 0
+    raw = json.loads(state.read_text())
+    assert raw["format"] == 2, raw.keys()
+    seqnos = {int(vb): entry["seqno"] for vb, entry in raw["vbuckets"].items()}
+    return seqnos, raw["output"]["size"]
+
+
+def state_seqnos(state: Path) -> dict[int, int]:
+    return read_state(state)[0]
 
 
 def line_count(output: Path) -> int:
@@ -156,7 +172,8 @@ async def follow_and_kill(
         process.wait(10)
         if process.stderr is not None:
             process.stderr.close()
-    return Kill(lines=line_count(output), state=state_seqnos(state))
+    seqnos, committed = read_state(state)
+    return Kill(output=output.read_bytes(), state=seqnos, committed=committed)
 
 
 def record(cols: Any, i: int) -> dict[str, Any]:
@@ -196,36 +213,43 @@ async def truth(node: NodeProcess) -> list[dict[str, Any]]:
     return records
 
 
-def check_output(lines: list[str], kills: list[Kill], expected: list[dict[str, Any]]) -> None:
-    records = [json.loads(line) for line in lines]  # every line whole JSON
+def check_kill(kill: Kill, final: bytes) -> None:
+    """The output at a kill (``kill.output``) against its state, and what the next run kept."""
+    whole = kill.output[: kill.output.rfind(b"\n") + 1]  # a last line may be unfinished
+    lines = whole.splitlines(keepends=True)
+    records = [json.loads(line) for line in lines]  # every finished line whole JSON
+    # Lines past the state at the kill: a suffix of what the file held, one batch at most.
+    ahead = [n for n, r in enumerate(records) if r["seqno"] > kill.state.get(r["vb"], 0)]
+    kept = len(lines) - len(ahead)
+    assert ahead == list(range(kept, len(lines))), ahead[:20]
+    assert len(ahead) <= BATCH_LINES_MAX, len(ahead)
+    # The state's length of the output is where that suffix starts...
+    assert kill.committed == sum(len(line) for line in lines[:kept]), (kill.committed, kept)
+    # ...and the next run kept the output up to there, byte for byte, and cut the rest.
+    assert final[: kill.committed] == kill.output[: kill.committed]
+    print(f"killed at {len(lines)} lines, {len(ahead)} of them past the state (cut)")
+    # The next run resumed exactly at the state: its first line of each vb is past it.
+    first_after: dict[int, int] = {}
+    for line in final[kill.committed :].splitlines():
+        r = json.loads(line)
+        first_after.setdefault(r["vb"], r["seqno"])
+    for vb, seqno in first_after.items():
+        assert seqno > kill.state.get(vb, 0), (vb, seqno, kill.state.get(vb))
+
+
+def check_output(final: bytes, kills: list[Kill], expected: list[dict[str, Any]]) -> None:
+    records = [json.loads(line) for line in final.splitlines()]  # every line whole JSON
     assert all(r["op"] != "rollback" for r in records)  # the node never restarted
-    repeated: set[int] = set()
     for kill in kills:
-        # Lines past the state at the kill: a suffix of what the file held, one batch at most.
-        ahead = [
-            n
-            for n in range(kill.lines)
-            if records[n]["seqno"] > kill.state.get(records[n]["vb"], 0)
-        ]
-        assert ahead == list(range(kill.lines - len(ahead), kill.lines)), ahead[:20]
-        assert len(ahead) <= BATCH_LINES_MAX, len(ahead)
-        repeated.update(ahead)
-        print(f"killed at {kill.lines} lines, {len(ahead)} of them past the state")
-        # The next run resumed exactly at the state: its first line of each vb is past it.
-        first_after: dict[int, int] = {}
-        for r in records[kill.lines :]:
-            first_after.setdefault(r["vb"], r["seqno"])
-        for vb, seqno in first_after.items():
-            assert seqno > kill.state.get(vb, 0), (vb, seqno, kill.state.get(vb))
-    once = [r for n, r in enumerate(records) if n not in repeated]
+        check_kill(kill, final)
     last: dict[int, int] = {}
-    for r in once:
+    for r in records:  # no line twice: what a killed run wrote past its state was cut
         assert r["seqno"] > last.get(r["vb"], 0), f"vb {r['vb']}: seqno {r['seqno']} twice"
         last[r["vb"]] = r["seqno"]
-    by_position = {(r["vb"], r["seqno"]): r for r in once}
+    by_position = {(r["vb"], r["seqno"]): r for r in records}
     missing = [r for r in expected if by_position.get((r["vb"], r["seqno"])) != r]
     assert not missing, f"{len(missing)} changes missing or different, e.g. {missing[:3]}"
-    newest = {r["key"]: r for r in once}
+    newest = {r["key"]: r for r in records}
     assert newest == {r["key"]: r for r in expected}
 
 
@@ -248,7 +272,7 @@ def test_stream_killed_mid_way_resumes_without_loss(
         await workload.write(node, 1000)
         run_to_latest(node, state, output)
         assert output.read_bytes().endswith(b"\n")
-        check_output(output.read_text().splitlines(), kills, await truth(node))
+        check_output(output.read_bytes(), kills, await truth(node))
 
     asyncio.run(scenario())
     assert node.errors_in_log() == []

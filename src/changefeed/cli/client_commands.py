@@ -291,7 +291,8 @@ def _parse_vbuckets(ctx: click.Context, param: click.Parameter, spec: str) -> li
     "--output",
     type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
     default="-",
-    help="Append JSON lines to this file (never truncated); '-' is stdout.",
+    help="Append JSON lines to this file; '-' is stdout. With --state, a rerun first cuts "
+    "what the last run wrote after its last saved state (it streams those lines again).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (on stderr).")
 @click.option(
@@ -320,15 +321,17 @@ def stream(
 ) -> None:
     """Stream changes as JSON lines (one object per change or rollback).
 
-    The output is appended to, never truncated. With --state, the state is saved atomically
-    after each batch is written and synced, so after a crash (even kill -9) the output is
-    ahead of the state by at most one batch: a rerun with the same --state and --output
-    repeats at most that batch, and first removes a last line the crash left unfinished.
+    The output is appended to. With --state, the state is saved atomically after each batch is
+    written and synced, together with the output's length then, so after a crash (even kill -9)
+    the output is ahead of the state by at most one batch. A rerun with the same --state and
+    --output first cuts the output back to that length and streams the batch again: each
+    change is written once, however many runs are killed.
     """
-    resume = _load_state(state_file)
+    saved = _load_state(state_file)
+    resume, mark = saved if saved is not None else (None, None)
     to_stdout = str(output) == "-"
     if not to_stdout:
-        _check_output(output, state_file, resume)
+        _check_output(output, resume, mark)
     target = Target(host, port, user)
     config = ClientConfig(
         host=host, port=port, bucket=bucket, user=user, password=password, to_latest=not follow
@@ -350,7 +353,13 @@ def stream(
                 sink.commit(client.session)
 
     with _open_output(output) as handle:
-        sink = _Sink(handle, "stdout" if to_stdout else str(output), state_file)
+        sink = _Sink(
+            handle,
+            "stdout" if to_stdout else str(output),
+            state_file,
+            path=None if to_stdout else output,
+            carried=resume,
+        )
         if state_file is not None and resume is None and start == "beginning":
             # A state before the first line, so a run killed before its first commit leaves
             # one (see _check_output). Not for --from now: an empty state means the beginning.
@@ -377,11 +386,89 @@ def stream(
         click.echo(f"{sink.changes} changes", err=True)
 
 
-def _load_state(state_file: Path | None) -> SessionState | None:
+@dataclass(frozen=True, slots=True)
+class OutputMark:
+    """The output file as the commit that saved a state left it: which file, and how long.
+
+    Saved with the state because the sessions alone cannot say where the lines they cover end.
+    A run killed after a commit leaves lines past it; a rerun resumes from the state and writes
+    those changes again. Left in place they would sit in the middle of the output, covered by
+    no state until some run streamed past them again: a run killed before that (soon after
+    its first commit, on a loaded machine) left lines far from the end that its state did not
+    cover, and the next run wrote them a third time. So a rerun cuts the output back here.
+    """
+
+    path: str  # the output's real path (absolute, links resolved)
+    device: int
+    inode: int
+    size: int  # bytes the commit had written and synced
+
+    @classmethod
+    def of(cls, path: Path, fd: int) -> OutputMark:
+        """The mark of the open output ``fd`` (flushed) named ``path``."""
+        status = os.fstat(fd)
+        return cls(os.path.realpath(path), status.st_dev, status.st_ino, status.st_size)
+
+    def names(self, output: Path) -> bool:
+        """Whether ``output`` is the very file this mark was taken of (not a new file at the
+        same path after a rotation, nor another path)."""
+        try:
+            status = output.stat()
+        except FileNotFoundError:
+            return False
+        return (os.path.realpath(output), status.st_dev, status.st_ino) == (
+            self.path,
+            self.device,
+            self.inode,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "device": self.device, "inode": self.inode, "size": self.size}
+
+    @classmethod
+    def from_dict(cls, raw: object) -> OutputMark:
+        """Raises ValueError for a malformed entry."""
+        if not isinstance(raw, dict):
+            raise ValueError("its output entry is not an object")
+        try:
+            mark = cls(str(raw["path"]), int(raw["device"]), int(raw["inode"]), int(raw["size"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"its output entry is invalid: {error!r}") from None
+        if mark.size < 0:
+            raise ValueError(f"its output entry has a negative size {mark.size}")
+        return mark
+
+
+# The state file: {"format": 2, "output": OutputMark or null, "vbuckets": SessionState}. Files
+# of the first format hold the bare SessionState (no output mark) and are still read.
+STATE_FORMAT = 2
+
+
+def _state_text(session: SessionState, mark: OutputMark | None) -> str:
+    output = None if mark is None else mark.to_dict()
+    return json.dumps({"format": STATE_FORMAT, "output": output, "vbuckets": session.to_dict()})
+
+
+def _parse_state(text: str) -> tuple[SessionState, OutputMark | None]:
+    """A state file's sessions and output mark. Raises ValueError for a malformed file."""
+    try:
+        raw = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"session state is not JSON: {error}") from None
+    if not isinstance(raw, dict) or "format" not in raw:
+        return SessionState.from_dict(raw), None  # the first format: sessions only
+    if raw["format"] != STATE_FORMAT:
+        raise ValueError(f"format {raw['format']!r} is not {STATE_FORMAT} (a newer changefeed?)")
+    output = raw.get("output")
+    mark = None if output is None else OutputMark.from_dict(output)
+    return SessionState.from_dict(raw.get("vbuckets")), mark
+
+
+def _load_state(state_file: Path | None) -> tuple[SessionState, OutputMark | None] | None:
     if state_file is None or not state_file.exists():
         return None
     try:
-        return SessionState.from_json(state_file.read_text())
+        return _parse_state(state_file.read_text())
     except ValueError as error:
         raise click.ClickException(f"state file {state_file}: {error}") from None
     except OSError as error:
@@ -390,12 +477,17 @@ def _load_state(state_file: Path | None) -> SessionState | None:
         ) from None
 
 
-def _check_output(output: Path, state_file: Path | None, resume: SessionState | None) -> None:
-    """Refuse to add a second copy of changes; trim a line a killed run left unfinished.
+def _check_output(output: Path, resume: SessionState | None, mark: OutputMark | None) -> None:
+    """Refuse to add a second copy of changes; cut what a killed run wrote past its state.
 
     An output that holds lines is appended to only when a state file says where they end.
     A run from the beginning saves its state before the first line, so even one killed before
     its first commit leaves a state; one from ``now`` saves it with the first batch.
+
+    When the state's mark names this very file, the file is cut back to the length the mark
+    says was synced (the lines past it are streamed again), and a file shorter than that lost
+    lines the state covers: refused. Another file (a rotated output, a first-format state)
+    only loses a last line left unfinished.
     """
     size = output.stat().st_size if output.exists() else 0
     if size and resume is None:
@@ -404,12 +496,39 @@ def _check_output(output: Path, state_file: Path | None, resume: SessionState | 
             "remove it, or pass the --state it was written with",
             param_hint="'--output'",
         )
+    if mark is not None and mark.names(output):
+        if size < mark.size:
+            raise click.BadParameter(
+                f"{output} holds {size:,} bytes but its --state says {mark.size:,} were "
+                "written and synced: lines the state covers are gone (restore the file, or "
+                "start a new output)",
+                param_hint="'--output'",
+            )
+        if size > mark.size:
+            _truncate(output, mark.size)
+            click.echo(
+                f"note: removed {size - mark.size:,} bytes of {output} written after its last "
+                "saved state; they are streamed again",
+                err=True,
+            )
+        return
     if size:
         trimmed = _trim_unfinished_line(output)
         if trimmed:
             click.echo(
                 f"note: removed {trimmed} bytes of an unfinished last line of {output}", err=True
             )
+
+
+def _truncate(path: Path, size: int) -> None:
+    """Cut ``path`` to ``size`` bytes, durably (before anything is appended after them)."""
+    try:
+        with open(path, "r+b") as handle:
+            handle.truncate(size)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        raise click.ClickException(f"cannot cut {path} back: {error.strerror}") from None
 
 
 def _trim_unfinished_line(path: Path) -> int:
@@ -453,21 +572,35 @@ class _Sink:
     """Where ``stream`` puts what it reads: JSON lines, and the state saved behind them.
 
     ``commit`` flushes and fsyncs the output, then replaces the state file atomically (temp
-    file, fsync, rename). So the state never claims a line the output does not hold, and the
-    output holds at most the lines since the last commit beyond it: the batch a crash may
-    repeat. ``written`` commits once ``COMMIT_LINES_MAX`` lines or ``COMMIT_INTERVAL_S`` have
-    gone by (a commit per read would spend more on fsync than on streaming), and when the
-    stream pauses a timer commits what is left.
+    file, fsync, rename) with the sessions and the output's length (``OutputMark``). So the
+    state never claims a line the output does not hold, and the output holds at most the
+    lines since the last commit beyond it, which a rerun cuts (``_check_output``).
+    ``written`` commits once ``COMMIT_LINES_MAX`` lines or ``COMMIT_INTERVAL_S`` have gone by
+    (a commit per read would spend more on fsync than on streaming), and when the stream
+    pauses a timer commits what is left.
 
     The timer runs between steps of the event loop, when the session matches the lines
     written: ``DcpClient.events()`` applies an event to the session and yields it with no
     await in between, and the lines of an event are written with no await either.
     """
 
-    def __init__(self, output: TextIO, name: str, state_file: Path | None) -> None:
+    def __init__(
+        self,
+        output: TextIO,
+        name: str,
+        state_file: Path | None,
+        *,
+        path: Path | None = None,
+        carried: SessionState | None = None,
+    ) -> None:
+        """``path``: the output file's (None: stdout), saved in the state with its length.
+        ``carried``: the state resumed from; its vbuckets this run does not stream (see
+        ``--vbuckets``) are saved as they were, not dropped from the state file."""
         self._output = output
         self._name = name
+        self._path = path
         self._state_file = state_file
+        self._carried = {} if carried is None else dict(carried.vbuckets)
         self._sync = _is_regular_file(output)
         self._whole = True  # False while (or after) a write fails part-way
         self._uncommitted = 0  # lines written since the last commit
@@ -558,14 +691,19 @@ class _Sink:
             self._output.flush()
             if self._sync:
                 os.fsync(self._output.fileno())
+            mark = None
+            if self._sync and self._path is not None:
+                mark = OutputMark.of(self._path, self._output.fileno())
         except OSError as error:
             raise click.ClickException(f"cannot write {self._name}: {error.strerror}") from None
         self._uncommitted = 0
         self._committed_at = time.monotonic()
         if self._state_file is None:
             return
+        if self._carried:
+            session = SessionState({**self._carried, **session.vbuckets})
         try:
-            _save_atomically(self._state_file, session.to_json())
+            _save_atomically(self._state_file, _state_text(session, mark))
         except OSError as error:
             raise click.ClickException(
                 f"cannot save state file {self._state_file}: {error.strerror}"

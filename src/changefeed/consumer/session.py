@@ -176,8 +176,13 @@ class SessionState:
         for vbucket, run in _by_vbucket(vbuckets, seqnos):
             self.get(vbucket).on_items(run)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready form (vbucket as a string -> its session), for embedding in a larger
+        document (``changefeed stream`` saves it beside where its output was synced)."""
+        return {str(vb): s.to_dict() for vb, s in sorted(self.vbuckets.items())}
+
     def to_json(self) -> str:
-        return json.dumps({str(vb): s.to_dict() for vb, s in sorted(self.vbuckets.items())})
+        return json.dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str) -> SessionState:
@@ -186,6 +191,11 @@ class SessionState:
             raw = json.loads(text)
         except ValueError as error:
             raise ValueError(f"session state is not JSON: {error}") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: object) -> SessionState:
+        """``to_dict``'s form, as decoded from JSON. Raises ValueError for malformed state."""
         if not isinstance(raw, dict):
             raise ValueError("session state must be a JSON object of vbucket -> state")
         state = cls()
