@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, cast
 
 from changefeed import limits
 from changefeed.checkpoint.checkpoint import SYNC_OPS, Checkpoint
@@ -502,12 +502,13 @@ class CheckpointManager:
             self._enter_next(cursor)
 
     def next_run(
-        self, cursor: Cursor, items_max: int, bytes_max: int
+        self, cursor: Cursor, items_max: int, bytes_max: int | None = None
     ) -> Event | ItemRun | CursorSignal:
         """`next_event`, except that items following in the cursor's checkpoint come as one
         list: at most `items_max`, and no more once they are charged `bytes_max` bytes
-        (`item_size_bytes`)."""
-        assert items_max > 0 and bytes_max > 0, (items_max, bytes_max)
+        (`item_size_bytes`; None: no byte bound, and `charged_bytes` is 0 — a stream's items
+        are shared, not copied)."""
+        assert items_max > 0 and (bytes_max is None or bytes_max > 0), (items_max, bytes_max)
         if not cursor.attached or cursor.pending_marker is not None:
             return self.next_event(cursor)
         items = cursor.checkpoint.items
@@ -516,9 +517,14 @@ class CheckpointManager:
         if not isinstance(first, Item):
             return self.next_event(cursor)  # a marker, a hole, or the next checkpoint
         assert first.seqno > cursor.last_seqno, (cursor, first)
-        run: list[Item] = []
-        size = 0
         stop = min(len(items), index + items_max)
+        if bytes_max is None:  # past CHECKPOINT_START a checkpoint holds items and holes only
+            run = cast("list[Item]", [slot for slot in items[index:stop] if slot is not None])
+            cursor.index = stop - 1
+            cursor.last_seqno = run[-1].seqno
+            return ItemRun(run, 0)
+        run = []
+        size = 0
         for slot in items[index:stop]:  # bounded by items_max; only items and holes here
             index += 1
             if slot is not None:

@@ -25,13 +25,13 @@ on disk (asserted).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal, cast
+from typing import Literal
 
 from changefeed import limits
 from changefeed.checkpoint.backfill import Backfill, StoredRun
 from changefeed.checkpoint.cursor import Cursor, CursorKind, Event
 from changefeed.checkpoint.item import Item
-from changefeed.checkpoint.manager import CheckpointManager
+from changefeed.checkpoint.manager import CheckpointManager, ItemRun
 from changefeed.checkpoint.snapshot import CAUGHT_UP, DROPPED, CursorSignal, SnapshotStart
 from changefeed.storage import Store
 
@@ -180,23 +180,22 @@ class StreamReader:
                     if bytes_max <= 0:
                         break  # as much as the caller can send has been read from disk
                 continue
-            events = self._manager.read(self._cursor, room)
-            if events:
-                room -= len(events)
-                self._split_runs(events, runs)
-                if room == 0:
-                    break
-            # read() stopped short: the cursor is caught up or was dropped (it says which).
-            signal = self._manager.next_event(self._cursor)
-            if signal is DROPPED:
+            got = self._manager.next_run(self._cursor, room)
+            if isinstance(got, ItemRun):
+                room -= len(got.items)
+                runs.append(self._track_run(got.items))
+            elif isinstance(got, SnapshotStart):
+                room -= 1
+                runs.append(self._track_run(got))
+            elif isinstance(got, Item):  # one item after a hole
+                room -= 1
+                runs.append(self._track_run([got]))
+            elif got is DROPPED:
                 self.stats["drops"] += 1
                 self._cursor = self._register()
-                continue
-            if signal is CAUGHT_UP:
+            else:
+                assert got is CAUGHT_UP, got
                 break
-            assert not isinstance(signal, CursorSignal), signal
-            room -= 1
-            self._split_runs([signal], runs)
         return runs
 
     def __iter__(self) -> Iterator[Event]:
@@ -278,24 +277,6 @@ class StreamReader:
         assert self._position <= backfill.end_seqno, (self._position, backfill.end_seqno)
         self._position = backfill.end_seqno  # consistent at the disk snapshot's end
         self._cursor = self._register()
-
-    def _split_runs(self, events: list[Event], runs: list[Run]) -> None:
-        """Append `events` from memory to `runs`: markers alone, the items between them as lists."""
-        kinds = list(map(type, events))
-        if SnapshotStart not in kinds:  # the common case, checked in C: a run of items only
-            runs.append(self._track_run(cast(list[Item], events)))
-            return
-        start = 0
-        for at, kind in enumerate(kinds):  # bounded by the events
-            if kind is SnapshotStart:
-                if at > start:
-                    runs.append(self._track_run(cast(list[Item], events[start:at])))
-                marker = events[at]
-                assert isinstance(marker, SnapshotStart), marker
-                runs.append(self._track_run(marker))
-                start = at + 1
-        if start < len(events):
-            runs.append(self._track_run(cast(list[Item], events[start:])))
 
     def _track_run(self, run: Run) -> Run:
         """`_track` for a run: the manager and the scan checked each item's order, so check the
