@@ -90,8 +90,6 @@ def test_put_bodies_writes_what_put_body_writes_one_by_one(
     ("bad", "message"),
     [
         (dataclasses.replace(body_item(3, b"k", Op.MUTATION, b"v"), seqno=2), "high seqno"),
-        (dataclasses.replace(body_item(4, b"k", Op.MUTATION, b"v"), key=b"x"), "does not hold"),
-        (dataclasses.replace(body_item(4, b"k", Op.MUTATION, b"v"), seqno=5), "another seqno"),
         (dataclasses.replace(body_item(4, b"k", Op.MUTATION, b"v"), datatype=8), "datatype"),
         (dataclasses.replace(body_item(4, b"k", Op.MUTATION, b"v"), cas=-1), "out of range"),
     ],
@@ -106,3 +104,24 @@ def test_a_bad_item_refuses_and_keeps_the_items_before_it(
                 batch.put_bodies(0, [good, bad])  # type: ignore[list-item]
             batch.put_bodies(0, [body_item(4, b"after", Op.MUTATION, b"a")])  # 3 was taken
         assert [r.key for r in store.scan(0, 0, store.high_seqno(0))] == [b"k1", b"g", b"after"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (dataclasses.replace(body_item(4, b"k", Op.MUTATION, b"v"), key=b"x"), "does not hold"),
+        (dataclasses.replace(body_item(4, b"k", Op.MUTATION, b"v"), seqno=5), "another seqno"),
+    ],
+)
+def test_a_body_that_does_not_hold_its_key_and_seqno(
+    tmp_path: Path, bad: Body, message: str
+) -> None:
+    """put_body checks the body; put_bodies relies on the BodyItem contract (the checkpoint
+    builds bodies from the fields) and asserts it at a run's ends."""
+    with fresh_store(tmp_path) as store, store.write_batch() as batch:
+        with pytest.raises(ValueError, match=message):
+            batch.put_body(
+                0, bad.key, bad.seqno, bad.op, datatype=bad.datatype, cas=bad.cas, body=bad.body
+            )
+        with pytest.raises(AssertionError):
+            batch.put_bodies(0, [body_item(3, b"g", Op.MUTATION, b"good"), bad])
