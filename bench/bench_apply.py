@@ -1,0 +1,153 @@
+"""Write-path benchmark, in process: what a node spends per change it takes, minus the socket.
+
+Rows (CPU time with ``time.process_time``; each row runs ``--repeat`` times on a fresh bucket
+and the best run is shown; the node's interpreter settings, ``server/node.py``
+``tune_interpreter``, apply while timing, as in a node process):
+
+* replica apply: ``ReplicaFeed._on_push`` of decoded DCP batches (one per vbucket, 16
+  vbuckets, a memory snapshot each), what a replica does with what its active sends: runs
+  checked and queued per vbucket, a mutation's frame body taken as its item's body.
+* replica flush: the flushers writing what the apply queued (non-durable LMDB: CPU, not the
+  drive).
+* peer, decode only: ``decode_batch`` of the same buffers, all a DCP consumer does per item
+  before its application sees the change (the catch-up goal of issue 11 compares a replica
+  with such a consumer).
+* client SETs: ``Bucket.set_run`` of runs of 1,000 plain SETs spread over 64 vbuckets (what the
+  node does with a received buffer of SETs, minus parsing and replies), then the flush.
+
+Command: ``.venv/bin/python bench/bench_apply.py`` (``--items``, ``--repeat``); docs/benchmarks.md
+has results. The end-to-end rows with peers in the same run are bench_cluster.py (catch-up)
+and bench_node.py (ingest against Redis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
+from changefeed.protocol.batch import decode_batch
+from changefeed.protocol.dcp_items import Mutation, encode_mutation
+from changefeed.protocol.set_run import SetRun
+from changefeed.protocol.snapshot_marker import (
+    MarkerFlag,
+    SnapshotMarker,
+    encode_snapshot_marker,
+)
+from changefeed.server.bucket import Bucket
+from changefeed.server.node import tune_interpreter
+from changefeed.vbmap import NodeAddress
+from changefeed.vbucket_state import VBucketState
+from support.buckets import ManualClock, open_bucket
+
+REPLICA_VBUCKETS = 16
+CLIENT_VBUCKETS = 64
+SET_RUN_ITEMS = 1000
+VALUE = b"x" * 100
+
+
+@contextmanager
+def fresh_bucket(vbuckets: int) -> Iterator[Bucket]:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-apply-") as directory,
+        open_bucket(Path(directory), ManualClock(), vbuckets=vbuckets, seed=3) as bucket,
+    ):
+        yield bucket
+
+
+def replica_buffers(items: int) -> list[bytes]:
+    per = items // REPLICA_VBUCKETS
+    buffers = []
+    for vb in range(REPLICA_VBUCKETS):
+        frames = [encode_snapshot_marker(SnapshotMarker(vb, 1, 1, per, MarkerFlag.MEMORY))]
+        frames += [
+            encode_mutation(Mutation(vb, 1, seqno, b"key-%d-%d" % (vb, seqno), VALUE, 1000 + seqno))
+            for seqno in range(1, per + 1)
+        ]
+        buffers.append(b"".join(frames))
+    return buffers
+
+
+def timed(step: Callable[[], object]) -> float:
+    started = time.process_time()
+    step()
+    return time.process_time() - started
+
+
+def replica_run(buffers: list[bytes], items: int) -> tuple[float, float, float]:
+    decode = timed(lambda: [decode_batch(buffer) for buffer in buffers])
+    batches = [decode_batch(buffer) for buffer in buffers]
+    with fresh_bucket(REPLICA_VBUCKETS) as bucket:
+        for vb in range(REPLICA_VBUCKETS):
+            bucket.vbucket(vb).set_state(VBucketState.REPLICA)
+        source = NodeAddress("active", "127.0.0.1", 1)
+        feed = ReplicaFeed(bucket, source, set(range(REPLICA_VBUCKETS)), FeedOptions("me"))
+        apply = timed(lambda: [feed._on_push(batch) for batch in batches])
+        assert feed._failure is None, feed._failure
+        flush = timed(lambda: [vbucket.flush() for vbucket in bucket.vbuckets.values()])
+        held = sum(vbucket.high_seqno for vbucket in bucket.vbuckets.values())
+        assert held == items, (held, items)
+    return decode, apply, flush
+
+
+def set_runs(items: int) -> list[SetRun]:
+    runs = []
+    for first in range(0, items, SET_RUN_ITEMS):
+        run = SetRun()
+        for i in range(first, min(items, first + SET_RUN_ITEMS)):
+            run.vbuckets.append(i % CLIENT_VBUCKETS)
+            run.opaques.append(i)
+            run.keys.append(b"key-%08d" % i)
+            run.values.append(VALUE)
+            run.flags.append(0)
+            run.expiries.append(0)
+            run.datatypes.append(0)
+        runs.append(run)
+    return runs
+
+
+def client_run(runs: list[SetRun], items: int) -> tuple[float, float]:
+    with fresh_bucket(CLIENT_VBUCKETS) as bucket:
+        apply = timed(lambda: [bucket.set_run(run) for run in runs])
+        flush = timed(lambda: [vbucket.flush() for vbucket in bucket.vbuckets.values()])
+        held = sum(vbucket.high_seqno for vbucket in bucket.vbuckets.values())
+        assert held == items, (held, items)
+    return apply, flush
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=100_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    items = args.items - args.items % REPLICA_VBUCKETS
+    tune_interpreter()
+    buffers, runs = replica_buffers(items), set_runs(items)
+    replica = [replica_run(buffers, items) for _ in range(args.repeat)]
+    client = [client_run(runs, items) for _ in range(args.repeat)]
+    columns = [*zip(*replica, strict=True), *zip(*client, strict=True)]
+    best = [min(column) * 1e6 / items for column in columns]
+    rows = [
+        ("peer: decode only (a DCP consumer)", best[0]),
+        ("replica apply (runs per vbucket)", best[1]),
+        ("replica flush", best[2]),
+        ("client SETs: Bucket.set_run", best[3]),
+        ("client SETs: flush", best[4]),
+    ]
+    print(f"{items:,} items of {len(VALUE)} bytes, best of {args.repeat}, CPU us per item")
+    for label, value in rows:
+        print(f"  {label:40s} {value:6.2f}")
+    replica_total = best[1] + best[2]
+    print(f"  replica apply + flush: {replica_total:.2f} us, {replica_total / best[0]:.1f}x "
+          "the decode-only peer")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
