@@ -441,15 +441,17 @@ class VBucket:
         CheckpointMemoryFullError (the run stops there: later seqnos are never used)."""
         if not items:
             return
+        full: CheckpointMemoryFullError | None = None
         try:
             queued = self.manager.queue_run(items)
         except CheckpointMemoryFullError as error:
             queued, full = 0, error
-        else:
-            full = CheckpointMemoryFullError(f"vb {self._vb}: checkpoint memory is full")
-        for index in answers[queued:]:
-            if index >= 0:
-                results[index] = full
+        if queued < len(items):
+            if full is None:
+                full = CheckpointMemoryFullError(f"vb {self._vb}: checkpoint memory is full")
+            for index in answers[queued:]:
+                if index >= 0:
+                    results[index] = full
         if queued:
             self._high_seqno, self._last_cas = items[queued - 1].seqno, items[queued - 1].cas
             if self._locks:
