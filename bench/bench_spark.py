@@ -813,7 +813,10 @@ def bench_typed(n: int, work: Path, out: list[str]) -> None:
     in the reader) next to Spark's JSON reader over the same documents as JSON lines, both
     into the noop sink, in one session; best of ``TYPED_RUNS`` each (the first pays worker
     start-up). With the schema given to both, and with inference (changefeed: sample of 100
-    per vbucket; Spark: a full pass over the file)."""
+    per vbucket; Spark: a full pass over the file). The first read waits for the node's
+    flusher to finish with the load (``CpuMeter.settle``); each row also gives CPU µs per
+    document (Spark side: this driver, the JVM, its Python workers; and the node) of its best
+    run, and the load average after the runs."""
     from changefeed.spark.session import local_session
 
     when = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -833,8 +836,11 @@ def bench_typed(n: int, work: Path, out: list[str]) -> None:
                     )
                 )
         loaded = time.perf_counter() - started
+        cpu = CpuMeter(node.pid)
+        settled = cpu.settle()  # the flusher done with the load: it would slow the first read
         say(out, f"\n## typed columns: {n:,} JSON documents of {TYPED_FIELDS} fields "
-                 f"({lines.stat().st_size / n:.0f} bytes each; load {loaded:.0f} s)")  # fmt: skip
+                 f"({lines.stat().st_size / n:.0f} bytes each; load {loaded:.0f} s, "
+                 f"settle {settled:.0f} s)")  # fmt: skip
         options = node.source_options(partitions="2")
         runs: list[tuple[str, Callable[[], Any]]] = [
             ("changefeed, schema given",
@@ -847,15 +853,22 @@ def bench_typed(n: int, work: Path, out: list[str]) -> None:
         ]  # fmt: skip
         results: dict[str, float] = {}
         for name, make in runs:
-            times = []
+            times: list[tuple[float, float, float]] = []  # seconds, CPU µs/doc Spark and node
             for _ in range(TYPED_RUNS):
+                cpu_before = cpu.sample()
                 begun = time.perf_counter()
                 df = make()
                 df.write.format("noop").mode("overwrite").save()
-                times.append(time.perf_counter() - begun)
-            results[name] = min(times)
-            say(out, f"  {name:<32} best {min(times):6.2f} s  ({n / min(times):>10,.0f} docs/s)"
-                     f"  runs {', '.join(f'{t:.2f}' for t in times)}")  # fmt: skip
+                seconds = time.perf_counter() - begun
+                cpu_after = cpu.sample()
+                times.append((seconds, *((a - b) * 1e6 / n for a, b in
+                                         zip(cpu_after, cpu_before, strict=True))))  # fmt: skip
+            best = min(times)
+            results[name] = best[0]
+            say(out, f"  {name:<32} best {best[0]:6.2f} s  ({n / best[0]:>10,.0f} docs/s)  "
+                     f"CPU µs/doc Spark {best[1]:.2f} node {best[2]:.2f}  "
+                     f"runs {', '.join(f'{t[0]:.2f}' for t in times)}  "
+                     f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
         for kind, peer in (("schema given", "schema given"), ("inferSchema", "inferred")):
             ours = results[f"changefeed, {kind}"]
             theirs = results[f"spark.read.json, {peer}"]
@@ -867,7 +880,7 @@ def bench_typed(n: int, work: Path, out: list[str]) -> None:
         node.stop(check=False)
 
 
-TYPED_RUNS = 2
+TYPED_RUNS = 3
 
 
 def say(out: list[str], line: str) -> None:

@@ -17,7 +17,7 @@ from changefeed.cli.node_process import NodeProcess
 from changefeed.spark.node_state import fetch_latest_sync
 from changefeed.spark.offsets import VbOffset
 from changefeed.spark.options import SourceOptions
-from changefeed.spark.reading import DataLossError, VbRange, read_ranges_sync
+from changefeed.spark.reading import DataLossError, VbRange, read_chunks_sync, read_ranges_sync
 from changefeed.spark.schema import ARROW_SCHEMA
 from support.nodes import NodeFactory
 
@@ -124,3 +124,31 @@ def test_batches_are_bounded_and_of_the_exact_schema(
     for vb, o in latest.items():
         rows = table.filter(pc.equal(table.column("vbucket"), vb))
         assert rows.column("seqno").to_pylist() == list(range(1, o.seqno + 1))
+
+
+@pytest.mark.timeout(120)
+def test_chunks_name_the_vbuckets_whose_rows_are_all_taken(
+    nodes: NodeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk's ``finished`` vbuckets have every row in it or in an earlier chunk (no later
+    chunk holds one of theirs); the set only grows, and names every vbucket at the end. From
+    disk the node backfills a few vbuckets of a connection at a time, so some finish early."""
+    node = nodes(vbuckets=16, args=FAST_NODE)
+    unique_keys(node, 8000, "f")
+    node.stop()
+    node.start()  # every read is a disk backfill
+    latest, _ = fetch_latest_sync(SourceOptions.parse(node.source_options()))
+    monkeypatch.setattr(limits, "ROWS_PER_BATCH_MAX", 500)
+    ranges = [VbRange(vb, VbOffset(), o.seqno, o.vb_uuid) for vb, o in latest.items()]
+    chunks = list(read_chunks_sync(SourceOptions.parse(node.source_options()), ranges))
+    assert len(chunks) >= 4, len(chunks)
+    seen: frozenset[int] = frozenset()
+    for at, chunk in enumerate(chunks):
+        assert chunk.finished >= seen, "finished vbuckets stay finished"
+        seen = chunk.finished
+        later = {vb for c in chunks[at + 1 :] for vb in c.batch.column("vbucket").to_pylist()}
+        assert not later & chunk.finished, (at, sorted(later & chunk.finished))
+    assert chunks[-1].finished == set(latest)
+    assert any(c.finished for c in chunks[:-1]), "some vbuckets finish before the last chunk"
+    rows = sum(c.batch.num_rows for c in chunks)
+    assert rows == sum(o.seqno for o in latest.values())

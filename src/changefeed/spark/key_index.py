@@ -28,12 +28,14 @@ Not here: what the table looks like or how a batch is written (``mirror.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-from deltalake import DeltaTable
+
+if TYPE_CHECKING:  # the batch read's workers hash keys too, and need no deltalake import
+    from deltalake import DeltaTable
 
 Hashes = npt.NDArray[np.uint64]
 

@@ -20,6 +20,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -40,6 +41,8 @@ from changefeed.protocol.status import Status
 from changefeed.spark.cluster import client_config, dcp_client
 from changefeed.spark.offsets import VbOffset
 from changefeed.spark.options import SourceOptions
+
+_T = TypeVar("_T")
 
 
 class DataLossError(RuntimeError):
@@ -63,10 +66,27 @@ class VbRange:
         return self.end_seqno != self.start.seqno or self.end_vb_uuid != self.start.vb_uuid
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A record batch of change rows, and the vbuckets complete once it is taken: every row of
+    theirs is in this batch or an earlier one. A snapshot read (``source.py``) can then hand on
+    a finished vbucket's rows while the others are still streaming, rather than hold the whole
+    partition until its last stream ends."""
+
+    batch: pa.RecordBatch
+    finished: frozenset[int]
+
+
 async def read_ranges(
     options: SourceOptions, ranges: list[VbRange]
 ) -> AsyncGenerator[pa.RecordBatch, None]:
     """Yield record batches of every change in ``ranges``; returns when every stream ended."""
+    async for chunk in read_chunks(options, ranges):
+        yield chunk.batch
+
+
+async def read_chunks(options: SourceOptions, ranges: list[VbRange]) -> AsyncGenerator[Chunk, None]:
+    """``read_ranges``, each batch with the vbuckets finished by then (``Chunk``)."""
     to_read = [r for r in ranges if r.needs_reading]
     if not to_read:
         return
@@ -92,7 +112,7 @@ async def read_ranges(
         async for batch in read_bounded(config, state, ends, directory=shm_dir):
             for row in batch.filter(pc.equal(batch.column("op"), "rollback")).to_pylist():
                 _refuse_data_loss(row["vbucket"], row["seqno"], ranges, options)
-            yield batch
+            yield Chunk(batch, frozenset())  # the ring does not say; all are, once it returns
         return
     snaps = {r.vbucket: (r.start.snap_start, r.start.snap_end) for r in to_read}
     planned = {r.vbucket: r.end_vb_uuid for r in to_read}
@@ -127,12 +147,12 @@ async def read_ranges(
             elif isinstance(event, Disconnected):
                 pass  # the client reconnects and resumes from what we already took
             if len(rows) >= limits.ROWS_PER_BATCH_MAX:
-                yield rows.to_batch()
+                yield Chunk(rows.to_batch(), frozenset(ends.keys() - unfinished))
                 rows = ChangeRows()
             if not unfinished:
                 break  # closing the connection ends the streams still open
         if len(rows):
-            yield rows.to_batch()
+            yield Chunk(rows.to_batch(), frozenset(ends))
 
 
 def branch_point(failover_log: list[tuple[int, int]], planned_uuid: int) -> int | None:
@@ -169,8 +189,16 @@ def _refuse_data_loss(
 
 def read_ranges_sync(options: SourceOptions, ranges: list[VbRange]) -> Iterator[pa.RecordBatch]:
     """Drive ``read_ranges`` on a private event loop, yielding batches as they are made."""
+    return _drive(read_ranges(options, ranges))
+
+
+def read_chunks_sync(options: SourceOptions, ranges: list[VbRange]) -> Iterator[Chunk]:
+    """Drive ``read_chunks`` on a private event loop, yielding chunks as they are made."""
+    return _drive(read_chunks(options, ranges))
+
+
+def _drive(generator: AsyncGenerator[_T, None]) -> Iterator[_T]:
     loop = asyncio.new_event_loop()
-    generator = read_ranges(options, ranges)
     try:
         while True:  # ends with StopAsyncIteration
             try:

@@ -18,7 +18,7 @@ lag behind them (``lag.py``), so a ``StreamingQueryListener`` sees it in each pr
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
@@ -37,9 +37,11 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from changefeed import limits
 from changefeed.consumer.change_rows import OP_MUTATION
 from changefeed.spark.documents import DocumentReader
 from changefeed.spark.inference import source_ddl
+from changefeed.spark.key_index import key_hashes
 from changefeed.spark.lag import Lag, LagTracker
 from changefeed.spark.node_state import fetch_latest_sync
 from changefeed.spark.offsets import (
@@ -50,7 +52,7 @@ from changefeed.spark.offsets import (
     offsets_to_json,
 )
 from changefeed.spark.options import OptionError, SourceOptions
-from changefeed.spark.reading import VbRange, read_ranges_sync
+from changefeed.spark.reading import VbRange, read_chunks_sync, read_ranges_sync
 from changefeed.spark.schema import ARROW_SCHEMA
 
 
@@ -176,28 +178,106 @@ class ChangefeedBatchReader(DataSourceReader):
         return group_ranges(ranges, self.options.partitions)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """Each finished vbucket's live rows, handed on while the partition's other vbuckets
+        still stream: the node backfills a few vbuckets of a connection at a time, so Spark
+        (and the parse) work on the first ones while the node reads the next."""
         assert isinstance(partition, VbucketGroup), partition
-        batches = list(read_ranges_sync(self.options, partition.ranges))
-        if not batches:
-            return
-        live = latest_live_rows(pa.Table.from_batches(batches, ARROW_SCHEMA)).combine_chunks()
-        for batch in live.to_batches():
-            yield batch if self.documents is None else self.documents.convert(batch)
+        pending = PendingRows()
+        for chunk in read_chunks_sync(self.options, partition.ranges):
+            pending.add(chunk.batch)
+            for table in pending.release(chunk.finished):
+                yield from self._convert(table)
+        for table in pending.release(None):
+            yield from self._convert(table)
+
+    def _convert(self, changes: pa.Table) -> Iterator[pa.RecordBatch]:
+        """The live rows of ``changes`` in batches of at most about ``ROWS_PER_BATCH_MAX``
+        (vbuckets that finish together, e.g. all at the end, come as one large table)."""
+        live = latest_live_rows(changes)
+        parts = -(-live.num_rows // limits.ROWS_PER_BATCH_MAX)
+        size = -(-live.num_rows // max(1, parts))  # even parts
+        for start in range(0, live.num_rows, max(1, size)):
+            part = live.slice(start, size)
+            if self.documents is not None:
+                yield self.documents.convert(part)
+            else:
+                yield from part.combine_chunks().to_batches()
+
+
+RELEASE_ROWS_MIN: Final = limits.ROWS_PER_BATCH_MAX  # rows of finished vbuckets worth a release
+
+
+class PendingRows:
+    """A snapshot read's change rows held until their vbucket's stream is complete: only then
+    is a key's newest version known (a vbucket's rows hold all of its keys' versions).
+
+    ``release`` hands on the rows of finished vbuckets once there are ``RELEASE_ROWS_MIN`` of
+    them (fewer rows per table would cost a parse call and an Arrow batch each), and keeps the
+    others; ``release(None)`` hands on everything (every stream has ended)."""
+
+    def __init__(self) -> None:
+        self._batches: list[pa.RecordBatch] = []
+        self._rows = 0
+        self._released: frozenset[int] = frozenset()
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows:
+            self._batches.append(batch)
+            self._rows += batch.num_rows
+
+    def release(self, finished: frozenset[int] | None) -> list[pa.Table]:
+        """The held rows of the ``finished`` vbuckets (None: of every vbucket), as one table,
+        when worth it; else nothing."""
+        if not self._rows:
+            return []
+        table = pa.Table.from_batches(self._batches, ARROW_SCHEMA)
+        if finished is None:
+            self._batches, self._rows = [], 0
+            return [table]
+        if finished == self._released or self._rows < RELEASE_ROWS_MIN:
+            return []  # nothing newly finished, or too few rows held to be worth a table
+        done = pc.is_in(table.column("vbucket"), pa.array(sorted(finished), pa.int32()))
+        count = pc.sum(done).as_py() or 0
+        if count < RELEASE_ROWS_MIN:
+            return []
+        self._released = finished
+        if count == table.num_rows:
+            self._batches, self._rows = [], 0
+            return [table]
+        rest = table.filter(pc.invert(done)).combine_chunks()
+        self._batches, self._rows = rest.to_batches(), rest.num_rows
+        return [table.filter(done)]
 
 
 def latest_live_rows(table: pa.Table) -> pa.Table:
-    """Keep each key's row with the highest seqno, then drop keys whose newest op is not a
-    mutation. (A snapshot read from seqno 0 never contains rollback rows.)"""
+    """Keep each key's last row (its newest: a key has one vbucket, and a vbucket's rows come
+    in seqno order, as the wire and ``PendingRows`` keep them), then drop keys whose newest op
+    is not a mutation. (A snapshot read from seqno 0 never contains rollback rows.)
+
+    Rows are copied only when some are dropped: a backfill from disk holds each key once, and
+    holds no deletions unless tombstones are still kept. Whether a key repeats is first asked
+    of 64-bit key hashes (distinct hashes mean distinct keys; a sort, ~5x cheaper than the
+    group-by), and the group-by runs only when two hashes are equal."""
     if table.num_rows == 0:
         return table
-    rows = pa.array(np.arange(table.num_rows, dtype=np.int64))
-    keyed = pa.table({"key": table.column("key"), "_row": rows})
-    newest = keyed.group_by(["key"]).aggregate([("_row", "max")])  # a key has one vbucket
-    # Copy the rows (documents included) only when some are dropped: a backfill from disk
-    # holds each key once, and holds no deletions unless tombstones are still kept.
-    picked = table if newest.num_rows == table.num_rows else table.take(newest.column("_row_max"))
+    picked = table
+    if _may_repeat(table.column("key")):
+        rows = pa.array(np.arange(table.num_rows, dtype=np.int64))
+        keyed = pa.table({"key": table.column("key"), "_row": rows})
+        newest = keyed.group_by(["key"]).aggregate([("_row", "max")])  # a key has one vbucket
+        if newest.num_rows != table.num_rows:
+            picked = table.take(newest.column("_row_max"))
     live = pc.equal(picked.column("op"), OP_MUTATION)
     return picked if pc.all(live).as_py() else picked.filter(live)
+
+
+def _may_repeat(keys: pa.ChunkedArray) -> bool:
+    """False only if no two keys are equal (their hashes all differ)."""
+    hashes = np.sort(key_hashes(keys))
+    return bool(np.any(hashes[1:] == hashes[:-1]))
 
 
 class ChangefeedDataSource(DataSource):
