@@ -24,6 +24,7 @@ Not here: which rows a reader wants (end seqnos are the caller's), how many rows
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Final
 
@@ -73,10 +74,18 @@ assert set(OP_BY_OPCODE.values()) == set(OPS) - {OP_ROLLBACK}, OP_BY_OPCODE
 
 # The op names by opcode, as an Arrow array indexed by ``opcode - _FIRST_OPCODE``.
 _FIRST_OPCODE: Final = min(OP_BY_OPCODE)
-_OP_NAMES: Final = pa.array(
-    [OP_BY_OPCODE[code] for code in range(_FIRST_OPCODE, max(OP_BY_OPCODE) + 1)], pa.string()
-)
-assert len(_OP_NAMES) == len(OP_BY_OPCODE), "item opcodes are consecutive"
+_OP_NAME_LIST: Final = [OP_BY_OPCODE[code] for code in range(_FIRST_OPCODE, max(OP_BY_OPCODE) + 1)]
+assert len(_OP_NAME_LIST) == len(OP_BY_OPCODE), "item opcodes are consecutive"
+
+
+@functools.cache
+def _op_names() -> pa.Array:
+    """The op names as an Arrow array, built on first use: pyarrow's first ``pa.array`` call
+    imports pandas (~0.4 s), which a process that only plans (Spark's streaming source runner)
+    then never pays."""
+    return pa.array(_OP_NAME_LIST, pa.string())
+
+
 # Arrow's binary type indexes its bytes with int32 offsets; larger buffers take the large type.
 _BINARY_BYTES_MAX: Final = 2**31 - 1
 
@@ -183,13 +192,13 @@ def _record_batch(
     snap_start, snap_end = _snapshots(vb_index, vb_ids, ends, snapshots)
     keys, values = _keys_and_values(columns, rows)
     opcodes = columns.array("opcode")[rows].astype(np.intp) - _FIRST_OPCODE
-    assert not len(opcodes) or 0 <= opcodes.min() <= opcodes.max() < len(_OP_NAMES), opcodes
+    assert not len(opcodes) or 0 <= opcodes.min() <= opcodes.max() < len(_OP_NAME_LIST), opcodes
     arrays = [
         pa.array(columns.array("vbucket")[rows].astype(np.int32)),
         pa.array(seqnos.astype(np.int64)),
         keys,
         values,
-        _OP_NAMES.take(pa.array(opcodes)),
+        _op_names().take(pa.array(opcodes)),
         pa.array(cas_values.astype(np.int64)),
         pa.array(columns.array("expiry")[rows].view(np.int32)),  # u32 -> int32, two's complement
         pa.array(columns.array("flags")[rows].view(np.int32)),  # u32 -> int32, two's complement
