@@ -95,7 +95,8 @@ def test_set_many_answers_and_queues_what_set_does_one_by_one(
     run_vb, run_store, _ = twin(tmp_path_factory.mktemp("run"), quota_items)
     one_vb, one_store, _ = twin(tmp_path_factory.mktemp("one"), quota_items)
     try:
-        keys, values, flags, expiries, datatypes = (list(column) for column in zip(*batch))
+        columns = (list(column) for column in zip(*batch, strict=True))
+        keys, values, flags, expiries, datatypes = columns
         got = run_vb.set_many(keys, values, flags, expiries, datatypes)
         want: list[MutationResult | StatusError] = []
         full = False
