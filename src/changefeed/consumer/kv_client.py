@@ -399,12 +399,23 @@ class KvClient:
             await self._store_window(items, vbuckets, window, results, framing)
         done = [r for r in results if r is not None]
         assert len(done) == len(items), (len(done), len(items))
-        if durability == "persist":
-            newest: dict[int, MutationResult] = {}
-            for result in done:
-                newest[result.vbucket] = result
-            await asyncio.gather(*(self.wait_persisted(r) for r in newest.values()))
+        if durability == "persist" and done:
+            await self._wait_all_persisted(done)
         return done
+
+    async def _wait_all_persisted(self, done: list[MutationResult]) -> None:
+        """Until every vbucket `done` wrote has persisted its newest write there.
+
+        The last write is polled alone first, then every vbucket is checked: a node persists
+        the writes queued in all its vbuckets in one flush round, so once the last one is
+        persisted the others nearly always are, and each vbucket is asked about once instead
+        of once per poll (a window spans every vbucket: 64 calls per poll)."""
+        newest: dict[int, MutationResult] = {}
+        for result in done:
+            newest[result.vbucket] = result
+        await self.wait_persisted(done[-1])
+        del newest[done[-1].vbucket]
+        await asyncio.gather(*(self.wait_persisted(r) for r in newest.values()))
 
     async def _window_connections(
         self, vbuckets: list[int], pending: Sequence[int]
