@@ -15,9 +15,9 @@ and the best run is shown; the node's interpreter settings, ``server/node.py``
 * client SETs: ``Bucket.set_run`` of runs of 1,000 plain SETs spread over 64 vbuckets (what the
   node does with a received buffer of SETs, minus parsing and replies), then the flush.
 
-Command: ``.venv/bin/python bench/bench_apply.py`` (``--items``, ``--repeat``); docs/benchmarks.md
-has results. The end-to-end rows with peers in the same run are bench_cluster.py (catch-up)
-and bench_node.py (ingest against Redis).
+Command: ``.venv/bin/python bench/bench_apply.py`` (``--items``, ``--repeat``, ``--quick``);
+docs/benchmarks.md has results. The end-to-end rows with peers in the same run are
+bench_cluster.py (catch-up) and bench_node.py (ingest against Redis).
 """
 
 from __future__ import annotations
@@ -126,7 +126,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="20,000 items, best of 2")
     args = parser.parse_args()
+    if args.quick:
+        args.items, args.repeat = 20_000, 2
     items = args.items - args.items % REPLICA_VBUCKETS
     tune_interpreter()
     buffers, runs = replica_buffers(items), set_runs(items)
