@@ -573,21 +573,18 @@ class VBucket:
                 f"vb {self._vb}: replicated seqnos {items[0].seqno}..{items[-1].seqno} outside "
                 f"the snapshot being received ({high}, {self.manager.snapshot_end}]"
             )
-        last_cas = self._last_cas
         previous = high
         for item in items:  # the replica's hot loop: each check inline, _check_fields explains
-            seqno, cas = item.seqno, item.cas
+            seqno = item.seqno
             if (
                 seqno <= previous
-                or not 0 < cas <= _U64_MAX
+                or not 0 < item.cas <= _U64_MAX
                 or not 0 < len(item.key) <= _KEY_SIZE_MAX
                 or len(item.body) - len(item.key) - _EXTRAS_SIZE[item.op] > _VALUE_SIZE_MAX
                 or item.datatype & ~_DATATYPE_MASK
             ):
                 self._refuse_replicated(item, previous)
             previous = seqno
-            if cas > last_cas:
-                last_cas = cas
         queued = self.manager.queue_run(items)
         self._high_seqno = items[queued - 1].seqno
         self._last_cas = max(self._last_cas, max(item.cas for item in items[:queued]))

@@ -305,8 +305,8 @@ class ReplicaFeed:
             return
         data = columns.data
         opcodes, seqnos, keys = columns.opcode, columns.seqno, columns.key
-        key_start, value_end = columns.array("key_start").tolist(), columns.array("value_end")
-        value_end_list = value_end.tolist()
+        key_start = columns.array("key_start").tolist()
+        value_end = columns.array("value_end").tolist()
         cas, flags, expiry = columns.cas, columns.flags, columns.expiry
         datatype, rev, delete_time = columns.datatype, columns.rev_seqno, columns.delete_time
         of_body, mutation, extras = Item.of_body, _OPCODE_MUTATION, _MUTATION_BODY_EXTRAS
@@ -315,7 +315,7 @@ class ReplicaFeed:
         for start, stop in itertools.pairwise(cuts):  # one vbucket's run each
             items = [
                 of_body(
-                    seqnos[i], keys[i], _MUTATION, data[key_start[i] - extras : value_end_list[i]],
+                    seqnos[i], keys[i], _MUTATION, data[key_start[i] - extras : value_end[i]],
                     cas[i], flags[i], expiry[i], datatype[i], rev[i], 0,
                 )
                 if opcodes[i] == mutation
