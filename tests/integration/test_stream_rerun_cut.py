@@ -15,38 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from changefeed.cli.node_process import HOST, NodeProcess
+from changefeed.cli.node_process import NodeProcess
 from support.clients import kv_connect
 from support.nodes import NodeFactory
+
+from .test_stream_resume import run_to_latest
 
 pytestmark = pytest.mark.timeout(180)
 
 VBUCKETS = 8
-RUN_TIMEOUT_S = 120.0
-
-
-def changefeed_stream(
-    node: NodeProcess, state: Path, output: Path, *flags: str
-) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "changefeed", "stream", "--host", HOST]
-    command += ["--port", str(node.port), "--state", str(state), "--output", str(output)]
-    result = subprocess.run(
-        [*command, "--to-latest", *flags],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        stdin=subprocess.DEVNULL,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
 
 
 async def write(node: NodeProcess, prefix: str, count: int) -> None:
@@ -78,17 +60,17 @@ def test_rerun_cuts_what_a_killed_run_wrote_past_its_state(
     state, output = tmp_path / "state.json", tmp_path / "changes.jsonl"
 
     asyncio.run(write(node, "a", 2000))
-    changefeed_stream(node, state, output)
+    run_to_latest(node, state, output)
     committed = state.read_bytes()
     first_run = records(output)
 
     asyncio.run(write(node, "b", 2000))
-    changefeed_stream(node, state, output)
+    run_to_latest(node, state, output)
     state.write_bytes(committed)  # killed before it saved a state past the first run's
     assert len(ahead_of(records(output), state_seqnos(state))) == 2000
 
     # A rerun that covers part of what is ahead (here: half the vbuckets) before its kill.
-    changefeed_stream(node, state, output, "--vbuckets", "0-3")
+    run_to_latest(node, state, output, "--vbuckets", "0-3")
     lines = records(output)
     ahead = ahead_of(lines, state_seqnos(state))
     assert ahead == list(range(len(lines) - len(ahead), len(lines))), ahead[:20]  # a suffix
@@ -96,7 +78,7 @@ def test_rerun_cuts_what_a_killed_run_wrote_past_its_state(
     assert set(state_seqnos(state)) == set(range(VBUCKETS))  # 4-7 kept where they were
     assert lines[: len(first_run)] == first_run  # what the state covers is never touched
 
-    changefeed_stream(node, state, output)
+    run_to_latest(node, state, output)
     lines = records(output)
     positions = [(r["vb"], r["seqno"]) for r in lines]
     assert len(positions) == len(set(positions)) == 4000  # every change once, none repeated

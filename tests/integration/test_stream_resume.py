@@ -110,9 +110,10 @@ def stream_command(node: NodeProcess, state: Path, output: Path, *flags: str) ->
     ]  # fmt: skip
 
 
-def run_to_latest(node: NodeProcess, state: Path, output: Path) -> None:
+def run_to_latest(node: NodeProcess, state: Path, output: Path, *flags: str) -> None:
+    """One `changefeed stream --to-latest` run that must succeed (also test_stream_rerun_cut)."""
     result = subprocess.run(
-        stream_command(node, state, output, "--to-latest"),
+        stream_command(node, state, output, "--to-latest", *flags),
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
