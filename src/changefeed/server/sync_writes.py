@@ -129,6 +129,7 @@ class SyncWriteMonitor:
         pending.timer = loop.call_later(timeout_s, self._expire, pending)
         self._pending.setdefault(vb, {})[key] = pending
         self.stats.prepared += 1
+        self._bucket.hurry_flush()  # every level waits for this node's persistence
         self.check(vb)
         return pending.future
 

@@ -4,12 +4,14 @@ fsync), and a commit that fails leaves every vbucket's items queued for the next
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from changefeed.server import bucket as bucket_module
 from changefeed.server.bucket import Bucket
 from changefeed.storage import StorageError, WriteBatch
 from support.buckets import ManualClock, open_bucket
@@ -128,3 +130,47 @@ def test_a_round_cancelled_mid_commit_settles_its_items(bucket: Bucket) -> None:
     asyncio.run(scenario())
     assert all(bucket.vbucket(vb).persisted_seqno == 1 for vb in range(4))
     assert all(bucket.vbucket(vb).flusher.flush() == 0 for vb in range(4))  # nothing left
+
+
+def run_flush_loop(bucket: Bucket, steps: object) -> None:
+    """Run the bucket's flush loop while `steps` (a coroutine function of the bucket) runs."""
+
+    async def main() -> None:
+        bucket.start()
+        try:
+            await steps(bucket)  # type: ignore[operator]
+        finally:
+            assert bucket._flush_task is not None
+            bucket._flush_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await bucket._flush_task
+
+    asyncio.run(main())
+
+
+def test_rounds_under_load_wait_the_gap_unless_a_writer_waits_for_persistence(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a round the flusher gathers for FLUSH_IDLE_S (back-to-back rounds were a few
+    items per vbucket each); an OBSERVE_SEQNO below the high seqno cuts the gap short."""
+    monkeypatch.setattr(bucket_module, "FLUSH_IDLE_S", 30.0)  # longer than the test runs
+    vbucket = bucket.vbucket(0)
+
+    async def steps(bucket: Bucket) -> None:
+        bucket._hurry.set()  # the first round, at once
+        vbucket.set(b"first", b"v")
+        await wait_until(lambda: vbucket.persisted_seqno == 1)
+        vbucket.set(b"second", b"v")  # the loop now waits out its 30 s gap
+        await asyncio.sleep(0.3)
+        assert vbucket.persisted_seqno == 1
+        observed = bucket.observe_seqno(0, vbucket.vb_uuid)
+        assert (observed.persisted_seqno, observed.current_seqno) == (1, 2)
+        await wait_until(lambda: vbucket.persisted_seqno == 2)
+
+    run_flush_loop(bucket, steps)
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
