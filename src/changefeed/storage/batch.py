@@ -59,6 +59,9 @@ _body_of: Final = operator.attrgetter("body")
 _op_of: Final = operator.attrgetter("op")
 _datatype_of: Final = operator.attrgetter("datatype")
 _cas_of: Final = operator.attrgetter("cas")
+# Shorter runs go item by item: the whole-run passes cost ~6 us however short the run
+# (measured: 1 item 6.5 us against 2.5, 8 items 10.9 against 12.8).
+CLEAN_RUN_MIN: Final = 6
 _EXTRAS_SIZE_OF_OP: Final = {
     Op.MUTATION: MUTATION_EXTRAS_SIZE,
     Op.DELETION: DELETION_EXTRAS_SIZE,
@@ -249,7 +252,7 @@ class WriteBatch:
         row = self._rows.get(vb) if self._open else None
         if row is None:
             row = self._row(vb)
-        if not self._put_clean_run(vb, row, items):
+        if len(items) < CLEAN_RUN_MIN or not self._put_clean_run(vb, row, items):
             self._put_bodies_one_by_one(vb, items)
 
     def _put_clean_run(self, vb: int, row: VbState, items: Sequence[BodyItem]) -> bool:
