@@ -101,7 +101,10 @@ class StreamMachine:
         self._first_marker = False
         self.snap_end = event.snap_end
         self._apply(StreamInput.DISK_MARKER if event.from_disk else StreamInput.MEMORY_MARKER)
-        return dataclasses.replace(event, snap_start=min(snap_start, event.snap_end))
+        snap_start = min(snap_start, event.snap_end)
+        if snap_start == event.snap_start:
+            return event  # the usual case: no copy (a marker per vbucket run when streaming live)
+        return dataclasses.replace(event, snap_start=snap_start)
 
     def item(self, seqno: int) -> None:
         """An item with `seqno` is being sent; the snapshot or the stream may be complete."""
