@@ -34,6 +34,7 @@ from support.cluster import (
     same_copy,
     start_cluster,
     wait_for_map,
+    wait_persisted,
     wait_replicated,
     write_config,
 )
@@ -188,6 +189,7 @@ def test_replicas_ahead_of_a_restarted_active_roll_back_to_the_common_point_and_
     n1, n2, n3 = cluster
     common = asyncio.run(write_to(n1, b"common", 300, only=n1.port))
     asyncio.run(wait_replicated(cluster))
+    asyncio.run(wait_persisted(n1))  # the snapshot holds the common writes
     snapshot = n1.snapshot_data(tmp_path / "n1-snapshot")  # crash-consistent, unclean
     if diverged == "new-keys":
         lost = asyncio.run(write_to(n1, b"lost", 200, only=n1.port))

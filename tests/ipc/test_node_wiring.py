@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 from changefeed.consumer import Changes, ClientConfig, DcpClient, KvClient, StreamEnded
+from changefeed.consumer.kv_client import Durability
 from changefeed.ipc import LostDataError
 from changefeed.ipc.local_stream import LocalStream, high_seqnos, services_of
 from changefeed.ipc.segments import Segment, ServicePaths
@@ -31,12 +32,14 @@ def shm_node(nodes: NodeFactory, ipc_dir: Path, tmp_path: Path, **settings: Any)
     return nodes(vbuckets=VBUCKETS, args=["--config", str(config), "--no-durable"])
 
 
-async def load(port: int, count: int, *, prefix: str = "k", size: int = 100) -> None:
+async def load(
+    port: int, count: int, *, prefix: str = "k", size: int = 100, durability: Durability = "none"
+) -> None:
     async with await KvClient.connect("127.0.0.1", port) as kv:
         for start in range(0, count, 500):
             await asyncio.gather(
                 *(
-                    kv.upsert(f"{prefix}{i}".encode(), b"v" * size)
+                    kv.upsert(f"{prefix}{i}".encode(), b"v" * size, durability=durability)
                     for i in range(start, min(count, start + 500))
                 )
             )
@@ -140,7 +143,8 @@ def test_the_node_publishes_each_group_and_readers_get_what_dcp_gets(
             for local in live:
                 local.close()
             for i in range(40):  # one batch each: the ring (16 slots) no longer holds seq 1
-                await load(node.port, 1, prefix=f"w{i}-")
+                # persisted before the next: a flush round each (rows publish once persisted)
+                await load(node.port, 1, prefix=f"w{i}-", durability="persist")
             # A reader from the beginning: over DCP up to the ring, then the ring.
             late = open_streams(node.port, ipc_dir, app_id=2, start="beginning", dcp=config)
             got = await load_and_read(late, node.port, 1000, prefix="m")
@@ -168,7 +172,8 @@ def test_a_reader_behind_the_ring_resumes_over_dcp_and_rejoins(
         config = ClientConfig(port=node.port)
         streams = open_streams(node.port, ipc_dir, app_id=1, dcp=config)
         try:
-            await load(node.port, 4000)  # many small batches: far more than 4 slots
+            for i in range(20):  # a flush round each (persisted first): far more than 4 slots
+                await load(node.port, 200, prefix=f"k{i}-", durability="persist")
             ends = await high_seqnos(config)
             got = await read_until(streams, ends)
             assert got == await dcp_rows(node.port)

@@ -156,6 +156,19 @@ async def wait_replicated(nodes: list[NodeProcess], *, timeout_s: float = 60.0) 
         await asyncio.sleep(0.1)
 
 
+async def wait_persisted(node: NodeProcess, *, timeout_s: float = 60.0) -> None:
+    """Wait until every vbucket copy on `node` has persisted its high seqno (a flush round
+    may wait a few milliseconds to gather a group commit)."""
+    deadline = time.monotonic() + timeout_s
+    while True:  # bounded by timeout_s
+        behind = [(vb, s) for vb, s in (await seqnos(node)).items() if s[1] < s[0]]
+        if not behind:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{node} not persisted after {timeout_s} s: {behind[:8]}")
+        await asyncio.sleep(0.02)
+
+
 async def purge_seqnos(node: NodeProcess) -> dict[int, int]:
     conn = await raw_connection(node)
     try:
