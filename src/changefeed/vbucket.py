@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -74,12 +75,13 @@ from changefeed.storage import Op, Record, Store
 from changefeed.storage.record import DELETION_EXTRAS_SIZE, MUTATION_EXTRAS_SIZE
 from changefeed.vbucket_state import VBucketState
 
-__all__ = ["Document", "MutationResult", "VBucket", "VBucketState"]
+__all__ = ["Document", "MutationResult", "SetManyResult", "VBucket", "VBucketState"]
 
 # Records read back at recovery to find the highest CAS handed out before (bounded, O(1)):
 # the hybrid clock only needs it when the wall clock stepped back across the restart.
 _CAS_RECOVERY_RECORDS_MAX: Final = 1024
 _NS_PER_S: Final = 1_000_000_000
+_MUTATION: Final = Op.MUTATION
 _U32_MAX: Final = 0xFFFF_FFFF
 _DATATYPE_MASK: Final = 0x07  # dcp-wire.md §1.4: JSON | Snappy | XATTR
 _U64_MAX: Final = limits.SEQNO_MAX  # CAS is a u64 like a seqno
@@ -90,6 +92,28 @@ _EXTRAS_SIZE: Final = {
     Op.DELETION: DELETION_EXTRAS_SIZE,
     Op.EXPIRATION: DELETION_EXTRAS_SIZE,
 }  # an item body's extras, by op (checkpoint/item.py)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SetManyResult:
+    """`VBucket.set_many`'s answers as columns (no object per write): write i got
+    `seqnos[i]` and `cases[i]` on `vb_uuid`, unless `errors` holds i (its seqno and CAS
+    are then 0)."""
+
+    vb: int
+    vb_uuid: int
+    seqnos: Sequence[int]
+    cases: Sequence[int]
+    errors: dict[int, StatusError]
+
+    def results(self) -> list[MutationResult | StatusError]:
+        """One answer per write, as `set` gives them (tests and slow paths)."""
+        return [
+            self.errors[index]
+            if index in self.errors
+            else MutationResult(vbucket=self.vb, seqno=seqno, cas=cas, vb_uuid=self.vb_uuid)
+            for index, (seqno, cas) in enumerate(zip(self.seqnos, self.cases, strict=True))
+        ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -365,7 +389,7 @@ class VBucket:
         flags: Sequence[int],
         expiries: Sequence[int],
         datatypes: Sequence[int],
-    ) -> list[MutationResult | StatusError]:
+    ) -> SetManyResult:
         """`set` without CAS of each write, in order, as a received batch of SETs: the stored
         versions of the keys are looked up in one read transaction, and the writes are queued
         as one run (`CheckpointManager.queue_run`). A write that `set` would refuse gets its
@@ -373,23 +397,105 @@ class VBucket:
         queued first, as `set` does; when checkpoint memory runs out part of the way, the
         writes past that point get CheckpointMemoryFullError (TMPFAIL) and take no seqno.
 
-        `expiries` are absolute, as `set`'s.
+        A clean run — no key twice, none locked, pending or found expired, every field in
+        range — is built with one C-level pass per column (`_clean_run_revs` decides);
+        anything else goes write by write (`_set_one_by_one`). `expiries` are absolute, as
+        `set`'s.
         """
+        count = len(keys)
         if self._state is not VBucketState.ACTIVE:
             error = NotMyVbucketError(f"vb {self._vb} is {self._state.value}, not active")
-            return [error] * len(keys)
-        vb, vb_uuid = self._vb, self.vb_uuid
-        found_in_memory = {key: self.manager.find(key) for key in keys}
-        stored = self._store.get_many(vb, [k for k, v in found_in_memory.items() if v is None])
+            return SetManyResult(self._vb, self.vb_uuid, [0] * count, [0] * count,
+                                 dict.fromkeys(range(count), error))  # fmt: skip
+        in_memory = list(map(self.manager.find, keys))
+        missing = [key for key, found in zip(keys, in_memory, strict=True) if found is None]
+        stored = self._store.get_many(self._vb, missing) if missing else {}
         now = self._clock()
+        revs = self._clean_run_revs(
+            keys, values, flags, expiries, datatypes, in_memory, stored, now
+        )
+        if revs is None:
+            found = dict(zip(keys, in_memory, strict=True))
+            return self._set_one_by_one(
+                keys, values, flags, expiries, datatypes, found, stored, now
+            )
+        first_seqno = self._high_seqno + 1
+        first_cas = max(int(now * _NS_PER_S), self._last_cas + 1)  # then one up per write
+        seqnos = range(first_seqno, first_seqno + count)
+        cases = range(first_cas, first_cas + count)
+        items = list(
+            map(Item, seqnos, keys, itertools.repeat(_MUTATION), values, cases, flags, expiries,
+                datatypes, revs)
+        )  # fmt: skip
+        errors: dict[int, StatusError] = {}
+        self._queue_answered(items, range(count), errors)
+        return SetManyResult(self._vb, self.vb_uuid, seqnos, cases, errors)
+
+    def _clean_run_revs(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[bytes],
+        flags: Sequence[int],
+        expiries: Sequence[int],
+        datatypes: Sequence[int],
+        in_memory: list[Item | None],
+        stored: dict[bytes, Record | None],
+        now: float,
+    ) -> list[int] | None:
+        """The new rev_seqno of each write if the run is clean (see `set_many`), else None."""
+        if not keys or self._locks or len(set(keys)) != len(keys):
+            return None
+        if self._pending and not self._pending.keys().isdisjoint(keys):
+            return None
+        key_sizes = list(map(len, keys))
+        if not (
+            min(key_sizes) > 0
+            and max(key_sizes) <= _KEY_SIZE_MAX
+            and max(map(len, values)) <= _VALUE_SIZE_MAX
+            and min(flags) >= 0
+            and max(flags) <= _U32_MAX
+            and min(expiries) >= 0
+            and max(expiries) <= _U32_MAX
+            and min(datatypes) >= 0
+            and max(datatypes) <= _DATATYPE_MASK
+        ):
+            return None
+        if in_memory.count(None) == len(keys) and list(stored.values()).count(None) == len(keys):
+            return [1] * len(keys)  # every key is new: the common case of an ingest
+        revs = []
+        for key, current in zip(keys, in_memory, strict=True):  # bounded by the run
+            found = current if current is not None else stored[key]
+            if found is None or found.op is not _MUTATION:
+                revs.append(1)
+            elif found.expiry and found.expiry <= now:
+                return None  # its expiration is queued first: one by one
+            else:
+                revs.append(found.rev_seqno + 1)
+        return revs
+
+    def _set_one_by_one(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[bytes],
+        flags: Sequence[int],
+        expiries: Sequence[int],
+        datatypes: Sequence[int],
+        found_in_memory: dict[bytes, Item | None],
+        stored: dict[bytes, Record | None],
+        now: float,
+    ) -> SetManyResult:
+        """`set_many` write by write, each checked in `set`'s order."""
+        vb = self._vb
         now_cas = int(now * _NS_PER_S)
         seqno, cas = self._high_seqno, self._last_cas
         pending, locks = self._pending, self._locks
-        results: list[MutationResult | StatusError] = []
+        seqnos = [0] * len(keys)
+        cases = [0] * len(keys)
+        errors: dict[int, StatusError] = {}
         items: list[Item] = []
-        answers: list[int] = []  # per item, its index in `results` (-1: an expiration)
-        for key, value, flag, expiry, datatype in zip(
-            keys, values, flags, expiries, datatypes, strict=True
+        answers: list[int] = []  # per item, the index of its write (-1: an expiration)
+        for index, (key, value, flag, expiry, datatype) in enumerate(
+            zip(keys, values, flags, expiries, datatypes, strict=True)
         ):
             try:  # in the order `set` checks: the lookup (which may expire), lock, pending, fields
                 current: Item | Record | None = found_in_memory[key]
@@ -422,23 +528,24 @@ class VBucket:
                 ):
                     _check_fields(key, value, flag, expiry, datatype)
             except StatusError as error:
-                results.append(error)
+                errors[index] = error
                 continue
             seqno, cas = seqno + 1, max(now_cas, cas + 1)
             rev_seqno = current.rev_seqno + 1 if current is not None else 1
             item = Item(seqno, key, Op.MUTATION, value, cas, flag, expiry, datatype, rev_seqno)
             items.append(item)
-            answers.append(len(results))
+            answers.append(index)
             found_in_memory[key] = item  # the next write of the key in this run follows it
-            results.append(MutationResult(vbucket=vb, seqno=seqno, cas=cas, vb_uuid=vb_uuid))
-        self._queue_answered(items, answers, results)
-        return results
+            seqnos[index], cases[index] = seqno, cas
+        self._queue_answered(items, answers, errors)
+        return SetManyResult(vb, self.vb_uuid, seqnos, cases, errors)
 
     def _queue_answered(
-        self, items: list[Item], answers: list[int], results: list[MutationResult | StatusError]
+        self, items: list[Item], answers: Sequence[int], errors: dict[int, StatusError]
     ) -> None:
-        """Queue `items` as one run; the results of those memory had no room for become
-        CheckpointMemoryFullError (the run stops there: later seqnos are never used)."""
+        """Queue `items` as one run; the writes memory had no room for (`answers[i]` is the
+        index of item i's write, -1 for an expiration) get CheckpointMemoryFullError in
+        `errors` (the run stops there: later seqnos are never used)."""
         if not items:
             return
         full: CheckpointMemoryFullError | None = None
@@ -451,7 +558,7 @@ class VBucket:
                 full = CheckpointMemoryFullError(f"vb {self._vb}: checkpoint memory is full")
             for index in answers[queued:]:
                 if index >= 0:
-                    results[index] = full
+                    errors[index] = full
         if queued:
             self._high_seqno, self._last_cas = items[queued - 1].seqno, items[queued - 1].cas
             if self._locks:

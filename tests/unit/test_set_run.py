@@ -19,6 +19,7 @@ from changefeed.protocol.opcode import Magic, Opcode
 from changefeed.protocol.set_run import (
     pack_set_success,
     pack_set_success_with_token,
+    pack_set_successes,
     take_set_run,
 )
 
@@ -143,3 +144,22 @@ def test_success_replies_decode_as_the_frame_codec_encodes(opaque: int, cas: int
         extras=struct.pack(">QQ", n, n >> 1),
     )  # fmt: skip
     assert HEADER.unpack_from(with_token)[6] == 16
+
+
+U32, U64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
+
+
+@given(st.lists(st.tuples(U32, U64, U64, U64), max_size=40))
+def test_a_run_of_replies_packs_as_one_reply_at_a_time(
+    replies: list[tuple[int, int, int, int]],
+) -> None:
+    """`pack_set_successes` (numpy, column by column) against the per-reply struct packs,
+    with and without the mutation token, over the whole range of every field."""
+    opaques = [reply[0] for reply in replies]
+    cases = [reply[1] for reply in replies]
+    uuids = [reply[2] for reply in replies]
+    seqnos = [reply[3] for reply in replies]
+    plain_replies = b"".join(map(pack_set_success, opaques, cases))
+    assert pack_set_successes(opaques, cases) == plain_replies
+    with_token = b"".join(map(pack_set_success_with_token, opaques, cases, uuids, seqnos))
+    assert pack_set_successes(opaques, cases, uuids, seqnos) == with_token

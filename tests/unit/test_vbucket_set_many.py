@@ -97,7 +97,7 @@ def test_set_many_answers_and_queues_what_set_does_one_by_one(
     try:
         columns = (list(column) for column in zip(*batch, strict=True))
         keys, values, flags, expiries, datatypes = columns
-        got = run_vb.set_many(keys, values, flags, expiries, datatypes)
+        got = run_vb.set_many(keys, values, flags, expiries, datatypes).results()
         want: list[MutationResult | StatusError] = []
         full = False
         for key, value, flag, expiry, datatype in batch:
@@ -118,3 +118,107 @@ def test_set_many_answers_and_queues_what_set_does_one_by_one(
     finally:
         run_store.close()
         one_store.close()
+
+
+def plain_twin(path: Path, quota_items: int) -> tuple[VBucket, Store]:
+    """A vbucket with stored, in-memory, deleted and expiring keys, and no lock or pending
+    durable write: runs of distinct keys can take set_many's clean path."""
+    store = Store(path, map_size_bytes=64 * 1024 * 1024, durable=False)
+    clock = Clock()
+    budget = MemoryBudget(quota_items * ONE)
+    vbucket = VBucket(store, VB, state=VBucketState.ACTIVE, clock=clock,
+                      rng=random.Random(1), budget=budget)  # fmt: skip
+    vbucket.set(b"a", b"stored")
+    vbucket.set(b"b", b"twice")
+    vbucket.set(b"b", b"rev 2")
+    vbucket.set(b"gone", b"soon deleted")
+    vbucket.delete(b"gone")
+    vbucket.set(b"expired", b"soon", expiry=int(NOW) + 5)
+    vbucket.flush()
+    vbucket.set(b"c", b"in memory only")
+    clock.now = NOW + 10
+    return vbucket, store
+
+
+distinct_writes = st.lists(
+    st.tuples(
+        st.sampled_from([b"a", b"b", b"c", b"gone", b"expired", b"n1", b"n2", b"n3", b"n4"]),
+        st.binary(max_size=8),
+        st.sampled_from([0, 3, 0xFFFF_FFFF, 0x1_0000_0000]),  # flags; the last is refused
+        st.sampled_from([0, int(NOW) + 100]),  # expiry
+        st.sampled_from([0, 1, 7, 8]),  # datatype; 8 is refused
+    ),
+    min_size=1,
+    max_size=9,
+    unique_by=lambda write: write[0],
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=distinct_writes, quota_items=st.sampled_from([9, 1000]))
+def test_runs_of_distinct_keys_answer_what_set_does(
+    tmp_path_factory: pytest.TempPathFactory,
+    batch: list[tuple[bytes, bytes, int, int, int]],
+    quota_items: int,
+) -> None:
+    """The clean path (distinct keys, nothing locked or pending) and its fallbacks (a key
+    found expired, a bad field) against `set` one by one: answers, memory and store."""
+    run_vb, run_store = plain_twin(tmp_path_factory.mktemp("run"), quota_items)
+    one_vb, one_store = plain_twin(tmp_path_factory.mktemp("one"), quota_items)
+    try:
+        keys, values, flags, expiries, datatypes = (list(c) for c in zip(*batch, strict=True))
+        got = run_vb.set_many(keys, values, flags, expiries, datatypes).results()
+        want: list[MutationResult | StatusError] = []
+        for key, value, flag, expiry, datatype in batch:
+            if want and isinstance(want[-1], StatusError) and want[-1].code == 0x86:
+                want.append(got[len(want)])  # the run stops where memory ran out
+                continue
+            try:
+                want.append(one_vb.set(key, value, flags=flag, expiry=expiry, datatype=datatype))
+            except StatusError as error:
+                want.append(error)
+        assert list(map(answer, got)) == list(map(answer, want))
+        assert memory(run_vb) == memory(one_vb)
+        run_vb.flush()
+        one_vb.flush()
+        assert stored(run_store) == stored(one_store)
+    finally:
+        run_store.close()
+        one_store.close()
+
+
+def test_a_clean_run_takes_no_step_per_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Distinct keys, valid fields, nothing locked, pending or expired: the columns path,
+    never the write-by-write one; seqnos and CASes rise by one per write."""
+    vbucket, store = plain_twin(tmp_path, 1000)
+    try:
+        monkeypatch.setattr(VBucket, "_set_one_by_one", None)  # called: a TypeError
+        keys = [b"a", b"b", b"c", b"gone", b"new"]
+        high = vbucket.high_seqno
+        answers = vbucket.set_many(keys, [b"v"] * 5, [1] * 5, [0] * 5, [0] * 5)
+        assert not answers.errors
+        assert list(answers.seqnos) == list(range(high + 1, high + 6))
+        assert list(answers.cases) == list(range(answers.cases[0], answers.cases[0] + 5))
+        revs = {one.key: one.rev_seqno for one in memory(vbucket).values() if one.key in keys}
+        assert revs == {b"a": 2, b"b": 3, b"c": 2, b"gone": 1, b"new": 1}
+    finally:
+        store.close()
+
+
+def test_a_clean_run_stops_where_memory_runs_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vbucket, store = plain_twin(tmp_path, 8)
+    try:
+        monkeypatch.setattr(VBucket, "_set_one_by_one", None)
+        high = vbucket.high_seqno
+        keys = [b"n%d" % i for i in range(9)]
+        answers = vbucket.set_many(keys, [b"v"] * 9, [0] * 9, [0] * 9, [0] * 9)
+        assert sorted(answers.errors) == [7, 8]
+        assert {error.code for error in answers.errors.values()} == {0x86}  # TMPFAIL
+        assert vbucket.high_seqno == high + 7  # the refused writes took no seqno
+        assert set(memory(vbucket)) >= set(keys[:7]) and not set(memory(vbucket)) & {b"n7", b"n8"}
+    finally:
+        store.close()

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+import numpy as np
+
 from changefeed import limits
+from changefeed.protocol.errors import StatusError
 from changefeed.protocol.frame import HEADER_FORMAT
 from changefeed.protocol.kv import MUTATION_TOKEN
 from changefeed.protocol.opcode import DATATYPE_MASK, Magic, Opcode
@@ -26,11 +30,23 @@ _HEAD_SIZE: Final = _SET_HEAD.size
 _HEADER_SIZE: Final = limits.HEADER_SIZE
 _EXTRAS_SIZE: Final = 8
 _REQUEST: Final = int(Magic.REQUEST)
+_RESPONSE: Final = int(Magic.RESPONSE)
 _SET: Final = int(Opcode.SET)
 _DATATYPE_INVALID: Final = ~DATATYPE_MASK
 _KEY_SIZE_MAX: Final = limits.KEY_SIZE_MAX
 _VALUE_SIZE_MAX: Final = limits.VALUE_SIZE_MAX
 assert _HEAD_SIZE == _HEADER_SIZE + _EXTRAS_SIZE
+
+
+@dataclass(slots=True)
+class SetRunAnswers:
+    """What a run of SETs got, as columns in run order: write i got `cases[i]` and, on
+    `vb_uuids[i]`, `seqnos[i]`, unless `errors` holds i (the server answers it alone)."""
+
+    cases: list[int]
+    seqnos: list[int]
+    vb_uuids: list[int]
+    errors: dict[int, StatusError]
 
 
 @dataclass(slots=True)
@@ -110,3 +126,37 @@ pack_set_success: Final = functools.partial(
 pack_set_success_with_token: Final = functools.partial(
     _SUCCESS_REPLY_WITH_TOKEN.pack, int(Magic.RESPONSE), _SET, 0, _TOKEN_SIZE, 0, 0, _TOKEN_SIZE
 )
+
+# The same replies as numpy records, so a run's successes are packed column by column.
+_HEADER_FIELDS: Final = [
+    ("magic", "u1"), ("opcode", "u1"), ("keylen", ">u2"), ("extlen", "u1"),
+    ("datatype", "u1"), ("status", ">u2"), ("bodylen", ">u4"), ("opaque", ">u4"),
+    ("cas", ">u8"),
+]  # fmt: skip
+_REPLIES: Final = np.dtype(_HEADER_FIELDS)
+_REPLIES_WITH_TOKEN: Final = np.dtype([*_HEADER_FIELDS, ("vb_uuid", ">u8"), ("seqno", ">u8")])
+assert _REPLIES.itemsize == _SUCCESS_REPLY.size
+assert _REPLIES_WITH_TOKEN.itemsize == _SUCCESS_REPLY_WITH_TOKEN.size
+
+
+def pack_set_successes(
+    opaques: Sequence[int],
+    cases: Sequence[int],
+    vb_uuids: Sequence[int] | None = None,
+    seqnos: Sequence[int] | None = None,
+) -> bytes:
+    """`pack_set_success` (or, given `vb_uuids` and `seqnos`, `pack_set_success_with_token`)
+    of every write, joined: one numpy pass per field instead of a pack per reply."""
+    token = vb_uuids is not None
+    assert token == (seqnos is not None), "a mutation token needs both vb_uuids and seqnos"
+    replies = np.zeros(len(opaques), _REPLIES_WITH_TOKEN if token else _REPLIES)
+    replies["magic"] = _RESPONSE
+    replies["opcode"] = _SET
+    replies["opaque"] = opaques
+    replies["cas"] = cases
+    if token:
+        replies["extlen"] = _TOKEN_SIZE
+        replies["bodylen"] = _TOKEN_SIZE
+        replies["vb_uuid"] = vb_uuids
+        replies["seqno"] = seqnos
+    return replies.tobytes()

@@ -15,7 +15,6 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
 
 from changefeed import limits
 from changefeed.checkpoint import CursorKind, MemoryBudget, StreamReader, Wakeup
@@ -25,7 +24,7 @@ from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError, Stat
 from changefeed.protocol.kv import MutationResult, ObserveSeqnoResult, StoreCommand
 from changefeed.protocol.kv_ops import DocumentMeta
 from changefeed.protocol.opcode import Opcode
-from changefeed.protocol.set_run import SetRun
+from changefeed.protocol.set_run import SetRun, SetRunAnswers
 from changefeed.server.config import NodeConfig
 from changefeed.server.persistence import PersistenceHealth
 from changefeed.storage import StorageError, Store
@@ -252,13 +251,16 @@ class Bucket:
             level=level,
         )
 
-    def set_run(self, run: SetRun) -> list[MutationResult | StatusError]:
-        """The plain SETs of one received batch (no CAS), results in run order: each vbucket's
-        writes are applied together (`VBucket.set_many`), in their order within it."""
+    def set_run(self, run: SetRun) -> SetRunAnswers:
+        """The plain SETs of one received batch (no CAS), answered as columns in run order:
+        each vbucket's writes are applied together (`VBucket.set_many`), in their order
+        within it."""
+        count = len(run)
         try:
             self.persistence.check_writable()
         except StatusError as error:
-            return [error] * len(run)
+            return SetRunAnswers([0] * count, [0] * count, [0] * count,
+                                 dict.fromkeys(range(count), error))  # fmt: skip
         now = self._clock()
         by_vb: dict[int, list[int]] = {}
         for index, vb in enumerate(run.vbuckets):
@@ -267,27 +269,35 @@ class Bucket:
                 by_vb[vb] = [index]
             else:
                 group.append(index)
-        results: list[MutationResult | StatusError | None] = [None] * len(run)
+        answers = SetRunAnswers([0] * count, [0] * count, [0] * count, {})
+        cases, seqnos, vb_uuids, errors = (
+            answers.cases,
+            answers.seqnos,
+            answers.vb_uuids,
+            answers.errors,
+        )
         keys, values, flags, datatypes = run.keys, run.values, run.flags, run.datatypes
         wire_expiries = run.expiries
         for vb, indexes in by_vb.items():
             vbucket = self.vbuckets.get(vb)
             if vbucket is None:
-                missing = NotMyVbucketError(f"vbucket {vb} does not exist")
-                for index in indexes:
-                    results[index] = missing
+                errors.update(
+                    dict.fromkeys(indexes, NotMyVbucketError(f"vbucket {vb} does not exist"))
+                )
                 continue
-            outcomes = vbucket.set_many(
+            outcome = vbucket.set_many(
                 [keys[i] for i in indexes],
                 [values[i] for i in indexes],
                 [flags[i] for i in indexes],
                 [absolute_expiry(wire_expiries[i], now) for i in indexes],
                 [datatypes[i] for i in indexes],
             )
-            for index, outcome in zip(indexes, outcomes, strict=True):
-                results[index] = outcome
-        assert None not in results, run.opaques
-        return cast("list[MutationResult | StatusError]", results)
+            vb_uuid = outcome.vb_uuid
+            for index, seqno, cas in zip(indexes, outcome.seqnos, outcome.cases, strict=True):
+                seqnos[index], cases[index], vb_uuids[index] = seqno, cas, vb_uuid
+            for at, refused in outcome.errors.items():
+                errors[indexes[at]] = refused
+        return answers
 
     def delete(self, vb: int, key: bytes, *, cas: int = 0, level: int = 0) -> MutationResult:
         """DELETE; TMPFAIL while the store cannot persist; `level` as `store_command`."""

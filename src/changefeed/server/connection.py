@@ -41,7 +41,6 @@ from changefeed.protocol.errors import (
 from changefeed.protocol.frame import Frame, encode_response
 from changefeed.protocol.kv import (
     GET_RESPONSE_EXTRAS,
-    MutationResult,
     decode_hello,
     decode_key_only,
     decode_observe_seqno_request,
@@ -53,7 +52,12 @@ from changefeed.protocol.kv import (
 )
 from changefeed.protocol.opcode import Datatype, Feature, Magic, Opcode
 from changefeed.protocol.reader import CLOSED, NEED_DATA, FrameReader, OversizedFrame
-from changefeed.protocol.set_run import SetRun, pack_set_success, pack_set_success_with_token
+from changefeed.protocol.set_run import (
+    SetRun,
+    pack_set_success,
+    pack_set_success_with_token,
+    pack_set_successes,
+)
 from changefeed.protocol.status import Status
 from changefeed.server import kv_commands, subdoc
 from changefeed.server.authenticator import SaslAuthenticator
@@ -411,23 +415,34 @@ class ClientConnection(asyncio.Protocol):
 
     def _store_run(self, run: SetRun) -> None:
         """Apply a run of plain SETs and queue their replies in order: successes packed
-        together, a refused write answered as `_dispatch` would answer it."""
-        results = self.context.bucket.set_run(run)
+        together (column by column when the whole run succeeded), a refused write answered
+        as `_dispatch` would answer it."""
+        answers = self.context.bucket.set_run(run)
         token = Feature.MUTATION_SEQNO in self.features
+        if not answers.errors:
+            if token:
+                self.send(pack_set_successes(run.opaques, answers.cases, answers.vb_uuids,
+                                             answers.seqnos))  # fmt: skip
+            else:
+                self.send(pack_set_successes(run.opaques, answers.cases))
+            return
+        errors = answers.errors
         out: list[bytes] = []
-        for opaque, vb, result in zip(run.opaques, run.vbuckets, results, strict=True):
-            if type(result) is MutationResult:
+        for index, opaque in enumerate(run.opaques):
+            error = errors.get(index)
+            if error is None:
+                cas = answers.cases[index]
                 if token:
-                    uuid, seqno = result.vb_uuid, result.seqno
-                    out.append(pack_set_success_with_token(opaque, result.cas, uuid, seqno))
+                    uuid, seqno = answers.vb_uuids[index], answers.seqnos[index]
+                    out.append(pack_set_success_with_token(opaque, cas, uuid, seqno))
                 else:
-                    out.append(pack_set_success(opaque, result.cas))
+                    out.append(pack_set_success(opaque, cas))
                 continue
-            assert isinstance(result, StatusError), result
             if out:
                 self.send(b"".join(out))
                 out = []
-            self._reply_error(Frame(Magic.REQUEST, Opcode.SET, vbucket=vb, opaque=opaque), result)
+            vb = run.vbuckets[index]
+            self._reply_error(Frame(Magic.REQUEST, Opcode.SET, vbucket=vb, opaque=opaque), error)
         if out:
             self.send(b"".join(out))
 
