@@ -277,7 +277,10 @@ class Bucket:
             answers.errors,
         )
         keys, values, flags, datatypes = run.keys, run.values, run.flags, run.datatypes
-        wire_expiries = run.expiries
+        # Relative expiries made absolute once for the run (none at all: the usual case).
+        expiries = run.expiries
+        if any(expiries):
+            expiries = [absolute_expiry(expiry, now) for expiry in expiries]
         for vb, indexes in by_vb.items():
             vbucket = self.vbuckets.get(vb)
             if vbucket is None:
@@ -289,7 +292,7 @@ class Bucket:
                 [keys[i] for i in indexes],
                 [values[i] for i in indexes],
                 [flags[i] for i in indexes],
-                [absolute_expiry(wire_expiries[i], now) for i in indexes],
+                [expiries[i] for i in indexes],
                 [datatypes[i] for i in indexes],
             )
             vb_uuid = outcome.vb_uuid
