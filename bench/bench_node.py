@@ -3,9 +3,10 @@
 Rows (every figure is one run at full size, timed with ``time.perf_counter``):
 
 * ingest ops/s: ``KvClient.upsert_many`` (pipelined SETs, 10-byte keys, 100-byte values),
-  called once per window of ``PIPELINE_DEPTH_MAX`` items, durability ``none`` on a default
-  node (fsync per flush) and on a ``--no-durable`` node, and ``persist`` on a default node
-  (each window waits for the persisted seqno of every vbucket it wrote). Peer: redis-py
+  durability ``none`` on a default node (fsync per flush) and on a ``--no-durable`` node — one
+  call for all items, the client keeping two windows of ``PIPELINE_DEPTH_MAX`` in flight —
+  and ``persist`` on a default node, one call per window (each waits for the persisted seqno
+  of every vbucket it wrote). Peer: redis-py
   (hiredis parser) XADD to one stream in pipelines of 1000, field = the key, value = the
   100-byte value, on a redis-server without RDB or AOF; for ``persist`` the same with
   ``appendonly yes``/``appendfsync always`` (Redis fsyncs the AOF before it answers a pipeline:
@@ -203,14 +204,18 @@ class Meter:
 async def ingest(
     port: int, server_pid: int, items: list[tuple[bytes, bytes]], durability: Durability
 ) -> Usage:
-    """Upsert ``items``, one ``upsert_many`` call per window of PIPELINE_DEPTH_MAX."""
+    """Upsert ``items``: without durability one ``upsert_many`` call (the client keeps two
+    windows of PIPELINE_DEPTH_MAX in flight); with it one call per window, each returning
+    once its window is persisted, as each XADD pipeline with AOF always answers after its
+    fsync."""
     kv = await KvClient.connect("127.0.0.1", port)
     written = 0
+    step = len(items) if durability == "none" else PIPELINE_DEPTH_MAX
     try:
         async with asyncio.timeout(INGEST_DEADLINE_S):
             with Meter(server_pid) as meter:
-                for first in range(0, len(items), PIPELINE_DEPTH_MAX):
-                    window = items[first : first + PIPELINE_DEPTH_MAX]
+                for first in range(0, len(items), step):
+                    window = items[first : first + step]
                     written += len(await kv.upsert_many(window, durability=durability))
     finally:
         await kv.close()

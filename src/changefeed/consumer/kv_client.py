@@ -386,17 +386,45 @@ class KvClient:
     async def upsert_many(
         self, items: list[tuple[bytes, bytes]], *, durability: Durability = "none"
     ) -> list[MutationResult]:
-        """Pipelined SETs: up to ``PIPELINE_DEPTH_MAX`` in flight, results in input order.
+        """Pipelined SETs in windows of ``PIPELINE_DEPTH_MAX``, results in input order.
 
         Each window is sent to the nodes holding its keys' vbuckets, all nodes at once; a
-        write answered NOT_MY_VBUCKET is retried on its own after the map is updated.
+        write answered NOT_MY_VBUCKET is retried on its own after the map is updated. The
+        next window goes out while the replies to one are still coming (two windows in
+        flight, so a node never waits for this client to turn around) — unless the two share
+        a key: a retried write must not land after a later write of its key, so such a
+        window waits for the one before. If a window fails, the call raises; the window
+        after it may have been applied too.
         """
         results: list[MutationResult | None] = [None] * len(items)
         vbuckets = _vbuckets_of(items, self.vbuckets)
         framing = _durability_frame(durability, self.durability_timeout_ms)
-        for first in range(0, len(items), PIPELINE_DEPTH_MAX):
-            window = range(first, min(len(items), first + PIPELINE_DEPTH_MAX))
-            await self._store_window(items, vbuckets, window, results, framing)
+        previous: asyncio.Future[None] | None = None  # the window whose replies are due
+        previous_keys: set[bytes] = set()
+        sending: asyncio.Future[None] | None = None
+        try:
+            for first in range(0, len(items), PIPELINE_DEPTH_MAX):
+                window = range(first, min(len(items), first + PIPELINE_DEPTH_MAX))
+                keys = {key for key, _ in items[window.start : window.stop]}
+                if previous is not None and not previous_keys.isdisjoint(keys):
+                    await previous
+                    previous = None
+                sending = asyncio.ensure_future(
+                    self._store_window(items, vbuckets, window, results, framing)
+                )
+                if previous is not None:
+                    await previous  # while `sending` goes out
+                previous, previous_keys, sending = sending, keys, None
+            if previous is not None:
+                await previous
+        except BaseException:
+            for window_task in (previous, sending):  # the other window: stopped and collected
+                if window_task is None:
+                    continue
+                window_task.cancel()  # no-op when done
+                with contextlib.suppress(BaseException):
+                    await window_task
+            raise
         done = [r for r in results if r is not None]
         assert len(done) == len(items), (len(done), len(items))
         if durability == "persist" and done:

@@ -146,3 +146,73 @@ def test_close_with_requests_in_flight_reports_nothing(run: Runner) -> None:
 
     run(main())
     assert reported == [], [context.get("message") for context in reported]
+
+
+async def answer_after(
+    held: int, hold_s: float, seen: list[int], reader: asyncio.StreamReader, writer: Any
+) -> None:
+    """A node that answers nothing until it has ``held`` requests (or ``hold_s`` passed after
+    that, counting what else arrives meanwhile in ``seen``), then answers everything."""
+    frames = FrameReader(1 << 20)
+    waiting: list[Frame] = []
+    loop = asyncio.get_running_loop()
+    until: float | None = None
+    while True:
+        timeout = None if until is None else max(0.0, until - loop.time())
+        try:
+            data = await asyncio.wait_for(reader.read(65536), timeout)
+        except TimeoutError:
+            data = b"..."  # the hold is over
+        else:
+            if not data:
+                break
+            frames.feed(data)
+            waiting += [frame for _, frame in frames.read_batch().controls]
+        if until is None and len(waiting) >= held:
+            until = loop.time() + hold_s
+            seen.append(len(waiting))
+        if until is not None and loop.time() >= until:
+            seen.append(len(waiting))
+            writer.write(b"".join(encode_response(frame) for frame in waiting))
+            waiting = []
+            until = float("inf")  # from now on: answer as requests come
+        elif until == float("inf") and waiting:
+            writer.write(b"".join(encode_response(frame) for frame in waiting))
+            waiting = []
+        await writer.drain()
+
+
+def run_against_holding_node(run: Runner, held: int, hold_s: float, batch: list[Any]) -> list[int]:
+    seen: list[int] = []
+
+    async def main() -> None:
+        server = await asyncio.start_server(
+            lambda r, w: answer_after(held, hold_s, seen, r, w), HOST, 0
+        )
+        port = server.sockets[0].getsockname()[1]
+        kv = KvClient(await Connection.open(HOST, port), VBUCKETS)
+        try:
+            async with asyncio.timeout(30):
+                assert len(await kv.upsert_many(batch)) == len(batch)
+        finally:
+            await kv.close()
+            server.close()
+            await server.wait_closed()
+
+    run(main())
+    return seen
+
+
+def test_the_next_window_goes_out_before_the_replies_to_one(run: Runner) -> None:
+    """A node that answers only once it holds more than a window: upsert_many completes, so
+    the second window was sent with the first one's replies still due."""
+    seen = run_against_holding_node(run, 1025, 0.0, items(2 * 1024))
+    assert seen[0] >= 1025, seen
+
+
+def test_a_window_sharing_a_key_with_the_one_before_waits_for_it(run: Runner) -> None:
+    """A retried write must not land after a later write of its key: a window holding a key
+    of the window before is not sent until that window is answered."""
+    batch = [*items(1024), (b"key-000000", b"again"), *items(2048)[1025:]]
+    seen = run_against_holding_node(run, 1024, 0.3, batch)
+    assert seen[:2] == [1024, 1024], seen  # nothing of window 2 came while window 1 was held
