@@ -82,6 +82,8 @@ __all__ = ["Document", "MutationResult", "SetManyResult", "VBucket", "VBucketSta
 _CAS_RECOVERY_RECORDS_MAX: Final = 1024
 _NS_PER_S: Final = 1_000_000_000
 _MUTATION: Final = Op.MUTATION
+# A run of SETs as `set_many` takes it: keys, values, flags, expiries, datatypes.
+_SetColumns = tuple[Sequence[bytes], Sequence[bytes], Sequence[int], Sequence[int], Sequence[int]]
 _U32_MAX: Final = 0xFFFF_FFFF
 _DATATYPE_MASK: Final = 0x07  # dcp-wire.md §1.4: JSON | Snappy | XATTR
 _U64_MAX: Final = limits.SEQNO_MAX  # CAS is a u64 like a seqno
@@ -411,14 +413,11 @@ class VBucket:
         missing = [key for key, found in zip(keys, in_memory, strict=True) if found is None]
         stored = self._store.get_many(self._vb, missing) if missing else {}
         now = self._clock()
-        revs = self._clean_run_revs(
-            keys, values, flags, expiries, datatypes, in_memory, stored, now
-        )
+        writes = (keys, values, flags, expiries, datatypes)
+        revs = self._clean_run_revs(writes, in_memory, stored, now)
         if revs is None:
             found = dict(zip(keys, in_memory, strict=True))
-            return self._set_one_by_one(
-                keys, values, flags, expiries, datatypes, found, stored, now
-            )
+            return self._set_one_by_one(writes, found, stored, now)
         first_seqno = self._high_seqno + 1
         first_cas = max(int(now * _NS_PER_S), self._last_cas + 1)  # then one up per write
         seqnos = range(first_seqno, first_seqno + count)
@@ -433,16 +432,13 @@ class VBucket:
 
     def _clean_run_revs(
         self,
-        keys: Sequence[bytes],
-        values: Sequence[bytes],
-        flags: Sequence[int],
-        expiries: Sequence[int],
-        datatypes: Sequence[int],
+        writes: _SetColumns,
         in_memory: list[Item | None],
         stored: dict[bytes, Record | None],
         now: float,
     ) -> list[int] | None:
         """The new rev_seqno of each write if the run is clean (see `set_many`), else None."""
+        keys, values, flags, expiries, datatypes = writes
         if not keys or self._locks or len(set(keys)) != len(keys):
             return None
         if self._pending and not self._pending.keys().isdisjoint(keys):
@@ -475,16 +471,13 @@ class VBucket:
 
     def _set_one_by_one(
         self,
-        keys: Sequence[bytes],
-        values: Sequence[bytes],
-        flags: Sequence[int],
-        expiries: Sequence[int],
-        datatypes: Sequence[int],
+        writes: _SetColumns,
         found_in_memory: dict[bytes, Item | None],
         stored: dict[bytes, Record | None],
         now: float,
     ) -> SetManyResult:
         """`set_many` write by write, each checked in `set`'s order."""
+        keys, values, flags, expiries, datatypes = writes
         vb = self._vb
         now_cas = int(now * _NS_PER_S)
         seqno, cas = self._high_seqno, self._last_cas

@@ -33,14 +33,19 @@ class Clock:
         return self.now
 
 
-def twin(path: Path, quota_items: int) -> tuple[VBucket, Store, Clock]:
-    """A vbucket holding the same history as its twin: a stored key, one that expires, a
-    locked key and a pending durable write."""
+def empty_vbucket(path: Path, quota_items: int) -> tuple[VBucket, Store, Clock]:
     store = Store(path, map_size_bytes=64 * 1024 * 1024, durable=False)
     clock = Clock()
     budget = MemoryBudget(quota_items * ONE)
     vbucket = VBucket(store, VB, state=VBucketState.ACTIVE, clock=clock,
                       rng=random.Random(1), budget=budget)  # fmt: skip
+    return vbucket, store, clock
+
+
+def twin(path: Path, quota_items: int) -> tuple[VBucket, Store, Clock]:
+    """A vbucket holding the same history as its twin: a stored key, one that expires, a
+    locked key and a pending durable write."""
+    vbucket, store, clock = empty_vbucket(path, quota_items)
     vbucket.set(b"a", b"stored")
     vbucket.set(b"expired", b"soon", expiry=int(NOW) + 5)
     vbucket.set(b"locked", b"held")
@@ -72,6 +77,33 @@ def stored(store: Store) -> list[object]:
     ]  # fmt: skip
 
 
+def assert_run_equals_one_by_one(
+    run_vb: VBucket, run_store: Store, one_vb: VBucket, one_store: Store,
+    batch: list[tuple[bytes, bytes, int, int, int]],
+) -> None:  # fmt: skip
+    """`set_many` of `batch` on `run_vb` against `set` of each write on its twin `one_vb`:
+    the same answers, seqnos, memory and (after a flush) store."""
+    keys, values, flags, expiries, datatypes = (list(c) for c in zip(*batch, strict=True))
+    got = run_vb.set_many(keys, values, flags, expiries, datatypes).results()
+    want: list[MutationResult | StatusError] = []
+    full = False
+    for key, value, flag, expiry, datatype in batch:
+        if full:  # the run stops where memory ran out; one by one, later ones may fit
+            want.append(got[len(want)])
+            continue
+        try:
+            want.append(one_vb.set(key, value, flags=flag, expiry=expiry, datatype=datatype))
+        except StatusError as error:
+            want.append(error)
+            full = error.code == 0x86  # TMPFAIL
+    assert list(map(answer, got)) == list(map(answer, want))
+    assert run_vb.high_seqno == one_vb.high_seqno
+    assert memory(run_vb) == memory(one_vb)
+    run_vb.flush()
+    one_vb.flush()
+    assert stored(run_store) == stored(one_store)
+
+
 writes = st.lists(
     st.tuples(
         st.sampled_from([*KEYS, b"k" * (limits.STORED_KEY_SIZE_MAX + 1)]),
@@ -95,26 +127,7 @@ def test_set_many_answers_and_queues_what_set_does_one_by_one(
     run_vb, run_store, _ = twin(tmp_path_factory.mktemp("run"), quota_items)
     one_vb, one_store, _ = twin(tmp_path_factory.mktemp("one"), quota_items)
     try:
-        columns = (list(column) for column in zip(*batch, strict=True))
-        keys, values, flags, expiries, datatypes = columns
-        got = run_vb.set_many(keys, values, flags, expiries, datatypes).results()
-        want: list[MutationResult | StatusError] = []
-        full = False
-        for key, value, flag, expiry, datatype in batch:
-            if full:  # the run stops where memory ran out; one by one, later ones may fit
-                want.append(got[len(want)])
-                continue
-            try:
-                want.append(one_vb.set(key, value, flags=flag, expiry=expiry, datatype=datatype))
-            except StatusError as error:
-                want.append(error)
-                full = error.code == 0x86  # TMPFAIL
-        assert list(map(answer, got)) == list(map(answer, want))
-        assert run_vb.high_seqno == one_vb.high_seqno
-        assert memory(run_vb) == memory(one_vb)
-        run_vb.flush()
-        one_vb.flush()
-        assert stored(run_store) == stored(one_store)
+        assert_run_equals_one_by_one(run_vb, run_store, one_vb, one_store, batch)
     finally:
         run_store.close()
         one_store.close()
@@ -123,11 +136,7 @@ def test_set_many_answers_and_queues_what_set_does_one_by_one(
 def plain_twin(path: Path, quota_items: int) -> tuple[VBucket, Store]:
     """A vbucket with stored, in-memory, deleted and expiring keys, and no lock or pending
     durable write: runs of distinct keys can take set_many's clean path."""
-    store = Store(path, map_size_bytes=64 * 1024 * 1024, durable=False)
-    clock = Clock()
-    budget = MemoryBudget(quota_items * ONE)
-    vbucket = VBucket(store, VB, state=VBucketState.ACTIVE, clock=clock,
-                      rng=random.Random(1), budget=budget)  # fmt: skip
+    vbucket, store, clock = empty_vbucket(path, quota_items)
     vbucket.set(b"a", b"stored")
     vbucket.set(b"b", b"twice")
     vbucket.set(b"b", b"rev 2")
@@ -166,22 +175,7 @@ def test_runs_of_distinct_keys_answer_what_set_does(
     run_vb, run_store = plain_twin(tmp_path_factory.mktemp("run"), quota_items)
     one_vb, one_store = plain_twin(tmp_path_factory.mktemp("one"), quota_items)
     try:
-        keys, values, flags, expiries, datatypes = (list(c) for c in zip(*batch, strict=True))
-        got = run_vb.set_many(keys, values, flags, expiries, datatypes).results()
-        want: list[MutationResult | StatusError] = []
-        for key, value, flag, expiry, datatype in batch:
-            if want and isinstance(want[-1], StatusError) and want[-1].code == 0x86:
-                want.append(got[len(want)])  # the run stops where memory ran out
-                continue
-            try:
-                want.append(one_vb.set(key, value, flags=flag, expiry=expiry, datatype=datatype))
-            except StatusError as error:
-                want.append(error)
-        assert list(map(answer, got)) == list(map(answer, want))
-        assert memory(run_vb) == memory(one_vb)
-        run_vb.flush()
-        one_vb.flush()
-        assert stored(run_store) == stored(one_store)
+        assert_run_equals_one_by_one(run_vb, run_store, one_vb, one_store, batch)
     finally:
         run_store.close()
         one_store.close()

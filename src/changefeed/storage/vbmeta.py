@@ -81,10 +81,12 @@ class VbState:
 
     def copy(self) -> VbState:
         # Positional, not dataclasses.replace: a flush round copies every vbucket it touches
-        # (0.16 us against 4 us).
-        return VbState(
-            self.state,
-            self.failover_log,
+        # (0.2 us against 4 us).
+        return VbState(self.state, self.failover_log, *self.counters())
+
+    def counters(self) -> tuple[int, int, int, int, int, int]:
+        """The fields of _COUNTERS, in that order (the constructor's after the log)."""
+        return (
             self.high_seqno,
             self.purge_seqno,
             self.snap_start,
@@ -108,14 +110,7 @@ class VbState:
         """What invariant does not hold, or None when all do."""
         if self.state not in VB_STATES:
             return f"state {self.state!r} not in {VB_STATES}"
-        counters = (  # _COUNTERS, spelled out: checked on every flush round, per vbucket
-            self.high_seqno,
-            self.purge_seqno,
-            self.snap_start,
-            self.snap_end,
-            self.item_count,
-            self.high_completed_seqno,
-        )
+        counters = self.counters()  # checked on every flush round, per vbucket: no getattr
         if set(map(type, counters)) != _INT_ONLY or min(counters) < 0 or max(counters) > _U64_MAX:
             return f"counters {list(counters)} are not all u64"
         if self.purge_seqno > self.high_seqno:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from changefeed import limits
 from changefeed.storage import CorruptRecordError, VBucketMeta
 from changefeed.storage.vbmeta import (
+    _COUNTERS,
     VB_STATES,
     VbState,
     check_failover_log,
@@ -79,6 +80,7 @@ def test_encoding_is_json_dumps_of_the_document(row: VbState) -> None:
 
 @given(vbstates())
 def test_copy_is_equal_and_separate(row: VbState) -> None:
+    assert row.counters() == tuple(getattr(row, name) for name in _COUNTERS)
     copy = row.copy()
     assert copy == row and copy is not row
     copy.high_seqno += 1
