@@ -17,8 +17,9 @@ Rows (every figure is one run at full size, timed with ``time.perf_counter``):
   From DISK: load, stop the node with SIGTERM, restart it, stream (all of it is backfill).
   From MEMORY: a ``--no-durable`` node with a checkpoint quota far above the load and a
   "parked" DCP connection whose cursors sit at seqno 0 of every vbucket (window 1 byte, never
-  acks), so the checkpoints keep every item; load, then stream. Without parked cursors the
-  flushed checkpoints are freed and the stream is all backfill whatever the quota.
+  acks), so the checkpoints keep every item; load, wait until the node has persisted it (the
+  stream times streaming, not the flusher catching up meanwhile), then stream. Without parked
+  cursors the flushed checkpoints are freed and the stream is all backfill whatever the quota.
   The markers seen (flags & 1 memory, & 2 disk) and the items under each kind are printed, so
   the labels can be checked, with each side's CPU use during the stream (from /proc).
   Peer: XREAD COUNT 10000 from one stream until all N entries are read.
@@ -87,6 +88,7 @@ from changefeed.protocol.dcp import (
     encode_dcp_open,
     encode_stream_request,
 )
+from changefeed.protocol.kv import MutationResult
 from changefeed.protocol.snapshot_marker import MarkerFlag
 from changefeed.protocol.status import Status
 from changefeed.vbmap import vbucket_for_key
@@ -325,6 +327,19 @@ async def _expect_ok(conn: Connection, request: bytes) -> None:
     assert response.status == Status.SUCCESS, (response.status, response.value)
 
 
+async def wait_flushed(port: int, high_seqnos: dict[int, int]) -> None:
+    """Until the node has persisted every vbucket's high seqno (OBSERVE_SEQNO, which also
+    hurries its flusher): a stream row then times streaming, not the flusher catching up
+    with the load meanwhile."""
+    async with await KvClient.connect("127.0.0.1", port) as kv:
+        await asyncio.gather(
+            *(
+                kv.wait_persisted(MutationResult(vbucket=vb, seqno=high, cas=0, vb_uuid=0))
+                for vb, high in high_seqnos.items()
+            )
+        )
+
+
 async def load_then_stream_memory(
     port: int, node_pid: int, items: list[tuple[bytes, bytes]], buffer_bytes: int
 ) -> tuple[Usage, StreamResult]:
@@ -332,6 +347,7 @@ async def load_then_stream_memory(
     parked = await park_cursors(port)
     try:
         load = await ingest(port, node_pid, items, "none")
+        await wait_flushed(port, per_vbucket_counts(items))
         result = await stream_all(port, node_pid, per_vbucket_counts(items), buffer_bytes)
     finally:
         await parked.close()
@@ -521,6 +537,7 @@ async def _profiled_stream(
     try:
         if parked is not None:
             await ingest(node.port, node.pid, items, "none")
+            await wait_flushed(node.port, high_seqnos)
         log(f"profile {label}: stream, py-spy on node pid {node.pid} and on us")
         with (
             SpySampler(node.pid, spy_dir / "node.txt"),
