@@ -39,7 +39,7 @@ RELATIVE_EXPIRY_MAX_S = 30 * 24 * 3600  # memcached: up to 30 days is relative, 
 # were a few items per vbucket each, and a round's cost is mostly per vbucket touched (pages
 # copied on write in three B-trees, the vbucket's metadata row): the 5 ms gap took a 3-node
 # cluster from 26.1 to 22.2 us of node CPU per op at replicas=1 (bench_cluster).
-FLUSH_IDLE_S = 0.05
+FLUSH_IDLE_S = 0.005
 # A round stops taking vbuckets past this: one more vbucket's batch (flush_batch_bytes is at most
 # STORAGE_BATCH_BYTES_MAX // 64, config.py) must still fit under the store's batch bound.
 ROUND_BYTES_MAX = 4 * limits.FLUSH_BATCH_BYTES_MAX
