@@ -393,8 +393,9 @@ class KvClient:
         next window goes out while the replies to one are still coming (two windows in
         flight, so a node never waits for this client to turn around) — unless the two share
         a key: a retried write must not land after a later write of its key, so such a
-        window waits for the one before. If a window fails, the call raises; the window
-        after it may have been applied too.
+        window waits for the one before. A stale map therefore costs up to two windows of
+        NOT_MY_VBUCKET retries, not one. If a window fails, the call raises; the window after
+        it may have been applied too.
         """
         results: list[MutationResult | None] = [None] * len(items)
         vbuckets = _vbuckets_of(items, self.vbuckets)
