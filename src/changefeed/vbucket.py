@@ -43,8 +43,8 @@ import dataclasses
 import itertools
 import random
 import time
-from collections.abc import Callable, Sequence
-from typing import Final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Final, NamedTuple
 
 from changefeed import limits
 from changefeed.checkpoint import (
@@ -96,8 +96,34 @@ _EXTRAS_SIZE: Final = {
 }  # an item body's extras, by op (checkpoint/item.py)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class SetManyResult:
+class RunLookup(NamedTuple):
+    """What a run of writes to one vbucket finds before it applies: the newest version of
+    each write's key in memory (`VBucket.lookup_memory`), and the stored version, or None, of
+    every key memory had none of."""
+
+    in_memory: list[Item | None]
+    stored: Mapping[bytes, Record | None]
+
+
+def fields_in_range(writes: _SetColumns) -> bool:
+    """Every write's key, value, flags, expiry and datatype are within `set`'s limits (one
+    C-level pass per column)."""
+    keys, values, flags, expiries, datatypes = writes
+    key_sizes = list(map(len, keys))
+    return (
+        min(key_sizes) > 0
+        and max(key_sizes) <= _KEY_SIZE_MAX
+        and max(map(len, values)) <= _VALUE_SIZE_MAX
+        and min(flags) >= 0
+        and max(flags) <= _U32_MAX
+        and min(expiries) >= 0
+        and max(expiries) <= _U32_MAX
+        and min(datatypes) >= 0
+        and max(datatypes) <= _DATATYPE_MASK
+    )
+
+
+class SetManyResult(NamedTuple):
     """`VBucket.set_many`'s answers as columns (no object per write): write i got
     `seqnos[i]` and `cases[i]` on `vb_uuid`, unless `errors` holds i (its seqno and CAS
     are then 0)."""
@@ -391,6 +417,9 @@ class VBucket:
         flags: Sequence[int],
         expiries: Sequence[int],
         datatypes: Sequence[int],
+        *,
+        lookup: RunLookup | None = None,
+        fields_checked: bool = False,
     ) -> SetManyResult:
         """`set` without CAS of each write, in order, as a received batch of SETs: the stored
         versions of the keys are looked up in one read transaction, and the writes are queued
@@ -403,18 +432,27 @@ class VBucket:
         range — is built with one C-level pass per column (`_clean_run_revs` decides);
         anything else goes write by write (`_set_one_by_one`). `expiries` are absolute, as
         `set`'s.
+
+        `lookup`: the keys' versions, looked up by the caller with `lookup_memory` and a store
+        lookup of the rest since (a bucket looks up every vbucket's keys at once).
+        `fields_checked`: the caller checked every field is within limits
+        (`fields_in_range`); the clean path does not check again.
         """
         count = len(keys)
         if self._state is not VBucketState.ACTIVE:
             error = NotMyVbucketError(f"vb {self._vb} is {self._state.value}, not active")
             return SetManyResult(self._vb, self.vb_uuid, [0] * count, [0] * count,
                                  dict.fromkeys(range(count), error))  # fmt: skip
-        in_memory = list(map(self.manager.find, keys))
-        missing = [key for key, found in zip(keys, in_memory, strict=True) if found is None]
-        stored = self._store.get_many(self._vb, missing) if missing else {}
+        if lookup is None:
+            in_memory, missing = self.lookup_memory(keys)
+            stored: Mapping[bytes, Record | None] = (
+                self._store.get_many(self._vb, missing) if missing else {}
+            )
+        else:
+            in_memory, stored = lookup.in_memory, lookup.stored
         now = self._clock()
         writes = (keys, values, flags, expiries, datatypes)
-        revs = self._clean_run_revs(writes, in_memory, stored, now)
+        revs = self._clean_run_revs(writes, in_memory, stored, now, fields_checked)
         if revs is None:
             found = dict(zip(keys, in_memory, strict=True))
             return self._set_one_by_one(writes, found, stored, now)
@@ -430,31 +468,29 @@ class VBucket:
         self._queue_answered(items, range(count), errors)
         return SetManyResult(self._vb, self.vb_uuid, seqnos, cases, errors)
 
+    def lookup_memory(self, keys: Sequence[bytes]) -> tuple[list[Item | None], list[bytes]]:
+        """The newest version of each key still in memory, and the keys memory has none of
+        (for the store to look up): the first half of the lookup `set_many` needs."""
+        in_memory = list(map(self.manager.find, keys))
+        if in_memory.count(None) == len(keys):
+            return in_memory, list(keys)
+        return in_memory, [key for key, item in zip(keys, in_memory, strict=True) if item is None]
+
     def _clean_run_revs(
         self,
         writes: _SetColumns,
         in_memory: list[Item | None],
-        stored: dict[bytes, Record | None],
+        stored: Mapping[bytes, Record | None],
         now: float,
+        fields_checked: bool,
     ) -> list[int] | None:
         """The new rev_seqno of each write if the run is clean (see `set_many`), else None."""
-        keys, values, flags, expiries, datatypes = writes
+        keys = writes[0]
         if not keys or self._locks or len(set(keys)) != len(keys):
             return None
         if self._pending and not self._pending.keys().isdisjoint(keys):
             return None
-        key_sizes = list(map(len, keys))
-        if not (
-            min(key_sizes) > 0
-            and max(key_sizes) <= _KEY_SIZE_MAX
-            and max(map(len, values)) <= _VALUE_SIZE_MAX
-            and min(flags) >= 0
-            and max(flags) <= _U32_MAX
-            and min(expiries) >= 0
-            and max(expiries) <= _U32_MAX
-            and min(datatypes) >= 0
-            and max(datatypes) <= _DATATYPE_MASK
-        ):
+        if not fields_checked and not fields_in_range(writes):
             return None
         if in_memory.count(None) == len(keys) and list(stored.values()).count(None) == len(keys):
             return [1] * len(keys)  # every key is new: the common case of an ingest
@@ -473,7 +509,7 @@ class VBucket:
         self,
         writes: _SetColumns,
         found_in_memory: dict[bytes, Item | None],
-        stored: dict[bytes, Record | None],
+        stored: Mapping[bytes, Record | None],
         now: float,
     ) -> SetManyResult:
         """`set_many` write by write, each checked in `set`'s order."""

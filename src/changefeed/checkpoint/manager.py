@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Final, NamedTuple, cast
@@ -51,6 +52,8 @@ from changefeed.storage import Op
 
 PERSISTENCE_CURSOR_NAME: Final = "persistence"
 _CHECKPOINT_FLAGS: Final = MARKER_FLAG_MEMORY | MARKER_FLAG_CHECKPOINT
+
+_body_of: Final = operator.attrgetter("body")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -257,7 +260,7 @@ class CheckpointManager:
             return 0
         assert items[0].seqno > self._high_seqno, (items[0].seqno, self._high_seqno)
         assert items[-1].seqno <= limits.SEQNO_MAX, items[-1].seqno
-        bound = sum([len(item.body) for item in items]) + len(items) * ITEM_OVERHEAD_BYTES
+        bound = sum(map(len, map(_body_of, items))) + len(items) * ITEM_OVERHEAD_BYTES
         try:
             self._budget.make_room(bound)
         except CheckpointMemoryFullError:

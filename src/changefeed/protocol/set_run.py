@@ -61,6 +61,10 @@ class SetRun:
     expiries: list[int] = field(default_factory=list)
     datatypes: list[int] = field(default_factory=list)
     consumed: int = 0  # bytes of the buffer the run took
+    # Every field is known to be within a SET's limits (a key of 1..KEY_SIZE_MAX bytes, a
+    # value within VALUE_SIZE_MAX, valid datatype bits, u32 flags and expiry): the applier
+    # need not check them again. `take_set_run` checks them; a run built otherwise is not.
+    checked: bool = False
 
     def __len__(self) -> int:
         return len(self.opaques)
@@ -111,6 +115,7 @@ def take_set_run(
     finally:
         view.release()  # the caller may resize the buffer next
     run.consumed = pos - start
+    run.checked = True
     return run
 
 

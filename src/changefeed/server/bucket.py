@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from changefeed import limits
-from changefeed.checkpoint import CursorKind, MemoryBudget, StreamReader, Wakeup
+from changefeed.checkpoint import CursorKind, Item, MemoryBudget, StreamReader, Wakeup
 from changefeed.checkpoint.flusher import StagedFlush
 from changefeed.producer.stream_request import VbucketView
 from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError, StatusError
@@ -28,11 +28,12 @@ from changefeed.protocol.set_run import SetRun, SetRunAnswers
 from changefeed.server.config import NodeConfig
 from changefeed.server.persistence import PersistenceHealth
 from changefeed.storage import StorageError, Store
-from changefeed.vbucket import Document, VBucket
+from changefeed.vbucket import Document, RunLookup, VBucket, fields_in_range
 from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState
 
 log = logging.getLogger("changefeed.bucket")
 
+_U32_MAX = 0xFFFF_FFFF
 RELATIVE_EXPIRY_MAX_S = 30 * 24 * 3600  # memcached: up to 30 days is relative, above absolute
 # The flusher gathers a group commit this long before a round (unless a writer waits for
 # persistence: `hurry_flush`). After a round that wrote, too: back-to-back rounds under load
@@ -281,6 +282,22 @@ class Bucket:
         expiries = run.expiries
         if any(expiries):
             expiries = [absolute_expiry(expiry, now) for expiry in expiries]
+        if run.checked:  # one check of the expiries made absolute, if any were
+            fields_checked = expiries is run.expiries or max(expiries) <= _U32_MAX
+        else:
+            fields_checked = count > 0 and fields_in_range(
+                (keys, values, flags, expiries, datatypes)
+            )
+        # Each vbucket's keys that memory does not hold, looked up in one read transaction.
+        in_memory: dict[int, list[Item | None]] = {}
+        missing: dict[int, list[bytes]] = {}
+        vb_keys: dict[int, list[bytes]] = {}
+        for vb, indexes in by_vb.items():
+            vbucket = self.vbuckets.get(vb)
+            vb_keys[vb] = [keys[i] for i in indexes]
+            if vbucket is not None and vbucket.state is VBucketState.ACTIVE:
+                in_memory[vb], missing[vb] = vbucket.lookup_memory(vb_keys[vb])
+        stored = self.store.get_many_across(missing)
         for vb, indexes in by_vb.items():
             vbucket = self.vbuckets.get(vb)
             if vbucket is None:
@@ -289,11 +306,13 @@ class Bucket:
                 )
                 continue
             outcome = vbucket.set_many(
-                [keys[i] for i in indexes],
+                vb_keys[vb],
                 [values[i] for i in indexes],
                 [flags[i] for i in indexes],
                 [expiries[i] for i in indexes],
                 [datatypes[i] for i in indexes],
+                lookup=RunLookup(in_memory[vb], stored[vb]) if vb in in_memory else None,
+                fields_checked=fields_checked,
             )
             vb_uuid = outcome.vb_uuid
             for index, seqno, cas in zip(indexes, outcome.seqnos, outcome.cases, strict=True):
