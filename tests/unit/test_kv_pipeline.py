@@ -600,7 +600,7 @@ def test_upsert_many_follows_the_map_across_two_nodes() -> None:
     for the vbuckets B holds; the client adopts it, sends those to B, keeps input order, and
     sends later windows by the real map."""
     vbuckets = 16
-    items = [(b"key-%d" % n, b"v") for n in range(2500)]
+    items = [(b"key-%d" % n, b"v") for n in range(2 * PIPELINE_DEPTH_MAX + 452)]
 
     async def main() -> None:
         maps: dict[str, ClusterMap] = {}

@@ -55,7 +55,10 @@ SYNC_LEVELS: Final[Mapping[str, DurabilityLevel]] = {
 }
 SYNC_WRITE_TIMEOUT_MS = 10_000  # the SDKs' default durable-write timeout
 SYNC_WRITE_PENDING_RETRY_S = 10.0  # SYNC_WRITE_IN_PROGRESS on the key is retried this long
-PIPELINE_DEPTH_MAX = 1024  # requests in flight per upsert_many window
+# Requests per upsert_many window (two windows are in flight). A node applies a received
+# burst of SETs as one run whose cost is largely per vbucket touched: windows of 4096 (~600 KB
+# of 100-byte values) took one node from ~185k to ~255k SETs/s against 1024 (bench_node).
+PIPELINE_DEPTH_MAX = 4096
 WINDOW_REPLY_TIMEOUT_S = 60.0  # how long a window's node may take to answer all of it
 ROUTE_RETRY_S = 15.0  # how long a request follows the map (a failover takes a few seconds)
 NOT_MY_VBUCKET_BACKOFF_S = 0.05  # times the attempt number, when the answer had no newer map

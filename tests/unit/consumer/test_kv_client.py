@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from changefeed.consumer.connection import CloseReason, Connection, ConnectionClosedError
-from changefeed.consumer.kv_client import KvClient
+from changefeed.consumer.kv_client import PIPELINE_DEPTH_MAX, KvClient
 from changefeed.protocol.frame import Frame, encode_response
 from changefeed.protocol.reader import FrameReader
 
 HOST = "127.0.0.1"
 VBUCKETS = 4
-BIG_WINDOW = 3000  # more than one upsert_many window (PIPELINE_DEPTH_MAX)
+BIG_WINDOW = PIPELINE_DEPTH_MAX + 500  # more than one upsert_many window
 Scenario = Callable[[KvClient], Awaitable[None]]
 Runner = Callable[[Coroutine[Any, Any, None]], None]
 
@@ -206,13 +206,15 @@ def run_against_holding_node(run: Runner, held: int, hold_s: float, batch: list[
 def test_the_next_window_goes_out_before_the_replies_to_one(run: Runner) -> None:
     """A node that answers only once it holds more than a window: upsert_many completes, so
     the second window was sent with the first one's replies still due."""
-    seen = run_against_holding_node(run, 1025, 0.0, items(2 * 1024))
-    assert seen[0] >= 1025, seen
+    window = PIPELINE_DEPTH_MAX
+    seen = run_against_holding_node(run, window + 1, 0.0, items(2 * window))
+    assert seen[0] >= window + 1, seen
 
 
 def test_a_window_sharing_a_key_with_the_one_before_waits_for_it(run: Runner) -> None:
     """A retried write must not land after a later write of its key: a window holding a key
     of the window before is not sent until that window is answered."""
-    batch = [*items(1024), (b"key-000000", b"again"), *items(2048)[1025:]]
-    seen = run_against_holding_node(run, 1024, 0.3, batch)
-    assert seen[:2] == [1024, 1024], seen  # nothing of window 2 came while window 1 was held
+    window = PIPELINE_DEPTH_MAX
+    batch = [*items(window), (b"key-000000", b"again"), *items(2 * window)[window + 1 :]]
+    seen = run_against_holding_node(run, window, 0.3, batch)
+    assert seen[:2] == [window, window], seen  # nothing of window 2 came while 1 was held
