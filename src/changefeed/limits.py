@@ -174,6 +174,11 @@ assert KEY_SIZE_MAX + 2 * 255 < UNAUTHENTICATED_FRAME_SIZE_MAX < FRAME_SIZE_MAX
 # Plain SETs taken from a receive buffer as one run (protocol/set_run.py): bounds the work of one
 # step and the replies it queues (~40 bytes each).
 SET_RUN_ITEMS_MAX = 4096
+
+# SEQNO_PERSISTENCE waits pending on a node at once (server/persistence_waits.py; more get
+# TMPFAIL), and how long one may wait (kv_engine's seqno_persistence_timeout is 30 s).
+PERSISTENCE_WAITS_MAX = 65536
+PERSISTENCE_WAIT_S = 30.0
 WRITE_BUFFER_HIGH_BYTES = 4 * 1024 * 1024
 
 # Bytes of unfinished requests all connections together may hold. Three maximal (20 MiB) values

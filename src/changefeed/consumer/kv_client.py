@@ -26,6 +26,7 @@ from changefeed.protocol.errors import NotMyVbucketError, StatusError, error_for
 from changefeed.protocol.frame import Frame, encode_frame
 from changefeed.protocol.frame_info import DurabilityLevel, DurabilityRequirement, encode_durability
 from changefeed.protocol.kv import (
+    U64,
     CompactDb,
     CompactionSummary,
     MutationResult,
@@ -68,7 +69,7 @@ TEMPORARY_FAILURE_BACKOFF_MAX_S = 0.05  # the flusher frees memory within millis
 Connector = Callable[[str, int], Awaitable[Connection]]
 # A window sent: the connection, the item indexes in it, their replies and its one future.
 _SentWindow = tuple[Connection, Sequence[int], StoreReplies, asyncio.Future[StoreReplies]]
-PERSIST_POLL_S = 0.002
+PERSIST_POLL_S = 0.002  # OBSERVE_SEQNO polls, with a node that has no SEQNO_PERSISTENCE
 
 
 def _durability_frame(durability: Durability, timeout_ms: int) -> bytes:
@@ -121,6 +122,8 @@ class KvClient:
         self.retries = 0  # NOT_MY_VBUCKET answers retried (tests and stats read it)
         self.temporary_failures = 0  # TMPFAIL answers retried
         self.reconnects = 0  # connections found closed and opened again
+        # False once a node answered SEQNO_PERSISTENCE with UNKNOWN_COMMAND: poll instead.
+        self._waits_for_persistence = True
 
     @classmethod
     async def connect(
@@ -436,17 +439,11 @@ class KvClient:
         return done
 
     async def _wait_all_persisted(self, done: list[MutationResult]) -> None:
-        """Until every vbucket `done` wrote has persisted its newest write there.
-
-        The last write is polled alone first, then every vbucket is checked: a node persists
-        the writes queued in all its vbuckets in one flush round, so once the last one is
-        persisted the others nearly always are, and each vbucket is asked about once instead
-        of once per poll (a window spans every vbucket: 64 calls per poll)."""
+        """Until every vbucket `done` wrote has persisted its newest write there: one wait
+        per vbucket, all at once."""
         newest: dict[int, MutationResult] = {}
         for result in done:
             newest[result.vbucket] = result
-        await self.wait_persisted(done[-1])
-        del newest[done[-1].vbucket]
         await asyncio.gather(*(self.wait_persisted(r) for r in newest.values()))
 
     async def _window_connections(
@@ -631,10 +628,37 @@ class KvClient:
     async def wait_persisted(self, result: MutationResult, *, timeout_s: float = 30.0) -> None:
         """Wait until the node's persisted seqno for the vbucket reaches the write's seqno.
 
+        The node is asked with SEQNO_PERSISTENCE, which it answers as soon as the flush round
+        that persists the write ends; a node that does not know it (UNKNOWN_COMMAND), or
+        answers TMPFAIL (too many waits, a failing store), is polled with OBSERVE_SEQNO.
+
         Raises:
             TimeoutError: not persisted within ``timeout_s``.
+            TemporaryFailureError: the node cannot persist (its message says why).
         """
         deadline = time.monotonic() + timeout_s
+        if self._waits_for_persistence:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await call(
+                        await self._conn_for(result.vbucket),
+                        Opcode.SEQNO_PERSISTENCE,
+                        vbucket=result.vbucket,
+                        extras=U64.pack(result.seqno),
+                    )
+                return
+            except TimeoutError:
+                raise TimeoutError(
+                    f"seqno {result.seqno} of vb {result.vbucket} not persisted"
+                ) from None
+            except StatusError as error:
+                if error.status in (Status.UNKNOWN_COMMAND, Status.NOT_SUPPORTED):
+                    self._waits_for_persistence = False
+                elif error.status != Status.ETMPFAIL:
+                    raise
+        await self._poll_persisted(result, deadline)
+
+    async def _poll_persisted(self, result: MutationResult, deadline: float) -> None:
         value = result.vb_uuid.to_bytes(8, "big")
         while True:  # bounded by the deadline
             response = await call(

@@ -264,6 +264,31 @@ def decode_observe_seqno_request(frame: Frame) -> int:
     return int(U64.unpack(frame.value)[0])
 
 
+# -- SEQNO_PERSISTENCE -----------------------------------------------------------------------
+
+
+def encode_seqno_persistence(vbucket: int, seqno: int, opaque: int = 0) -> bytes:
+    """SEQNO_PERSISTENCE (0xb6): answered once ``vbucket`` has persisted ``seqno`` (kv_engine:
+    the seqno is the request's 8 bytes of extras, big-endian)."""
+    return encode_request(
+        Opcode.SEQNO_PERSISTENCE, vbucket=vbucket, opaque=opaque, extras=U64.pack(seqno)
+    )
+
+
+def decode_seqno_persistence(frame: Frame) -> int:
+    """The seqno a SEQNO_PERSISTENCE request waits for.
+
+    Raises:
+        ProtocolError: the extras are not 8 bytes, or a key or value came with them (EINVAL).
+    """
+    if len(frame.extras) != U64.size or frame.key or frame.value:
+        raise ProtocolError(
+            f"SEQNO_PERSISTENCE takes 8 bytes of extras and no key or value, got "
+            f"{len(frame.extras)}/{len(frame.key)}/{len(frame.value)}"
+        )
+    return int(U64.unpack(frame.extras)[0])
+
+
 # -- COMPACT_DB -------------------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.set_run import SetRun, SetRunAnswers
 from changefeed.server.config import NodeConfig
 from changefeed.server.persistence import PersistenceHealth
+from changefeed.server.persistence_waits import PersistenceWaits
 from changefeed.storage import StorageError, Store
 from changefeed.vbucket import Document, RunLookup, VBucket, fields_in_range
 from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState
@@ -69,6 +70,10 @@ class Bucket:
         self.persisted_listeners: list[Callable[[list[int]], None]] = []
         # The flusher's commits run here, off the event loop (one writer: LMDB has one).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="changefeed-flush")
+        self.persistence_waits = PersistenceWaits(
+            self._persisted_seqno_of, self.persistence.check_writable, self.hurry_flush
+        )
+        self.persisted_listeners.append(self.persistence_waits.on_persisted)
 
     @classmethod
     def open(
@@ -140,6 +145,8 @@ class Bucket:
                 unpersisted += lost
                 log.error("vb %d: %d items not persisted at shutdown: %s", vb.vb, lost, error)
             vb.release()
+        self.persistence_waits.on_persisted(list(self.vbuckets))
+        self.persistence_waits.fail_all("the node is stopping")
         try:
             self.store.close(clean=unpersisted == 0)
         except StorageError as error:
@@ -153,13 +160,19 @@ class Bucket:
             try:
                 wrote = await self._flush_round()
             except StorageError as error:
-                await asyncio.sleep(self.persistence.failed(error))
+                backoff_s = self.persistence.failed(error)
+                self.persistence_waits.fail_all(f"cannot persist: {error}")
+                await asyncio.sleep(backoff_s)
                 continue
             if not wrote:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._dirty.wait(), 1.0)
             with contextlib.suppress(TimeoutError):  # gather a group commit
                 await asyncio.wait_for(self._hurry.wait(), FLUSH_IDLE_S)
+
+    def _persisted_seqno_of(self, vb: int) -> int | None:
+        vbucket = self.vbuckets.get(vb)
+        return None if vbucket is None else vbucket.persisted_seqno
 
     def hurry_flush(self) -> None:
         """A writer waits for persistence (OBSERVE_SEQNO polls below the high seqno, a

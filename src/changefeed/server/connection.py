@@ -44,6 +44,7 @@ from changefeed.protocol.kv import (
     decode_hello,
     decode_key_only,
     decode_observe_seqno_request,
+    decode_seqno_persistence,
     decode_store,
     decode_vb_state_filter,
     encode_hello_features,
@@ -608,6 +609,14 @@ def _observe_seqno(c: ClientConnection, f: Frame) -> None:
     c.reply(f, value=encode_observe_seqno_result(c.context.bucket.observe_seqno(f.vbucket, uuid)))
 
 
+def _seqno_persistence(c: ClientConnection, f: Frame) -> None:
+    """SEQNO_PERSISTENCE: answered when the vbucket has persisted the seqno (or TMPFAIL)."""
+    c.require_bucket()
+    seqno = decode_seqno_persistence(f)
+    waiting = c.context.bucket.persistence_waits.wait(f.vbucket, seqno)
+    c.answer_when_done(f, waiting, lambda _: c.reply(f))
+
+
 def _failover_log(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
     if f.opcode == Opcode.DCP_GET_FAILOVER_LOG and c.dcp is None:
@@ -756,6 +765,7 @@ HANDLERS: dict[int, Handler] = {
     Opcode.STAT: _stat,
     Opcode.GET_ALL_VB_SEQNOS: _all_vb_seqnos,
     Opcode.OBSERVE_SEQNO: _observe_seqno,
+    Opcode.SEQNO_PERSISTENCE: _seqno_persistence,
     Opcode.GET_FAILOVER_LOG: _failover_log,
     Opcode.DCP_GET_FAILOVER_LOG: _failover_log,
     Opcode.GET_CLUSTER_CONFIG: _cluster_config,

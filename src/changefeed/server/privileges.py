@@ -58,6 +58,7 @@ OPCODE_PRIVILEGES: dict[int, Privilege | None] = {
     Opcode.GET_REPLICA: Privilege.READ,
     Opcode.GET_FAILOVER_LOG: Privilege.READ,  # kv_engine: Read
     Opcode.OBSERVE_SEQNO: Privilege.READ,  # kv_engine: MetaRead
+    Opcode.SEQNO_PERSISTENCE: Privilege.READ,  # a wait for persistence, as OBSERVE_SEQNO
     Opcode.GET_ALL_VB_SEQNOS: Privilege.READ,  # kv_engine checks MetaRead in the engine
     Opcode.STAT: Privilege.STATS,  # kv_engine checks per group; every group here is stats
     Opcode.SET: Privilege.WRITE,

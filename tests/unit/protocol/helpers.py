@@ -506,6 +506,7 @@ FRAME_DECODERS: list[tuple[str, Callable[[Frame], object]]] = [
     ("key_only", kv.decode_key_only),
     ("vb_state_filter", kv.decode_vb_state_filter),
     ("observe_seqno_request", kv.decode_observe_seqno_request),
+    ("seqno_persistence", kv.decode_seqno_persistence),
     ("stream_id", lambda f: f.stream_id),
     # The Couchbase SDK's commands (tests/fuzz/test_fuzz_subdoc.py fuzzes them on their own).
     ("get_meta", kv_ops.decode_get_meta),

@@ -29,6 +29,7 @@ def test_every_handled_opcode_has_a_decided_privilege() -> None:
     [
         (Opcode.GET, Privilege.READ),
         (Opcode.OBSERVE_SEQNO, Privilege.READ),
+        (Opcode.SEQNO_PERSISTENCE, Privilege.READ),
         (Opcode.GET_ALL_VB_SEQNOS, Privilege.READ),
         (Opcode.GET_FAILOVER_LOG, Privilege.READ),
         (Opcode.STAT, Privilege.STATS),
@@ -97,8 +98,8 @@ def test_what_each_role_may_send() -> None:
     everyone = {op for op in map(Opcode, HANDLERS) if required_privilege(op) is None}
     assert allowed(["admin"]) == set(map(Opcode, HANDLERS))
     assert allowed(["data_reader"]) - everyone - SDK_READS == {
-        Opcode.GET, Opcode.GET_REPLICA, Opcode.OBSERVE_SEQNO, Opcode.GET_ALL_VB_SEQNOS,
-        Opcode.GET_FAILOVER_LOG,
+        Opcode.GET, Opcode.GET_REPLICA, Opcode.OBSERVE_SEQNO, Opcode.SEQNO_PERSISTENCE,
+        Opcode.GET_ALL_VB_SEQNOS, Opcode.GET_FAILOVER_LOG,
     }  # fmt: skip
     assert allowed(["data_writer"]) - everyone - SDK_WRITES == {
         Opcode.SET, Opcode.ADD, Opcode.REPLACE, Opcode.DELETE,

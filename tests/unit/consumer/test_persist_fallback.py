@@ -1,0 +1,97 @@
+"""`KvClient.wait_persisted` against scripted nodes: it asks with SEQNO_PERSISTENCE; a node that
+does not know the opcode (UNKNOWN_COMMAND) is polled with OBSERVE_SEQNO from then on, and one
+that answers TMPFAIL (too many waits) is polled for that wait only."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from changefeed.consumer.connection import Connection
+from changefeed.consumer.kv_client import KvClient
+from changefeed.protocol.errors import StatusError
+from changefeed.protocol.frame import Frame, encode_response
+from changefeed.protocol.kv import (
+    MutationResult,
+    ObserveSeqnoResult,
+    decode_seqno_persistence,
+    encode_observe_seqno_result,
+)
+from changefeed.protocol.opcode import Opcode
+from changefeed.protocol.reader import FrameReader
+from changefeed.protocol.status import Status
+
+HOST = "127.0.0.1"
+UUID = 0xABCDEF
+
+
+def node(seqno_persistence: Status, seen: list[int]) -> Any:
+    """A node answering SEQNO_PERSISTENCE with `seqno_persistence` (SUCCESS: the seqno is
+    persisted) and OBSERVE_SEQNO with a persisted seqno that rises by 10 per poll."""
+    persisted = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal persisted
+        frames = FrameReader(1 << 20)
+        while data := await reader.read(65536):
+            frames.feed(data)
+            for _, frame in frames.read_batch().controls:
+                assert isinstance(frame, Frame)
+                seen.append(frame.opcode)
+                if frame.opcode == Opcode.SEQNO_PERSISTENCE:
+                    decode_seqno_persistence(frame)  # well formed
+                    writer.write(encode_response(frame, seqno_persistence))
+                else:
+                    assert frame.opcode == Opcode.OBSERVE_SEQNO, frame
+                    persisted += 10
+                    result = ObserveSeqnoResult(frame.vbucket, UUID, persisted, 100)
+                    writer.write(encode_response(frame, value=encode_observe_seqno_result(result)))
+            await writer.drain()
+
+    return serve
+
+
+def waits_against(answer: Status, seqnos: list[int]) -> list[int]:
+    seen: list[int] = []
+
+    async def main() -> None:
+        server = await asyncio.start_server(node(answer, seen), HOST, 0)
+        port = server.sockets[0].getsockname()[1]
+        kv = KvClient(await Connection.open(HOST, port), 4)
+        try:
+            async with asyncio.timeout(10):
+                for seqno in seqnos:
+                    await kv.wait_persisted(
+                        MutationResult(vbucket=1, seqno=seqno, cas=5, vb_uuid=UUID)
+                    )
+        finally:
+            await kv.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+    return seen
+
+
+WAIT, POLL = Opcode.SEQNO_PERSISTENCE, Opcode.OBSERVE_SEQNO
+
+
+def test_a_node_that_answers_waits_is_never_polled() -> None:
+    assert waits_against(Status.SUCCESS, [25, 50]) == [WAIT, WAIT]
+
+
+def test_a_node_without_the_opcode_is_polled_from_then_on() -> None:
+    assert waits_against(Status.UNKNOWN_COMMAND, [25, 50]) == [WAIT, POLL, POLL, POLL, POLL, POLL]
+
+
+def test_a_refused_wait_is_polled_and_the_next_one_asks_again() -> None:
+    assert waits_against(Status.ETMPFAIL, [25]) == [WAIT, POLL, POLL, POLL]
+
+
+@pytest.mark.parametrize("answer", [Status.EACCESS, Status.NOT_MY_VBUCKET])
+def test_other_refusals_are_raised(answer: Status) -> None:
+    with pytest.raises(StatusError) as info:
+        waits_against(answer, [25])
+    assert info.value.status == answer
