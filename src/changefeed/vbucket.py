@@ -471,7 +471,7 @@ class VBucket:
     def lookup_memory(self, keys: Sequence[bytes]) -> tuple[list[Item | None], list[bytes]]:
         """The newest version of each key still in memory, and the keys memory has none of
         (for the store to look up): the first half of the lookup `set_many` needs."""
-        in_memory = list(map(self.manager.find, keys))
+        in_memory = self.manager.find_many(keys)
         if in_memory.count(None) == len(keys):
             return in_memory, list(keys)
         return in_memory, [key for key, item in zip(keys, in_memory, strict=True) if item is None]

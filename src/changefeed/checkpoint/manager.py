@@ -207,6 +207,32 @@ class CheckpointManager:
             checkpoint = checkpoint.prev
         return None
 
+    def find_many(self, keys: Sequence[bytes]) -> list[Item | None]:
+        """`find` of each of `keys`: one C-level pass over the keys per checkpoint (a run of
+        new keys is found in none of them, and a vbucket holds a few checkpoints)."""
+        found: list[Item | None] = [None] * len(keys)
+        wanted: Sequence[int] = range(len(keys))  # positions in `keys` not found yet
+        checkpoint: Checkpoint | None = self._open
+        while checkpoint is not None and wanted:
+            get = checkpoint.key_index.get
+            if len(wanted) == len(keys):
+                indexes = list(map(get, keys))
+            else:
+                indexes = list(map(get, map(keys.__getitem__, wanted)))
+            if indexes.count(None) != len(indexes):
+                items = checkpoint.items
+                still: list[int] = []
+                for at, index in zip(wanted, indexes, strict=True):  # bounded by the keys
+                    if index is None:
+                        still.append(at)
+                        continue
+                    item = items[index]
+                    assert isinstance(item, Item), (keys[at], index, item)
+                    found[at] = item
+                wanted = still
+            checkpoint = checkpoint.prev
+        return found
+
     # -- writing --------------------------------------------------------------------------------
 
     def queue(self, item: Item) -> None:

@@ -5,6 +5,8 @@ in test_memory.py; random interleavings against a model in test_model.py."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from changefeed.checkpoint import (
     CAUGHT_UP,
@@ -17,9 +19,10 @@ from changefeed.checkpoint import (
     item_size_bytes,
 )
 from changefeed.checkpoint.item import CHECKPOINT_START, DUMMY
+from changefeed.checkpoint.snapshot import CursorSignal
 from changefeed.storage import Op
 
-from .helpers import MEMORY, MEMORY_CHECKPOINT, item, markers, queue_all, seqnos
+from .helpers import MEMORY, MEMORY_CHECKPOINT, VB, item, markers, queue_all, seqnos
 
 
 def figure_1() -> CheckpointManager:
@@ -308,3 +311,24 @@ def test_manager_read_iter_events_and_has_next_agree() -> None:
     assert seqnos(first + rest) == [1, 2, 3, 4, 5]
     assert not manager.has_next(cursor)
     assert manager.read(cursor, 5) == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    writes=st.lists(st.sampled_from([b"a", b"b", b"c", b"d", b"e"]), max_size=40),
+    reads=st.lists(st.integers(0, 6), max_size=40),
+    asked=st.lists(st.sampled_from([b"a", b"b", b"c", b"d", b"e", b"new"]), max_size=8),
+)
+def test_find_many_finds_what_find_finds(
+    writes: list[bytes], reads: list[int], asked: list[bytes]
+) -> None:
+    """Keys spread over several checkpoints (a cursor inside the open one closes it at the next
+    write), deduplicated within one: `find_many` answers each key as `find` does."""
+    manager = CheckpointManager(VB, checkpoint_max_bytes=400)
+    reader = manager.register_cursor("reader", 0).cursor
+    for seqno, (key, read) in enumerate(zip(writes, reads + [0] * len(writes), strict=False), 1):
+        manager.queue(Item(seqno, key, Op.MUTATION, b"v%d" % seqno, seqno))
+        for _ in range(read):  # the reader moves on, sometimes into the open checkpoint
+            if isinstance(manager.next_run(reader, 2), CursorSignal):
+                break
+    assert manager.find_many(asked) == [manager.find(key) for key in asked]
