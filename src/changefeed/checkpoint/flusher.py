@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import heapq
 import itertools
+from collections.abc import Sequence
 from typing import Final
 
 from changefeed import limits
@@ -134,9 +135,14 @@ class Flusher:
             raise
         return self.staged_committed(pending)
 
-    def stage(self, batch: WriteBatch) -> StagedFlush | None:
+    def stage(
+        self, batch: WriteBatch, runs: list[tuple[int, Sequence[Item]]] | None = None
+    ) -> StagedFlush | None:
         """Put one batch of items into `batch`, an open write batch the caller commits — so a
         flush round writes every vbucket in one transaction (one fsync, not one per vbucket).
+
+        With `runs`, a run of plain items (the usual case) is appended there instead, for the
+        caller to put with every other vbucket's (`WriteBatch.put_runs`) before it commits.
 
         After the commit call `staged_committed`; if the commit fails, `staged_failed`
         (the persistence cursor goes back and the items are written again later).
@@ -149,7 +155,7 @@ class Flusher:
         try:
             staged.items = self._read_batch(cursor)
             if staged.items:
-                self._write(batch, staged.items)
+                self._write(batch, staged.items, runs)
         except BaseException:
             self.staged_failed(staged)
             raise
@@ -235,7 +241,12 @@ class Flusher:
                 batch_bytes += item_size_bytes(got)
         return items
 
-    def _write(self, batch: WriteBatch, items: list[Item]) -> None:
+    def _write(
+        self,
+        batch: WriteBatch,
+        items: list[Item],
+        runs: list[tuple[int, Sequence[Item]]] | None = None,
+    ) -> None:
         snapshot = self._snapshot
         assert snapshot is not None, items[0]
         assert snapshot.snap_start <= items[-1].seqno <= snapshot.snap_end, (snapshot, items[-1])
@@ -243,7 +254,10 @@ class Flusher:
         kept = self.kept_prepares
         completed = 0
         if not kept and set(map(type, items)) == _PLAIN:  # the common case, checked in C
-            batch.put_bodies(vb, items)
+            if runs is None:
+                batch.put_bodies(vb, items)
+            else:
+                runs.append((vb, items))
             items = []
         put_body = batch.put_body
         for item in items:  # each item's DCP body was encoded once, when it was queued

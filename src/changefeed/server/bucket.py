@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from changefeed import limits
@@ -35,6 +36,7 @@ from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState
 log = logging.getLogger("changefeed.bucket")
 
 _U32_MAX = 0xFFFF_FFFF
+_body_of = operator.attrgetter("body")
 RELATIVE_EXPIRY_MAX_S = 30 * 24 * 3600  # memcached: up to 30 days is relative, above absolute
 # The flusher gathers a group commit this long before a round (unless a writer waits for
 # persistence: `hurry_flush`). After a round that wrote, too: back-to-back rounds under load
@@ -190,12 +192,17 @@ class Bucket:
             self.persistence.succeeded()
             return 0  # no empty transaction
         batch = self.store.begin_batch()
+        runs: list[tuple[int, Sequence[Item]]] = []  # put together, after every vbucket staged
+        run_bytes = 0
         try:
             for vb in self.vbuckets.values():
-                if batch.stored_bytes >= ROUND_BYTES_MAX:
+                if batch.stored_bytes + run_bytes >= ROUND_BYTES_MAX:
                     break  # the rest go in the next round
                 if vb.flusher.pending:
-                    staged.append((vb, vb.flusher.stage(batch)))
+                    staged.append((vb, vb.flusher.stage(batch, runs)))
+                    if runs and runs[-1][0] == vb.vb:
+                        run_bytes += sum(map(len, map(_body_of, runs[-1][1])))
+            batch.put_runs(runs)
         except BaseException:
             self.store.abort_batch(batch)
             for vb, pending in staged:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import operator
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final, Protocol
 
 from changefeed import limits
@@ -252,12 +252,48 @@ class WriteBatch:
         row = self._rows.get(vb) if self._open else None
         if row is None:
             row = self._row(vb)
-        if len(items) < CLEAN_RUN_MIN or not self._put_clean_run(vb, row, items):
+        if len(items) < CLEAN_RUN_MIN or not self._put_clean_runs([(vb, row, items)]):
             self._put_bodies_one_by_one(vb, items)
 
-    def _put_clean_run(self, vb: int, row: VbState, items: Sequence[BodyItem]) -> bool:
-        """Put `items` if the whole run passes every check of `put_body`; False (nothing put)
-        if anything needs a closer look."""
+    def put_runs(self, runs: Sequence[tuple[int, Sequence[BodyItem]]]) -> None:
+        """`put_bodies` of several vbuckets' runs, vbuckets rising: a flush round's. The
+        checks and encodings of all the runs go as one C-level pass per step, so a round of
+        many vbuckets with a few items each costs per item rather than per vbucket; if the
+        runs are not clean together, each goes through `put_bodies`.
+
+        Raises:
+            ValueError, RuntimeError: as for `put_bodies`.
+        """
+        runs = [(vb, items) for vb, items in runs if items]
+        if not runs:
+            return
+        rows = [(vb, self._row(vb), items) for vb, items in runs]
+        if len(rows) == 1 or not self._put_clean_runs(rows):
+            for vb, items in runs:
+                self.put_bodies(vb, items)
+
+    def _put_clean_runs(self, runs: Sequence[tuple[int, VbState, Sequence[BodyItem]]]) -> bool:
+        """Put every run of `runs` (vbuckets rising) if all pass every check of `put_body`;
+        False (nothing put) if anything needs a closer look."""
+        vbs: Iterable[int]
+        prefixes: Iterable[bytes]
+        if len(runs) == 1:
+            vb, row, items = runs[0]
+            sizes = [len(items)]
+            vbs = itertools.repeat(vb)
+            prefixes = itertools.repeat(_VB_PREFIXES[vb])
+        else:
+            sizes = [len(items) for _, _, items in runs]
+            vbs = itertools.chain.from_iterable(
+                itertools.repeat(vb, n) for (vb, _, _), n in zip(runs, sizes, strict=True)
+            )
+            prefixes = itertools.chain.from_iterable(
+                itertools.repeat(_VB_PREFIXES[vb], n)
+                for (vb, _, _), n in zip(runs, sizes, strict=True)
+            )
+            items = list(itertools.chain.from_iterable(items for _, _, items in runs))
+        if any(row.high_seqno >= run[0].seqno for _, row, run in runs):
+            return False
         keys = list(map(_key_of, items))
         seqnos = list(map(_seqno_of, items))
         bodies = list(map(_body_of, items))
@@ -265,13 +301,17 @@ class WriteBatch:
         datatypes = list(map(_datatype_of, items))
         key_sizes = list(map(len, keys))
         key_ats = list(map(_EXTRAS_SIZE_OF_OP.__getitem__, ops))
-        by_keys = list(map(operator.add, itertools.repeat(_VB_PREFIXES[vb]), keys))
+        by_keys = list(map(operator.add, prefixes, keys))
+        try:
+            seqno_keys = list(map(_pack_seqno_key, vbs, seqnos))
+        except struct.error:
+            return False  # a seqno out of range: the loop names it
         value_ends = list(
             map(operator.sub, map(len, bodies), map(operator.add, key_ats, key_sizes))
         )
         if not (
-            row.high_seqno < seqnos[0]
-            and all(map(operator.lt, seqnos, itertools.islice(seqnos, 1, None)))
+            # (vb, seqno) keys rising: seqnos rise within each run, and the vbuckets rise.
+            all(map(operator.lt, seqno_keys, itertools.islice(seqno_keys, 1, None)))
             and min(key_sizes) > 0
             and max(key_sizes) <= _KEY_SIZE_MAX
             and min(value_ends) >= 0
@@ -282,25 +322,29 @@ class WriteBatch:
             and self._keys.keys().isdisjoint(by_keys)
         ):
             return False
-        for end in (0, -1):  # the BodyItem contract, at the run's ends
-            assert bodies[end].startswith(keys[end], key_ats[end]), (vb, seqnos[end])
-            assert _unpack_body_seqno(bodies[end])[0] == seqnos[end], (vb, seqnos[end])
+        for end in (0, -1):  # the BodyItem contract, at the runs' ends
+            assert bodies[end].startswith(keys[end], key_ats[end]), seqno_keys[end]
+            assert _unpack_body_seqno(bodies[end])[0] == seqnos[end], seqno_keys[end]
         try:
             tags = map(_TAGS.__getitem__, ops)
-            prefixes = map(_pack_prefix, tags, datatypes, key_sizes, map(_cas_of, items))
-            stored = list(map(operator.add, prefixes, bodies))
+            heads = map(_pack_prefix, tags, datatypes, key_sizes, map(_cas_of, items))
+            stored = list(map(operator.add, heads, bodies))
         except struct.error:
             return False  # a CAS out of range: the loop names it
         stored_bytes = self._bytes + sum(map(len, stored))
         if stored_bytes > limits.STORAGE_BATCH_BYTES_MAX:
             return False
-        seqno_keys = map(_pack_seqno_key, itertools.repeat(vb), seqnos)
         self._records.update(zip(seqno_keys, stored, strict=True))
         by_key_values = map(_pack_by_key_value, seqnos, ops)
         self._keys.update(zip(by_keys, by_key_values, strict=True))
-        self._mutations[vb] = self._mutations.get(vb, 0) + ops.count(Op.MUTATION)
         self._bytes = stored_bytes
-        row.high_seqno = seqnos[-1]
+        first = 0
+        mutations = self._mutations
+        for (vb, row, _), n in zip(runs, sizes, strict=True):  # bounded by the runs
+            end = first + n
+            mutations[vb] = mutations.get(vb, 0) + ops[first:end].count(Op.MUTATION)
+            row.high_seqno = seqnos[end - 1]
+            first = end
         return True
 
     def _put_bodies_one_by_one(self, vb: int, items: Sequence[BodyItem]) -> None:

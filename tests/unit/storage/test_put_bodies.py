@@ -119,3 +119,58 @@ def test_a_body_that_does_not_hold_its_key_and_seqno(
         assert len(good) >= CLEAN_RUN_MIN
         with pytest.raises(AssertionError):
             batch.put_bodies(0, [*good, bad(14)])
+
+
+def multi_store(path: Path, vbuckets: int) -> Store:
+    store = Store(path, durable=False)
+    with store.write_batch() as batch:
+        for vb in range(vbuckets):
+            batch.set_vbucket_meta(vb, state="active", failover_log=[(7, 0)])
+        batch.set(1, b"k1", 1, b"before", cas=5)  # a committed version a run may replace
+    return store
+
+
+# Per vbucket (0..3, rising), a run of changes; a run may repeat a key (not clean) or carry a
+# datatype out of range (refused).
+vb_runs = st.lists(
+    st.tuples(st.integers(0, 3), changes), min_size=1, max_size=4, unique_by=lambda r: r[0]
+).map(sorted)
+
+
+@settings(max_examples=80, deadline=None)
+@given(runs=vb_runs, bad_datatype=st.booleans())
+def test_put_runs_writes_what_put_bodies_writes_per_vbucket(
+    tmp_path_factory: pytest.TempPathFactory,
+    runs: list[tuple[int, list[tuple[bytes, Op, bytes, int]]]],
+    bad_datatype: bool,
+) -> None:
+    """A flush round's runs put together: the same stores, item counts and metadata as one
+    put_bodies per vbucket, and the same refusal when an item is bad."""
+    items = [
+        (vb, [
+            body_item(seqno, key, op, value, datatype=datatype)
+            for seqno, (key, op, value, datatype) in enumerate(changes, 2)
+        ])
+        for vb, changes in runs
+    ]  # fmt: skip
+    if bad_datatype:
+        vb, last = items[-1]
+        last[-1] = dataclasses.replace(last[-1], datatype=0x80)
+    each, together = (multi_store(tmp_path_factory.mktemp(n), 4) for n in ("each", "together"))
+    with each, together:
+        errors: list[str] = []
+        for store, put in (
+            (each, lambda b: [b.put_bodies(vb, run) for vb, run in items]),
+            (together, lambda b: b.put_runs(items)),
+        ):
+            try:
+                with store.write_batch() as batch:
+                    put(batch)
+            except ValueError as error:
+                errors.append(str(error))
+        assert len(errors) in (0, 2) and len(set(errors)) <= 1, errors
+        assert bool(errors) == bad_datatype
+        for vb in range(4):
+            assert snapshot(together, vb) == snapshot(each, vb)
+            assert together.item_count(vb) == each.item_count(vb)
+        together._check_invariants()
