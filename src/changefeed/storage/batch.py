@@ -300,30 +300,30 @@ class WriteBatch:
         ops = list(map(_op_of, items))
         datatypes = list(map(_datatype_of, items))
         key_sizes = list(map(len, keys))
-        key_ats = list(map(_EXTRAS_SIZE_OF_OP.__getitem__, ops))
+        body_sizes = list(map(len, bodies))
         by_keys = list(map(operator.add, prefixes, keys))
         try:
             seqno_keys = list(map(_pack_seqno_key, vbs, seqnos))
         except struct.error:
             return False  # a seqno out of range: the loop names it
-        value_ends = list(
-            map(operator.sub, map(len, bodies), map(operator.add, key_ats, key_sizes))
-        )
+        key_size_max = max(key_sizes)
         if not (
             # (vb, seqno) keys rising: seqnos rise within each run, and the vbuckets rise.
             all(map(operator.lt, seqno_keys, itertools.islice(seqno_keys, 1, None)))
             and min(key_sizes) > 0
-            and max(key_sizes) <= _KEY_SIZE_MAX
-            and min(value_ends) >= 0
-            and max(value_ends) <= _VALUE_SIZE_MAX
-            and min(datatypes) >= 0
-            and max(datatypes) <= DATATYPE_MASK
+            and key_size_max <= _KEY_SIZE_MAX
+            # Every body holds its extras and key, and no value is too long (a run that is
+            # not clearly within both bounds is checked item by item).
+            and _bodies_hold_extras_and_keys(body_sizes, key_sizes, key_size_max, ops)
+            and max(body_sizes) <= _VALUE_SIZE_MAX
+            and max(datatypes) <= DATATYPE_MASK  # a negative one fails to pack below
             and len(set(by_keys)) == len(by_keys)
             and self._keys.keys().isdisjoint(by_keys)
         ):
             return False
         for end in (0, -1):  # the BodyItem contract, at the runs' ends
-            assert bodies[end].startswith(keys[end], key_ats[end]), seqno_keys[end]
+            key_at = _EXTRAS_SIZE_OF_OP[ops[end]]
+            assert bodies[end].startswith(keys[end], key_at), seqno_keys[end]
             assert _unpack_body_seqno(bodies[end])[0] == seqnos[end], seqno_keys[end]
         try:
             tags = map(_TAGS.__getitem__, ops)
@@ -331,7 +331,7 @@ class WriteBatch:
             stored = list(map(operator.add, heads, bodies))
         except struct.error:
             return False  # a CAS out of range: the loop names it
-        stored_bytes = self._bytes + sum(map(len, stored))
+        stored_bytes = self._bytes + sum(body_sizes) + len(stored) * PREFIX.size
         if stored_bytes > limits.STORAGE_BATCH_BYTES_MAX:
             return False
         self._records.update(zip(seqno_keys, stored, strict=True))
@@ -562,6 +562,18 @@ class WriteBatch:
     def _require_open(self) -> None:
         if not self._open:
             raise RuntimeError("this write batch has ended; start another with store.write_batch()")
+
+
+def _bodies_hold_extras_and_keys(
+    body_sizes: list[int], key_sizes: list[int], key_size_max: int, ops: list[Op]
+) -> bool:
+    """Each body is at least its op's extras plus its key: one pass when every body clears
+    the largest extras plus the longest key (a run of mutations), else item by item."""
+    if min(body_sizes) >= _MUTATION_EXTRAS_SIZE + key_size_max:
+        return True
+    heads = map(operator.add, map(_EXTRAS_SIZE_OF_OP.__getitem__, ops), key_sizes)
+    shortest: int = min(map(operator.sub, body_sizes, heads))
+    return shortest >= 0
 
 
 def _check_item(
