@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 
 from changefeed import limits
@@ -182,6 +182,30 @@ class Connection:
                 return await future
         finally:
             self._collecting.pop(opaque, None)
+
+    async def request_batch(
+        self, data: bytes, opaques: Sequence[int], *, timeout_s: float = 30.0
+    ) -> list[Frame]:
+        """Send several requests written together (`data`, opaques `opaques`) and wait for
+        every response (any status), in `opaques` order: one write and one wait instead of one
+        per request.
+
+        Raises:
+            TimeoutError: not every response came within ``timeout_s``.
+            ConnectionClosedError: the connection is gone.
+        """
+        futures = [self.expect(opaque) for opaque in opaques]
+        try:
+            self.send(data)
+            async with asyncio.timeout(timeout_s):  # not wait_for: see request()
+                return list(await asyncio.gather(*futures))
+        finally:
+            for opaque, future in zip(opaques, futures, strict=True):
+                self._pending.pop(opaque, None)
+                if not future.done():
+                    future.cancel()  # nobody waits for it any more
+                elif not future.cancelled():
+                    future.exception()  # retrieved: a closed connection fails them all
 
     async def request(self, data: bytes, opaque: int, *, timeout_s: float = 30.0) -> Frame:
         """Send a request and wait for its response (any status) with a deadline."""

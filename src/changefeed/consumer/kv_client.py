@@ -37,17 +37,19 @@ from changefeed.protocol.kv import (
     decode_observe_seqno_result,
     encode_compact_db,
     encode_request,
+    encode_seqno_persistence,
     encode_store,
 )
-from changefeed.protocol.kv_pipeline import FRAME, TOKEN, StoreReplies, encode_stores
+from changefeed.protocol.kv_pipeline import FRAME, OPAQUE_MASK, TOKEN, StoreReplies, encode_stores
 from changefeed.protocol.opcode import Feature, Magic, Opcode
 from changefeed.protocol.status import Status
 from changefeed.vbmap import ClusterMap, NodeAddress, vbucket_for_key
 
-# "persist": wait until the active node has the write on disk (OBSERVE_SEQNO polling). The
-# others are the SyncWrite levels of the durability frame: the node answers once a majority of
-# the vbucket's copies hold the write (and, per level, have persisted it) — or answers
-# SYNC_WRITE_AMBIGUOUS when that did not happen within the timeout, never a false success.
+# "persist": wait until the active node has the write on disk (SEQNO_PERSISTENCE; OBSERVE_SEQNO
+# polls on a node without it). The others are the SyncWrite levels of the durability frame: the
+# node answers once a majority of the vbucket's copies hold the write (and, per level, have
+# persisted it) — or answers SYNC_WRITE_AMBIGUOUS when that did not happen within the timeout,
+# never a false success.
 Durability = Literal["none", "persist", "majority", "majorityAndPersistActive", "persistToMajority"]
 SYNC_LEVELS: Final[Mapping[str, DurabilityLevel]] = {
     "majority": DurabilityLevel.MAJORITY,
@@ -70,6 +72,7 @@ Connector = Callable[[str, int], Awaitable[Connection]]
 # A window sent: the connection, the item indexes in it, their replies and its one future.
 _SentWindow = tuple[Connection, Sequence[int], StoreReplies, asyncio.Future[StoreReplies]]
 PERSIST_POLL_S = 0.002  # OBSERVE_SEQNO polls, with a node that has no SEQNO_PERSISTENCE
+PERSIST_WAIT_S = 30.0  # how long a persist write waits for the node to persist it
 
 
 def _durability_frame(durability: Durability, timeout_ms: int) -> bytes:
@@ -435,16 +438,64 @@ class KvClient:
         done = [r for r in results if r is not None]
         assert len(done) == len(items), (len(done), len(items))
         if durability == "persist" and done:
-            await self._wait_all_persisted(done)
+            await self.wait_all_persisted(done)
         return done
 
-    async def _wait_all_persisted(self, done: list[MutationResult]) -> None:
-        """Until every vbucket `done` wrote has persisted its newest write there: one wait
-        per vbucket, all at once."""
+    async def wait_all_persisted(self, done: Sequence[MutationResult]) -> None:
+        """Wait until every write of `done` is persisted: per vbucket its newest write is
+        waited for, with one SEQNO_PERSISTENCE each, a node's written together (see
+        `wait_persisted` for when a node is polled instead).
+
+        Raises:
+            TimeoutError: not persisted within PERSIST_WAIT_S.
+            StatusError: a node refused a wait (NOT_MY_VBUCKET: the vbucket moved).
+        """
         newest: dict[int, MutationResult] = {}
         for result in done:
             newest[result.vbucket] = result
-        await asyncio.gather(*(self.wait_persisted(r) for r in newest.values()))
+        unanswered = list(newest.values())
+        if self._waits_for_persistence:
+            by_conn: dict[int, tuple[Connection, list[MutationResult]]] = {}
+            for result in unanswered:
+                conn = await self._conn_for(result.vbucket)
+                by_conn.setdefault(id(conn), (conn, []))[1].append(result)
+            answered = await asyncio.gather(
+                *(
+                    self._wait_persisted_together(conn, results)
+                    for conn, results in by_conn.values()
+                )
+            )
+            unanswered = [result for polled in answered for result in polled]
+        await asyncio.gather(*(self.wait_persisted(r) for r in unanswered))
+
+    async def _wait_persisted_together(
+        self, conn: Connection, results: list[MutationResult]
+    ) -> list[MutationResult]:
+        """SEQNO_PERSISTENCE for each of `results` on `conn`, in one write; returns those the
+        node did not answer with success and that must be polled (UNKNOWN_COMMAND: this
+        client polls from now on; TMPFAIL: that wait is polled). Other errors are raised."""
+        first = conn.reserve_opaques(len(results))
+        opaques = [(first + i) & OPAQUE_MASK for i in range(len(results))]
+        requests = b"".join(
+            encode_seqno_persistence(r.vbucket, r.seqno, opaque)
+            for r, opaque in zip(results, opaques, strict=True)
+        )
+        try:
+            frames = await conn.request_batch(requests, opaques, timeout_s=PERSIST_WAIT_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{len(results)} vbuckets' writes not persisted within {PERSIST_WAIT_S:g} s"
+            ) from None
+        polled = []
+        for result, frame in zip(results, frames, strict=True):
+            if frame.status == Status.SUCCESS:
+                continue
+            if frame.status in (Status.UNKNOWN_COMMAND, Status.NOT_SUPPORTED):
+                self._waits_for_persistence = False
+            elif frame.status != Status.ETMPFAIL:
+                raise error_for_status(frame.status, frame.value.decode(errors="replace"))
+            polled.append(result)
+        return polled
 
     async def _window_connections(
         self, vbuckets: list[int], pending: Sequence[int]

@@ -1,15 +1,17 @@
-"""`KvClient.wait_persisted` against scripted nodes: it asks with SEQNO_PERSISTENCE; a node that
-does not know the opcode (UNKNOWN_COMMAND) is polled with OBSERVE_SEQNO from then on, and one
-that answers TMPFAIL (too many waits) is polled for that wait only."""
+"""`KvClient.wait_persisted` / `wait_all_persisted` and `Connection.request_batch` against
+scripted nodes: the client asks with SEQNO_PERSISTENCE; a node that does not know the opcode
+(UNKNOWN_COMMAND) is polled with OBSERVE_SEQNO from then on, one that answers TMPFAIL (too many
+waits) is polled for that wait only, and other refusals are raised."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import pytest
 
-from changefeed.consumer.connection import Connection
+from changefeed.consumer.connection import Connection, ConnectionClosedError
 from changefeed.consumer.kv_client import KvClient
 from changefeed.protocol.errors import StatusError
 from changefeed.protocol.frame import Frame, encode_response
@@ -18,6 +20,7 @@ from changefeed.protocol.kv import (
     ObserveSeqnoResult,
     decode_seqno_persistence,
     encode_observe_seqno_result,
+    encode_seqno_persistence,
 )
 from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.reader import FrameReader
@@ -95,3 +98,83 @@ def test_other_refusals_are_raised(answer: Status) -> None:
     with pytest.raises(StatusError) as info:
         waits_against(answer, [25])
     assert info.value.status == answer
+
+
+def waits_all_against(answer: Status, seqnos: list[int]) -> list[int]:
+    """`wait_all_persisted` of writes to vbuckets 0..len(seqnos)-1."""
+    seen: list[int] = []
+
+    async def main() -> None:
+        server = await asyncio.start_server(node(answer, seen), HOST, 0)
+        port = server.sockets[0].getsockname()[1]
+        kv = KvClient(await Connection.open(HOST, port), 4)
+        try:
+            async with asyncio.timeout(10):
+                await kv.wait_all_persisted(
+                    [
+                        MutationResult(vbucket=vb, seqno=seqno, cas=5, vb_uuid=UUID)
+                        for vb, seqno in enumerate(seqnos)
+                    ]
+                )
+        finally:
+            await kv.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+    return seen
+
+
+def test_waits_for_several_vbuckets_are_each_answered_by_the_node() -> None:
+    assert waits_all_against(Status.SUCCESS, [5, 15, 25]) == [WAIT, WAIT, WAIT]
+
+
+def test_several_vbuckets_on_a_node_without_the_opcode_are_polled() -> None:
+    seen = waits_all_against(Status.UNKNOWN_COMMAND, [5, 15, 25])
+    assert seen[:3] == [WAIT, WAIT, WAIT]
+    assert set(seen[3:]) == {POLL} and len(seen) >= 6  # each vbucket polled until persisted
+
+
+@pytest.mark.parametrize("answer", [Status.EACCESS, Status.NOT_MY_VBUCKET])
+def test_other_refusals_of_a_batch_are_raised(answer: Status) -> None:
+    with pytest.raises(StatusError) as info:
+        waits_all_against(answer, [5, 15])
+    assert info.value.status == answer
+
+
+def test_a_batch_left_unanswered_leaves_nothing_waiting(caplog: pytest.LogCaptureFixture) -> None:
+    """`Connection.request_batch` against a node that answers one request of three, then
+    closes: the caller gets the close (or a timeout), no response stays registered and no
+    future is reported as never retrieved."""
+    reported: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, context: reported.append(context))
+
+        async def answer_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            frames = FrameReader(1 << 20)
+            frames.feed(await reader.read(65536))
+            first = frames.read_batch().controls[0][1]
+            assert isinstance(first, Frame)
+            writer.write(encode_response(first))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.close()
+
+        server = await asyncio.start_server(answer_one, HOST, 0)
+        conn = await Connection.open(HOST, server.sockets[0].getsockname()[1])
+        first = conn.reserve_opaques(3)
+        opaques = [first, first + 1, first + 2]
+        data = b"".join(encode_seqno_persistence(0, 1, opaque) for opaque in opaques)
+        with pytest.raises((ConnectionClosedError, TimeoutError)):
+            await conn.request_batch(data, opaques, timeout_s=5.0)
+        assert not conn._pending  # nothing left registered
+        await conn.close()
+        server.close()
+        await server.wait_closed()
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert reported == [], [context.get("message") for context in reported]
