@@ -428,10 +428,10 @@ class VBucket:
         queued first, as `set` does; when checkpoint memory runs out part of the way, the
         writes past that point get CheckpointMemoryFullError (TMPFAIL) and take no seqno.
 
-        A clean run — no key twice, none locked, pending or found expired, every field in
-        range — is built with one C-level pass per column (`_clean_run_revs` decides);
-        anything else goes write by write (`_set_one_by_one`). `expiries` are absolute, as
-        `set`'s.
+        A clean run — no key locked, pending or found expired, every field in range (a key
+        may repeat: its later write finds the earlier) — is built with one C-level pass per
+        column (`_clean_run_revs` decides); anything else goes write by write
+        (`_set_one_by_one`). `expiries` are absolute, as `set`'s.
 
         `lookup`: the keys' versions, looked up by the caller with `lookup_memory` and a store
         lookup of the rest since (a bucket looks up every vbucket's keys at once).
@@ -484,25 +484,44 @@ class VBucket:
         now: float,
         fields_checked: bool,
     ) -> list[int] | None:
-        """The new rev_seqno of each write if the run is clean (see `set_many`), else None."""
-        keys = writes[0]
-        if not keys or self._locks or len(set(keys)) != len(keys):
+        """The new rev_seqno of each write if the run is clean (see `set_many`), else None.
+
+        A key written twice in the run finds its earlier write, as `set` one at a time would
+        (unless that write expires at once: its expiration comes first, one by one)."""
+        keys, expiries = writes[0], writes[3]
+        if not keys or self._locks:
             return None
         if self._pending and not self._pending.keys().isdisjoint(keys):
             return None
         if not fields_checked and not fields_in_range(writes):
             return None
-        if in_memory.count(None) == len(keys) and list(stored.values()).count(None) == len(keys):
+        distinct = len(set(keys)) == len(keys)
+        if (
+            distinct
+            and in_memory.count(None) == len(keys)
+            and list(stored.values()).count(None) == len(keys)
+        ):
             return [1] * len(keys)  # every key is new: the common case of an ingest
         revs = []
-        for key, current in zip(keys, in_memory, strict=True):  # bounded by the run
-            found = current if current is not None else stored[key]
-            if found is None or found.op is not _MUTATION:
-                revs.append(1)
-            elif found.expiry and found.expiry <= now:
-                return None  # its expiration is queued first: one by one
+        earlier: dict[bytes, tuple[int, int]] = {}  # key -> (rev, expiry) of its last write here
+        for key, current, expiry in zip(keys, in_memory, expiries, strict=True):  # bounded
+            before = None if distinct else earlier.get(key)
+            if before is not None:
+                rev, earlier_expiry = before
+                if earlier_expiry and earlier_expiry <= now:
+                    return None  # the earlier write is found expired: one by one
+                rev += 1
             else:
-                revs.append(found.rev_seqno + 1)
+                found = current if current is not None else stored[key]
+                if found is None or found.op is not _MUTATION:
+                    rev = 1
+                elif found.expiry and found.expiry <= now:
+                    return None  # its expiration is queued first: one by one
+                else:
+                    rev = found.rev_seqno + 1
+            revs.append(rev)
+            if not distinct:
+                earlier[key] = (rev, expiry)
         return revs
 
     def _set_one_by_one(

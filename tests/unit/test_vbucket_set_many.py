@@ -181,6 +181,52 @@ def test_runs_of_distinct_keys_answer_what_set_does(
         one_store.close()
 
 
+repeating_writes = st.lists(
+    st.tuples(
+        st.sampled_from([b"a", b"b", b"c", b"gone", b"expired", b"n1", b"n2"]),
+        st.binary(max_size=8),
+        st.integers(0, 3),  # flags
+        st.sampled_from([0, 0, int(NOW) + 100, int(NOW) + 5]),  # expiry; the last is past
+        st.sampled_from([0, 1]),  # datatype
+    ),
+    min_size=2,
+    max_size=12,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(batch=repeating_writes)
+def test_runs_that_write_a_key_twice_answer_what_set_does(
+    tmp_path_factory: pytest.TempPathFactory,
+    batch: list[tuple[bytes, bytes, int, int, int]],
+) -> None:
+    """A key written twice in a run (no lock, nothing pending): the second write finds the
+    first, as `set` one at a time does — rev_seqno, memory and store — and a first write that
+    expires at once is found expired (an expiration queued before the second)."""
+    run_vb, run_store = plain_twin(tmp_path_factory.mktemp("run"), 1000)
+    one_vb, one_store = plain_twin(tmp_path_factory.mktemp("one"), 1000)
+    try:
+        assert_run_equals_one_by_one(run_vb, run_store, one_vb, one_store, batch)
+    finally:
+        run_store.close()
+        one_store.close()
+
+
+def test_a_run_writing_a_key_twice_takes_no_step_per_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vbucket, store = plain_twin(tmp_path, 1000)
+    try:
+        monkeypatch.setattr(VBucket, "_set_one_by_one", None)  # called: a TypeError
+        keys = [b"a", b"new", b"a", b"new", b"a"]
+        answers = vbucket.set_many(keys, [b"v"] * 5, [0] * 5, [0] * 5, [0] * 5)
+        assert not answers.errors
+        revs = {one.key: one.rev_seqno for one in memory(vbucket).values() if one.key in keys}
+        assert revs == {b"a": 4, b"new": 2}  # "a" was stored at rev 1
+    finally:
+        store.close()
+
+
 def test_a_clean_run_takes_no_step_per_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
