@@ -40,6 +40,7 @@ from rich.progress import (
 )
 
 from changefeed import limits
+from changefeed.cli.ordered_writes import OrderedWrites
 from changefeed.cli.serve import run_loop
 from changefeed.consumer import (
     Changes,
@@ -181,9 +182,10 @@ async def _load(
     quiet: bool,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
-    written: list[bytes] = []
-    sets = deletes = 0
-    window = 256 if rate == 0 else max(1, int(rate / 20))
+    written: list[bytes] = []  # keys set and not deleted, for updates and deletes to pick
+    writes = OrderedWrites(kv, durability=durability, missing_ok=True)  # type: ignore[arg-type]
+    # Unpaced, whole segments go at once; paced, a window per 50 ms is flushed on time.
+    window = writes.segment_max if rate == 0 else max(1, int(rate / 20))
     started = time.perf_counter()
     progress = Progress(
         TextColumn("load"),
@@ -193,47 +195,42 @@ async def _load(
         console=Console(stderr=True),
         disable=quiet,
     )
-    with progress:
-        task = progress.add_task("load", total=count)
-        done = 0
-        while done < count:
-            batch: list[tuple[bytes, bytes]] = []
-            for _ in range(min(window, count - done)):
-                roll = rng.random()
-                if written and roll < delete_ratio:
-                    key = written.pop(rng.randrange(len(written)))
-                    await _remove_quietly(kv, key)
-                    deletes += 1
-                    continue
-                if written and roll < delete_ratio + update_ratio:
-                    key = rng.choice(written)
-                else:
-                    key = b"key::%010d" % rng.randrange(keyspace)
-                    written.append(key)
-                batch.append((key, _value(rng, value_size)))
-            await kv.upsert_many(batch, durability=durability)  # type: ignore[arg-type]
-            sets += len(batch)
-            done += window if len(batch) + deletes else 1
-            done = min(done, count)
-            progress.update(task, completed=done)
-            if rate:
-                await asyncio.sleep(max(0.0, done / rate - (time.perf_counter() - started)))
+    try:
+        with progress:
+            task = progress.add_task("load", total=count)
+            done = 0
+            while done < count:
+                for _ in range(min(window, count - done)):  # bounded by the window
+                    roll = rng.random()
+                    if written and roll < delete_ratio:
+                        at = rng.randrange(len(written))  # swap-remove: O(1), order is not kept
+                        written[at], written[-1] = written[-1], written[at]
+                        await writes.delete(written.pop())
+                        continue
+                    if written and roll < delete_ratio + update_ratio:
+                        key = rng.choice(written)
+                    else:
+                        key = b"key::%010d" % rng.randrange(keyspace)
+                        written.append(key)
+                    await writes.set(key, _value(rng, value_size))
+                done += min(window, count - done)
+                await writes.flush()  # the window goes while the next one is made
+                progress.update(task, completed=done)
+                if rate:
+                    await asyncio.sleep(max(0.0, done / rate - (time.perf_counter() - started)))
+            await writes.drain()
+    finally:
+        await writes.aclose()  # a segment still sent when something failed
     seconds = time.perf_counter() - started
-    ops = sets + deletes
+    deletes = writes.deletes + writes.missing  # a delete of a key deleted already still went
+    ops = writes.sets + deletes
     return {
         "ops": ops,
-        "sets": sets,
+        "sets": writes.sets,
         "deletes": deletes,
         "seconds": seconds,
         "ops_per_s": ops / seconds if seconds else 0.0,
     }
-
-
-async def _remove_quietly(kv: KvClient, key: bytes) -> None:
-    from changefeed.protocol.errors import KeyNotFoundError
-
-    with contextlib.suppress(KeyNotFoundError):  # the key was already removed
-        await kv.remove(key)
 
 
 def _value(rng: random.Random, size: int) -> bytes:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import click
 from rich.console import Console
@@ -39,6 +39,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from changefeed.cli.node_process import NodeProcess
+from changefeed.cli.ordered_writes import OrderedWrites
 from changefeed.consumer import ClientConfig, GetResult, KvClient
 from changefeed.consumer.current_state import Document, read_current_state
 from changefeed.protocol.errors import KeyNotFoundError
@@ -83,31 +84,44 @@ class LoadReport:
 async def load_workload(
     port: int, items: int, seed: int, console: Console, report: LoadReport
 ) -> None:
-    """Inserts (60%), updates (25%), deletes (10%) and expiring documents (5%)."""
+    """Inserts (60%), updates (25%), deletes (10%) and expiring documents (5%), pipelined with
+    each key's writes in order (`OrderedWrites`)."""
     rng = random.Random(seed)
     live: list[bytes] = []
     kv = await KvClient.connect("127.0.0.1", port)
+    writes = OrderedWrites(kv)
     started = time.perf_counter()
     try:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("loading", total=items)
             for i in range(items):
-                await _one_op(kv, rng, live, report, i)
+                await _one_op(writes, rng, live, report, i)
                 if i % 500 == 0:
-                    progress.update(task, completed=i)
+                    progress.update(task, completed=i - writes.pending)
+            await writes.drain()
     finally:
+        await writes.aclose()
         await kv.close()
     report.ops = items
     report.seconds = time.perf_counter() - started
 
 
+class Writes(Protocol):
+    """What the workload writes through: pipelined (`OrderedWrites`) or one at a time (the
+    cluster demo, which follows each write through a failover)."""
+
+    async def set(self, key: bytes, value: bytes, *, expiry: int = 0) -> None: ...
+
+    async def delete(self, key: bytes) -> None: ...
+
+
 async def _one_op(
-    kv: KvClient, rng: random.Random, live: list[bytes], report: LoadReport, i: int
+    writes: Writes, rng: random.Random, live: list[bytes], report: LoadReport, i: int
 ) -> None:
     roll = rng.random()
     if live and roll < 0.10:
         key = live.pop(rng.randrange(len(live)))
-        await kv.remove(key)
+        await writes.delete(key)
         return
     if live and roll < 0.35:
         key = rng.choice(live)
@@ -119,11 +133,11 @@ async def _one_op(
         i, rng.randrange(10_000), rng.choice([b"new", b"paid", b"shipped"])
     )  # fmt: skip
     if roll > 0.95:
-        await kv.upsert(key, value, expiry=EXPIRY_S)
+        await writes.set(key, value, expiry=EXPIRY_S)
         report.expiring.append(key)
         live.remove(key)  # left alone until it expires (a delete could find it gone)
     else:
-        await kv.upsert(key, value)
+        await writes.set(key, value)
 
 
 async def read_back(port: int, keys: set[bytes]) -> dict[bytes, GetResult]:

@@ -338,6 +338,20 @@ class RecordingKvClient(KvClient):
         return result
 
 
+@dataclass(frozen=True, slots=True)
+class OneByOne:
+    """The workload's writes (`demo.Writes`) each answered before the next: a write is
+    followed through the failover and its ack recorded (`RecordingKvClient`)."""
+
+    kv: KvClient
+
+    async def set(self, key: bytes, value: bytes, *, expiry: int = 0) -> None:
+        await self.kv.upsert(key, value, expiry=expiry)
+
+    async def delete(self, key: bytes) -> None:
+        await self.kv.remove(key)
+
+
 @dataclass
 class Loader:
     """The single-node demo's workload (``demo._one_op``), in slices, through the map."""
@@ -375,7 +389,7 @@ class Loader:
                     if before is not None:
                         await before(kv, i)
                     try:
-                        await _one_op(kv, self.rng, self.live, self.report, i)
+                        await _one_op(OneByOne(kv), self.rng, self.live, self.report, i)
                     except KeyNotFoundError:
                         self.removes_not_found += 1  # a removal of a key the failover lost
                     if i % 200 == 0:
