@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 from changefeed import limits
 from changefeed.producer.producer import DcpProducer
@@ -107,11 +107,6 @@ def _log_refusal(peer: str, connections_max: int) -> None:
         )
 
 
-# What one socket read of the event loop takes at most (uvloop and asyncio: 256 KiB): a read
-# this long was likely cut short by the buffer, with more of the burst behind it.
-_FULL_READ_BYTES: Final = 256 * 1024
-
-
 class ClientConnection(asyncio.Protocol):
     """One client's connection; also the `FrameSink` its DCP pump writes to."""
 
@@ -144,7 +139,6 @@ class ClientConnection(asyncio.Protocol):
         self._out: list[bytes] | None = None  # replies of the batch being dispatched
         self.permitted: frozenset[int] = UNAUTHENTICATED_OPCODES  # see update_permitted
         self._out_bytes = 0
-        self._deferred = False  # received bytes wait for the rest of a burst (data_received)
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
@@ -166,8 +160,6 @@ class ClientConnection(asyncio.Protocol):
         self.context.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._deferred:  # what was received is applied, as if it had not waited
-            self._process_deferred()
         self.context.connections.discard(self)
         self.context.map_subscribers.discard(self)
         self.context.partial.release(self)
@@ -199,11 +191,6 @@ class ClientConnection(asyncio.Protocol):
         asyncio.get_running_loop().call_soon(self._process)  # requests held while paused
 
     def data_received(self, data: bytes) -> None:
-        """Requests are dispatched as they arrive, except that a read which filled the
-        loop's whole read buffer waits for the reads right behind it: a pipelining client's
-        burst arrives as several full reads in one loop iteration, and dispatched together
-        they make longer runs of SETs (the cost of a run is largely per vbucket it touches).
-        The wait ends in the same loop iteration (`call_soon`), or at connection loss."""
         if self._refused:
             return
         try:
@@ -211,18 +198,7 @@ class ClientConnection(asyncio.Protocol):
         except ProtocolError as error:
             self._close_for(error)
             return
-        if len(data) >= _FULL_READ_BYTES:
-            if not self._deferred:
-                self._deferred = True
-                asyncio.get_running_loop().call_soon(self._process_deferred)
-            return
-        self._deferred = False
         self._process()
-
-    def _process_deferred(self) -> None:
-        if self._deferred:
-            self._deferred = False
-            self._process()
 
     def _process(self) -> None:
         """Dispatch every complete request, unless replies are backed up (then later); the
