@@ -176,8 +176,10 @@ assert KEY_SIZE_MAX + 2 * 255 < UNAUTHENTICATED_FRAME_SIZE_MAX < FRAME_SIZE_MAX
 SET_RUN_ITEMS_MAX = 4096
 
 # SEQNO_PERSISTENCE waits pending on a node at once (server/persistence_waits.py; more get
-# TMPFAIL), and how long one may wait (kv_engine's seqno_persistence_timeout is 30 s).
+# TMPFAIL), on one connection (a writer waits once per vbucket it wrote: 2 windows' worth), and
+# how long one may wait (kv_engine's seqno_persistence_timeout is 30 s).
 PERSISTENCE_WAITS_MAX = 65536
+PERSISTENCE_WAITS_PER_CONNECTION_MAX = 2 * VBUCKETS_MAX
 PERSISTENCE_WAIT_S = 30.0
 WRITE_BUFFER_HIGH_BYTES = 4 * 1024 * 1024
 

@@ -28,7 +28,7 @@ from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.set_run import SetRun, SetRunAnswers
 from changefeed.server.config import NodeConfig
 from changefeed.server.persistence import PersistenceHealth
-from changefeed.server.persistence_waits import PersistenceWaits
+from changefeed.server.persistence_waits import PersistenceWaits, VbucketMark
 from changefeed.storage import StorageError, Store
 from changefeed.vbucket import Document, RunLookup, VBucket, fields_in_range
 from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState
@@ -73,7 +73,7 @@ class Bucket:
         # The flusher's commits run here, off the event loop (one writer: LMDB has one).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="changefeed-flush")
         self.persistence_waits = PersistenceWaits(
-            self._persisted_seqno_of, self.persistence.check_writable, self.hurry_flush
+            self._mark_of, self.persistence.check_writable, self.hurry_flush
         )
         self.persisted_listeners.append(self.persistence_waits.on_persisted)
 
@@ -172,9 +172,12 @@ class Bucket:
             with contextlib.suppress(TimeoutError):  # gather a group commit
                 await asyncio.wait_for(self._hurry.wait(), FLUSH_IDLE_S)
 
-    def _persisted_seqno_of(self, vb: int) -> int | None:
+    def _mark_of(self, vb: int) -> VbucketMark | None:
+        """What a persistence wait on `vb` checks: its persisted seqno, state and history."""
         vbucket = self.vbuckets.get(vb)
-        return None if vbucket is None else vbucket.persisted_seqno
+        if vbucket is None:
+            return None
+        return VbucketMark(vbucket.persisted_seqno, vbucket.state, vbucket.vb_uuid)
 
     def hurry_flush(self) -> None:
         """A writer waits for persistence (OBSERVE_SEQNO polls below the high seqno, a

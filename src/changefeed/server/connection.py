@@ -37,6 +37,7 @@ from changefeed.protocol.errors import (
     NotMyVbucketError,
     ProtocolError,
     StatusError,
+    TemporaryFailureError,
 )
 from changefeed.protocol.frame import Frame, encode_response
 from changefeed.protocol.kv import (
@@ -139,6 +140,7 @@ class ClientConnection(asyncio.Protocol):
         self._out: list[bytes] | None = None  # replies of the batch being dispatched
         self.permitted: frozenset[int] = UNAUTHENTICATED_OPCODES  # see update_permitted
         self._out_bytes = 0
+        self.persistence_waits: set[asyncio.Future[None]] = set()  # SEQNO_PERSISTENCE pending
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
@@ -160,6 +162,8 @@ class ClientConnection(asyncio.Protocol):
         self.context.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        for waiting in list(self.persistence_waits):
+            waiting.cancel()  # nobody is left to answer: the node forgets the wait
         self.context.connections.discard(self)
         self.context.map_subscribers.discard(self)
         self.context.partial.release(self)
@@ -586,10 +590,20 @@ def _observe_seqno(c: ClientConnection, f: Frame) -> None:
 
 
 def _seqno_persistence(c: ClientConnection, f: Frame) -> None:
-    """SEQNO_PERSISTENCE: answered when the vbucket has persisted the seqno (or TMPFAIL)."""
+    """SEQNO_PERSISTENCE: answered when the vbucket has persisted the seqno (or TMPFAIL); the
+    connection's waits end when it closes."""
     c.require_bucket()
     seqno = decode_seqno_persistence(f)
+    pending = c.persistence_waits
+    if len(pending) >= limits.PERSISTENCE_WAITS_PER_CONNECTION_MAX:
+        raise TemporaryFailureError(
+            f"{len(pending)} persistence waits pending on this connection (at most "
+            f"{limits.PERSISTENCE_WAITS_PER_CONNECTION_MAX}): retry"
+        )
     waiting = c.context.bucket.persistence_waits.wait(f.vbucket, seqno)
+    if not waiting.done():
+        pending.add(waiting)
+        waiting.add_done_callback(pending.discard)
     c.answer_when_done(f, waiting, lambda _: c.reply(f))
 
 

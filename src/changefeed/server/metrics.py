@@ -40,6 +40,16 @@ class NodeCollector(Collector):
             "Flush commits that failed since start.",
             bucket.persistence.failures_total,
         )
+        yield _gauge(
+            "changefeed_persistence_waits",
+            "SEQNO_PERSISTENCE requests waiting for their seqno to be persisted.",
+            bucket.persistence_waits.count,
+        )
+        yield _gauge(
+            "changefeed_persistence_waits_answered_total",
+            "SEQNO_PERSISTENCE requests answered once their seqno was persisted.",
+            bucket.persistence_waits.answered_total,
+        )
         yield from _background_gauges(context)
         yield from _replication_gauges(context)
         for name, help_text, read in _per_vb_gauges():

@@ -30,6 +30,8 @@ def stat_group(context: ServerContext, group: str) -> Iterator[tuple[str, str]]:
         yield "persistence_failing", "1" if bucket.persistence.failing else "0"
         yield "persistence_failures_total", str(bucket.persistence.failures_total)
         yield "persistence_error", bucket.persistence.error or ""
+        yield "persistence_waits", str(bucket.persistence_waits.count)
+        yield "persistence_waits_answered", str(bucket.persistence_waits.answered_total)
         for worker in (context.compactor, context.expiry_pager):
             if worker is not None:  # compaction_* and expiry_pager_* counters
                 yield from worker.stats()

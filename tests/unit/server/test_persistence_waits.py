@@ -1,7 +1,8 @@
-"""SEQNO_PERSISTENCE waits (server/persistence_waits.py) against a simple model: a wait is done
-exactly when its vbucket's persisted seqno has reached its seqno; it fails with TMPFAIL when it
-times out, when too many wait, when the store cannot persist or when all are failed; and the
-count of pending waits is what the model says."""
+"""SEQNO_PERSISTENCE waits (server/persistence_waits.py) against a simple model: a wait
+succeeds exactly when its vbucket's persisted seqno reaches its seqno on the state and history
+it began on; a vbucket that changed meanwhile gets TMPFAIL; a cancelled wait (its connection
+closed) ends; the count of pending waits is the model's, and ended waits do not pile up in the
+heaps. Also timeouts, the cap, a failing store, fail_all and the request's round trip."""
 
 from __future__ import annotations
 
@@ -16,21 +17,25 @@ from changefeed.protocol.errors import NotMyVbucketError, TemporaryFailureError
 from changefeed.protocol.frame import decode_frame
 from changefeed.protocol.kv import decode_seqno_persistence, encode_seqno_persistence
 from changefeed.protocol.opcode import Opcode
-from changefeed.server.persistence_waits import PersistenceWaits
+from changefeed.server.persistence_waits import PersistenceWaits, VbucketMark
 
 VBUCKETS = 3
 
 
 class Node:
-    """What the waits see of a bucket: persisted seqnos, store health, hurried flushes."""
+    """What the waits see of a bucket: marks (persisted seqno, state, history), store
+    health, hurried flushes."""
 
     def __init__(self) -> None:
         self.persisted = dict.fromkeys(range(VBUCKETS), 0)
+        self.uuid = dict.fromkeys(range(VBUCKETS), 1)
         self.failing: str | None = None
         self.hurried = 0
 
-    def persisted_seqno(self, vb: int) -> int | None:
-        return self.persisted.get(vb)
+    def mark_of(self, vb: int) -> VbucketMark | None:
+        if vb not in self.persisted:
+            return None
+        return VbucketMark(self.persisted[vb], "active", self.uuid[vb])
 
     def check_writable(self) -> None:
         if self.failing:
@@ -40,48 +45,86 @@ class Node:
         self.hurried += 1
 
     def waits(self, timeout_s: float = 30.0) -> PersistenceWaits:
-        return PersistenceWaits(
-            self.persisted_seqno, self.check_writable, self.hurry, timeout_s=timeout_s
-        )
+        return PersistenceWaits(self.mark_of, self.check_writable, self.hurry, timeout_s=timeout_s)
 
 
-# A step: ("wait", vb, seqno) or ("persist", vb, new persisted seqno).
+# A step: ("wait", vb, seqno), ("persist", vb, persisted seqno), ("change", vb, _): a failover
+# or rollback gives the vbucket a new history, or ("cancel", index of a wait, _).
 steps = st.lists(
     st.one_of(
         st.tuples(st.just("wait"), st.integers(0, VBUCKETS - 1), st.integers(0, 30)),
         st.tuples(st.just("persist"), st.integers(0, VBUCKETS - 1), st.integers(0, 30)),
+        st.tuples(st.just("change"), st.integers(0, VBUCKETS - 1), st.just(0)),
+        st.tuples(st.just("cancel"), st.integers(0, 40), st.just(0)),
     ),
-    max_size=40,
+    max_size=60,
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(steps=steps)
-def test_a_wait_is_done_exactly_when_its_seqno_is_persisted(
-    steps: list[tuple[str, int, int]],
-) -> None:
+def test_a_wait_ends_as_the_model_says(steps: list[tuple[str, int, int]]) -> None:
     async def scenario() -> None:
         node = Node()
         waits = node.waits()
-        made: list[tuple[int, int, asyncio.Future[None]]] = []
+        made: list[tuple[int, int, int, asyncio.Future[None]]] = []  # vb, seqno, uuid, future
+        expected: list[str] = []  # "pending", "ok", "changed", "cancelled"
         had_to_wait = 0
-        for kind, vb, seqno in steps:
+        for kind, a, b in steps:
             if kind == "wait":
-                future = waits.wait(vb, seqno)
+                future = waits.wait(a, b)
                 had_to_wait += not future.done()
-                made.append((vb, seqno, future))
-            else:
-                node.persisted[vb] = max(node.persisted[vb], seqno)  # persisted only rises
-                waits.on_persisted([vb])
-            for wait_vb, wait_seqno, made_future in made:
-                assert made_future.done() == (node.persisted[wait_vb] >= wait_seqno)
-                if made_future.done():
-                    assert made_future.result() is None
-            assert waits.count == sum(not f.done() for *_, f in made)
+                made.append((a, b, node.uuid[a], future))
+                expected.append("ok" if node.persisted[a] >= b else "pending")
+            elif kind == "persist":
+                node.persisted[a] = max(node.persisted[a], b)  # persisted only rises
+                waits.on_persisted([a])
+                for i, (vb, seqno, uuid, _) in enumerate(made):
+                    if expected[i] == "pending" and vb == a and node.persisted[vb] >= seqno:
+                        expected[i] = "ok" if uuid == node.uuid[vb] else "changed"
+            elif kind == "change":
+                node.uuid[a] += 1
+            elif made:
+                i = a % len(made)
+                made[i][3].cancel()
+                if expected[i] == "pending":
+                    expected[i] = "cancelled"
+            await asyncio.sleep(0)  # done callbacks run
+            for (_, _, _, future), want in zip(made, expected, strict=True):
+                if want == "pending":
+                    assert not future.done()
+                elif want == "ok":
+                    assert future.done() and not future.cancelled() and future.result() is None
+                elif want == "changed":
+                    with pytest.raises(TemporaryFailureError, match="changed state or history"):
+                        future.result()
+                else:
+                    assert future.cancelled()
+            pending = expected.count("pending")
+            assert waits.count == pending
+            assert waits.heap_entries <= 2 * pending + 16  # ended waits do not pile up
         assert node.hurried == had_to_wait  # each wait that had to wait hurried the flusher
         waits.fail_all("stopping")
+        await asyncio.sleep(0)
+        assert waits.count == 0 and waits.heap_entries == 0
+        assert all(future.done() for *_, future in made)
+
+    asyncio.run(scenario())
+
+
+def test_many_waits_timing_out_together_leave_nothing_behind() -> None:
+    """A client's waits for a seqno that never comes, all on one vbucket: they time out
+    together with TMPFAIL, the heap is rebuilt as they go (no rebuild per wait), and the
+    count is back to zero."""
+
+    async def scenario() -> None:
+        node = Node()
+        waits = node.waits(timeout_s=0.05)
+        futures = [waits.wait(0, 2**63 + n) for n in range(5000)]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        assert all(isinstance(r, TemporaryFailureError) for r in results)
         assert waits.count == 0
-        assert all(f.done() for *_, f in made)
+        assert waits.heap_entries <= 16
 
     asyncio.run(scenario())
 
@@ -97,12 +140,12 @@ def test_refusals_and_failures() -> None:
             waits.wait(0, 1)
         assert waits.count == 0 and node.hurried == 0
         node.failing = None
-        timed_out = waits.wait(0, 5)
+        first = waits.wait(0, 5)
         failed = waits.wait(1, 5)
         waits.fail_all("cannot persist: disk full")
         with pytest.raises(TemporaryFailureError, match="cannot persist: disk full"):
             await failed
-        assert timed_out.done()  # fail_all ends every wait
+        assert first.done()  # fail_all ends every wait
         late = waits.wait(2, 5)
         with pytest.raises(TemporaryFailureError, match="seqno 5 not persisted within"):
             await late
@@ -125,6 +168,7 @@ def test_at_most_persistence_waits_max_wait(monkeypatch: pytest.MonkeyPatch) -> 
         assert waits.wait(2, 0).done()  # persisted already: answered, not counted
         node.persisted[0] = 1
         waits.on_persisted([0])
+        await asyncio.sleep(0)
         assert first.done() and not second.done()
         third = waits.wait(2, 1)  # room again
         assert waits.count == 2 and not third.done()
