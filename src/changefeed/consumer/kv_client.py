@@ -26,10 +26,10 @@ from changefeed.protocol.errors import NotMyVbucketError, StatusError, error_for
 from changefeed.protocol.frame import Frame, encode_frame
 from changefeed.protocol.frame_info import DurabilityLevel, DurabilityRequirement, encode_durability
 from changefeed.protocol.kv import (
-    U64,
     CompactDb,
     CompactionSummary,
     MutationResult,
+    ObserveSeqnoResult,
     StoreCommand,
     decode_compaction_summary,
     decode_get_response_flags,
@@ -88,6 +88,11 @@ class GetResult:
     cas: int
     flags: int
     datatype: int
+
+
+class MutationLostError(Exception):
+    """A write a node acknowledged is not on its vbucket's history any more (a failover or
+    rollback took it before it was persisted): waiting for its persistence cannot succeed."""
 
 
 class KvClient:
@@ -441,15 +446,25 @@ class KvClient:
             await self.wait_all_persisted(done)
         return done
 
-    async def wait_all_persisted(self, done: Sequence[MutationResult]) -> None:
-        """Wait until every write of `done` is persisted: per vbucket its newest write is
-        waited for, with one SEQNO_PERSISTENCE each, a node's written together (see
-        `wait_persisted` for when a node is polled instead).
+    async def wait_all_persisted(
+        self, done: Sequence[MutationResult], *, timeout_s: float = PERSIST_WAIT_S
+    ) -> None:
+        """Wait until every write of `done` is persisted on the history it was written on:
+        per vbucket its newest write is waited for with one SEQNO_PERSISTENCE, followed in the
+        same write by an OBSERVE_SEQNO that checks the write is on the node's history; a
+        node's requests go together. The node answers the wait as soon as the flush round
+        that persists the write ends, and refuses it (TMPFAIL) if the vbucket's state or
+        history changes meanwhile. A node that does not know the opcode (UNKNOWN_COMMAND)
+        is polled with OBSERVE_SEQNO from then on; a wait answered TMPFAIL (too many waits,
+        a failing store, a changed history) is polled.
 
         Raises:
-            TimeoutError: not persisted within PERSIST_WAIT_S.
+            TimeoutError: not persisted within `timeout_s`.
+            MutationLostError: a write is not on its vbucket's history any more.
+            TemporaryFailureError: the node cannot persist (its message says why).
             StatusError: a node refused a wait (NOT_MY_VBUCKET: the vbucket moved).
         """
+        deadline = time.monotonic() + timeout_s
         newest: dict[int, MutationResult] = {}
         for result in done:
             newest[result.vbucket] = result
@@ -459,41 +474,57 @@ class KvClient:
             for result in unanswered:
                 conn = await self._conn_for(result.vbucket)
                 by_conn.setdefault(id(conn), (conn, []))[1].append(result)
-            answered = await asyncio.gather(
-                *(
-                    self._wait_persisted_together(conn, results)
-                    for conn, results in by_conn.values()
-                )
-            )
-            unanswered = [result for polled in answered for result in polled]
-        await asyncio.gather(*(self.wait_persisted(r) for r in unanswered))
+            waits = [
+                self._wait_persisted_together(conn, results, timeout_s)
+                for conn, results in by_conn.values()
+            ]
+            unanswered = [result for polled in await asyncio.gather(*waits) for result in polled]
+        await asyncio.gather(*(self._poll_persisted(r, deadline) for r in unanswered))
 
     async def _wait_persisted_together(
-        self, conn: Connection, results: list[MutationResult]
+        self, conn: Connection, results: list[MutationResult], timeout_s: float
     ) -> list[MutationResult]:
-        """SEQNO_PERSISTENCE for each of `results` on `conn`, in one write; returns those the
-        node did not answer with success and that must be polled (UNKNOWN_COMMAND: this
-        client polls from now on; TMPFAIL: that wait is polled). Other errors are raised."""
-        first = conn.reserve_opaques(len(results))
-        opaques = [(first + i) & OPAQUE_MASK for i in range(len(results))]
+        """For each of `results` on `conn`, a SEQNO_PERSISTENCE and then an OBSERVE_SEQNO, all
+        in one write. The node handles a connection's requests in order, so each check sees
+        the history the wait was registered on, and a wait is answered success only if that
+        history is still the vbucket's. Returns the results that must be polled."""
+        count = len(results)
+        first = conn.reserve_opaques(2 * count)
+        opaques = [(first + i) & OPAQUE_MASK for i in range(2 * count)]
         requests = b"".join(
-            encode_seqno_persistence(r.vbucket, r.seqno, opaque)
-            for r, opaque in zip(results, opaques, strict=True)
+            [
+                *(
+                    encode_seqno_persistence(r.vbucket, r.seqno, opaque)
+                    for r, opaque in zip(results, opaques[:count], strict=True)
+                ),
+                *(
+                    encode_request(
+                        Opcode.OBSERVE_SEQNO,
+                        vbucket=r.vbucket,
+                        opaque=opaque,
+                        value=r.vb_uuid.to_bytes(8, "big"),
+                    )
+                    for r, opaque in zip(results, opaques[count:], strict=True)
+                ),
+            ]
         )
-        try:
-            frames = await conn.request_batch(requests, opaques, timeout_s=PERSIST_WAIT_S)
+        try:  # a little longer than the node waits (30 s): its TMPFAIL comes first
+            frames = await conn.request_batch(requests, opaques, timeout_s=timeout_s + 5.0)
         except TimeoutError:
             raise TimeoutError(
-                f"{len(results)} vbuckets' writes not persisted within {PERSIST_WAIT_S:g} s"
+                f"{count} vbuckets' writes not persisted within {timeout_s:g} s"
             ) from None
         polled = []
-        for result, frame in zip(results, frames, strict=True):
-            if frame.status == Status.SUCCESS:
+        for result, waited, observed in zip(results, frames[:count], frames[count:], strict=True):
+            if observed.status != Status.SUCCESS:
+                raise error_for_status(observed.status, observed.value.decode(errors="replace"))
+            _check_history(result, decode_observe_seqno_result(observed.value))
+            if waited.status == Status.SUCCESS:
                 continue
-            if frame.status in (Status.UNKNOWN_COMMAND, Status.NOT_SUPPORTED):
+            if waited.status in (Status.UNKNOWN_COMMAND, Status.NOT_SUPPORTED):
                 self._waits_for_persistence = False
-            elif frame.status != Status.ETMPFAIL:
-                raise error_for_status(frame.status, frame.value.decode(errors="replace"))
+            elif waited.status != Status.ETMPFAIL:
+                raise error_for_status(waited.status, waited.value.decode(errors="replace"))
             polled.append(result)
         return polled
 
@@ -676,40 +707,22 @@ class KvClient:
         _check(response)
         return decode_compaction_summary(response.value)
 
-    async def wait_persisted(self, result: MutationResult, *, timeout_s: float = 30.0) -> None:
-        """Wait until the node's persisted seqno for the vbucket reaches the write's seqno.
-
-        The node is asked with SEQNO_PERSISTENCE, which it answers as soon as the flush round
-        that persists the write ends; a node that does not know it (UNKNOWN_COMMAND), or
-        answers TMPFAIL (too many waits, a failing store), is polled with OBSERVE_SEQNO.
+    async def wait_persisted(
+        self, result: MutationResult, *, timeout_s: float = PERSIST_WAIT_S
+    ) -> None:
+        """Wait until the write is persisted on the history it was written on
+        (`wait_all_persisted` of it alone).
 
         Raises:
-            TimeoutError: not persisted within ``timeout_s``.
-            TemporaryFailureError: the node cannot persist (its message says why).
+            TimeoutError, MutationLostError, TemporaryFailureError, StatusError: as
+                `wait_all_persisted`.
         """
-        deadline = time.monotonic() + timeout_s
-        if self._waits_for_persistence:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await call(
-                        await self._conn_for(result.vbucket),
-                        Opcode.SEQNO_PERSISTENCE,
-                        vbucket=result.vbucket,
-                        extras=U64.pack(result.seqno),
-                    )
-                return
-            except TimeoutError:
-                raise TimeoutError(
-                    f"seqno {result.seqno} of vb {result.vbucket} not persisted"
-                ) from None
-            except StatusError as error:
-                if error.status in (Status.UNKNOWN_COMMAND, Status.NOT_SUPPORTED):
-                    self._waits_for_persistence = False
-                elif error.status != Status.ETMPFAIL:
-                    raise
-        await self._poll_persisted(result, deadline)
+        await self.wait_all_persisted([result], timeout_s=timeout_s)
 
     async def _poll_persisted(self, result: MutationResult, deadline: float) -> None:
+        """OBSERVE_SEQNO until the write's seqno is persisted on the history it was written
+        on (its mutation token's vb_uuid), or raise MutationLostError once the node's history
+        is shown not to hold it."""
         value = result.vb_uuid.to_bytes(8, "big")
         while True:  # bounded by the deadline
             response = await call(
@@ -719,11 +732,29 @@ class KvClient:
                 value=value,
             )
             observed = decode_observe_seqno_result(response.value)
+            _check_history(result, observed)
             if observed.persisted_seqno >= result.seqno:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"seqno {result.seqno} of vb {result.vbucket} not persisted")
             await asyncio.sleep(PERSIST_POLL_S)
+
+
+def _check_history(result: MutationResult, observed: ObserveSeqnoResult) -> None:
+    """Raise MutationLostError if the node's history of the vbucket (`observed`, asked with
+    the write's vb_uuid) does not hold the write: a failover or rollback since took it. A
+    write without a mutation token (vb_uuid 0) cannot be checked."""
+    if not result.vb_uuid or observed.vb_uuid == result.vb_uuid:
+        return
+    # The write survives only if the history it was written on ended past it
+    # (OBSERVE_SEQNO's failover answer says where; none: the node never had that history).
+    branch_end = observed.old_seqno if observed.old_vb_uuid is not None else None
+    if branch_end is None or branch_end < result.seqno:
+        raise MutationLostError(
+            f"vb {result.vbucket}: seqno {result.seqno} written on history "
+            f"{result.vb_uuid:#x} is not on the node's history {observed.vb_uuid:#x} "
+            "(a failover or rollback took it)"
+        )
 
 
 def _vbuckets_of(items: list[tuple[bytes, bytes]], vbuckets: int) -> list[int]:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from changefeed.consumer.connection import Connection, ConnectionClosedError
-from changefeed.consumer.kv_client import KvClient
+from changefeed.consumer.kv_client import KvClient, MutationLostError
 from changefeed.protocol.errors import StatusError
 from changefeed.protocol.frame import Frame, encode_response
 from changefeed.protocol.kv import (
@@ -30,9 +30,11 @@ HOST = "127.0.0.1"
 UUID = 0xABCDEF
 
 
-def node(seqno_persistence: Status, seen: list[int]) -> Any:
+def node(seqno_persistence: Status, seen: list[int], history: str = "same") -> Any:
     """A node answering SEQNO_PERSISTENCE with `seqno_persistence` (SUCCESS: the seqno is
-    persisted) and OBSERVE_SEQNO with a persisted seqno that rises by 10 per poll."""
+    persisted) and OBSERVE_SEQNO with a persisted seqno that rises by 10 per call, on the
+    writer's history (`history` "same"), or on a new one that branched off the writer's at
+    seqno 100 ("kept": writes up to 100 survive) or at 1 ("lost")."""
     persisted = 0
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -46,21 +48,28 @@ def node(seqno_persistence: Status, seen: list[int]) -> Any:
                 if frame.opcode == Opcode.SEQNO_PERSISTENCE:
                     decode_seqno_persistence(frame)  # well formed
                     writer.write(encode_response(frame, seqno_persistence))
-                else:
-                    assert frame.opcode == Opcode.OBSERVE_SEQNO, frame
-                    persisted += 10
+                    continue
+                assert frame.opcode == Opcode.OBSERVE_SEQNO, frame
+                assert int.from_bytes(frame.value, "big") == UUID  # the write's history
+                persisted += 10
+                if history == "same":
                     result = ObserveSeqnoResult(frame.vbucket, UUID, persisted, 100)
-                    writer.write(encode_response(frame, value=encode_observe_seqno_result(result)))
+                else:
+                    branch_end = 100 if history == "kept" else 1
+                    result = ObserveSeqnoResult(
+                        frame.vbucket, UUID + 1, persisted, 100, UUID, branch_end
+                    )
+                writer.write(encode_response(frame, value=encode_observe_seqno_result(result)))
             await writer.drain()
 
     return serve
 
 
-def waits_against(answer: Status, seqnos: list[int]) -> list[int]:
+def waits_against(answer: Status, seqnos: list[int], history: str = "same") -> list[int]:
     seen: list[int] = []
 
     async def main() -> None:
-        server = await asyncio.start_server(node(answer, seen), HOST, 0)
+        server = await asyncio.start_server(node(answer, seen, history), HOST, 0)
         port = server.sockets[0].getsockname()[1]
         kv = KvClient(await Connection.open(HOST, port), 4)
         try:
@@ -82,7 +91,8 @@ WAIT, POLL = Opcode.SEQNO_PERSISTENCE, Opcode.OBSERVE_SEQNO
 
 
 def test_a_node_that_answers_waits_is_never_polled() -> None:
-    assert waits_against(Status.SUCCESS, [25, 50]) == [WAIT, WAIT]
+    """Each wait goes with one OBSERVE_SEQNO in the same write (the history check)."""
+    assert waits_against(Status.SUCCESS, [25, 50]) == [WAIT, POLL, WAIT, POLL]
 
 
 def test_a_node_without_the_opcode_is_polled_from_then_on() -> None:
@@ -90,7 +100,20 @@ def test_a_node_without_the_opcode_is_polled_from_then_on() -> None:
 
 
 def test_a_refused_wait_is_polled_and_the_next_one_asks_again() -> None:
-    assert waits_against(Status.ETMPFAIL, [25]) == [WAIT, POLL, POLL, POLL]
+    assert waits_against(Status.ETMPFAIL, [25, 50]) == [WAIT, POLL, POLL, POLL, WAIT, POLL, POLL]
+
+
+def test_a_write_the_history_lost_raises() -> None:
+    """The node's history branched off the write's before the write (a failover): the wait
+    cannot succeed, even though the node answers it."""
+    with pytest.raises(MutationLostError, match="seqno 25 written on history"):
+        waits_against(Status.SUCCESS, [25], history="lost")
+
+
+def test_a_write_on_the_shared_part_of_the_history_is_kept() -> None:
+    assert waits_against(Status.SUCCESS, [25], history="kept") == [WAIT, POLL]
+    with pytest.raises(MutationLostError):  # polled: the same check
+        waits_against(Status.UNKNOWN_COMMAND, [25], history="lost")
 
 
 @pytest.mark.parametrize("answer", [Status.EACCESS, Status.NOT_MY_VBUCKET])
@@ -126,13 +149,13 @@ def waits_all_against(answer: Status, seqnos: list[int]) -> list[int]:
 
 
 def test_waits_for_several_vbuckets_are_each_answered_by_the_node() -> None:
-    assert waits_all_against(Status.SUCCESS, [5, 15, 25]) == [WAIT, WAIT, WAIT]
+    assert waits_all_against(Status.SUCCESS, [5, 15, 25]) == [WAIT] * 3 + [POLL] * 3
 
 
 def test_several_vbuckets_on_a_node_without_the_opcode_are_polled() -> None:
     seen = waits_all_against(Status.UNKNOWN_COMMAND, [5, 15, 25])
-    assert seen[:3] == [WAIT, WAIT, WAIT]
-    assert set(seen[3:]) == {POLL} and len(seen) >= 6  # each vbucket polled until persisted
+    assert seen[:6] == [WAIT] * 3 + [POLL] * 3
+    assert set(seen[6:]) == {POLL} and len(seen) >= 9  # each vbucket polled until persisted
 
 
 @pytest.mark.parametrize("answer", [Status.EACCESS, Status.NOT_MY_VBUCKET])
