@@ -321,10 +321,8 @@ class WriteBatch:
             and self._keys.keys().isdisjoint(by_keys)
         ):
             return False
-        for end in (0, -1):  # the BodyItem contract, at the runs' ends
-            key_at = _EXTRAS_SIZE_OF_OP[ops[end]]
-            assert bodies[end].startswith(keys[end], key_at), seqno_keys[end]
-            assert _unpack_body_seqno(bodies[end])[0] == seqnos[end], seqno_keys[end]
+        if not _bodies_hold_fields(runs, sizes, items):
+            return False  # item by item: the bad one is named
         try:
             tags = map(_TAGS.__getitem__, ops)
             heads = map(_pack_prefix, tags, datatypes, key_sizes, map(_cas_of, items))
@@ -562,6 +560,30 @@ class WriteBatch:
     def _require_open(self) -> None:
         if not self._open:
             raise RuntimeError("this write batch has ended; start another with store.write_batch()")
+
+
+def _bodies_hold_fields(
+    runs: Sequence[tuple[int, VbState, Sequence[BodyItem]]],
+    sizes: list[int],
+    items: Sequence[BodyItem],
+) -> bool:
+    """The BodyItem contract (the body holds the item's key and seqno where its op puts
+    them), checked as `put_bodies` checks it: every item of a run shorter than CLEAN_RUN_MIN
+    (which `put_bodies` puts one by one), the ends of a longer one (its items were built from
+    their fields by the checkpoint)."""
+    first = 0
+    for n in sizes:  # bounded by the runs
+        picks = range(first, first + n) if n < CLEAN_RUN_MIN else (first, first + n - 1)
+        for at in picks:  # at most CLEAN_RUN_MIN - 1 items
+            item = items[at]
+            key_at = _EXTRAS_SIZE_OF_OP[item.op]
+            if not item.body.startswith(item.key, key_at) or (
+                _unpack_body_seqno(item.body)[0] != item.seqno
+            ):
+                return False
+        first += n
+    assert first == len(items) and len(sizes) == len(runs), (first, len(items))
+    return True
 
 
 def _bodies_hold_extras_and_keys(

@@ -104,7 +104,8 @@ def test_a_body_that_does_not_hold_its_key_and_seqno(
 ) -> None:
     """put_body checks the body, and so does put_bodies for a run too short for the
     whole-run passes; a longer run relies on the BodyItem contract (the checkpoint builds
-    bodies from the fields) and asserts it at the run's ends."""
+    bodies from the fields) and checks it at the run's ends, refusing as put_body does (not
+    an assert: it holds under python -O too). So does put_runs, per run."""
     with fresh_store(tmp_path / "short") as store, store.write_batch() as batch:
         item = bad(4)
         with pytest.raises(ValueError, match=message):
@@ -117,8 +118,17 @@ def test_a_body_that_does_not_hold_its_key_and_seqno(
     with fresh_store(tmp_path / "long") as store, store.write_batch() as batch:
         good = [body_item(seqno, b"g%d" % seqno, Op.MUTATION, b"good") for seqno in range(3, 14)]
         assert len(good) >= CLEAN_RUN_MIN
-        with pytest.raises(AssertionError):
+        with pytest.raises(ValueError, match=message):
             batch.put_bodies(0, [*good, bad(14)])
+    with fresh_store(tmp_path / "runs") as store, store.write_batch() as batch:
+        batch.set_vbucket_meta(1, state="active")
+        short = [
+            body_item(3, b"s", Op.MUTATION, b"ok"),
+            bad(4),
+            body_item(5, b"t", Op.MUTATION, b"ok"),
+        ]
+        with pytest.raises(ValueError, match=message):  # in the middle of a short run
+            batch.put_runs([(0, short), (1, [body_item(1, b"u", Op.MUTATION, b"ok")])])
 
 
 def multi_store(path: Path, vbuckets: int) -> Store:
