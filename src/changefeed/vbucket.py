@@ -83,7 +83,7 @@ _CAS_RECOVERY_RECORDS_MAX: Final = 1024
 _NS_PER_S: Final = 1_000_000_000
 _MUTATION: Final = Op.MUTATION
 # A run of SETs as `set_many` takes it: keys, values, flags, expiries, datatypes.
-_SetColumns = tuple[Sequence[bytes], Sequence[bytes], Sequence[int], Sequence[int], Sequence[int]]
+SetColumns = tuple[Sequence[bytes], Sequence[bytes], Sequence[int], Sequence[int], Sequence[int]]
 _U32_MAX: Final = 0xFFFF_FFFF
 _DATATYPE_MASK: Final = 0x07  # dcp-wire.md §1.4: JSON | Snappy | XATTR
 _U64_MAX: Final = limits.SEQNO_MAX  # CAS is a u64 like a seqno
@@ -105,7 +105,7 @@ class RunLookup(NamedTuple):
     stored: Mapping[bytes, Record | None]
 
 
-def fields_in_range(writes: _SetColumns) -> bool:
+def fields_in_range(writes: SetColumns) -> bool:
     """Every write's key, value, flags, expiry and datatype are within `set`'s limits (one
     C-level pass per column)."""
     keys, values, flags, expiries, datatypes = writes
@@ -478,7 +478,7 @@ class VBucket:
 
     def _clean_run_revs(
         self,
-        writes: _SetColumns,
+        writes: SetColumns,
         in_memory: list[Item | None],
         stored: Mapping[bytes, Record | None],
         now: float,
@@ -526,7 +526,7 @@ class VBucket:
 
     def _set_one_by_one(
         self,
-        writes: _SetColumns,
+        writes: SetColumns,
         found_in_memory: dict[bytes, Item | None],
         stored: Mapping[bytes, Record | None],
         now: float,

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from changefeed import limits
 from changefeed.checkpoint import Item
 from changefeed.protocol.errors import StatusError
 from changefeed.protocol.kv import MutationResult, StoreCommand
@@ -179,3 +180,22 @@ def test_a_checked_run_still_checks_expiries_made_absolute(tmp_path: Path) -> No
         got = answers_of(run_bucket.set_run(run), 2)
         assert got == one_by_one(one_bucket, run)
         assert got[0] == ("InvalidArgumentsError", 0x04)
+
+
+def test_a_value_over_the_limit_is_refused_as_set_refuses_it(tmp_path: Path) -> None:
+    """A run not taken from the wire (`checked` False) has its fields checked: a value over
+    VALUE_SIZE_MAX is refused as `set` refuses it and the other writes of the run still apply."""
+    big = b"x" * (limits.VALUE_SIZE_MAX + 1)
+    run = SetRun(
+        vbuckets=[0, 0, 1], opaques=[1, 2, 3], keys=[b"a", b"b", b"c"], values=[b"v", big, b"v"],
+        flags=[0, 0, 0], expiries=[0, 0, 0], datatypes=[0, 0, 0],
+    )  # fmt: skip
+    (tmp_path / "run").mkdir()
+    (tmp_path / "one").mkdir()
+    with (
+        open_bucket(tmp_path / "run", ManualClock(NOW), vbuckets=VBUCKETS) as run_bucket,
+        open_bucket(tmp_path / "one", ManualClock(NOW), vbuckets=VBUCKETS) as one_bucket,
+    ):
+        got = answers_of(run_bucket.set_run(run), 3)
+        assert got == one_by_one(one_bucket, run)
+        assert got[1][0] == "InvalidArgumentsError" and got[0][0] == 1 and got[2][0] == 1
