@@ -22,7 +22,7 @@ from changefeed.cli.node_process import NodeProcess
 from changefeed.consumer import KvClient
 from changefeed.protocol.errors import TemporaryFailureError
 from changefeed.protocol.kv import MutationResult
-from support.clients import kv_connect, raw_connection, stats
+from support.clients import kv_connect, node_stats
 
 TMPFS_BYTES = 48 * 1024 * 1024
 VALUE = b"v" * 1000
@@ -57,11 +57,7 @@ def fill(path: Path) -> Path:
 
 
 async def general_stats(node: NodeProcess) -> dict[str, str]:
-    conn = await raw_connection(node)
-    try:
-        return await stats(conn, "")
-    finally:
-        await conn.close()
+    return await node_stats(node)
 
 
 async def write_until_refused(

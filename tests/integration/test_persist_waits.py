@@ -8,23 +8,14 @@ import asyncio
 
 import pytest
 
-from changefeed.cli.node_process import NodeProcess
 from changefeed.consumer.kv_client import PIPELINE_DEPTH_MAX, GetResult, KvClient
 from changefeed.protocol.kv import MutationResult
-from support.clients import kv_connect, raw_connection, stats
+from support.clients import kv_connect, node_stats
 from support.nodes import NodeFactory
 
 pytestmark = pytest.mark.timeout(180)
 
 ITEMS = PIPELINE_DEPTH_MAX + 904  # two windows
-
-
-async def general_stats(node: NodeProcess) -> dict[str, str]:
-    conn = await raw_connection(node)
-    try:
-        return await stats(conn, "")
-    finally:
-        await conn.close()
 
 
 def test_persisted_writes_survive_a_kill_right_after(nodes: NodeFactory) -> None:
@@ -40,7 +31,7 @@ def test_persisted_writes_survive_a_kill_right_after(nodes: NodeFactory) -> None
             await kv.close()
 
     results = asyncio.run(write())
-    general = asyncio.run(general_stats(node))
+    general = asyncio.run(node_stats(node))
     assert int(general["persistence_waits_answered"]) >= 1, general  # the node waited (0xb6)
     assert general["persistence_waits"] == "0", general
     node.kill()  # no clean stop: only what was on disk counts

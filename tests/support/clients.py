@@ -110,6 +110,15 @@ async def stats(conn: Connection, group: str, *, timeout_s: float = 10.0) -> dic
     return {f.key.decode(): f.value.decode() for f in frames[:-1]}
 
 
+async def node_stats(node: NodeProcess, group: str = "") -> dict[str, str]:
+    """STAT ``group`` of ``node`` over a connection of its own."""
+    conn = await raw_connection(node)
+    try:
+        return await stats(conn, group)
+    finally:
+        await conn.close()
+
+
 async def high_seqnos(node: NodeProcess) -> dict[int, int]:
     """Each vbucket's high seqno, as the node's ``STAT vbucket-seqno`` says (a truth reader)."""
     conn = await raw_connection(node)

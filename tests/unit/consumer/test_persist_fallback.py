@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -65,7 +66,10 @@ def node(seqno_persistence: Status, seen: list[int], history: str = "same") -> A
     return serve
 
 
-def waits_against(answer: Status, seqnos: list[int], history: str = "same") -> list[int]:
+def against_node(
+    answer: Status, waits: Callable[[KvClient], Awaitable[None]], history: str = "same"
+) -> list[int]:
+    """Run `waits` with a client of a scripted `node`; the opcodes the node saw."""
     seen: list[int] = []
 
     async def main() -> None:
@@ -74,10 +78,7 @@ def waits_against(answer: Status, seqnos: list[int], history: str = "same") -> l
         kv = KvClient(await Connection.open(HOST, port), 4)
         try:
             async with asyncio.timeout(10):
-                for seqno in seqnos:
-                    await kv.wait_persisted(
-                        MutationResult(vbucket=1, seqno=seqno, cas=5, vb_uuid=UUID)
-                    )
+                await waits(kv)
         finally:
             await kv.close()
             server.close()
@@ -85,6 +86,16 @@ def waits_against(answer: Status, seqnos: list[int], history: str = "same") -> l
 
     asyncio.run(main())
     return seen
+
+
+def waits_against(answer: Status, seqnos: list[int], history: str = "same") -> list[int]:
+    """`wait_persisted` of each of `seqnos` (vbucket 1), one after the other."""
+
+    async def waits(kv: KvClient) -> None:
+        for seqno in seqnos:
+            await kv.wait_persisted(MutationResult(vbucket=1, seqno=seqno, cas=5, vb_uuid=UUID))
+
+    return against_node(answer, waits, history)
 
 
 WAIT, POLL = Opcode.SEQNO_PERSISTENCE, Opcode.OBSERVE_SEQNO
@@ -125,27 +136,16 @@ def test_other_refusals_are_raised(answer: Status) -> None:
 
 def waits_all_against(answer: Status, seqnos: list[int]) -> list[int]:
     """`wait_all_persisted` of writes to vbuckets 0..len(seqnos)-1."""
-    seen: list[int] = []
 
-    async def main() -> None:
-        server = await asyncio.start_server(node(answer, seen), HOST, 0)
-        port = server.sockets[0].getsockname()[1]
-        kv = KvClient(await Connection.open(HOST, port), 4)
-        try:
-            async with asyncio.timeout(10):
-                await kv.wait_all_persisted(
-                    [
-                        MutationResult(vbucket=vb, seqno=seqno, cas=5, vb_uuid=UUID)
-                        for vb, seqno in enumerate(seqnos)
-                    ]
-                )
-        finally:
-            await kv.close()
-            server.close()
-            await server.wait_closed()
+    async def waits(kv: KvClient) -> None:
+        await kv.wait_all_persisted(
+            [
+                MutationResult(vbucket=vb, seqno=seqno, cas=5, vb_uuid=UUID)
+                for vb, seqno in enumerate(seqnos)
+            ]
+        )
 
-    asyncio.run(main())
-    return seen
+    return against_node(answer, waits)
 
 
 def test_waits_for_several_vbuckets_are_each_answered_by_the_node() -> None:
