@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from changefeed import limits
 from changefeed.protocol.errors import NotMyVbucketError, TemporaryFailureError
+from changefeed.vbucket_state import VBucketState
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,7 @@ class VbucketMark:
     seqno now, and its state and history (vb_uuid) when the wait began."""
 
     persisted_seqno: int
-    state: object
+    state: VBucketState
     vb_uuid: int
 
 
@@ -117,7 +118,7 @@ class PersistenceWaits:
         heapq.heappush(self._waiting.setdefault(vb, []), wait)
         self.count += 1
         timer = loop.call_later(self._timeout_s, self._expire, wait)
-        future.add_done_callback(lambda _: self._ended_early(vb, wait, timer))
+        future.add_done_callback(lambda _: self._done(vb, wait, timer))
         self._hurry_flush()
         return future
 
@@ -165,7 +166,7 @@ class PersistenceWaits:
                 )
             )
 
-    def _ended_early(self, vb: int, wait: _Wait, timer: asyncio.TimerHandle) -> None:
+    def _done(self, vb: int, wait: _Wait, timer: asyncio.TimerHandle) -> None:
         """A wait's future is done, however: it is counted out once, and if its entry is
         still in the heap (it timed out, was cancelled or failed before its seqno was
         persisted), the heap is rebuilt once such stale entries are half of it."""

@@ -18,6 +18,7 @@ from changefeed.protocol.frame import decode_frame
 from changefeed.protocol.kv import decode_seqno_persistence, encode_seqno_persistence
 from changefeed.protocol.opcode import Opcode
 from changefeed.server.persistence_waits import PersistenceWaits, VbucketMark
+from changefeed.vbucket_state import VBucketState
 
 VBUCKETS = 3
 
@@ -35,7 +36,7 @@ class Node:
     def mark_of(self, vb: int) -> VbucketMark | None:
         if vb not in self.persisted:
             return None
-        return VbucketMark(self.persisted[vb], "active", self.uuid[vb])
+        return VbucketMark(self.persisted[vb], VBucketState.ACTIVE, self.uuid[vb])
 
     def check_writable(self) -> None:
         if self.failing:
