@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import operator
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final, Protocol
 
 from changefeed import limits
@@ -275,23 +275,18 @@ class WriteBatch:
     def _put_clean_runs(self, runs: Sequence[tuple[int, VbState, Sequence[BodyItem]]]) -> bool:
         """Put every run of `runs` (vbuckets rising) if all pass every check of `put_body`;
         False (nothing put) if anything needs a closer look."""
-        vbs: Iterable[int]
-        prefixes: Iterable[bytes]
-        if len(runs) == 1:
-            vb, row, items = runs[0]
-            sizes = [len(items)]
-            vbs = itertools.repeat(vb)
-            prefixes = itertools.repeat(_VB_PREFIXES[vb])
-        else:
-            sizes = [len(items) for _, _, items in runs]
-            vbs = itertools.chain.from_iterable(
-                itertools.repeat(vb, n) for (vb, _, _), n in zip(runs, sizes, strict=True)
-            )
-            prefixes = itertools.chain.from_iterable(
-                itertools.repeat(_VB_PREFIXES[vb], n)
-                for (vb, _, _), n in zip(runs, sizes, strict=True)
-            )
-            items = list(itertools.chain.from_iterable(items for _, _, items in runs))
+        sizes = [len(run) for _, _, run in runs]
+        vbs = itertools.chain.from_iterable(
+            itertools.repeat(vb, n) for (vb, _, _), n in zip(runs, sizes, strict=True)
+        )
+        prefixes = itertools.chain.from_iterable(
+            itertools.repeat(_VB_PREFIXES[vb], n) for (vb, _, _), n in zip(runs, sizes, strict=True)
+        )
+        items = (
+            runs[0][2]
+            if len(runs) == 1
+            else list(itertools.chain.from_iterable(r for *_, r in runs))
+        )
         if any(row.high_seqno >= run[0].seqno for _, row, run in runs):
             return False
         keys = list(map(_key_of, items))
@@ -321,7 +316,7 @@ class WriteBatch:
             and self._keys.keys().isdisjoint(by_keys)
         ):
             return False
-        if not _bodies_hold_fields(runs, sizes, items):
+        if not _bodies_hold_fields(sizes, items):
             return False  # item by item: the bad one is named
         try:
             tags = map(_TAGS.__getitem__, ops)
@@ -562,13 +557,10 @@ class WriteBatch:
             raise RuntimeError("this write batch has ended; start another with store.write_batch()")
 
 
-def _bodies_hold_fields(
-    runs: Sequence[tuple[int, VbState, Sequence[BodyItem]]],
-    sizes: list[int],
-    items: Sequence[BodyItem],
-) -> bool:
+def _bodies_hold_fields(sizes: list[int], items: Sequence[BodyItem]) -> bool:
     """The BodyItem contract (the body holds the item's key and seqno where its op puts
-    them), checked as `put_bodies` checks it: every item of a run shorter than CLEAN_RUN_MIN
+    them) of runs of `sizes` items laid end to end in `items`, checked as `put_bodies` checks
+    it: every item of a run shorter than CLEAN_RUN_MIN
     (which `put_bodies` puts one by one), the ends of a longer one (its items were built from
     their fields by the checkpoint)."""
     first = 0
@@ -582,7 +574,7 @@ def _bodies_hold_fields(
             ):
                 return False
         first += n
-    assert first == len(items) and len(sizes) == len(runs), (first, len(items))
+    assert first == len(items), (first, len(items))
     return True
 
 

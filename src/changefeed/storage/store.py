@@ -525,23 +525,7 @@ class Store:
     def get_many(self, vb: int, keys: Iterable[bytes]) -> dict[bytes, Record | None]:
         """`get` of many keys of `vb` in one read transaction (a received batch of writes
         looks up its keys at once): every key maps to its record or None."""
-        self._require_open()
-        _check_vb(vb)
-        keys = list(keys)
-        found: dict[bytes, Record | None] = dict.fromkeys(keys)
-        prefix = VB_KEY.pack(vb)
-        by_key_keys = [prefix + key for key in keys if 0 < len(key) <= limits.STORED_KEY_SIZE_MAX]
-        try:
-            with self._env.begin() as txn:
-                # One C-level lookup of every key; a new key costs nothing more.
-                hits = txn.cursor(db=self._by_key).getmulti(by_key_keys)
-                for by_key_key, _ in hits:
-                    key = by_key_key[len(prefix) :]
-                    found[key] = self._get_in(txn, vb, key)
-        except lmdb.Error as error:
-            with _translated_errors(self._map_size_bytes):
-                raise error
-        return found
+        return self.get_many_across({vb: list(keys)})[vb]
 
     def get_many_across(
         self, wanted: Mapping[int, Sequence[bytes]]
