@@ -40,10 +40,10 @@ Usage::
     .venv/bin/python bench/bench_node.py --quick         # 50,000 items, a smoke run
     .venv/bin/python bench/bench_node.py --profile       # only the profile, no table
 
-``--profile`` streams once from disk and once from memory with py-spy (``pip install py-spy``)
-sampling the node and the consumer (this process), and prints the top functions by own time on
-each side. Needs ``redis-server`` (Debian ``redis-server``) and ``pip install redis hiredis``
-for the peer rows; ``--no-redis`` skips them.
+``--profile`` ingests (durability none and persist) and streams once from disk and once from
+memory with py-spy (``pip install py-spy``) sampling the node and the client (this process), and
+prints the top functions by own time on each side. Needs ``redis-server`` (Debian
+``redis-server``) and ``pip install redis hiredis`` for the peer rows; ``--no-redis`` skips them.
 """
 
 from __future__ import annotations
@@ -507,6 +507,30 @@ def bench_redis(items: list[tuple[bytes, bytes]], persist_n: int, work: Path) ->
     return out
 
 
+def profile_ingest(args: argparse.Namespace, items: list[tuple[bytes, bytes]], work: Path) -> str:
+    """Ingest with durability none and persist on a default node, py-spy on both sides."""
+    lines: list[str] = []
+    for durability in ("none", "persist"):
+        n = len(items) if durability == "none" else args.persist_items or len(items)
+        spy_dir = work / f"spy-ingest-{durability}"
+        with node_process(work / f"profile-ingest-{durability}", vbuckets=VBUCKETS) as node:
+            log(f"profile ingest {durability}: {n:,} items, py-spy on node pid {node.pid} and us")
+            with (
+                SpySampler(node.pid, spy_dir / "node.txt"),
+                SpySampler(os.getpid(), spy_dir / "client.txt"),
+            ):
+                usage = run_loop(ingest(node.port, node.pid, items[:n], durability))
+        shutil.rmtree(work / f"profile-ingest-{durability}", ignore_errors=True)
+        lines.append(
+            f"### ingest, durability {durability}, default node, under py-spy "
+            f"({SpySampler.RATE_HZ} Hz, non-blocking): {rate(n, usage)}"
+        )
+        for side in ("node", "client"):
+            lines.append(f"{side}: top functions by own time, % of busy samples while ingesting")
+            lines.extend(top_self_time(spy_dir / f"{side}.txt", args.profile_top))
+    return "\n".join(lines)
+
+
 def profile_streams(args: argparse.Namespace, items: list[tuple[bytes, bytes]], work: Path) -> str:
     """Stream once from disk and once from memory with py-spy on both sides."""
     n = len(items)
@@ -701,7 +725,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--buffer-bytes", type=int, default=ClientConfig().buffer_bytes)
     parser.add_argument(
-        "--profile", action="store_true", help="only profile the streaming path (no table)"
+        "--profile", action="store_true", help="only profile each node row (no table)"
     )
     parser.add_argument("--profile-top", type=int, default=10, help="functions per profile")
     parser.add_argument("--no-redis", action="store_true")
@@ -731,7 +755,7 @@ def main() -> None:
     started = time.perf_counter()
     try:
         if args.profile:
-            profile = profile_streams(args, items, work)
+            profile = profile_ingest(args, items, work) + "\n" + profile_streams(args, items, work)
         else:
             ours = bench_ours(args, items, work)
             redis = {} if args.no_redis else bench_redis(items, ours["persist_n"], work)
