@@ -4,14 +4,18 @@ a run that mixes vbuckets, and nothing is applied twice or out of order."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import asyncio
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from changefeed import limits
 from changefeed.checkpoint import CheckpointMemoryFullError, Item, SyncItem
+from changefeed.cluster import replica_stream
 from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
+from changefeed.consumer.connection import CloseReason, ConnectionClosedError
 from changefeed.protocol.batch import decode_batch
 from changefeed.protocol.dcp_items import (
     Abort,
@@ -224,3 +228,59 @@ def test_a_run_ends_the_pending_prepare_of_its_key(bucket: Bucket) -> None:
         )
     assert target.queue_replicated_run([Item(3, b"p", Op.MUTATION, b"done", 13)]) == 1
     assert [prepare.key for prepare in target.pending_prepares] == [b"q"]
+
+
+class _FakeConn:
+    """What a replica session uses of its Connection once open: opaques, pushes, close."""
+
+    def __init__(self) -> None:
+        self.on_push: object = None
+        self.on_close: Callable[[ConnectionClosedError], None] | None = None
+        self.opaque = 0
+
+    def next_opaque(self) -> int:
+        self.opaque += 1
+        return self.opaque
+
+    def send(self, data: bytes) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_session_cancelled_as_its_connection_closes_reports_nothing(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node stops (the feed is cancelled) in the loop iteration in which the active
+    closed the connection: the error the close left for the session is not reported as
+    'Future exception was never retrieved' (it was, in a cluster's stop log)."""
+    fake = _FakeConn()
+
+    async def connect(*args: object, **kwargs: object) -> _FakeConn:
+        return fake
+
+    async def expect_ok(*args: object) -> None:
+        return None
+
+    monkeypatch.setattr(replica_stream, "connect", connect)
+    monkeypatch.setattr(replica_stream, "_expect_ok", expect_ok)
+    reported: list[dict[str, object]] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, c: reported.append(c))
+        session = asyncio.ensure_future(feed_of(bucket)._session())
+        for _ in range(5):
+            await asyncio.sleep(0)  # the session waits on its connection now
+        assert fake.on_close is not None
+        fake.on_close(ConnectionClosedError(CloseReason.EOF))
+        session.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await session
+        del session
+        fake.on_close = None  # as the closed connection is dropped
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert reported == [], [c.get("message") for c in reported]

@@ -222,6 +222,9 @@ class ReplicaFeed:
         def on_close(error: ConnectionClosedError) -> None:
             if not closed.done():
                 closed.set_exception(error)
+                # Retrieved here: the loop below raises it with closed.result(), unless the
+                # session is cancelled first (the node stops), when nobody else would.
+                closed.exception()
 
         conn.on_close = on_close
         for vb in sorted(self.vbuckets):
