@@ -12,6 +12,23 @@ from typing import Final
 
 REPLICAS_MAX: Final = 3  # Couchbase's bound on replicas per vbucket
 
+# ``bucketCapabilities`` of the config, as Couchbase spells them: what a node here serves. SDKs
+# check these before an operation and refuse it when one is missing (libcouchbase: durable
+# writes need "durableWrite"; the C++ core: lookup_in_any_replica needs "subdoc.ReplicaRead").
+# Left out on purpose: "couchapi" (no views: an SDK would send view queries to port 8092),
+# "xattr" (only virtual attributes are served; a user xattr cannot be written, and SDKs read
+# "xattr" as "user xattrs work", e.g. for transactions), "collections" (HELLO Collections is
+# not negotiated), "xdcrCheckpointing", "rangeScan" and the other subdoc extensions.
+BUCKET_CAPABILITIES: Final = (
+    "durableWrite",  # durability frames: SyncWrites (server/sync_writes.py)
+    "subdoc.ReplicaRead",  # sub-document lookups sent to replicas (lookup_in_*_replica)
+    "cbhello",  # HELLO
+    "touch",  # TOUCH and GAT
+    "cccp",  # the map from GET_CLUSTER_CONFIG and NOT_MY_VBUCKET bodies
+    "dcp",  # the DCP family
+    "nodesExt",  # the config carries nodesExt
+)
+
 
 def vbucket_for_key(key: bytes, vbuckets: int) -> int:
     """Return the vbucket id of ``key`` in a bucket of ``vbuckets`` partitions.
@@ -189,7 +206,8 @@ class ClusterMap:
 
         `vBucketMap` rows are indexes into `serverList` (active first, -1 for no copy), the
         shape SDKs route by; `nodesExt` lists each node's KV port; `thisNode` marks the
-        answering node, as Couchbase does.
+        answering node, as Couchbase does; `bucketCapabilities` says what the nodes serve
+        (`BUCKET_CAPABILITIES`).
         """
         nodes_ext: list[dict[str, object]] = []
         for n in self.nodes:
@@ -203,6 +221,8 @@ class ClusterMap:
             "name": bucket,
             "nodeLocator": "vbucket",
             "bucketType": "membase",
+            "bucketCapabilitiesVer": "",
+            "bucketCapabilities": list(BUCKET_CAPABILITIES),
             "nodes": [
                 {"hostname": f"{n.host}:8091", "ports": {"direct": n.port}} for n in self.nodes
             ],
