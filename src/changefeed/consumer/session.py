@@ -10,6 +10,13 @@ Resume rule: the request must satisfy ``snap_start <= start <= snap_end``. A mar
 snapshot arrives only after the previous snapshot completed, so while no item of the new
 snapshot has arrived yet the consumer still holds the complete previous one and resumes from
 ``(seqno, seqno, seqno)``.
+
+Bound: a session's size does not grow with the stream. The failover log holds at most 25
+entries; the consistent points (snapshot ends the consumer held whole, kept for rollbacks) at
+most ``CONSISTENT_POINTS_MAX``: every way a point is added goes through `thin_consistent_points`
+(the newest half kept exact, the older half thinned to every other point, repeated until the
+list fits), and a state saved by an older build with more points is repaired the same way when
+it is loaded, never refused.
 """
 
 from __future__ import annotations
@@ -25,7 +32,23 @@ from numpy.typing import NDArray
 
 from changefeed.failover import FailoverLog
 
-CONSISTENT_POINTS_MAX = 64  # recent snapshot ends kept; older ones are thinned, not dropped
+# Recent snapshot ends kept per vbucket; older ones are thinned, not dropped. 64 points x ~20
+# bytes of JSON is ~1.3 KB per vbucket: a 1024-vbucket state stays under ~1.5 MB however long the
+# reader runs. The thinning halves the older half, so it needs at least 4 to make progress.
+CONSISTENT_POINTS_MAX = 64
+assert CONSISTENT_POINTS_MAX >= 4, CONSISTENT_POINTS_MAX
+
+
+def thin_consistent_points(points: list[int], bound: int = CONSISTENT_POINTS_MAX) -> list[int]:
+    """`points` (ascending, unique) cut to at most `bound`: while too many, the older half is
+    thinned to every other point and the newer half kept exact. The oldest and the newest point
+    always stay, so coverage of old history stays, with coarser steps (a rollback there re-reads
+    more); the newest ``bound // 2`` points are exact. Returns `points` itself when it fits."""
+    assert bound >= 4, bound
+    while len(points) > bound:  # each round drops about a quarter: O(log n) rounds
+        half = len(points) // 2
+        points = points[:half:2] + points[half:]
+    return points
 
 
 @dataclass(slots=True)
@@ -46,6 +69,8 @@ class VbSession:
     def __post_init__(self) -> None:
         if self.seqno and self.seqno == self.snap_end and not self.consistent_points:
             self.consistent_points.append(self.seqno)
+        self.consistent_points = thin_consistent_points(self.consistent_points)
+        assert len(self.consistent_points) <= CONSISTENT_POINTS_MAX, len(self.consistent_points)
 
     @property
     def vb_uuid(self) -> int:
@@ -82,7 +107,7 @@ class VbSession:
         assert seqno > self.seqno, (self.vbucket, seqno, self.seqno)
         self.seqno = seqno
         if seqno == self.snap_end:
-            self._add_consistent_point(seqno)
+            self.add_consistent_point(seqno)
 
     def on_items(self, seqnos: NDArray[np.uint64]) -> None:
         """Record a run of received items of this vbucket at once: what ``on_item`` on each
@@ -98,7 +123,7 @@ class VbSession:
         if first <= self.snap_end <= last:
             at = int(np.searchsorted(seqnos, self.snap_end))
             if int(seqnos[at]) == self.snap_end:
-                self._add_consistent_point(self.snap_end)
+                self.add_consistent_point(self.snap_end)
 
     def consistent_point_at_or_below(self, seqno: int) -> int:
         """The newest seqno <= ``seqno`` at which this consumer held a whole snapshot."""
@@ -112,18 +137,30 @@ class VbSession:
         self.consistent_points = [p for p in self.consistent_points if p < seqno]
         if seqno:
             self.consistent_points.append(seqno)
+        self.consistent_points = thin_consistent_points(self.consistent_points)
+        assert len(self.consistent_points) <= CONSISTENT_POINTS_MAX, len(self.consistent_points)
 
-    def _add_consistent_point(self, seqno: int) -> None:
+    def add_consistent_point(self, seqno: int) -> None:
+        """Record that the consumer holds a whole snapshot at `seqno` (at most the bound are
+        kept: see `thin_consistent_points`). A point at or below the newest is ignored."""
+        assert seqno > 0, seqno
         points = self.consistent_points
         if points and points[-1] >= seqno:
             return
         points.append(seqno)
-        if len(points) > CONSISTENT_POINTS_MAX:
-            # Thin the older half (every other point), keep the recent half exact: coverage
-            # of old history stays, with coarser steps (a rollback there re-reads more).
-            half = len(points) // 2
-            self.consistent_points = points[:half:2] + points[half:]
+        self.consistent_points = thin_consistent_points(points)
         assert len(self.consistent_points) <= CONSISTENT_POINTS_MAX, len(self.consistent_points)
+        assert self.consistent_points[-1] == seqno, (self.consistent_points[-1], seqno)
+
+    def check_invariants(self) -> None:
+        """O(n) checks the tests run after every step: the bound, and the points ascending,
+        positive and at or below the seqno."""
+        points = self.consistent_points
+        assert len(points) <= CONSISTENT_POINTS_MAX, (self.vbucket, len(points))
+        assert all(a < b for a, b in itertools.pairwise(points)), (self.vbucket, points)
+        if points:
+            assert points[0] > 0, (self.vbucket, points[0])
+            assert points[-1] <= self.seqno, (self.vbucket, points[-1], self.seqno)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -137,17 +174,25 @@ class VbSession:
 
     @classmethod
     def from_dict(cls, vbucket: int, raw: dict[str, Any]) -> VbSession:
-        """Raises ValueError (with the vbucket) for a malformed entry."""
+        """Raises ValueError (with the vbucket) for a malformed entry.
+
+        Consistent points are repaired, not refused: a state saved by an older build may hold
+        any number of them (it grew one per shared-memory batch), unsorted or repeated, or past
+        the seqno. They are sorted, deduplicated, cut to ``0 < point <= seqno`` and thinned to
+        the bound, which only ever makes a rollback re-read more, never less.
+        """
         try:
             log = raw.get("failover_log")
+            seqno = int(raw["seqno"])
+            points = sorted({int(p) for p in raw.get("consistent_points", [])})
             session = cls(
                 vbucket,
-                seqno=int(raw["seqno"]),
+                seqno=seqno,
                 snap_start=int(raw["snap_start"]),
                 snap_end=int(raw["snap_end"]),
                 failover_log=None if log is None else FailoverLog.from_list(log),
                 purge_seqno=int(raw.get("purge_seqno", 0)),
-                consistent_points=sorted(int(p) for p in raw.get("consistent_points", [])),
+                consistent_points=[p for p in points if 0 < p <= seqno],
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"session state for vbucket {vbucket} is invalid: {error}") from None

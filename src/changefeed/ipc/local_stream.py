@@ -42,7 +42,7 @@ from changefeed.consumer.events import (
     StreamRefused,
 )
 from changefeed.consumer.handshake import connect
-from changefeed.consumer.session import SessionState, VbSession
+from changefeed.consumer.session import CONSISTENT_POINTS_MAX, SessionState, VbSession
 from changefeed.failover import FailoverLog
 from changefeed.ipc.errors import (
     IpcError,
@@ -344,7 +344,12 @@ def _to_session(group: tuple[int, ...], positions: NDArray[np.uint64]) -> Sessio
 def _merge(
     group: tuple[int, ...], session: SessionState | None, positions: NDArray[np.uint64]
 ) -> SessionState:
-    """`session` moved on to `positions` (per vbucket, whichever is further)."""
+    """`session` moved on to `positions` (per vbucket, whichever is further).
+
+    A position at a snapshot's end is a consistent point; it is added through the session's
+    own rule (`VbSession.add_consistent_point`), which keeps the list bounded however many
+    batches a reader takes (one point per batch, before: unbounded, issue 27).
+    """
     state = session if session is not None else SessionState()
     for vb, (vb_uuid, seqno, snap_start, snap_end, _before) in zip(
         group, positions.tolist(), strict=True
@@ -357,10 +362,11 @@ def _merge(
         if vb_uuid and mine.vb_uuid != vb_uuid:
             mine.failover_log = FailoverLog([(vb_uuid, 0)])
         if seqno != mine.seqno or (snap_start, snap_end) != (mine.snap_start, mine.snap_end):
+            assert seqno >= mine.seqno, (vb, seqno, mine.seqno)
             mine.seqno, mine.snap_start, mine.snap_end = seqno, snap_start, snap_end
             if seqno and seqno == snap_end:
-                mine.consistent_points = [p for p in mine.consistent_points if p < seqno]
-                mine.consistent_points.append(seqno)
+                mine.add_consistent_point(seqno)
+        assert len(mine.consistent_points) <= CONSISTENT_POINTS_MAX, len(mine.consistent_points)
     return state
 
 
