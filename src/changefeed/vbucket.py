@@ -73,7 +73,7 @@ from changefeed.protocol.kv import MutationResult
 from changefeed.protocol.kv_ops import LOCKED_CAS, DocumentMeta
 from changefeed.storage import Op, Record, Store
 from changefeed.storage.record import DELETION_EXTRAS_SIZE, MUTATION_EXTRAS_SIZE
-from changefeed.vbucket_state import VBucketState
+from changefeed.vbucket_state import Effect, Transition, VBucketState, transition
 
 __all__ = ["Document", "MutationResult", "SetManyResult", "VBucket", "VBucketState"]
 
@@ -271,18 +271,32 @@ class VBucket:
         """The current branch's uuid: the newest failover entry's."""
         return self._failover_log.latest[0]
 
-    def set_state(self, state: VBucketState) -> None:
-        """Change state, persisted at once; becoming ACTIVE starts a new failover branch."""
+    def set_state(self, state: VBucketState) -> Transition | None:
+        """Change state, persisted at once, performing this vbucket's effects of the edge
+        (`vbucket_state.TRANSITIONS`): a new failover branch, locks dropped, prepares
+        committed. The node's effects (streams, replication, waiters) are the caller's: call
+        this through `ServerContext.set_vbucket_state`, the one entry for a state change.
+
+        Returns:
+            The edge taken, or None when `state` is the current state.
+        """
         if state is self._state:
-            return
-        if state is VBucketState.ACTIVE:
+            return None
+        edge = transition(self._state, state)
+        if Effect.NEW_FAILOVER_ENTRY in edge.effects:
             self._failover_log.create_entry(self._high_seqno)
-        self._locks.clear()  # locks live on the active copy only
+        if Effect.LOCKS_DROPPED in edge.effects:
+            self._locks.clear()
         self._state = state
         self._persist_meta()
-        assert self._state is state, (self._state, state)
-        if state is VBucketState.ACTIVE and self._pending:
+        if Effect.PREPARES_COMMITTED in edge.effects and self._pending:
             self.commit_all_pending()
+        assert self._state is state, (self._state, state)
+        assert Effect.LOCKS_DROPPED not in edge.effects or not self._locks, self._locks
+        assert Effect.NEW_FAILOVER_ENTRY not in edge.effects or (
+            self._failover_log.latest[1] <= self._high_seqno
+        ), (self._failover_log.latest, self._high_seqno)
+        return edge
 
     # -- SyncWrites -----------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ stats need no conversion.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 from changefeed.protocol.dcp import WireVbucketState
@@ -31,3 +32,79 @@ class VBucketState(enum.StrEnum):
 # The wire's vbucket_state_t values (GET_ALL_VB_SEQNOS filter, SET_VBUCKET_STATE): 1 active ..
 STATE_BY_WIRE_VALUE = {int(wire): VBucketState(wire.name.lower()) for wire in WireVbucketState}
 assert set(STATE_BY_WIRE_VALUE.values()) == set(VBucketState), STATE_BY_WIRE_VALUE
+
+
+class Effect(enum.Enum):
+    """What one state change does, named so that each has one owner and one test.
+
+    The vbucket performs its own (`VBucket.set_state`); the node fans the rest out
+    (`ServerContext.set_vbucket_state`). Nothing else changes a vbucket's state.
+    """
+
+    # -- performed by the vbucket --
+    NEW_FAILOVER_ENTRY = "new_failover_entry"  # a new history branch at the high seqno
+    LOCKS_DROPPED = "locks_dropped"  # GET_LOCKED locks live on the active copy only
+    PREPARES_COMMITTED = "prepares_committed"  # a promoted copy commits what it holds
+    # -- fanned out by the node --
+    WAITERS_AMBIGUOUS = "waiters_ambiguous"  # durable writes waiting here: SYNC_WRITE_AMBIGUOUS
+    STREAMS_ENDED = "streams_ended"  # STREAM_END STATE_CHANGED: consumers follow the map
+    REPLICA_PROGRESS_FORGOTTEN = "replica_progress_forgotten"  # replicas report elsewhere now
+
+
+_OWNED = (VBucketState.ACTIVE, VBucketState.PENDING)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transition:
+    """One edge of the table: `old` → `new` and its effects."""
+
+    old: VBucketState
+    new: VBucketState
+    effects: frozenset[Effect]
+
+
+class IllegalTransitionError(ValueError):
+    """A state change the table does not allow (a bug in the caller, never a client's)."""
+
+
+def _effects(old: VBucketState, new: VBucketState) -> frozenset[Effect]:
+    effects: set[Effect] = set()
+    if new is VBucketState.ACTIVE:
+        # PENDING -> ACTIVE (an aborted takeover) branches too: writes the fenced copy's
+        # successor may have taken are another history.
+        effects |= {Effect.NEW_FAILOVER_ENTRY, Effect.PREPARES_COMMITTED}
+    if old is VBucketState.ACTIVE:
+        # Takeover's fence (ACTIVE -> PENDING) included: the successor decides the prepares.
+        effects |= {Effect.LOCKS_DROPPED, Effect.WAITERS_AMBIGUOUS}
+    if old in _OWNED and new not in _OWNED:
+        # ACTIVE <-> PENDING keeps streams: the new copies must receive all the fenced copy
+        # acknowledged; they end when the vbucket really leaves.
+        effects |= {
+            Effect.LOCKS_DROPPED,
+            Effect.WAITERS_AMBIGUOUS,
+            Effect.STREAMS_ENDED,
+            Effect.REPLICA_PROGRESS_FORGOTTEN,
+        }
+    return frozenset(effects)
+
+
+# Every change between two different states is legal: after a crash, a failover or a
+# rebalance the map may put a copy in any state. A copy's state never "changes" to itself.
+TRANSITIONS: dict[tuple[VBucketState, VBucketState], Transition] = {
+    (old, new): Transition(old, new, _effects(old, new))
+    for old in VBucketState
+    for new in VBucketState
+    if old is not new
+}
+
+
+def transition(old: VBucketState, new: VBucketState) -> Transition:
+    """The table's edge from `old` to `new`.
+
+    Raises:
+        IllegalTransitionError: `old` is `new`, or the edge is not in the table.
+    """
+    found = TRANSITIONS.get((old, new))
+    if found is None:
+        raise IllegalTransitionError(f"vbucket state {old.value} cannot become {new.value}")
+    return found

@@ -34,7 +34,6 @@ from collections.abc import Iterator
 from changefeed.cluster.metadata import ClusterMetadata, Membership
 from changefeed.cluster.orchestrator import Orchestrator
 from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
-from changefeed.protocol.dcp import StreamEndReason
 from changefeed.server.node import Node
 from changefeed.vbmap import ClusterMap, NodeAddress
 from changefeed.vbucket_state import VBucketState
@@ -260,17 +259,7 @@ class NodeAgent:
         addresses: dict[str, NodeAddress] = {}
         for vb in range(cluster_map.vbuckets):
             wanted = self._wanted_state(cluster_map, vb)
-            vbucket = context.bucket.vbucket(vb)
-            if vbucket.state is not wanted:
-                owned = (VBucketState.ACTIVE, VBucketState.PENDING)
-                # ACTIVE -> PENDING is a takeover's fence (and back, an aborted one): the
-                # streams go on (the new active must receive the rest); they end when the
-                # vbucket really leaves.
-                if vbucket.state in owned and wanted not in owned:
-                    context.dcp.end_streams(vb, StreamEndReason.STATE_CHANGED)
-                    if context.replication is not None:
-                        context.replication.forget(vb)
-                vbucket.set_state(wanted)
+            context.set_vbucket_state(vb, wanted)
             active = cluster_map.active(vb)
             if wanted is VBucketState.REPLICA and active is not None:
                 sources.setdefault(active.name, set()).add(vb)

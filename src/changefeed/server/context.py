@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from changefeed.producer.backfill_slots import BackfillSlots
+from changefeed.protocol.dcp import StreamEndReason
 from changefeed.server.authenticator import AuthThrottle
 from changefeed.server.bucket import Bucket
 from changefeed.server.budget import PartialBytesBudget
@@ -26,6 +27,7 @@ from changefeed.server.replication import ReplicationTracker
 from changefeed.server.sync_writes import SyncWriteMonitor
 from changefeed.server.users import Users
 from changefeed.vbmap import ClusterMap, NodeAddress
+from changefeed.vbucket_state import Effect, Transition, VBucketState
 
 
 class MapSubscriber(Protocol):
@@ -98,6 +100,36 @@ class ServerContext:
     )
     map_subscribers: set[MapSubscriber] = dataclasses.field(default_factory=set)
     sync_writes: SyncWriteMonitor | None = None
+
+    def set_vbucket_state(self, vb: int, state: VBucketState) -> Transition | None:
+        """The node's one entry to change a vbucket's state: the vbucket performs its own
+        effects of the edge (`VBucket.set_state`), and this fans out the node's — durable
+        writes waiting on it answered AMBIGUOUS, its streams ended STATE_CHANGED, its
+        replicas' progress forgotten — all in this call, so no waiter or stream outlives the
+        change by an event-loop turn.
+
+        Returns:
+            The edge taken, or None when the vbucket already was in `state`.
+        """
+        edge = self.bucket.vbucket(vb).set_state(state)
+        if edge is None:
+            return None
+        effects = edge.effects
+        if Effect.WAITERS_AMBIGUOUS in effects and self.sync_writes is not None:
+            self.sync_writes.on_state_changed(vb)
+        if Effect.STREAMS_ENDED in effects:
+            self.dcp.end_streams(vb, StreamEndReason.STATE_CHANGED)
+        if Effect.REPLICA_PROGRESS_FORGOTTEN in effects and self.replication is not None:
+            self.replication.forget(vb)
+        # Paired with the effects above: what each one promises is now true.
+        assert self.bucket.vbucket(vb).state is state, (vb, state)
+        assert Effect.WAITERS_AMBIGUOUS not in effects or (
+            self.sync_writes is None or not self.sync_writes.waiting_on(vb)
+        ), vb
+        assert Effect.REPLICA_PROGRESS_FORGOTTEN not in effects or (
+            self.replication is None or not self.replication.in_sync_set(vb)
+        ), vb
+        return edge
 
     def current_map(self) -> ClusterMap:
         """The map clients route by: the cluster's, or this node alone with every vbucket."""

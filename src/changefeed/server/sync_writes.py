@@ -102,6 +102,10 @@ class SyncWriteMonitor:
     def pending_count(self) -> int:
         return sum(len(waiting) for waiting in self._pending.values())
 
+    def waiting_on(self, vb: int) -> int:
+        """How many durable writes wait on `vb`."""
+        return len(self._pending.get(vb, ()))
+
     def check_possible(self, vb: int) -> None:
         """Raise DurabilityImpossibleError unless a majority of vb's chain is reachable."""
         replicas = self._replicas_of(vb)
@@ -138,6 +142,27 @@ class SyncWriteMonitor:
         if vb in self._pending:
             self.check(vb)
 
+    def on_state_changed(self, vb: int) -> int:
+        """`vb` stopped being active here (`Effect.WAITERS_AMBIGUOUS`): answer every write
+        waiting on it SYNC_WRITE_AMBIGUOUS now, not at the next ack or its timeout. Its
+        prepares stay with the vbucket (a promoted copy commits the ones it holds).
+
+        Returns:
+            How many waiters were answered.
+        """
+        waiting = self._pending.get(vb)
+        if not waiting:
+            return 0
+        state = self._bucket.vbucket(vb).state
+        assert state is not VBucketState.ACTIVE, (vb, state)
+        answered = 0
+        for pending in list(waiting.values()):
+            self.stats.ambiguous_state += 1
+            self._finish(pending, SyncWriteAmbiguousError(f"vb {vb} is no longer active here"))
+            answered += 1
+        assert vb not in self._pending, vb
+        return answered
+
     def on_persisted(self, vbs: Sequence[int]) -> None:
         """The flusher persisted more of `vbs` on this node."""
         for vb in vbs:
@@ -156,10 +181,9 @@ class SyncWriteMonitor:
                 self._finish(pending, SyncWriteAmbiguousError(f"vb {vb} is no longer active here"))
             return
         replicas = self._replicas_of(vb)
-        majority = (1 + len(replicas)) // 2 + 1
         persisted_here = vbucket.persisted_seqno
         for pending in list(waiting.values()):
-            if not self._met(vb, pending, replicas, majority, persisted_here):
+            if not self._met(vb, pending, replicas, persisted_here):
                 continue
             try:
                 result = vbucket.commit(pending.key)
@@ -176,17 +200,13 @@ class SyncWriteMonitor:
         vb: int,
         pending: _Pending,
         replicas: Sequence[str],
-        majority: int,
         persisted_here: int,
     ) -> bool:
-        if persisted_here < pending.seqno:
-            return False  # every level waits for the active's own persistence (see above)
-        seqno = pending.seqno
         if pending.level is DurabilityLevel.PERSIST_TO_MAJORITY:
-            held = 1 + sum(1 for r in replicas if self._persisted(vb, r) >= seqno)
+            acked = [self._persisted(vb, r) for r in replicas]
         else:
-            held = 1 + sum(1 for r in replicas if self._received(vb, r) >= seqno)
-        return held >= majority
+            acked = [self._received(vb, r) for r in replicas]
+        return durability_met(pending.seqno, persisted_here, acked)
 
     def _expire(self, pending: _Pending) -> None:
         if pending.future.done():
@@ -235,3 +255,22 @@ class SyncWriteMonitor:
         if self._replication is None:
             return 0
         return self._replication.progress(vb, replica).persisted_seqno
+
+
+def durability_met(seqno: int, active_persisted: int, replica_acks: Sequence[int]) -> bool:
+    """The commit rule: may the prepare at `seqno` commit?
+
+    `replica_acks` holds one seqno per replica slot of the vbucket's chain (dead ones included:
+    the majority is of the chain, not of who is up) — what each acknowledged as received
+    (levels `majority`, `majorityAndPersistActive`) or persisted (`persistToMajority`). Every
+    level also waits for the active's own persistence (module docstring). Pure, so the real
+    monitor and the cluster simulator decide with the same code.
+    """
+    chain = 1 + len(replica_acks)
+    majority = chain // 2 + 1
+    if active_persisted < seqno:
+        return False
+    held = 1 + sum(1 for acked in replica_acks if acked >= seqno)
+    assert 1 <= held <= chain, (held, chain)
+    assert majority * 2 > chain, (majority, chain)  # two majorities always share a copy
+    return held >= majority
