@@ -12,9 +12,14 @@ Everything a node owns lives under one root directory::
     root/ready      the ready file (--ready-file)
     root/node.log   stdout and stderr of every start, appended, each start under a header line
 
-What it does not do: listen anywhere but loopback (``--host 127.0.0.1`` is always passed), talk
-to the node (use ``KvClient`` or ``DcpClient``), or outlive its caller: every wait has a deadline,
-and a caller that abandons a run calls ``stop_all()`` (the tests' fixtures stop each node by pid).
+By default a node listens on loopback (``--host 127.0.0.1``). The test hosts harness
+(``tests/support/hosts.py``, ``docs/test-hosts.md``) passes ``host`` and ``netns``: the node then
+runs inside that network namespace (``ip netns exec NAME``, which execs in place, so the pid is
+the node's) and listens on, and publishes to the cluster map, that namespace's address.
+
+What it does not do: create namespaces or addresses (the harness does), talk to the node (use
+``KvClient`` or ``DcpClient``), or outlive its caller: every wait has a deadline, and a caller
+that abandons a run calls ``stop_all()`` (the tests' fixtures stop each node by pid).
 """
 
 from __future__ import annotations
@@ -60,6 +65,12 @@ class NodeProcess:
         ready_timeout_s: how long ``start`` waits for the node to serve, unless told otherwise.
         stop_timeout_s: how long ``stop`` (and leaving the ``with`` block) waits after SIGTERM,
             unless told otherwise.
+        host: ``--host``, the listen address the node also publishes in the cluster map.
+            Default loopback; another address only together with ``netns`` (one of the test
+            hosts' namespaces, where that address lives).
+        netns: run the node inside this network namespace (``ip netns exec NAME``; needs
+            root). Default: this process's namespace.
+        port: ``--port`` of the first start (0: any free port, read back from the ready file).
     """
 
     def __init__(
@@ -71,8 +82,13 @@ class NodeProcess:
         env: Mapping[str, str] | None = None,
         ready_timeout_s: float = READY_TIMEOUT_S,
         stop_timeout_s: float = STOP_TIMEOUT_S,
+        host: str = HOST,
+        netns: str | None = None,
+        port: int = 0,
     ) -> None:
         assert vbuckets >= 1, vbuckets
+        assert 0 <= port <= 65535, port
+        assert netns is not None or host == HOST, f"host {host!r} needs a netns of its own"
         self.root = root
         self.data_dir = root / "data"
         self.ready_file = root / "ready"
@@ -82,8 +98,9 @@ class NodeProcess:
         self.env = dict(env or {})
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
-        self.host = HOST  # loopback only
-        self.port = 0  # known once started; kept for restarts
+        self.host = host  # loopback unless the node runs in a namespace of the test hosts
+        self.netns = netns
+        self.port = port  # known once started; kept for restarts
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -113,8 +130,10 @@ class NodeProcess:
         return f"{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        """The command line ``start`` runs."""
+        """The command line ``start`` runs (behind ``ip netns exec NAME`` with a ``netns``)."""
+        inside = ["ip", "netns", "exec", self.netns] if self.netns is not None else []
         return [
+            *inside,
             sys.executable, "-m", "changefeed", "serve",
             "--data-dir", str(self.data_dir),
             "--host", self.host,

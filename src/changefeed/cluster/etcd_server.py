@@ -6,7 +6,13 @@ needs); ``CHANGEFEED_ETCD_BINARY`` overrides it, and an ``etcd`` on PATH (Debian
 ``etcd-server``) is the fallback. The member listens on 127.0.0.1 only, on free ports chosen at
 start, keeps its data in the directory it is given and its log next to it.
 
-What it does not do: run a multi-member etcd, or enable TLS and authentication (loopback only).
+The test hosts harness (``tests/support/hosts.py``, ``docs/test-hosts.md``) also runs members of
+a multi-member etcd, each in a network namespace of its own: ``host``, ``netns``,
+``initial_cluster`` and ``cluster_token`` say where it listens and who its peers are, and
+``start(wait=False)`` launches a member without waiting for it (a member of a 3-member cluster is
+healthy only once a quorum runs).
+
+What it does not do: create namespaces, or enable TLS and authentication.
 Every wait has a deadline; ``stop`` sends SIGTERM, then SIGKILL to the member's process group.
 ``stop_pid`` stops a member started by another process (``changefeed cluster stop``), after
 checking that the pid still runs etcd on that data directory (pids are reused).
@@ -21,6 +27,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -89,12 +96,35 @@ class EtcdServer:
     Args:
         data_dir: the member's data directory (created; reused on a restart).
         name: the member name.
-        client_port, peer_port: 0 picks free ports at start.
+        client_port, peer_port: 0 picks free ports at start (in a ``netns``: 2379 and 2380).
+        host: the address it listens on and advertises. Default loopback; another address
+            only together with ``netns``.
+        netns: run the member inside this network namespace (``ip netns exec NAME``; needs
+            root). Default: this process's namespace.
+        initial_cluster: ``--initial-cluster`` of a multi-member etcd (``name=peer-url,...``,
+            this member included). Default: this member alone.
+        cluster_token: ``--initial-cluster-token`` (members of one cluster share it).
     """
 
     def __init__(
-        self, data_dir: Path, *, name: str = "changefeed", client_port: int = 0, peer_port: int = 0
+        self,
+        data_dir: Path,
+        *,
+        name: str = "changefeed",
+        client_port: int = 0,
+        peer_port: int = 0,
+        host: str = HOST,
+        netns: str | None = None,
+        initial_cluster: str | None = None,
+        cluster_token: str | None = None,
     ) -> None:
+        assert netns is not None or host == HOST, f"host {host!r} needs a netns of its own"
+        if netns is not None:  # a namespace of its own: the well-known ports are free there
+            client_port, peer_port = client_port or 2379, peer_port or 2380
+        self.host = host
+        self.netns = netns
+        self.initial_cluster = initial_cluster
+        self.cluster_token = cluster_token
         self.data_dir = data_dir
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self.name = name
@@ -108,8 +138,13 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        """The client URL, ``http://127.0.0.1:PORT``."""
-        return f"http://{HOST}:{self.client_port}"
+        """The client URL, ``http://HOST:PORT`` (``http://127.0.0.1:PORT`` by default)."""
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        """The peer URL, ``http://HOST:PORT``."""
+        return f"http://{self.host}:{self.peer_port}"
 
     @property
     def alive(self) -> bool:
@@ -122,9 +157,12 @@ class EtcdServer:
         return self.process.pid
 
     def command(self) -> list[str]:
-        client = f"http://{HOST}:{self.client_port}"
-        peer = f"http://{HOST}:{self.peer_port}"
+        client = self.endpoint
+        peer = self.peer_url
+        inside = ["ip", "netns", "exec", self.netns] if self.netns is not None else []
+        token = ["--initial-cluster-token", self.cluster_token] if self.cluster_token else []
         return [
+            *inside,
             etcd_binary(),
             "--name", self.name,
             "--data-dir", str(self.data_dir),
@@ -132,14 +170,20 @@ class EtcdServer:
             "--advertise-client-urls", client,
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{self.name}={peer}",
+            "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
             "--initial-cluster-state", "new",
+            *token,
             "--listen-metrics-urls", "",  # no extra listener
             "--log-level", "warn",
         ]  # fmt: skip
 
-    def start(self, *, timeout_s: float = limits.ETCD_START_TIMEOUT_S) -> EtcdServer:
+    def start(
+        self, *, timeout_s: float = limits.ETCD_START_TIMEOUT_S, wait: bool = True
+    ) -> EtcdServer:
         """Start etcd and wait until ``/health`` says it serves (its ports picked free if 0).
+
+        With ``wait=False`` it only launches the process (a member of a multi-member etcd,
+        healthy once a quorum runs: the caller waits, from where it can reach the members).
 
         Raises:
             RuntimeError: etcd exited or was not healthy in ``timeout_s`` (it is then killed);
@@ -153,14 +197,14 @@ class EtcdServer:
             if pick_ports:
                 self.client_port, self.peer_port = free_port(), free_port()
             try:
-                self._start_once(timeout_s)
+                self._start_once(timeout_s, wait)
                 return self
             except _ExitedEarly as error:  # most likely a port taken meanwhile
                 if attempt + 1 >= (PORT_ATTEMPTS if pick_ports else 1):
                     raise RuntimeError(str(error)) from None
         raise AssertionError("unreachable")
 
-    def _start_once(self, timeout_s: float) -> None:
+    def _start_once(self, timeout_s: float, wait: bool = True) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         command = self.command()
         with open(self.log_path, "ab") as log:
@@ -173,8 +217,10 @@ class EtcdServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own group: it outlives `cluster start`'s exit
             )
+        if not wait:
+            return
         deadline = time.monotonic() + timeout_s
-        while not healthy(self.endpoint, timeout_s=min(1.0, timeout_s)):
+        while not self._healthy(min(1.0, timeout_s)):
             if self.process.poll() is not None:
                 raise _ExitedEarly(
                     f"etcd at {self.endpoint} exited with {self.process.returncode} "
@@ -187,6 +233,19 @@ class EtcdServer:
                     f"(log {self.log_path}):\n{self.log_tail()}"
                 )
             time.sleep(POLL_S)
+
+    def _healthy(self, timeout_s: float) -> bool:
+        if self.netns is None:
+            return healthy(self.endpoint, timeout_s=timeout_s)
+        # The member's address exists only in its namespace: ask from in there.
+        probe = f"import sys; from {__name__} import healthy; sys.exit(not healthy(sys.argv[1]))"
+        command = ["ip", "netns", "exec", self.netns, sys.executable, "-c", probe, self.endpoint]
+        try:
+            return (
+                subprocess.run(command, capture_output=True, timeout=timeout_s + 5).returncode == 0
+            )
+        except subprocess.TimeoutExpired:
+            return False
 
     def stop(self, *, timeout_s: float = limits.ETCD_STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, then SIGKILL to the group after ``timeout_s``; returns the exit code (None
