@@ -340,3 +340,54 @@ assert SHM_PENDING_ROWS_MAX >= SHM_ROWS_PER_BATCH_MAX
 # cyclic GC's young-generation threshold (CPython: 700) and the GIL switch interval (5 ms).
 GC_YOUNG_THRESHOLD = 50_000
 GIL_SWITCH_INTERVAL_S = 0.0005
+
+# --- server/admission.py: connection budgets, and TLS on the client port ---------------------
+
+# Connections still authenticating hold at most this many of the node's slots; one more closes
+# the oldest of them. A client needs ~5 round trips and one SCRAM hash (~2-5 ms) to
+# authenticate; a burst of new sockets evicts it only if more than this many arrive during its
+# handshake: 256 sockets in 10 ms is 25k accepts/s, more than one event loop accepts (measured
+# ~10-15k/s here). Each costs at most UNAUTHENTICATED_FRAME_SIZE_MAX of buffer plus ~5 KiB of
+# objects: 256 x 21 KiB = ~5.4 MiB. Of the default 900 slots that leaves 644.
+UNAUTHENTICATED_CONNECTIONS_MAX_DEFAULT = 256
+
+# Slots only users with the admin privilege may fill (the operator's tools; replica streams,
+# which authenticate as the replication user, an admin): a replica stream per peer node and a
+# few tools. 64 covers a 32-node cluster's streams twice over. Of 900: 580 for everyone.
+ADMIN_CONNECTIONS_RESERVED_DEFAULT = 64
+
+# Connections one user may hold; more close that user's longest-idle one (or are refused when
+# none is idle). An SDK opens one KV connection per node, a DCP client one per node, a Spark
+# job one or two per task: 256 is 64 tasks x 2 connections twice over, and keeps one runaway
+# user below half of the authenticated share (580), so other users still get in.
+CONNECTIONS_PER_USER_MAX_DEFAULT = 256
+
+# An authenticated connection idle at least this long may be closed to make room for a new
+# one (memcached frees its least recently used connections near its limit the same way). A
+# client between two requests is not idle: one second is ~1,000 round trips of a busy client.
+IDLE_EVICTION_MIN_S = 1.0
+
+# A TLS handshake must finish within this (asyncio's default is 60 s): until it has, the
+# connection is not yet a client at all (no admission budget sees it), so it gets the same time
+# to finish as the authentication that follows it. A loopback handshake takes ~1-3 ms.
+TLS_HANDSHAKE_DEADLINE_S = AUTH_DEADLINE_S
+
+# Node certificates `changefeed certs create` issues are valid this long, its CA ten times as
+# long (Couchbase's default node certificates: ~1 year; rotate before they expire).
+TLS_NODE_CERT_DAYS_DEFAULT = 365
+TLS_CA_CERT_DAYS_DEFAULT = 3650
+
+assert UNAUTHENTICATED_CONNECTIONS_MAX_DEFAULT + ADMIN_CONNECTIONS_RESERVED_DEFAULT < (
+    CONNECTIONS_MAX_DEFAULT // 2
+), "authenticated clients keep at least half of the default slots"
+assert (
+    CONNECTIONS_PER_USER_MAX_DEFAULT
+    <= (
+        CONNECTIONS_MAX_DEFAULT
+        - UNAUTHENTICATED_CONNECTIONS_MAX_DEFAULT
+        - ADMIN_CONNECTIONS_RESERVED_DEFAULT
+    )
+    // 2
+), "one user cannot take half of what all users share"
+assert 0 < IDLE_EVICTION_MIN_S < AUTH_DEADLINE_S
+assert 0 < TLS_NODE_CERT_DAYS_DEFAULT < TLS_CA_CERT_DAYS_DEFAULT

@@ -74,6 +74,18 @@ class NodeConfig:
     shm_slot_bytes: int = 2 * 1024 * 1024  # one Arrow batch each; /dev/shm use = slots x bytes
     shm_max_subscribers: int = 8  # readers per group (transaction logs)
     shm_persisted_only: bool = True  # publish a row once it is persisted (never taken back)
+    # Connection budgets (server/admission.py; limits.py gives the arithmetic): slots for
+    # connections still authenticating (one more closes the oldest), slots only admins (and so
+    # replica streams) may take, and connections one user may hold.
+    max_unauthenticated_connections: int = limits.UNAUTHENTICATED_CONNECTIONS_MAX_DEFAULT
+    admin_connections_reserved: int = limits.ADMIN_CONNECTIONS_RESERVED_DEFAULT
+    max_connections_per_user: int = limits.CONNECTIONS_PER_USER_MAX_DEFAULT
+    # TLS on the client/DCP port (Couchbase's 11207): a second listener beside `port`, serving
+    # the same protocol; 0 = no TLS listener. Needs the node's certificate chain and key (PEM;
+    # `changefeed certs create` makes them).
+    tls_port: int = 0
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     @property
     def users_path(self) -> Path:
@@ -99,6 +111,14 @@ class NodeConfig:
             raise ConfigError(f"idle_timeout_s {self.idle_timeout_s} must be >= 0 (0: never)")
         if self.max_connections < 1:
             raise ConfigError(f"max_connections {self.max_connections} must be at least 1")
+        for key in (
+            "max_unauthenticated_connections",
+            "admin_connections_reserved",
+            "max_connections_per_user",
+        ):
+            if getattr(self, key) < (0 if key == "admin_connections_reserved" else 1):
+                raise ConfigError(f"{key} {getattr(self, key)} must be positive")
+        self._validate_tls()
         if self.noop_idle_timeout_s <= 0:
             raise ConfigError(f"noop_idle_timeout_s {self.noop_idle_timeout_s} must be positive")
         if not self.node_name or not self.node_name.isprintable() or " " in self.node_name:
@@ -125,6 +145,16 @@ class NodeConfig:
             if not 0 <= value < float("inf"):
                 raise ConfigError(f"{key} {value} must be a number of seconds >= 0")
         return self
+
+    def _validate_tls(self) -> None:
+        if not 0 <= self.tls_port <= 65535:
+            raise ConfigError(f"tls_port {self.tls_port} must be 0..65535 (0: no TLS listener)")
+        if self.tls_port and self.tls_port == self.port:
+            raise ConfigError(f"tls_port {self.tls_port} must differ from port {self.port}")
+        if self.tls_port and (self.tls_cert is None or self.tls_key is None):
+            raise ConfigError("tls_port needs tls_cert and tls_key (PEM files)")
+        if not self.tls_port and (self.tls_cert is not None or self.tls_key is not None):
+            raise ConfigError("tls_cert and tls_key need tls_port (the TLS listener's port)")
 
     def _validate_shm(self) -> None:
         from changefeed.ipc.layout import Geometry
@@ -178,7 +208,7 @@ def load_config(path: Path | None, **overrides: Any) -> NodeConfig:
     for key in values:
         if key not in known:
             raise ConfigError(f"unknown config key {key!r}" + (f" in {path}" if path else ""))
-    for key in ("data_dir", "users_file", "shm_dir"):
+    for key in ("data_dir", "users_file", "shm_dir", "tls_cert", "tls_key"):
         if isinstance(values.get(key), str):
             values[key] = Path(values[key])
     for key, value in values.items():

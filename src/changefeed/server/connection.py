@@ -62,11 +62,12 @@ from changefeed.protocol.set_run import (
 )
 from changefeed.protocol.status import Status
 from changefeed.server import kv_commands, subdoc
+from changefeed.server.admission import Admission
 from changefeed.server.authenticator import SaslAuthenticator
 from changefeed.server.compactor import answer_compact_db
 from changefeed.server.context import ServerContext
 from changefeed.server.dcp_pump import DcpPump
-from changefeed.server.privileges import required_privilege
+from changefeed.server.privileges import Privilege, required_privilege
 from changefeed.server.stats import stat_group
 
 T = TypeVar("T")
@@ -98,6 +99,9 @@ _REFUSAL_LOG_INTERVAL_S = 10.0  # a connection flood logs one line per interval,
 _last_refusal_log_s = float("-inf")
 
 
+_last_budget_log_s: dict[str, float] = {}
+
+
 def _log_refusal(peer: str, connections_max: int) -> None:
     global _last_refusal_log_s
     now = time.monotonic()
@@ -108,11 +112,31 @@ def _log_refusal(peer: str, connections_max: int) -> None:
         )
 
 
-class ClientConnection(asyncio.Protocol):
-    """One client's connection; also the `FrameSink` its DCP pump writes to."""
+def _log_budget(rule: str, message: str, *args: object) -> None:
+    """One line per rule and interval: a flood that trips a budget thousands of times a second
+    must not flood the log too (admission.py counts every time)."""
+    now = time.monotonic()
+    if now - _last_budget_log_s.get(rule, float("-inf")) >= _REFUSAL_LOG_INTERVAL_S:
+        _last_budget_log_s[rule] = now
+        log.warning(message, *args)
 
-    def __init__(self, context: ServerContext) -> None:
+
+class ClientConnection(asyncio.Protocol):
+    """One client's connection; also the `FrameSink` its DCP pump writes to.
+
+    Args:
+        context: what the node's connections share.
+        admission: the node's connection budgets (admission.py); None: only max_connections.
+        tls: whether it came in on the TLS listener (STAT, logs).
+    """
+
+    def __init__(
+        self, context: ServerContext, admission: Admission | None = None, *, tls: bool = False
+    ) -> None:
         self.context = context
+        self.admission = admission
+        self.tls = tls
+        self._answers_pending = 0  # requests answered later (durable writes, waits)
         # Until SASL succeeds a peer may only send small frames (limits.py explains why).
         self.reader = FrameReader(limits.UNAUTHENTICATED_FRAME_SIZE_MAX)
         self.transport: asyncio.Transport | None = None
@@ -160,8 +184,21 @@ class ClientConnection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.set_write_buffer_limits(high=limits.WRITE_BUFFER_HIGH_BYTES)
         self.context.connections.add(self)
+        if self.admission is not None:
+            oldest = self.admission.arrived(self)
+            if oldest is not None:
+                _log_budget(
+                    "unauthenticated",
+                    "closing the oldest unauthenticated connection: %d are authenticating "
+                    "(max_unauthenticated_connections); %d closed so far",
+                    self.admission.shares.unauthenticated_max,
+                    self.admission.closed_unauthenticated,
+                )
+                oldest.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.admission is not None:
+            self.admission.left(self)
         for waiting in list(self.persistence_waits):
             waiting.cancel()  # nobody is left to answer: the node forgets the wait
         self.context.connections.discard(self)
@@ -207,6 +244,8 @@ class ClientConnection(asyncio.Protocol):
     def _process(self) -> None:
         """Dispatch every complete request, unless replies are backed up (then later); the
         replies of one received batch are written together."""
+        if self._refused:
+            return  # refused at authentication: nothing it sent after that is served
         self._out = []
         dispatched = 0
         reader = self.reader
@@ -272,7 +311,10 @@ class ClientConnection(asyncio.Protocol):
         async def answer() -> None:
             try:
                 status, value = await exchange
-                _after_sasl(self)
+                refusal = _after_sasl(self)
+                if refusal is not None:  # the budgets cannot take this identity now
+                    self._refuse_after_auth(request, refusal)
+                    return
                 self.reply(request, status, value=value)
             finally:
                 self._sasl_task = None
@@ -281,6 +323,26 @@ class ClientConnection(asyncio.Protocol):
 
         self._sasl_task = asyncio.get_running_loop().create_task(answer())
         self._update_reading()
+
+    def _refuse_after_auth(self, request: Frame, message: str) -> None:
+        """Answer a valid authentication the connection budgets refused (retriable), serve
+        nothing more and close."""
+        _log_budget("authenticated", "refusing %s: %s", self.peer, message)
+        self.permitted = UNAUTHENTICATED_OPCODES
+        self._refused = True
+        self.reply(request, Status.ETMPFAIL, value=message.encode())
+        self.close()
+
+    def idle_evictable(self) -> bool:
+        """True if closing this connection loses nothing the node owes it: a KV connection
+        with no stream, no request half received and no answer pending (admission.py)."""
+        return (
+            self.dcp is None
+            and self._answers_pending == 0
+            and not self.persistence_waits
+            and self._sasl_task is None
+            and not self.reader.in_frame
+        )
 
     def _reply_oversized(self, frame: OversizedFrame) -> None:
         request = Frame(Magic.REQUEST, frame.opcode, opaque=frame.opaque)
@@ -388,7 +450,11 @@ class ClientConnection(asyncio.Protocol):
         hold it): `answer(result)`, or its error as `_dispatch` answers one. Nothing is sent
         once the connection is closed. A callback, not a task: one per write is cheaper."""
 
+        self._answers_pending += 1
+
         def done(future: asyncio.Future[T]) -> None:
+            self._answers_pending -= 1
+            assert self._answers_pending >= 0, self._answers_pending
             if self.transport is None or self.transport.is_closing() or future.cancelled():
                 return
             error = future.exception()
@@ -514,19 +580,41 @@ def _sasl_step(c: ClientConnection, f: Frame) -> None:
     c.run_sasl(f, c.sasl.sasl_step(mechanism, f.value, c.peer_host))
 
 
-def _after_sasl(c: ClientConnection) -> None:
+def _after_sasl(c: ClientConnection) -> str | None:
     """An authenticated peer may send full-size frames (values up to VALUE_SIZE_MAX), and a
     larger one is answered E2BIG and skipped instead of closing the connection. A failed
-    re-authentication drops the identity and with it what the identity allowed."""
+    re-authentication drops the identity and with it what the identity allowed.
+
+    Returns:
+        why the connection budgets refuse the new identity (admission.py), or None.
+    """
+    user = c.sasl.user
+    if c.admission is not None and user is not None:
+        admin = Privilege.ADMIN in c.sasl.privileges
+        refusal, idle = c.admission.authenticated_as(c, user, admin=admin)
+        for victim in idle:
+            _log_budget(
+                "idle",
+                "closing an idle authenticated connection for %s (user %r): %d closed so far",
+                c.peer,
+                user,
+                c.admission.closed_idle,
+            )
+            victim.close()
+        if refusal is not None:
+            return refusal.message
+    elif c.admission is not None:
+        c.admission.unauthenticated_again(c)
     c.update_permitted()
-    if c.sasl.user is not None:
+    if user is not None:
         c.reader.frame_size_max = limits.FRAME_SIZE_MAX
         c.reader.skip_oversized = True
-        return
+        return None
     c.reader.frame_size_max = limits.UNAUTHENTICATED_FRAME_SIZE_MAX
     c.reader.skip_oversized = False
     if c.dcp is not None:  # a stream must not outlive the identity that opened it
         c.close()
+    return None
 
 
 def _select_bucket(c: ClientConnection, f: Frame) -> None:

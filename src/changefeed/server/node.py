@@ -8,21 +8,25 @@ closes the store cleanly, so a restart is a clean one (no new failover entry).
 from __future__ import annotations
 
 import asyncio
+import datetime
 import gc
 import logging
 import os
 import random
 import signal
+import ssl
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from changefeed import limits
+from changefeed.server.admission import Admission, Shares
 from changefeed.server.authenticator import AuthThrottle
 from changefeed.server.bucket import Bucket
 from changefeed.server.compactor import Compactor
-from changefeed.server.config import NodeConfig
+from changefeed.server.config import ConfigError, NodeConfig
 from changefeed.server.connection import ClientConnection
 from changefeed.server.context import ServerContext
 from changefeed.server.expiry_pager import ExpiryPager
@@ -36,6 +40,42 @@ from changefeed.server.users import Users, load_or_create_node_secret
 log = logging.getLogger("changefeed.node")
 
 DEFAULT_USER = "Administrator"
+# A node certificate this close to its end is logged as a warning at every start.
+CERT_EXPIRY_WARNING_S = 30 * 24 * 3600.0
+
+
+def server_tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """The TLS listener's context: the node's certificate chain and key (PEM), TLS 1.2 or
+    newer, no client certificate asked for (clients authenticate with SASL inside TLS).
+
+    Raises:
+        ConfigError: a file cannot be read or the key does not match the certificate (the
+            message names the files).
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as error:  # SSLError: not PEM, or key and cert differ
+        reason = error.strerror or getattr(error, "reason", None) or str(error)
+        raise ConfigError(f"cannot load TLS certificate {cert} / key {key}: {reason}") from None
+    _warn_if_expiring(cert)
+    return context
+
+
+def _warn_if_expiring(cert: Path) -> None:
+    """Log the node certificate's end if it is past or near: clients will refuse it."""
+    from cryptography import x509
+
+    try:
+        certificate = x509.load_pem_x509_certificate(cert.read_bytes())
+    except (OSError, ValueError):  # load_cert_chain read it; a chain's first block is ours
+        return
+    left_s = (certificate.not_valid_after_utc - datetime.datetime.now(datetime.UTC)).total_seconds()
+    if left_s <= 0:
+        log.error("TLS certificate %s expired on %s", cert, certificate.not_valid_after_utc)
+    elif left_s < CERT_EXPIRY_WARNING_S:
+        log.warning("TLS certificate %s expires on %s", cert, certificate.not_valid_after_utc)
 
 
 def load_or_create_users(config: NodeConfig) -> Users:
@@ -125,7 +165,22 @@ class Node:
             ),
             replication=context.replication,
         )
+        self.admission = Admission(
+            Shares.of(
+                config.max_connections,
+                config.max_unauthenticated_connections,
+                config.admin_connections_reserved,
+                config.max_connections_per_user,
+            ),
+            clock=monotonic,
+        )
+        self._tls: ssl.SSLContext | None = None
+        if config.tls_port:
+            assert config.tls_cert is not None and config.tls_key is not None  # validate()
+            self._tls = server_tls_context(config.tls_cert, config.tls_key)
+        self.tls_port = 0  # the bound TLS port once listening; 0: no TLS listener
         self._server: asyncio.Server | None = None
+        self._tls_server: asyncio.Server | None = None
         self._metrics: asyncio.Server | None = None
         self._deadlines: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
@@ -142,10 +197,21 @@ class Node:
         context.bucket.start()
         self.compactor.start()
         self.expiry_pager.start()
+        admission = self.admission
         self._server = await loop.create_server(
-            lambda: ClientConnection(context), self.config.host, self.config.port
+            lambda: ClientConnection(context, admission), self.config.host, self.config.port
         )
         context.port = self._server.sockets[0].getsockname()[1]
+        if self._tls is not None:
+            self._tls_server = await loop.create_server(
+                lambda: ClientConnection(context, admission, tls=True),
+                self.config.host,
+                self.config.tls_port,
+                ssl=self._tls,
+                ssl_handshake_timeout=limits.TLS_HANDSHAKE_DEADLINE_S,
+            )
+            self.tls_port = self._tls_server.sockets[0].getsockname()[1]
+            log.info("serving TLS on %s:%d", self.config.host, self.tls_port)
         self._deadlines = loop.create_task(self._check_deadlines())
         if self.config.shm_groups:  # services are named after the bound port
             self.shm = ShmPublisher(
@@ -205,6 +271,8 @@ class Node:
         log.info("shutting down: flushing and closing the store")
         if self._server is not None:
             self._server.close()
+        if self._tls_server is not None:
+            self._tls_server.close()
         if self._metrics is not None:
             self._metrics.close()
         if self._deadlines is not None:

@@ -1,0 +1,119 @@
+"""The connection budgets' rules, on fake connections and a test clock (admission.py)."""
+
+from __future__ import annotations
+
+from changefeed.server.admission import Admission, Refused, Shares
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Fake:
+    def __init__(self, clock: Clock, *, busy: bool = False) -> None:
+        self.last_request_s = clock.now
+        self.busy = busy
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def idle_evictable(self) -> bool:
+        return not self.busy
+
+
+def test_shares_keep_half_the_slots_for_authenticated_clients() -> None:
+    assert Shares.of(900, 256, 64, 256) == Shares(256, 580, 644, 256)
+    small = Shares.of(3, 256, 64, 256)
+    assert small.authenticated_max == small.admin_max == 1
+
+
+def test_unauthenticated_beyond_the_budget_close_the_oldest_first() -> None:
+    clock = Clock()
+    admission = Admission(Shares.of(100, 3, 0, 10), clock=clock)
+    conns = [Fake(clock) for _ in range(5)]
+    closed = [admission.arrived(conn) for conn in conns]
+    assert closed == [None, None, None, conns[0], conns[1]]
+    assert admission.unauthenticated == 3
+    assert admission.closed_unauthenticated == 2
+    refusal, idle = admission.authenticated_as(conns[2], "app", admin=False)
+    assert refusal is None and idle == []
+    assert admission.unauthenticated == 2 and admission.authenticated == 1
+    assert admission.arrived(Fake(clock)) is None  # an authenticated one left the budget
+    admission._check_invariants()
+
+
+def test_a_user_at_its_bound_closes_its_idlest_connection_or_is_refused() -> None:
+    clock = Clock()
+    admission = Admission(Shares.of(100, 10, 0, 2), clock=clock, idle_min_s=1.0)
+    first, second, third = Fake(clock), Fake(clock), Fake(clock)
+    for conn in (first, second):
+        admission.arrived(conn)
+        assert admission.authenticated_as(conn, "flood", admin=False) == (None, [])
+    admission.arrived(third)
+    refusal, idle = admission.authenticated_as(third, "flood", admin=False)
+    assert isinstance(refusal, Refused) and "max_connections_per_user 2" in refusal.message
+    assert idle == []  # neither was idle for idle_min_s yet
+    clock.now += 5
+    second.last_request_s = clock.now - 2  # active more recently than `first`
+    fourth = Fake(clock)
+    admission.arrived(fourth)
+    assert admission.authenticated_as(fourth, "flood", admin=False) == (None, [first])
+    assert admission.connections_of("flood") == 2
+    other = Fake(clock)  # another user is not bounded by "flood"'s connections
+    admission.arrived(other)
+    assert admission.authenticated_as(other, "app", admin=False) == (None, [])
+    admission._check_invariants()
+
+
+def test_busy_connections_are_never_closed_for_room() -> None:
+    clock = Clock()
+    admission = Admission(Shares.of(100, 10, 0, 1), clock=clock)
+    streaming = Fake(clock, busy=True)
+    admission.arrived(streaming)
+    admission.authenticated_as(streaming, "dcp", admin=False)
+    clock.now += 60
+    late = Fake(clock)
+    admission.arrived(late)
+    refusal, idle = admission.authenticated_as(late, "dcp", admin=False)
+    assert refusal is not None and idle == []
+    assert admission.refused == 1
+    admission._check_invariants()
+
+
+def test_reserved_slots_are_for_admins_only() -> None:
+    clock = Clock()
+    # 20 slots: 4 authenticating, 6 reserved, so 10 for everyone and 16 for admins.
+    admission = Admission(Shares.of(20, 4, 6, 100), clock=clock)
+    users = [Fake(clock, busy=True) for _ in range(10)]
+    for index, conn in enumerate(users):
+        admission.arrived(conn)
+        assert admission.authenticated_as(conn, f"u{index}", admin=False)[0] is None
+    app = Fake(clock)
+    admission.arrived(app)
+    refusal, _ = admission.authenticated_as(app, "late", admin=False)
+    assert refusal is not None and "slots for authenticated clients" in refusal.message
+    replica = Fake(clock)
+    admission.arrived(replica)
+    assert admission.authenticated_as(replica, "Administrator", admin=True) == (None, [])
+    admission.left(replica)
+    admission.left(users[0])
+    assert admission.authenticated == 9
+    admission._check_invariants()
+
+
+def test_a_failed_reauthentication_makes_a_connection_unauthenticated_again() -> None:
+    clock = Clock()
+    admission = Admission(Shares.of(100, 2, 0, 10), clock=clock)
+    conn = Fake(clock)
+    admission.arrived(conn)
+    admission.authenticated_as(conn, "app", admin=False)
+    admission.unauthenticated_again(conn)
+    assert (admission.unauthenticated, admission.authenticated) == (1, 0)
+    admission.unauthenticated_again(conn)  # already: keeps its place
+    assert admission.unauthenticated == 1
+    admission._check_invariants()
