@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from changefeed.cluster.metadata import ClusterMetadata, Membership
 from changefeed.cluster.orchestrator import Orchestrator
 from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
+from changefeed.cluster.rules import wanted_state
 from changefeed.server.node import Node
 from changefeed.vbmap import ClusterMap, NodeAddress
 from changefeed.vbucket_state import VBucketState
@@ -258,7 +259,7 @@ class NodeAgent:
         sources: dict[str, set[int]] = {}
         addresses: dict[str, NodeAddress] = {}
         for vb in range(cluster_map.vbuckets):
-            wanted = self._wanted_state(cluster_map, vb)
+            wanted = wanted_state(cluster_map, name, vb)
             context.set_vbucket_state(vb, wanted)
             active = cluster_map.active(vb)
             if wanted is VBucketState.REPLICA and active is not None:
@@ -276,23 +277,6 @@ class NodeAgent:
         if removed:
             log.warning("map rev %d no longer lists this node (removed): stopping", cluster_map.rev)
             self.node.request_stop()
-
-    def _wanted_state(self, cluster_map: ClusterMap, vb: int) -> VBucketState:
-        """This node's state for `vb` under `cluster_map`: its place in the chain, or in the
-        chain a rebalance moves the vbucket to (a copy being built is a replica)."""
-        name = self.config.node_name
-        role = cluster_map.role_of(name, vb)
-        move = cluster_map.move_of(vb)
-        if role == 0:
-            return (
-                VBucketState.PENDING if move is not None and move.takeover else VBucketState.ACTIVE
-            )
-        if role is not None:
-            return VBucketState.REPLICA
-        index = cluster_map.node_index(name)
-        if move is not None and index is not None and index in move.chain:
-            return VBucketState.REPLICA
-        return VBucketState.DEAD
 
     def _place_feeds(self, sources: dict[str, set[int]], addresses: dict[str, NodeAddress]) -> None:
         for source_name in list(self.feeds):
