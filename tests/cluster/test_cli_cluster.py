@@ -219,3 +219,121 @@ def test_stop_pid_leaves_a_reused_pid_alone(tmp_path: Path) -> None:
         assert stop_pid(server.pid, str(server.data_dir))
         server.process.wait(10)  # type: ignore[union-attr]
         assert server.process is not None and server.process.returncode == -signal.SIGTERM
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, **extra}
+
+
+def changefeed_env(
+    env: dict[str, str], *args: str, timeout_s: float = CLI_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    """`changefeed ARGS` in its own process, with `env`."""
+    return subprocess.run(
+        [sys.executable, "-m", "changefeed", *args],
+        capture_output=True, text=True, timeout=timeout_s, check=False, env=env,
+    )  # fmt: skip
+
+
+def test_start_honours_changefeed_password(cluster_dir: Path) -> None:
+    env = _env(CHANGEFEED_PASSWORD="not-the-default")
+    begun = time.monotonic()
+    started = changefeed_env(
+        env, "cluster", "start", "--nodes", "2", "--replicas", "1", "--vbuckets", "4",
+        "--dir", str(cluster_dir), "--json",
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    assert "Traceback" not in started.stderr
+    assert time.monotonic() - begun < 60
+    status = changefeed_env(env, "cluster", "status", "--dir", str(cluster_dir), "--json")
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert all(node["reachable"] for node in report["nodes"]), report["nodes"]
+    assert report["summary"]["nodes_up"] == 2
+    # The default password is refused: the nodes really use the one given.
+    refused = changefeed_env(
+        _env(CHANGEFEED_PASSWORD="password"), "cluster", "status", "--dir", str(cluster_dir),
+        "--json",
+    )  # fmt: skip
+    assert [n["reachable"] for n in json.loads(refused.stdout)["nodes"]] == [False, False]
+    assert changefeed("cluster", "stop", "--dir", str(cluster_dir)).returncode == 0
+
+
+def test_restart_brings_a_killed_node_back_in_place(cluster_dir: Path) -> None:
+    started = changefeed(
+        "cluster", "start", "--nodes", "3", "--replicas", "1", "--vbuckets", "8",
+        "--dir", str(cluster_dir), "--json",
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    record = json.loads(started.stdout)
+    victim = record["nodes"][0]
+    written = changefeed("load", "--port", str(victim["port"]), "--count", "300", "--json")
+    assert written.returncode == 0, written.stderr
+    before = _status_when_caught_up(cluster_dir)
+
+    os.kill(victim["pid"], signal.SIGKILL)  # a crash
+    deadline = time.monotonic() + 10
+    while _alive(victim["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    down = invoke("status", "--dir", str(cluster_dir), "--json")
+    assert json.loads(down.output)["summary"]["nodes_down"] == 1
+
+    restarted = changefeed("cluster", "restart", "node0", "--dir", str(cluster_dir), "--json")
+    assert restarted.returncode == 0, restarted.stderr
+    outcome = json.loads(restarted.stdout)
+    assert outcome["node"] == "node0" and outcome["was"] == "stopped"
+    assert outcome["port"] == victim["port"] and outcome["pid"] != victim["pid"]
+    now = json.loads((cluster_dir / "cluster.json").read_text())
+    assert [n["name"] for n in now["nodes"]] == ["node0", "node1", "node2"]  # in place
+    assert now["nodes"][0]["pid"] == outcome["pid"]
+    assert process_runs(outcome["pid"], victim["data_dir"])
+
+    after = _status_when_caught_up(cluster_dir)
+    assert after["summary"]["nodes_up"] == 3
+    assert {n["name"] for n in after["nodes"]} == {"node0", "node1", "node2"}  # no rebalance
+    lags = [c["lag_items"] for row in after["vbuckets"] for c in row["copies"][1:]]
+    assert lags == [0] * 8  # it caught up
+    highs = [max(c["high_seqno"] for c in row["copies"]) for row in after["vbuckets"]]
+    assert highs == [row["copies"][0]["high_seqno"] for row in before["vbuckets"]]
+
+    # A running node is stopped cleanly first; an unknown one is refused.
+    again = invoke("restart", "node1", "--dir", str(cluster_dir), "--json")
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.output.splitlines()[-1])["was"] == "running"
+    unknown = invoke("restart", "node9", "--dir", str(cluster_dir))
+    assert unknown.exit_code == 1 and "no node 'node9'" in unknown.output
+
+    final = json.loads((cluster_dir / "cluster.json").read_text())
+    stopped = changefeed("cluster", "stop", "--dir", str(cluster_dir), "--json")
+    assert json.loads(stopped.stdout)["stopped"] == {
+        "node0": True, "node1": True, "node2": True, "etcd": True,
+    }  # fmt: skip
+    assert not any(_alive(n["pid"]) for n in final["nodes"])
+
+
+def test_status_leads_with_a_summary_and_drops_a_removed_node(cluster_dir: Path) -> None:
+    started = changefeed(
+        "cluster", "start", "--nodes", "3", "--replicas", "1", "--vbuckets", "8",
+        "--dir", str(cluster_dir),
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    report = _status_when_caught_up(cluster_dir)
+    summary = report["summary"]
+    assert summary["nodes_up"] == 3 and summary["nodes_down"] == 0
+    assert sum(n["actives"] for n in summary["nodes"]) == 8
+    assert sum(n["replicas"] for n in summary["nodes"]) == 8
+    assert summary["worst_lag_items"]["items"] == 0
+    text = invoke("status", "--dir", str(cluster_dir)).output.splitlines()
+    first = text.index(next(line for line in text if line.startswith("vb ")))
+    assert first < 15 and any(line.startswith("nodes: 3 up, 0 down") for line in text[:first])
+    assert all(len(line) < 100 for line in text)
+    brief = invoke("status", "--dir", str(cluster_dir), "--brief").output.splitlines()
+    assert brief == text[: first - 1]
+
+    removed = invoke("remove", "node2", "--dir", str(cluster_dir), "--json")
+    assert removed.exit_code == 0, removed.output
+    after = invoke("status", "--dir", str(cluster_dir), "--json")
+    report = json.loads(after.output)
+    assert report["live_nodes"] == ["node0", "node1"]  # not node2, whose lease still runs
+    assert [n["name"] for n in report["summary"]["nodes"]] == ["node0", "node1"]
+    assert changefeed("cluster", "stop", "--dir", str(cluster_dir)).returncode == 0

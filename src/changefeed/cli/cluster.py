@@ -42,7 +42,7 @@ from changefeed.protocol.errors import AuthError, StatusError
 from changefeed.protocol.kv import encode_request
 from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.status import Status
-from changefeed.vbmap import REPLICAS_MAX, ClusterMap
+from changefeed.vbmap import REPLICAS_MAX, ClusterMap, NodeAddress
 
 T = TypeVar("T")
 RECORD = "cluster.json"
@@ -233,11 +233,7 @@ def start(
             node = NodeProcess(
                 directory / node_name,
                 vbuckets=vbuckets,
-                args=[
-                    *("--etcd", endpoint, "--cluster", name, "--node-name", node_name),
-                    *("--expected-nodes", str(node_count), "--replicas", str(replicas)),
-                    *("--log-level", log_level),
-                ],
+                args=node_args(endpoint, name, node_name, node_count, replicas, log_level),
                 ready_timeout_s=max(1.0, deadline - time.monotonic()),
             )
             if base_port:
@@ -271,7 +267,19 @@ def start(
         click.echo(json.dumps(record, indent=1))
 
 
+def node_args(
+    endpoint: str, name: str, node_name: str, expected_nodes: int, replicas: int, log_level: str
+) -> list[str]:
+    """The ``serve`` flags of a node of a local cluster (besides NodeProcess's own)."""
+    return [
+        *("--etcd", endpoint, "--cluster", name, "--node-name", node_name),
+        *("--expected-nodes", str(expected_nodes), "--replicas", str(replicas)),
+        *("--log-level", log_level),
+    ]
+
+
 def node_record(node: NodeProcess) -> dict[str, Any]:
+    """A node as cluster.json records it: where it runs, and how to start it again."""
     return {
         "name": node.root.name,
         "host": node.host,
@@ -280,7 +288,15 @@ def node_record(node: NodeProcess) -> dict[str, Any]:
         "root": str(node.root),
         "data_dir": str(node.data_dir),
         "log": str(node.log_path),
+        "args": list(node.args),  # `cluster restart` starts it with these again
     }
+
+
+def admin_credentials() -> tuple[str, str]:
+    """The user a node creates on its first start (server/node.py): ``Administrator`` with the
+    password ``CHANGEFEED_PASSWORD`` (default ``password``). The nodes inherit this process's
+    environment, so the readiness checks log in as they do."""
+    return "Administrator", os.environ.get("CHANGEFEED_PASSWORD", "password")
 
 
 def start_nodes(nodes: list[NodeProcess]) -> None:
@@ -394,11 +410,144 @@ async def wait_until_up(
                 + (f"; not registered: {', '.join(missing)}" if missing else "")
             )
         assert stored is not None
+        user, password = admin_credentials()
         for node in nodes:
-            await stat(node.host, node.port, "", STAT_TIMEOUT_S)  # it serves
+            await _check_serves(node, user, password)
         return stored[0]
     finally:
         await md.close()
+
+
+async def _check_serves(node: NodeProcess, user: str, password: str) -> None:
+    """STAT "" of `node`, logged in as `user`.
+
+    Raises:
+        click.ClickException: it refused the login (naming CHANGEFEED_PASSWORD) or the STAT.
+        OSError, TimeoutError, StatusError: it did not answer properly.
+    """
+    try:
+        await stat(node.host, node.port, "", STAT_TIMEOUT_S, user, password)
+    except AuthError:
+        raise click.ClickException(
+            f"{node.root.name} ({node.address}) refused user {user!r}: its users file "
+            f"({node.data_dir / 'users.json'}) was made with another password; set "
+            "CHANGEFEED_PASSWORD to that one"
+        ) from None
+
+
+@cluster.command()
+@click.argument("node")
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path, file_okay=False),
+    required=True,
+    help="The directory `cluster start` made (reads and updates its cluster.json).",
+)
+@click.option("--timeout", "timeout_s", type=float, default=START_TIMEOUT_S, show_default=True)
+@click.option("--log-level", help="The node's log level (default: as it was started).")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+def restart(
+    node: str, directory: Path, timeout_s: float, log_level: str | None, as_json: bool
+) -> None:
+    """Start NODE again in place: same port, data and flags; no rebalance. A stopped or killed
+    node comes back with its data and catches up from the actives (a vbucket it led that was
+    failed over meanwhile, it holds as a replica); a running one is stopped cleanly first.
+    cluster.json records the new process, so `cluster stop` stops it."""
+    directory = directory.resolve()
+    deadline = time.monotonic() + timeout_s
+    record = _read_record(directory)
+    known = _recorded_node(record, directory, node)
+    endpoint, name = str(record["etcd"]), str(record.get("cluster", "default"))
+    if record.get("etcd_pid") and not process_runs(
+        int(record["etcd_pid"]), str(record["etcd_data_dir"])
+    ):
+        raise click.ClickException(
+            f"the etcd of {directory} is not running: changefeed cluster start --dir {directory} "
+            "starts the whole cluster again"
+        )
+    stored = run(_read_map(endpoint, name))
+    if stored is not None and stored.node_index(node) is None:
+        raise click.ClickException(
+            f"{node} is not in map rev {stored.rev} (removed?): changefeed cluster add {node} "
+            f"--dir {directory} brings it back with a rebalance"
+        )
+    was = "stopped"
+    if known.get("pid") and process_runs(int(known["pid"]), str(known["data_dir"])):
+        _say(f"stopping {node} (pid {known['pid']}) first")
+        stop_pid(int(known["pid"]), str(known["data_dir"]), timeout_s=NODE_STOP_TIMEOUT_S)
+        was = "running"
+    process = _node_process(record, known, log_level)
+    process.ready_timeout_s = max(1.0, deadline - time.monotonic())
+    try:
+        process.start()
+    except (RuntimeError, TimeoutError, OSError) as error:
+        first = str(error).splitlines()[0] if str(error) else repr(error)
+        raise click.ClickException(f"{node}: {first} (log {process.log_path})") from None
+    record["nodes"] = [node_record(process) if n["name"] == node else n for n in record["nodes"]]
+    write_record(directory, record)  # at once: `cluster stop` must know the new pid
+    _say(f"{node} {process.address} (pid {process.pid}, log {process.log_path})")
+    _say(f"waiting for {node} to register and serve")
+    cluster_map = run(wait_until_up(endpoint, name, [process], deadline))
+    roles = _roles_of(cluster_map, node)
+    outcome = {"node": node, "was": was, "pid": process.pid, "port": process.port,
+               "rev": cluster_map.rev, **roles}  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(outcome))
+        return
+    click.echo(
+        f"{node} is back on {process.address} (pid {process.pid}): map rev {cluster_map.rev}, "
+        f"{roles['actives']} actives and {roles['replicas']} replicas on it; it catches up "
+        f"from the actives (changefeed cluster status --dir {directory})"
+    )
+
+
+def _recorded_node(record: Mapping[str, Any], directory: Path, node: str) -> dict[str, Any]:
+    """NODE's entry in cluster.json.
+
+    Raises:
+        click.ClickException: cluster.json has no such node (naming those it has).
+    """
+    known = next((n for n in record["nodes"] if n["name"] == node), None)
+    if known is None:
+        names = ", ".join(n["name"] for n in record["nodes"]) or "none"
+        raise click.ClickException(
+            f"no node {node!r} in {_record_path(directory)} (nodes: {names}); "
+            f"changefeed cluster add {node} --dir {directory} adds one"
+        )
+    return dict(known)
+
+
+def _node_process(
+    record: Mapping[str, Any], known: Mapping[str, Any], log_level: str | None
+) -> NodeProcess:
+    """A NodeProcess that starts the recorded node as it was started (records made before
+    cluster.json kept the flags get the flags `start` gives)."""
+    args = known.get("args")
+    if not isinstance(args, list):
+        args = node_args(
+            str(record["etcd"]), str(record.get("cluster", "default")), str(known["name"]),
+            len(record["nodes"]), int(record.get("replicas", 1)), "INFO",
+        )  # fmt: skip
+    args = [str(a) for a in args]
+    if log_level is not None and "--log-level" in args:
+        args[args.index("--log-level") + 1] = log_level
+    process = NodeProcess(
+        Path(known.get("root") or Path(known["data_dir"]).parent),
+        vbuckets=int(record.get("vbuckets", 64)),
+        args=args,
+    )
+    process.port = int(known["port"])  # the port the map names
+    return process
+
+
+def _roles_of(cluster_map: ClusterMap, node: str) -> dict[str, int]:
+    index = cluster_map.node_index(node)
+    chains = cluster_map.chains
+    return {
+        "actives": sum(1 for chain in chains if index is not None and chain[0] == index),
+        "replicas": sum(1 for chain in chains if index is not None and index in chain[1:]),
+    }
 
 
 @cluster.command()
@@ -415,6 +564,7 @@ async def wait_until_up(
     "--password", default="password", envvar="CHANGEFEED_PASSWORD", help="Or CHANGEFEED_PASSWORD."
 )
 @click.option("--bucket", default="default", show_default=True)
+@click.option("--brief", is_flag=True, help="Only the summary (no per-vbucket lines).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 def status(
     directory: Path | None,
@@ -423,16 +573,20 @@ def status(
     user: str,
     password: str,
     bucket: str,
+    brief: bool,
     as_json: bool,
 ) -> None:
-    """The map (with its rev), the nodes, and per vbucket each copy's high and persisted
-    seqnos, replica lag in items, and what the active reports of its replicas."""
+    """A summary first (nodes up and down, actives and replicas per node, replicas in sync,
+    the worst lag), then the map (with its rev) and per vbucket each copy's high and persisted
+    seqnos, replica lag in items, and what the active reports of its replicas. --json has the
+    summary under "summary"."""
     etcd_url, name = _where(directory, etcd_url, name)
     report = run(_status(etcd_url, name, user, password, bucket))
+    report["summary"] = summarize(report)
     if as_json:
         click.echo(json.dumps(report, indent=1))
     else:
-        click.echo(_render(report))
+        click.echo(_render(report, details=not brief))
 
 
 async def _status(
@@ -447,11 +601,16 @@ async def _status(
         rebalance = await read_status(md)
     finally:
         await md.close()
+    in_map = set() if stored is None else {n.name for n in stored[0].nodes}
+    stale = await _stale_registrations(
+        [node for node_name, node in live.items() if node_name not in in_map], user, password
+    )
     report: dict[str, Any] = {
         "cluster": name,
         "etcd": endpoint,
         "orchestrator": None if leader is None else {"name": leader[0], "token": leader[1]},
-        "live_nodes": sorted(live),
+        "live_nodes": sorted(set(live) - set(stale)),
+        "stale_registrations": stale,
         "map": None,
         "nodes": [],
         "vbuckets": [],
@@ -486,6 +645,25 @@ async def _status(
         )
     report["vbuckets"] = _vbucket_rows(cluster_map, stats)
     return report
+
+
+async def _stale_registrations(outside: list[NodeAddress], user: str, password: str) -> list[str]:
+    """Of the registered nodes the map does not list, those that do not answer: a node that
+    stopped (after `cluster remove`, say) keeps its registration until its lease runs out
+    (``limits.ETCD_LEASE_TTL_S_DEFAULT``); it is not live. One that answers (a node started to
+    be added) is, even if it refuses this login."""
+
+    async def answers(node: NodeAddress) -> bool:
+        try:
+            await stat(node.host, node.port, "", STAT_TIMEOUT_S, user, password)
+        except (AuthError, StatusError, click.ClickException):
+            return True  # it answered, if only to refuse
+        except (OSError, TimeoutError):
+            return False
+        return True
+
+    answered = await asyncio.gather(*(answers(node) for node in outside))
+    return sorted(node.name for node, up in zip(outside, answered, strict=True) if not up)
 
 
 async def _node_stats(
@@ -602,22 +780,80 @@ def _typed(value: str) -> Any:
     return {"true": True, "false": False}.get(value.lower(), value)
 
 
-def _render(report: Mapping[str, Any]) -> str:
+def summarize(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The summary `status` leads with, from its report: per node, up (registered and
+    answering) or down, its actives and replicas, and how many of its replicas their active
+    reports in sync; over the cluster, the worst replica lag in items and in seconds."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for node in report["nodes"]:
+        down = None if node["live"] else "not registered"
+        if not node["reachable"]:
+            down = "unreachable" if down is None else f"{down}, unreachable"
+        nodes[node["name"]] = {
+            "name": node["name"],
+            "up": down is None,
+            "down_because": down,
+            "actives": 0,
+            "replicas": 0,
+            "replicas_in_sync": 0,
+            "replicas_unknown": 0,  # no word from their active
+        }
+    worst_items: dict[str, Any] | None = None
+    worst_s: dict[str, Any] | None = None
+    without_active = 0
+    for row in report["vbuckets"]:
+        active, *replicas = row["copies"]
+        if active["node"] is None:
+            without_active += 1
+        else:
+            nodes[active["node"]]["actives"] += 1
+        for copy in replicas:
+            if copy["node"] is None:
+                continue
+            node = nodes[copy["node"]]
+            node["replicas"] += 1
+            replication = copy.get("replication", {})
+            if "in_sync" not in replication:
+                node["replicas_unknown"] += 1
+            elif replication["in_sync"] in (1, True):
+                node["replicas_in_sync"] += 1
+            lag = copy.get("lag_items")
+            if lag is not None and (worst_items is None or lag > worst_items["items"]):
+                worst_items = {"items": lag, "vb": row["vb"], "node": copy["node"]}
+            lag_s = replication.get("lag_s")
+            if isinstance(lag_s, int | float) and (worst_s is None or lag_s > worst_s["s"]):
+                worst_s = {"s": lag_s, "vb": row["vb"], "node": copy["node"]}
+    per_node = list(nodes.values())
+    return {
+        "nodes_up": sum(1 for n in per_node if n["up"]),
+        "nodes_down": sum(1 for n in per_node if not n["up"]),
+        "nodes": per_node,
+        "replicas": sum(n["replicas"] for n in per_node),
+        "replicas_in_sync": sum(n["replicas_in_sync"] for n in per_node),
+        "vbuckets_without_active": without_active,
+        "worst_lag_items": worst_items,
+        "worst_lag_s": worst_s,
+    }
+
+
+def _render(report: Mapping[str, Any], *, details: bool = True) -> str:
+    """The summary (one screen whatever the vbucket count), then per vbucket its copies."""
     lines = [f"cluster {report['cluster']!r} on etcd {report['etcd']}"]
     leader = report["orchestrator"]
     lines.append(
         "orchestrator: "
         + ("none" if leader is None else f"{leader['name']} (token {leader['token']})")
     )
-    lines.append("live nodes: " + (", ".join(report["live_nodes"]) or "none"))
     cluster_map = report["map"]
     if cluster_map is None:
+        lines.append("live nodes: " + (", ".join(report["live_nodes"]) or "none"))
         lines.append("no map yet (the orchestrator waits for the expected nodes)")
         return "\n".join(lines)
     lines.append(
         f"map rev {cluster_map['rev']}: {cluster_map['vbuckets']} vbuckets, "
         f"{cluster_map['replicas']} replicas"
     )
+    lines.extend(_render_summary(report))
     rebalance = report.get("rebalance")
     if rebalance is not None:
         state = "done" if rebalance["done"] else rebalance["error"] or "in progress"
@@ -626,12 +862,54 @@ def _render(report: Mapping[str, Any]) -> str:
             f"{rebalance['total']} vbuckets moved ({state})"
         )
         lines.extend(f"  waiting: {w}" for w in rebalance["waiting"] if not rebalance["done"])
-    for node in report["nodes"]:
-        state = "live" if node["live"] else "NOT LIVE"
-        reach = "serving" if node["reachable"] else f"unreachable ({node['error']})"
-        lines.append(f"  {node['name']:10} {node['address']:21} {state:8} {reach}")
-    lines.append("")
-    lines.append("vb    copy: node high/persisted [lag items, replication]")
+    if details:
+        lines.append("")
+        lines.extend(_render_details(report))
+    return "\n".join(lines)
+
+
+def _render_summary(report: Mapping[str, Any]) -> list[str]:
+    summary = report.get("summary") or summarize(report)
+    lines = [f"nodes: {summary['nodes_up']} up, {summary['nodes_down']} down"]
+    lines.append(
+        f"  {'node':10} {'address':21} {'state':6} {'actives':>7} {'replicas':>8} {'in sync':>8}"
+    )
+    addresses = {n["name"]: n for n in report["nodes"]}
+    for node in summary["nodes"]:
+        state = "up" if node["up"] else "DOWN"
+        in_sync = f"{node['replicas_in_sync']}/{node['replicas']}"
+        line = (
+            f"  {node['name']:10} {addresses[node['name']]['address']:21} {state:6} "
+            f"{node['actives']:>7} {node['replicas']:>8} {in_sync:>8}"
+        )
+        if not node["up"]:
+            error = addresses[node["name"]]["error"]
+            line += f"  {node['down_because']}" + (f" ({error})" if error else "")
+        elif node["replicas_unknown"]:
+            line += f"  ({node['replicas_unknown']} not reported by their active)"
+        lines.append(line)
+    for stale in report.get("stale_registrations", []):
+        lines.append(f"  {stale:10} not in the map; registered but not answering (stopped)")
+    outside = sorted(set(report["live_nodes"]) - set(addresses))
+    if outside:
+        lines.append(f"  live, not in the map: {', '.join(outside)}")
+    if summary["vbuckets_without_active"]:
+        lines.append(f"vbuckets with no active copy: {summary['vbuckets_without_active']}")
+    worst, worst_s = summary["worst_lag_items"], summary["worst_lag_s"]
+    if worst is None:
+        lag = "worst lag: unknown"
+    elif worst["items"] == 0:
+        lag = "worst lag: 0 items (every replica has the active's high seqno)"
+    else:
+        lag = f"worst lag: {worst['items']} items (vb {worst['vb']} on {worst['node']})"
+    if worst_s is not None and worst_s["s"] > 0:
+        lag += f", {worst_s['s']:.3f} s (vb {worst_s['vb']} on {worst_s['node']})"
+    lines.append(f"replicas in sync: {summary['replicas_in_sync']}/{summary['replicas']}; {lag}")
+    return lines
+
+
+def _render_details(report: Mapping[str, Any]) -> list[str]:
+    lines = ["vb    copy: node high/persisted [lag items (seconds, in sync per the active)]"]
     for row in report["vbuckets"]:
         parts = []
         for copy in row["copies"]:
@@ -642,11 +920,20 @@ def _render(report: Mapping[str, Any]) -> str:
             text = f"{copy['role']}: {copy['node']} {seqnos}"
             if copy["role"] != "active":
                 text += f" lag {_n(copy.get('lag_items'))}"
-                for field, value in copy.get("replication", {}).items():
-                    text += f" {field}={value}"
+                replication = copy.get("replication", {})
+                if replication:
+                    flags = [_seconds(replication.get("lag_s"))]
+                    flags.append("in sync" if replication.get("in_sync") else "NOT IN SYNC")
+                    if replication.get("connected") in (0, False):
+                        flags.append("disconnected")
+                    text += f" ({', '.join(flags)})"
             parts.append(text)
         lines.append(f"{row['vb']:<5} " + "  |  ".join(parts))
-    return "\n".join(lines)
+    return lines
+
+
+def _seconds(value: object) -> str:
+    return f"{value:.3f} s" if isinstance(value, int | float) else "? s"
 
 
 def _n(value: object) -> str:
@@ -887,12 +1174,14 @@ def _start_added(directory: Path, node: str, log_level: str) -> None:
     process = NodeProcess(
         directory / node,
         vbuckets=int(record.get("vbuckets", 64)),
-        args=[
-            *("--etcd", str(record["etcd"]), "--cluster", str(record.get("cluster", "default"))),
-            *("--node-name", node, "--replicas", str(record.get("replicas", 1))),
-            *("--expected-nodes", str(max(1, len(record["nodes"])))),
-            *("--log-level", log_level),
-        ],
+        args=node_args(
+            str(record["etcd"]),
+            str(record.get("cluster", "default")),
+            node,
+            max(1, len(record["nodes"])),
+            int(record.get("replicas", 1)),
+            log_level,
+        ),
     )
     if known is not None:
         process.port = int(known["port"])  # a restart: the port the map names
