@@ -391,3 +391,9 @@ assert (
 ), "one user cannot take half of what all users share"
 assert 0 < IDLE_EVICTION_MIN_S < AUTH_DEADLINE_S
 assert 0 < TLS_NODE_CERT_DAYS_DEFAULT < TLS_CA_CERT_DAYS_DEFAULT
+
+# Connections the kernel may queue for a listener before the node accepts them (asyncio's
+# default is 100). A burst beyond it has its SYNs dropped and retried after 1 s, 3 s...: a
+# client arriving amid a flood waited seconds for its turn. memcached and Couchbase use 1024;
+# the kernel caps it at net.core.somaxconn (4096 by default since Linux 5.4).
+LISTEN_BACKLOG = 1024

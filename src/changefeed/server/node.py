@@ -199,7 +199,10 @@ class Node:
         self.expiry_pager.start()
         admission = self.admission
         self._server = await loop.create_server(
-            lambda: ClientConnection(context, admission), self.config.host, self.config.port
+            lambda: ClientConnection(context, admission),
+            self.config.host,
+            self.config.port,
+            backlog=limits.LISTEN_BACKLOG,
         )
         context.port = self._server.sockets[0].getsockname()[1]
         if self._tls is not None:
@@ -209,6 +212,7 @@ class Node:
                 self.config.tls_port,
                 ssl=self._tls,
                 ssl_handshake_timeout=limits.TLS_HANDSHAKE_DEADLINE_S,
+                backlog=limits.LISTEN_BACKLOG,
             )
             self.tls_port = self._tls_server.sockets[0].getsockname()[1]
             log.info("serving TLS on %s:%d", self.config.host, self.tls_port)
