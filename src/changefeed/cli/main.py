@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from changefeed import __version__
+from changefeed.cli.certs import certs
 from changefeed.cli.client_commands import load, stats, stream
 from changefeed.cli.cluster import cluster
 from changefeed.cli.compact import compact
@@ -34,6 +35,7 @@ cli.add_command(stats)
 cli.add_command(compact)
 cli.add_command(mirror)
 cli.add_command(cluster)
+cli.add_command(certs)
 
 
 def main() -> None:

@@ -93,6 +93,32 @@ def run_loop(coroutine: object) -> None:
     "groups (services <bucket>-<port>-g<i>; see `changefeed stream --local`). Default 0: off.",
 )
 @click.option("--shm-dir", type=click.Path(path_type=Path), help="Where shm services live.")
+@click.option(
+    "--tls-port",
+    type=PORT,
+    help="Also serve KV/DCP over TLS on this port (Couchbase uses 11207). Default off.",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(path_type=Path),
+    help="The node's certificate chain, PEM (`changefeed certs create` makes one).",
+)
+@click.option("--tls-key", type=click.Path(path_type=Path), help="The node's private key, PEM.")
+@click.option(
+    "--max-unauthenticated-connections",
+    type=click.IntRange(1),
+    help="Connections still authenticating; one more closes the oldest. Default 256.",
+)
+@click.option(
+    "--admin-connections-reserved",
+    type=click.IntRange(0),
+    help="Connection slots only admins (and replica streams) may take. Default 64.",
+)
+@click.option(
+    "--max-connections-per-user",
+    type=click.IntRange(1),
+    help="Connections one user may hold (its longest-idle makes room). Default 256.",
+)
 @click.option("--ready-file", type=click.Path(), help="Write the bound port here once serving.")
 @click.option("--log-level", help="DEBUG, INFO, WARNING, ERROR, CRITICAL. Default INFO.")
 def serve(config_file: Path | None, ready_file: str | None, **flags: object) -> None:
@@ -124,6 +150,8 @@ async def _serve(config: NodeConfig, ready_file: str | None) -> None:
 
     try:
         node = Node(config)
+    except ConfigError as error:  # a TLS certificate or key that cannot be used
+        raise click.ClickException(str(error)) from None
     except OSError as error:  # the users file or the store's files
         where = f"{error.filename}: " if error.filename is not None else ""
         raise click.ClickException(f"cannot start the node: {where}{error.strerror}") from None
@@ -166,7 +194,8 @@ def _start_failure(error: OSError, config: NodeConfig) -> str:
         return f"cannot listen on {_address(config.host, config.port)}: {error.strerror or error}"
     host, port, reason = bind.group(1), int(bind.group(2)), bind.group(3)
     metrics = config.metrics_port != 0 and port == config.metrics_port != config.port
-    listener = "metrics" if metrics else "KV/DCP"
+    tls = config.tls_port != 0 and port == config.tls_port
+    listener = "metrics" if metrics else "TLS KV/DCP" if tls else "KV/DCP"
     return f"cannot listen on {_address(host, port)} ({listener}): {reason}"
 
 

@@ -1,4 +1,4 @@
-"""One TCP connection to a node: a reader task, request/response matching by opaque.
+"""One TCP (or TLS) connection to a node: a reader task, request/response matching by opaque.
 
 The connection owns the socket and its receive buffer; it knows nothing about DCP streams.
 Bytes read are decoded in batches (``decode_batch``); responses (magic 0x81/0x18) resolve the
@@ -9,14 +9,20 @@ receive buffer (what one read brought plus at most one unfinished frame).
 Pipelined store windows (``expect_window``) skip the per-request future: the replies to a
 window are decoded straight from the receive buffer into its ``StoreReplies`` (``kv_pipeline``),
 and one future per window is resolved when the last reply is in.
+
+TLS (a node's ``--tls-port``): ``Connection.open(..., tls=client_tls_context(ca_file))``. The
+node's certificate must chain to the CA and name the host dialled; a certificate that does not
+is refused with one ``TlsError`` line saying why (expired, not signed by that CA...).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import Callable, Sequence
 from enum import Enum
+from pathlib import Path
 
 from changefeed import limits
 from changefeed.protocol.batch import Batch, decode_batch
@@ -46,6 +52,47 @@ class ConnectionClosedError(ConnectionError):
     def __init__(self, reason: CloseReason, detail: str = "") -> None:
         super().__init__(f"{reason.value}{': ' + detail if detail else ''}")
         self.reason = reason
+
+
+class TlsError(ConnectionError):
+    """The TLS handshake with a node failed: its certificate is not trusted (the message says
+    why), or the port does not speak TLS."""
+
+
+# OpenSSL's X509_V_ERR codes a user can act on, with what to check.
+_VERIFY_HINTS = {
+    10: "renew the node's certificate (changefeed certs create)",  # CERT_HAS_EXPIRED
+    9: "the node's certificate is not valid yet: check the clocks",  # CERT_NOT_YET_VALID
+    18: "the node presents a self-signed certificate, not one the CA signed",
+    19: "the CA file does not hold the CA that signed the node's certificate",
+    20: "the CA file does not hold the CA that signed the node's certificate",
+    62: "the certificate does not name this host (changefeed certs create --hosts)",
+}
+
+
+def client_tls_context(ca_file: str | Path | None = None) -> ssl.SSLContext:
+    """A client's TLS settings: TLS 1.2 or newer, the node's certificate checked against the
+    CA in ``ca_file`` (PEM; None: the system's CAs) and its names against the host dialled.
+
+    Raises:
+        OSError: ``ca_file`` cannot be read; ssl.SSLError: it holds no certificate.
+    """
+    context = ssl.create_default_context(cafile=None if ca_file is None else str(ca_file))
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    return context
+
+
+def tls_failure(host: str, port: int, error: ssl.SSLError) -> TlsError:
+    """One line for a failed handshake: whose certificate, what is wrong, what to do."""
+    if isinstance(error, ssl.SSLCertVerificationError):
+        hint = _VERIFY_HINTS.get(error.verify_code)
+        reason = f"{error.verify_message}{f' ({hint})' if hint else ''}"
+        return TlsError(f"TLS: {host}:{port} refused: its certificate is not trusted: {reason}")
+    reason = error.reason or str(error)
+    if reason == "WRONG_VERSION_NUMBER":
+        reason = "the port does not speak TLS (the plain KV port?)"
+    return TlsError(f"TLS: handshake with {host}:{port} failed: {reason}")
 
 
 class Connection:
@@ -78,11 +125,33 @@ class Connection:
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
-    async def open(cls, host: str, port: int, *, timeout_s: float = 10.0) -> Connection:
-        """Connect, with a deadline. Raises OSError / TimeoutError."""
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=READ_CHUNK_BYTES), timeout_s
-        )
+    async def open(
+        cls,
+        host: str,
+        port: int,
+        *,
+        timeout_s: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> Connection:
+        """Connect, with a deadline; with ``tls``, over TLS (``client_tls_context``).
+
+        Raises:
+            OSError, TimeoutError: the node cannot be reached.
+            TlsError: the TLS handshake failed (one line saying why).
+        """
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    host,
+                    port,
+                    limit=READ_CHUNK_BYTES,
+                    ssl=tls,
+                    server_hostname=host if tls is not None else None,
+                ),
+                timeout_s,
+            )
+        except ssl.SSLError as error:
+            raise tls_failure(host, port, error) from None
         return cls(reader, writer)
 
     def next_opaque(self) -> int:

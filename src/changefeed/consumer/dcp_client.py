@@ -45,7 +45,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from changefeed import limits
-from changefeed.consumer.connection import CloseReason, Connection, ConnectionClosedError
+from changefeed.consumer.connection import (
+    CloseReason,
+    Connection,
+    ConnectionClosedError,
+    client_tls_context,
+)
 from changefeed.consumer.dcp_map import MapFollower
 from changefeed.consumer.dcp_node_stream import NodeStream
 from changefeed.consumer.dcp_routing import Retries, RetryKind, apply_event, positions
@@ -106,6 +111,10 @@ class ClientConfig:
     # Stream each vbucket from its active node (the cluster map). False: from the node at
     # host:port only, active or replica copies alike.
     follow_map: bool = True
+    # Connect over TLS trusting the CA in this PEM file (port is then the node's TLS port).
+    # Other nodes of a map are dialled at the map's addresses: TLS across a cluster needs
+    # their TLS ports in the map (kvSSL; docs/operations.md, "TLS and connection budgets").
+    tls_ca: str | None = None
 
 
 class DcpClient:
@@ -135,6 +144,7 @@ class DcpClient:
         self._wake = asyncio.Event()
         self._placing = asyncio.Lock()
         self._placer: asyncio.Task[None] | None = None
+        self._tls = None if config.tls_ca is None else client_tls_context(config.tls_ca)
 
     @property
     def cluster_map(self) -> ClusterMap | None:
@@ -299,6 +309,7 @@ class DcpClient:
         return await connect(
             host, port, agent=cfg.name, user=cfg.user, password=cfg.password,
             bucket=cfg.bucket, features=[Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON],
+            tls=self._tls,
         )  # fmt: skip
 
     async def _open_node(self, server: str, conn: Connection) -> NodeStream:

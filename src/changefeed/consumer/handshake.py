@@ -12,6 +12,7 @@ rest belong to the clients).
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterable
 
 from scramp import ScramClient
@@ -71,19 +72,22 @@ async def connect(
     bucket: str,
     features: Iterable[int] = BASE_FEATURES,
     timeout_s: float = 10.0,
+    tls: ssl.SSLContext | None = None,
 ) -> Connection:
     """Open a connection and run ``handshake`` on it; it is closed again if any step fails.
 
     Args:
-        host, port: the node.
-        timeout_s: for opening the TCP connection.
+        host, port: the node (with ``tls``: its TLS port).
+        timeout_s: for opening the TCP connection (and the TLS handshake).
         agent, user, password, bucket, features: as ``handshake``.
+        tls: connect over TLS with these settings (``connection.client_tls_context``).
 
     Raises:
         OSError, TimeoutError: the node cannot be reached.
+        TlsError: the node's certificate is not trusted (one line saying why).
         AuthError, StatusError: as ``handshake``.
     """
-    conn = await Connection.open(host, port, timeout_s=timeout_s)
+    conn = await Connection.open(host, port, timeout_s=timeout_s, tls=tls)
     try:
         await handshake(
             conn, agent=agent, user=user, password=password, bucket=bucket, features=features

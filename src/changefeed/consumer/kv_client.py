@@ -17,10 +17,17 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final, Literal
 from zlib import crc32
 
-from changefeed.consumer.connection import Connection, ConnectionClosedError
+from changefeed.consumer.connection import (
+    Connection,
+    ConnectionClosedError,
+    TlsError,
+    client_tls_context,
+)
+from changefeed.consumer.dcp_routing import read_cluster_config
 from changefeed.consumer.handshake import call, connect
 from changefeed.protocol.errors import NotMyVbucketError, StatusError, error_for_status
 from changefeed.protocol.frame import Frame, encode_frame
@@ -143,22 +150,53 @@ class KvClient:
         user: str = "Administrator",
         password: str = "password",
         tmpfail_retry_s: float = TEMPORARY_FAILURE_RETRY_S,
+        tls_ca: str | Path | None = None,
     ) -> KvClient:
-        features = [Feature.MUTATION_SEQNO, Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON]
+        """Connect to the node at ``host:port`` and read its cluster map.
 
-        async def connector(node_host: str, node_port: int) -> Connection:
+        Args:
+            tls_ca: connect over TLS, trusting the CA in this PEM file; ``port`` is then the
+                node's TLS port, and other nodes are reached on the TLS ports (``kvSSL``) the
+                map advertises.
+
+        Raises:
+            OSError, TimeoutError: the node cannot be reached.
+            TlsError: the node's certificate is not trusted (one line saying why).
+            AuthError, StatusError: the handshake was refused.
+        """
+        features = [Feature.MUTATION_SEQNO, Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON]
+        tls = None if tls_ca is None else client_tls_context(tls_ca)
+        tls_addresses: dict[str, tuple[str, int]] = {}  # map server -> its TLS address
+
+        async def dial(node_host: str, node_port: int) -> Connection:
             return await connect(
                 node_host, node_port, agent="changefeed-kv", user=user, password=password,
-                bucket=bucket, features=features,
+                bucket=bucket, features=features, tls=tls,
             )  # fmt: skip
 
-        conn = await connector(host, port)
+        async def connector(node_host: str, node_port: int) -> Connection:
+            if tls is None:
+                return await dial(node_host, node_port)
+            address = tls_addresses.get(f"{node_host}:{node_port}")
+            if address is None:
+                raise TlsError(
+                    f"TLS: node {node_host}:{node_port} advertises no TLS port (kvSSL) in "
+                    "the cluster map"
+                )
+            return await dial(*address)
+
+        conn = await dial(host, port)
         try:
             config = json.loads((await call(conn, Opcode.GET_CLUSTER_CONFIG)).value)
             cluster_map = ClusterMap.from_couchbase_config(config)
         except BaseException:
             await conn.close()
             raise
+        server = f"{host}:{port}"
+        if tls is not None:  # the map names nodes by their plain KV address
+            _, server = read_cluster_config(config, server)
+            tls_addresses.update(_tls_addresses(config))
+            tls_addresses[server] = (host, port)  # the node dialled, whatever it advertises
         client = cls(
             conn,
             cluster_map.vbuckets,
@@ -166,7 +204,7 @@ class KvClient:
             connector=connector,
             tmpfail_retry_s=tmpfail_retry_s,
         )
-        client._conns[f"{host}:{port}"] = conn
+        client._conns[server] = conn
         return client
 
     async def close(self) -> None:
@@ -755,6 +793,21 @@ def _check_history(result: MutationResult, observed: ObserveSeqnoResult) -> None
             f"{result.vb_uuid:#x} is not on the node's history {observed.vb_uuid:#x} "
             "(a failover or rollback took it)"
         )
+
+
+def _tls_addresses(config: object) -> dict[str, tuple[str, int]]:
+    """Each node's TLS address by its ``host:port`` name, from a Couchbase config's
+    ``nodesExt`` (``services.kvSSL``, Couchbase's TLS KV port); nodes without one are left out."""
+    found: dict[str, tuple[str, int]] = {}
+    nodes_ext = config.get("nodesExt") if isinstance(config, dict) else None
+    for entry in nodes_ext if isinstance(nodes_ext, list) else ():
+        services = entry.get("services") if isinstance(entry, dict) else None
+        if not isinstance(services, dict):
+            continue
+        host, kv, kv_ssl = entry.get("hostname"), services.get("kv"), services.get("kvSSL")
+        if isinstance(host, str) and isinstance(kv, int) and isinstance(kv_ssl, int):
+            found[f"{host}:{kv}"] = (host, kv_ssl)
+    return found
 
 
 def _vbuckets_of(items: list[tuple[bytes, bytes]], vbuckets: int) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import gc
+import json
 import logging
 import os
 import random
@@ -19,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from changefeed import limits
 from changefeed.server.admission import Admission, Shares
@@ -97,6 +98,30 @@ def load_or_create_users(config: NodeConfig) -> Users:
     return users
 
 
+class NodeContext(ServerContext):
+    """The node's `ServerContext`, whose cluster maps also advertise this node's TLS port.
+
+    Couchbase names it ``kvSSL`` in the node's ``nodesExt`` services; the SDKs connect there
+    when they bootstrap with ``couchbases://`` (without it the C++ SDK 1.3 crashed opening the
+    bucket). Only this node's own entry can say it here: the TLS ports of the other nodes of a
+    cluster map belong in the map itself (vbmap.py), once membership carries them.
+    """
+
+    __slots__ = ("tls_port",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tls_port = 0  # the bound TLS port; 0: no TLS listener
+
+    def cluster_config_json(self) -> bytes:
+        config = self.current_map().couchbase_config(self.bucket.name, self.config.node_name)
+        if self.tls_port:
+            for entry in config.get("nodesExt", ()):  # type: ignore[attr-defined]
+                if entry.get("thisNode"):
+                    entry["services"].setdefault("kvSSL", self.tls_port)
+        return json.dumps(config).encode()
+
+
 class Companion(Protocol):
     """Something that runs beside a node for its lifetime (the cluster membership agent):
     started once the node listens, stopped before the node shuts down."""
@@ -138,7 +163,7 @@ class Node:
         self.expiry_pager = ExpiryPager(
             bucket, clock=clock, interval_s=config.expiry_pager_interval_s
         )
-        self.context = ServerContext(
+        self.context = NodeContext(
             config,
             users,
             bucket,
@@ -198,6 +223,7 @@ class Node:
         self.compactor.start()
         self.expiry_pager.start()
         admission = self.admission
+        assert isinstance(context, NodeContext), type(context)
         self._server = await loop.create_server(
             lambda: ClientConnection(context, admission),
             self.config.host,
@@ -215,6 +241,7 @@ class Node:
                 backlog=limits.LISTEN_BACKLOG,
             )
             self.tls_port = self._tls_server.sockets[0].getsockname()[1]
+            context.tls_port = self.tls_port
             log.info("serving TLS on %s:%d", self.config.host, self.tls_port)
         self._deadlines = loop.create_task(self._check_deadlines())
         if self.config.shm_groups:  # services are named after the bound port
