@@ -152,6 +152,13 @@ class Connection:
             )
         except ssl.SSLError as error:
             raise tls_failure(host, port, error) from None
+        except ConnectionResetError:
+            if tls is None:
+                raise
+            raise TlsError(
+                f"TLS: handshake with {host}:{port} failed: the node closed the connection "
+                "(the port does not speak TLS: the plain KV port?)"
+            ) from None
         return cls(reader, writer)
 
     def next_opaque(self) -> int:

@@ -95,6 +95,7 @@ UNAUTHENTICATED_OPCODES = frozenset(
     {Opcode.HELLO, Opcode.SASL_LIST_MECHS, Opcode.SASL_AUTH, Opcode.SASL_STEP, Opcode.NOOP}
 )
 Handler = Callable[["ClientConnection", Frame], None]
+_TLS_HANDSHAKE_RECORD = b"\x16"  # the first byte a TLS client sends (a handshake record)
 _REFUSAL_LOG_INTERVAL_S = 10.0  # a connection flood logs one line per interval, not per socket
 _last_refusal_log_s = float("-inf")
 
@@ -237,6 +238,14 @@ class ClientConnection(asyncio.Protocol):
         try:
             self.reader.feed(data)
         except ProtocolError as error:
+            if data[:1] == _TLS_HANDSHAKE_RECORD and not self.tls:
+                tls_port = getattr(self.context, "tls_port", 0)
+                where = f"TLS is on port {tls_port}" if tls_port else "this node serves no TLS"
+                log.warning(
+                    "closing %s: a TLS handshake on the plain KV port (%s)", self.peer, where
+                )
+                self.close()
+                return
             self._close_for(error)
             return
         self._process()
@@ -246,6 +255,8 @@ class ClientConnection(asyncio.Protocol):
         replies of one received batch are written together."""
         if self._refused:
             return  # refused at authentication: nothing it sent after that is served
+        if self.context.fence_check is not None:
+            self.context.fence_check()  # after a pause: fenced before anything is served
         self._out = []
         dispatched = 0
         reader = self.reader

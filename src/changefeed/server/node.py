@@ -74,7 +74,11 @@ def _warn_if_expiring(cert: Path) -> None:
         return
     left_s = (certificate.not_valid_after_utc - datetime.datetime.now(datetime.UTC)).total_seconds()
     if left_s <= 0:
-        log.error("TLS certificate %s expired on %s", cert, certificate.not_valid_after_utc)
+        log.warning(
+            "TLS certificate %s expired on %s: clients will refuse it",
+            cert,
+            certificate.not_valid_after_utc,
+        )
     elif left_s < CERT_EXPIRY_WARNING_S:
         log.warning("TLS certificate %s expires on %s", cert, certificate.not_valid_after_utc)
 
