@@ -17,7 +17,7 @@ import pytest
 
 from changefeed.ipc import Geometry
 from changefeed.ipc.layout import INVALID_OWNER, REFCOUNT_MASK
-from changefeed.ipc.provider import Provider
+from changefeed.ipc.provider import RECLAIM_INTERVAL_S, Provider
 from changefeed.ipc.segments import Segment, ServicePaths
 from ipc.child import positions_for, rows_batch
 from ipc.helpers import Child
@@ -28,10 +28,30 @@ Spawn = Callable[..., Child]
 
 
 class Publisher:
-    """The provider in this process: a thread publishing 20-row batches every 2 ms."""
+    """The provider in this process: a thread publishing 20-row batches every 2 ms.
 
-    def __init__(self, service: str, directory: Path) -> None:
-        self.provider = Provider.offer(service, GEOMETRY, directory=directory, bucket="default")
+    ``reclaim``: the provider reclaims dead readers itself (off here by default: these tests
+    check the seed's path, a restarted reader rolling back its predecessor's log;
+    test_reclaim.py checks the provider's).
+    """
+
+    def __init__(
+        self,
+        service: str,
+        directory: Path,
+        *,
+        reclaim: bool = False,
+        geometry: Geometry | None = None,
+    ) -> None:
+        self.geometry = geometry or GEOMETRY
+        self.provider = Provider.offer(
+            service,
+            self.geometry,
+            directory=directory,
+            bucket="default",
+            reclaim_interval_s=RECLAIM_INTERVAL_S if reclaim else None,
+        )
+        self.pause_s = 0.002
         self._stop = threading.Event()
         self._pause = threading.Event()
         self.seqno = 0
@@ -47,16 +67,19 @@ class Publisher:
                     rows_batch(first, 20, 50), positions_for(GROUP, first, first + 19)
                 )
                 self.seqno += 20
-            time.sleep(0.002)
+            else:
+                self.provider.maintain()  # an idle publisher still reclaims dead readers
+            time.sleep(self.pause_s)
 
     def refcounts(self) -> list[int]:
         a, layout = self.provider._a, self.provider.layout
         return [
-            a.load_u64(layout.slot_state(i)) & REFCOUNT_MASK for i in range(GEOMETRY.slot_count)
+            a.load_u64(layout.slot_state(i)) & REFCOUNT_MASK
+            for i in range(self.geometry.slot_count)
         ]
 
     def owners(self) -> list[int]:
-        return [self.provider.logs.owner(i) for i in range(GEOMETRY.max_subscribers)]
+        return [self.provider.logs.owner(i) for i in range(self.geometry.max_subscribers)]
 
     def stop(self) -> bool:
         self._stop.set()

@@ -115,6 +115,10 @@ NODE_OWNER_PID: Final = 12  # u32
 NODE_OWNER_START: Final = 16  # u64: the owner process's start time (pid reuse)
 NODE_NEXT_SEQ: Final = 24  # u64: the next seq the reader wants (lag; not used for recovery)
 NODE_LOST: Final = 32  # u64: times the reader fell behind the ring
+# u64: the inode of the owner's pid namespace (/proc/self/ns/pid); 0 = unknown. The provider
+# judges a reader dead by its pid only when it shares this namespace (a pid means nothing in
+# another one). In the header's reserved bytes: layout version 1 is unchanged (0 in old logs).
+NODE_OWNER_PIDNS: Final = 40
 
 # UID/PID map entry (32 bytes): key = status << 32 | app_id.
 PID_ENTRY_BYTES: Final = 32

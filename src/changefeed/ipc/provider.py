@@ -14,6 +14,14 @@
    created afresh: attached readers get `ServiceReplacedError` and subscribe again.
 3. The control socket (``<service>.ctl``) is bound; the service state becomes OFFERED.
 
+Dead readers are reclaimed without their restart (beyond the seed): `maintain` (called by
+`publish`, and by an idle publisher's loop) looks every RECLAIM_INTERVAL_S for a reader process
+that died — its recorded pid and start time no longer name a running process — and rolls its
+transaction log back itself, under the service's rollback lock, exactly as the reader's restart
+would (`TransactionLogSet.reclaim_dead`): its slot references, subscriber seat and slot budget
+come back within RECLAIM_BOUND_S. A reader that is alive but stalled is not touched: it holds
+at most its ``max_samples`` slots and falls behind (`LostDataError`).
+
 ``stop_offer`` removes the segments and markers only if it can lock the usage marker
 exclusively; otherwise proxies still read, the segments stay (state STOPPED) and the next offer
 reuses them.
@@ -72,7 +80,7 @@ from changefeed.ipc.layout import (
 )
 from changefeed.ipc.ring import claim_slot, clean_for_reuse, commit_slot
 from changefeed.ipc.segments import Marker, Segment, ServicePaths, read_pid, try_lock, write_pid
-from changefeed.ipc.txlog import ProcessIdentity, TransactionLogSet, is_alive
+from changefeed.ipc.txlog import ProcessIdentity, TransactionLogSet, is_alive, pid_namespace
 
 log = logging.getLogger("changefeed.ipc")
 
@@ -81,6 +89,13 @@ _crash = _txlog._crash
 
 
 CONTROL_MESSAGE_MAX: Final = 256
+# A provider looks for dead readers this often (one load of each log's owner, and a look at
+# /proc for each registered reader: ~10-20 us a reader). A node's idle publisher wakes every
+# 0.1 s, so a dead reader's slots and budget are back within 0.2 + 0.1 s plus the rollback
+# (microseconds): RECLAIM_BOUND_S, the bound docs/ipc.md promises and tests/ipc checks.
+RECLAIM_INTERVAL_S: Final = 0.2
+RECLAIM_BOUND_S: Final = 1.0
+assert RECLAIM_INTERVAL_S * 2 < RECLAIM_BOUND_S, (RECLAIM_INTERVAL_S, RECLAIM_BOUND_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +122,7 @@ class Provider:
         layout: ControlLayout,
         segment_id: int,
         report: OfferReport,
+        reclaim_interval_s: float | None = RECLAIM_INTERVAL_S,
     ) -> None:
         self.paths = paths
         self.service = paths.service
@@ -132,11 +148,19 @@ class Provider:
         self._control_socket = _bind_control_socket(paths)
         self._outdated: set[ProcessIdentity] = set()
         self._closed = False
+        self._reclaim_interval_s = reclaim_interval_s
+        self._next_reclaim = 0.0
+        self._namespace = pid_namespace()
+        # (log, dead process) found caught mid-transaction: quarantined, not tried again.
+        self._quarantined: set[tuple[int, ProcessIdentity]] = set()
         self.stats = {
             "published": 0,
             "gaps": 0,
             "wakeups": 0,
             "outdated_pids": 0,
+            "reclaimed": 0,
+            "reclaim_quarantined": 0,
+            "reclaimed_slots": 0,
         }
 
     # -- offer / stop ---------------------------------------------------------------------------
@@ -150,8 +174,13 @@ class Provider:
         directory: str | os.PathLike[str] | None = None,
         bucket: str = "",
         node_port: int = 0,
+        reclaim_interval_s: float | None = RECLAIM_INTERVAL_S,
     ) -> Provider:
         """Offer `service` (see the module docstring for the sequence).
+
+        Args:
+            reclaim_interval_s: how often `maintain` looks for dead readers to reclaim; None:
+                never (a dead reader's log waits for its restart, as in LoLa).
 
         Raises:
             ProviderExistsError: a live provider holds the existence marker.
@@ -180,7 +209,16 @@ class Provider:
             raise
         control, data, atomics, layout, segment_id, report = parts
         provider = cls(
-            paths, geometry, existence, control, data, atomics, layout, segment_id, report
+            paths,
+            geometry,
+            existence,
+            control,
+            data,
+            atomics,
+            layout,
+            segment_id,
+            report,
+            reclaim_interval_s,
         )
         atomics.store_u32(PROVIDER_PID_AT, os.getpid())
         atomics.fetch_add_u64(PROVIDER_EPOCH_AT, 1)
@@ -221,6 +259,8 @@ class Provider:
             Segment.unlink(self.paths.data_segment)
             with contextlib.suppress(FileNotFoundError):
                 self.paths.usage.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                self.paths.rollback_lock.unlink()
             usage.close()
         with contextlib.suppress(FileNotFoundError):
             self.paths.existence.unlink()
@@ -317,6 +357,7 @@ class Provider:
         if flags & SLOT_FLAG_GAP:
             self.stats["gaps"] += 1
         self._wake_waiting()
+        self.maintain()
         return seq
 
     def publish_gap(self, positions: NDArray[np.uint64]) -> int:
@@ -384,6 +425,63 @@ class Provider:
                 a.store_u8(self.logs.logs[index].node + NODE_WAITING, 0)
         log.info("ipc service %s: reader process %d is gone", self.service, process.pid)
         return True
+
+    # -- dead readers ---------------------------------------------------------------------------
+
+    def maintain(self, now: float | None = None) -> None:
+        """Periodic work, one clock read when not due: every `reclaim_interval_s`, reclaim the
+        readers that died (`reclaim_dead_readers`). `publish` calls it; a publisher with
+        nothing to publish calls it from its loop (at least every RECLAIM_INTERVAL_S)."""
+        if self._reclaim_interval_s is None or self._closed:
+            return
+        now = time.monotonic() if now is None else now
+        if now < self._next_reclaim:
+            return
+        self._next_reclaim = now + self._reclaim_interval_s
+        self.reclaim_dead_readers()
+
+    def reclaim_dead_readers(self) -> _txlog.ReclaimResult | None:
+        """Roll back the transaction log of every reader process that died, as its restart
+        would; returns what was done (None: no dead reader, or the rollback lock is busy — a
+        restarting reader rolls back now; the next call looks again)."""
+        logs, quarantined = self.logs, self._quarantined
+        dead = [
+            index
+            for index in logs.dead_owned(is_alive, self._namespace)
+            if (index, logs.owner_process(index)) not in quarantined
+        ]
+        if not dead:
+            return None
+        lock = try_lock(self.paths.rollback_lock, exclusive=True, create=True)
+        if lock is None:
+            return None
+        try:
+            result = logs.reclaim_dead(is_alive, self._namespace, skip=quarantined)
+        finally:
+            lock.close()
+        self.stats["reclaimed"] += len(result.reclaimed)
+        self.stats["reclaim_quarantined"] += len(result.quarantined)
+        self.stats["reclaimed_slots"] += result.released_slots
+        for index, (owner, process) in sorted(result.reclaimed.items()):
+            self._outdated.add(process)
+            log.info(
+                "ipc service %s: reader pid %d (app %d) died; its log %d is rolled back",
+                self.service,
+                process.pid,
+                owner,
+                index,
+            )
+        for index, (owner, process, why) in sorted(result.quarantined.items()):
+            quarantined.add((index, process))
+            log.warning(
+                "ipc service %s: reader pid %d (app %d) died; its log %d stays quarantined: %s",
+                self.service,
+                process.pid,
+                owner,
+                index,
+                why,
+            )
+        return result
 
     # -- state ----------------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ Creation follows the seed's proxy restart sequence exactly:
    application id left behind as needs-rollback; every proxy then rolls back the first marked
    log that can be (`TransactionLogSet.rollback`). A log caught mid-transaction stays
    quarantined; the proxy is still created if a free log can be registered.
+   Steps 3 run under the service's rollback lock (an flock: dropped if this process dies),
+   which the provider also takes to reclaim a dead reader's log: one log is rolled back once.
 4. Registration: a free transaction log, taken by CAS of its owner id; then the subscription,
    bracketed by SubscribeTxBegin/Commit (subscriber count and slot budget, `max_samples`).
 
@@ -628,7 +630,7 @@ def subscribe(
             raise ServiceNotFoundError(f"service {service!r}: data segment is too short")
         atomics = atomics_for(control.buf)
         logs = TransactionLogSet(atomics, header.layout)
-        report = _prepare_and_roll_back(paths, header, logs, app, me, alive)
+        report = _prepare_and_roll_back(paths, header, logs, app, me, alive, lock_timeout_s)
         txlog = register_and_subscribe(logs, app, me, max_samples, report.rollback)
     except BaseException:
         if atomics is not None:
@@ -671,11 +673,29 @@ def _prepare_and_roll_back(
     app: int,
     me: ProcessIdentity,
     alive: Liveness,
+    timeout_s: float,
 ) -> CreationReport:
     key = (paths.control_segment, header.segment_id)
     mutex, _ = _SYNC.mutex(key)
     with mutex:
-        report = creation_steps(logs, app, me, alive, first=_SYNC.prepared(key))
+        # Across processes: the rollback lock, which a provider reclaiming a dead reader takes
+        # too (two rollbacks of one log would release its references twice).
+        lock = try_lock(paths.rollback_lock, exclusive=True, create=True, timeout_s=timeout_s)
+        if lock is None:
+            log.warning(
+                "ipc service %s: the rollback lock %s is held past %s s; subscribing without "
+                "rolling back (the provider reclaims dead readers' logs)",
+                paths.service,
+                paths.rollback_lock,
+                timeout_s,
+            )
+        try:
+            report = creation_steps(
+                logs, app, me, alive, first=_SYNC.prepared(key), roll_back=lock is not None
+            )
+        finally:
+            if lock is not None:
+                lock.close()
     if report.outdated is not None:
         _notify_outdated(paths, app, report.outdated)
     for index, why in report.rollback.quarantined.items():
@@ -698,11 +718,18 @@ def _prepare_and_roll_back(
 
 
 def creation_steps(
-    logs: TransactionLogSet, app: int, me: ProcessIdentity, alive: Liveness, *, first: bool
+    logs: TransactionLogSet,
+    app: int,
+    me: ProcessIdentity,
+    alive: Liveness,
+    *,
+    first: bool,
+    roll_back: bool = True,
 ) -> CreationReport:
-    """Steps 3 of the creation sequence, under the caller's per-service mutex: if `first` (the
-    first proxy of this process for the service), register the UID/PID pair and mark the id's
-    old logs needs-rollback; then roll back the first marked log that can be.
+    """Steps 3 of the creation sequence, under the caller's per-service mutex and the service's
+    rollback lock: if `first` (the first proxy of this process for the service), register the
+    UID/PID pair and mark the id's old logs needs-rollback; then roll back the first marked log
+    that can be. Without `roll_back` (the lock could not be had) only the pair is registered.
 
     Raises:
         IpcError: the UID/PID map is full.
@@ -715,7 +742,10 @@ def creation_steps(
             raise IpcError(f"the UID/PID map ({logs.layout.geometry.pid_map_entries}) is full")
         if old != me:
             outdated = old
-        marked = logs.mark_needs_rollback(app, me, alive)
+        if roll_back:
+            marked = logs.mark_needs_rollback(app, me, alive)
+    if not roll_back:
+        return CreationReport(RollbackResult(), tuple(marked), outdated)
     return CreationReport(logs.rollback(app, me, alive), tuple(marked), outdated)
 
 

@@ -10,6 +10,9 @@ directory, ``$CHANGEFEED_IPC_DIR`` or ``/tmp/changefeed-ipc`` by default (LoLa u
 * ``<service>.usage`` — usage marker. Every proxy holds a shared ``flock`` on it while it has
   the segments mapped; a provider that can lock it exclusively knows no proxy is attached.
 * ``<service>.ctl`` — the provider's unix datagram control socket (outdated-pid notices).
+* ``<service>.rollback`` — rollback lock. Whoever rolls back a dead reader's transaction log (a
+  restarting reader, or the provider reclaiming a reader that never returns) holds an exclusive
+  ``flock`` on it meanwhile; the OS drops it when the holder dies, so it never stays taken.
 
 The segments are POSIX shared memory (``/dev/shm`` on Linux), named after the service and a
 hash of the directory: ``cfipc-<hash>-<service>-ctl`` and ``-data``. They are opened the way
@@ -76,6 +79,9 @@ class ServicePaths:
         self.existence = self.directory / f"{service}.exist"
         self.usage = self.directory / f"{service}.usage"
         self.control_socket = self.directory / f"{service}.ctl"
+        # Rollback lock: whoever rolls back a dead reader's log (a restarting reader, or the
+        # provider reclaiming it) holds it exclusively, so one log is never rolled back twice.
+        self.rollback_lock = self.directory / f"{service}.rollback"
         tag = hashlib.sha1(str(self.directory.resolve()).encode()).hexdigest()[:10]
         self.control_segment = f"/cfipc-{tag}-{service}-ctl"
         self.data_segment = f"/cfipc-{tag}-{service}-data"

@@ -31,6 +31,15 @@ process is still alive (same pid and start time) is never marked or rolled back,
 applications that share an id cannot undo each other; and the caller still creates the proxy
 when all old logs are quarantined as long as a free log can be registered.
 
+Reclaim by the survivor (beyond LoLa, docs/ipc.md): the provider rolls back the log of a reader
+process that died and never returns (`TransactionLogSet.reclaim_dead`), exactly as that
+reader's restart would. A reader is judged dead by its recorded pid *and* start time (a reused
+pid is another process; a zombie is dead), and only when it shares the provider's pid namespace
+(recorded in its log): a pid from another namespace says nothing here, so such a log is left to
+its own restart. Every rollback — a restarting reader's or the provider's — runs under the
+service's rollback lock (an flock, which the OS drops when its holder dies), so one log is never
+rolled back twice; a dead reader's log changes under nobody else's hand.
+
 Crash points: `crash_point`, if set, is called with a name (and the log and slot concerned) at
 every step; tests kill the process or raise there. Names are listed in CRASH_POINTS.
 """
@@ -38,7 +47,7 @@ every step; tests kill the process or raise there. Names are listed in CRASH_POI
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -50,6 +59,7 @@ from changefeed.ipc.layout import (
     NODE_NEEDS_ROLLBACK,
     NODE_OWNER,
     NODE_OWNER_PID,
+    NODE_OWNER_PIDNS,
     NODE_OWNER_START,
     NODE_SUB_BEGIN,
     NODE_SUB_END,
@@ -147,6 +157,22 @@ def is_alive(identity: ProcessIdentity) -> bool:
 
 
 Liveness = Callable[[ProcessIdentity], bool]
+
+_PID_NAMESPACE: list[int] = []  # this process's, read once (a process never changes it)
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (``/proc/self/ns/pid``); 0 if unknown."""
+    if not _PID_NAMESPACE:
+        try:
+            _PID_NAMESPACE.append(os.stat("/proc/self/ns/pid").st_ino)
+        except OSError:
+            _PID_NAMESPACE.append(0)
+    return _PID_NAMESPACE[0]
+
+
+if hasattr(os, "register_at_fork"):  # a forked child may be in a new namespace (CLONE_NEWPID)
+    os.register_at_fork(after_in_child=_PID_NAMESPACE.clear)
 
 
 # -- one log ----------------------------------------------------------------------------------
@@ -251,6 +277,7 @@ class TransactionLog:
         a.store_u8(node + NODE_NEEDS_ROLLBACK, 0)
         a.store_u32(node + NODE_OWNER_PID, 0)
         a.store_u64(node + NODE_OWNER_START, 0)
+        a.store_u64(node + NODE_OWNER_PIDNS, 0)
         a.store_u32(node + NODE_OWNER, INVALID_OWNER)
 
 
@@ -328,6 +355,21 @@ class RollbackResult:
         return bool(self.candidates) and self.rolled_back is None
 
 
+@dataclass(slots=True)
+class ReclaimResult:
+    """What `TransactionLogSet.reclaim_dead` did.
+
+    Attributes:
+        reclaimed: log -> (owner id, dead process): rolled back and freed.
+        quarantined: log -> (owner id, dead process, why): caught mid-transaction, kept.
+        released_slots: slot references given back (also from quarantined logs).
+    """
+
+    reclaimed: dict[int, tuple[int, ProcessIdentity]] = field(default_factory=dict)
+    quarantined: dict[int, tuple[int, ProcessIdentity, str]] = field(default_factory=dict)
+    released_slots: int = 0
+
+
 class TransactionLogSet:
     """All logs of a service: registration by CAS, marking, rollback, the UID/PID map."""
 
@@ -353,6 +395,64 @@ class TransactionLogSet:
             self._a.load_u32(node + NODE_OWNER_PID), self._a.load_u64(node + NODE_OWNER_START)
         )
 
+    def owner_namespace(self, index: int) -> int:
+        return self._a.load_u64(self.logs[index].node + NODE_OWNER_PIDNS)
+
+    def owner_record(self, index: int) -> tuple[int, ProcessIdentity, int]:
+        """(owner id, owner process, its pid namespace) of log `index`, read in that order."""
+        return self.owner(index), self.owner_process(index), self.owner_namespace(index)
+
+    def dead_owned(self, alive: Liveness, namespace: int) -> list[int]:
+        """Logs whose owner process is known dead: owned, with a pid and start time recorded
+        in `namespace` (the caller's pid namespace), and not `alive`. Lock-free: a hint; the
+        caller checks again under the rollback lock (`reclaim_dead`)."""
+        found = []
+        for index in range(self.size):
+            owner, process, owner_namespace = self.owner_record(index)
+            if owner == INVALID_OWNER or not process.pid or not process.start_time:
+                continue  # free, or between taking the log and recording its process
+            if not namespace or owner_namespace != namespace:
+                continue  # another pid namespace (or an unknown one): its pid says nothing
+            if not alive(process):
+                found.append(index)
+        return found
+
+    def reclaim_dead(
+        self,
+        alive: Liveness,
+        namespace: int,
+        skip: Collection[tuple[int, ProcessIdentity]] = (),
+    ) -> ReclaimResult:
+        """Roll back every log whose owner process died, as its restart would (the survivor's
+        rollback, run by the provider). The caller holds the rollback lock.
+
+        A log is taken only if its record (owner id, pid, start time, namespace) reads the same
+        after the process was found dead as before: then it still belongs to that dead process,
+        and nobody else changes it (its owner is gone; every other rollback waits for the
+        lock). A log caught mid-transaction is quarantined as at a restart (marked
+        needs-rollback: the owner's restart tries it again). `skip`: (log, process) pairs
+        already found quarantined (trying again would change nothing).
+        """
+        result = ReclaimResult()
+        for index in self.dead_owned(alive, namespace):
+            record = self.owner_record(index)
+            owner, process, _ = record
+            if (index, process) in skip:
+                continue
+            if alive(process) or self.owner_record(index) != record:
+                continue  # freed and taken again meanwhile: not the dead one's any more
+            log = self.logs[index]
+            rollback = RollbackResult(candidates=[index])
+            problem = self._rollback_one(log, rollback)
+            result.released_slots += rollback.released_slots
+            if problem:
+                self._a.store_u8(log.node + NODE_NEEDS_ROLLBACK, 1)
+                result.quarantined[index] = (owner, process, problem)
+            else:
+                assert self.owner(index) == INVALID_OWNER, index
+                result.reclaimed[index] = (owner, process)
+        return result
+
     def needs_rollback(self, index: int) -> bool:
         return bool(self._a.load_u8(self.logs[index].node + NODE_NEEDS_ROLLBACK))
 
@@ -374,6 +474,8 @@ class TransactionLogSet:
                 a.store_u8(log.node + NODE_NEEDS_ROLLBACK, 0)
                 a.store_u32(log.node + NODE_OWNER_PID, identity.pid)
                 a.store_u64(log.node + NODE_OWNER_START, identity.start_time)
+                # Last: a provider judges the owner by its pid only once all three are there.
+                a.store_u64(log.node + NODE_OWNER_PIDNS, pid_namespace())
                 assert not log.contains_transactions(self.slot_count), log.index
                 return log
         owned = sum(1 for i in range(self.size) if self.owner(i) != INVALID_OWNER)

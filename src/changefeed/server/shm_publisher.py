@@ -15,7 +15,9 @@ the node cannot continue one (its history diverged), a rollback row goes out fir
 
 Batches hold at most ``limits.SHM_ROWS_PER_BATCH_MAX`` rows and must fit a slot; a batch too
 large is split, and a single row larger than a slot goes out as a gap (readers fetch it over
-DCP). The task of a group never waits for a reader (ipc/provider.py: slow readers lose data).
+DCP). The task of a group never waits for a reader (ipc/provider.py: slow readers lose data),
+and it reclaims a dead reader's slots and budget itself (``Provider.maintain``, each round of
+its loop, which wakes at least every TICK_S).
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ class GroupPublisher:
         try:
             while True:  # the group's publishing loop; cancelled by stop()
                 self._work.clear()
+                self.provider.maintain()  # dead readers reclaimed (every RECLAIM_INTERVAL_S)
                 self._request_streams()
                 produced = self._pump() if self._pending_rows < limits.SHM_PENDING_ROWS_MAX else 0
                 published = self._publish_ready()
