@@ -1,0 +1,190 @@
+"""The orchestrator candidate of each simulated node: `cluster.orchestrator.Orchestrator`'s
+election and failover steps on simulated time, deciding with the production functions.
+
+- Campaign: a leadership lease of its own (TTL `lease_ttl_s`, kept alive every TTL/3, lost
+  by the same rule as a membership) and a transaction that creates the leader key only if it
+  does not exist; the key's create revision is the fencing token.
+- Lead: every `STEP_INTERVAL_S` (the live-node watch, as a poll) read the map, the leader
+  key, the live nodes, the in-sync records and the statuses in one read; with no map and the
+  expected nodes live, write `placement.initial_map`; else, as `Orchestrator._fail_over`,
+  hold absent nodes while a minority is live or in the first TTL of the term, and ask
+  `cluster.failover.plan_failover` (looked up through its module, so a test can replace it)
+  for the next map. A map is written by a transaction comparing the map's mod revision and
+  the leader key's create revision: a deposed orchestrator cannot write.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from changefeed.cluster import failover as cluster_failover
+from changefeed.cluster import placement
+from changefeed.vbmap import ClusterMap, NodeAddress
+
+from . import keys
+
+if TYPE_CHECKING:
+    from .node import SimNode
+
+STEP_INTERVAL_S = 0.25
+
+
+class Candidate:
+    def __init__(self, node: SimNode) -> None:
+        self.node = node
+        self.meta = node.cluster.meta
+        self.ttl_s = node.config.lease_ttl_s
+        self.lease = 0
+        self.lease_ok_sent_at = float("-inf")
+        self.token = 0
+        self.term_started = 0.0
+        self.campaigning = False
+        self.maps_written = 0
+
+    @property
+    def leading(self) -> bool:
+        return self.token != 0
+
+    def start(self) -> None:
+        self.node.timer(STEP_INTERVAL_S, self._step)
+        self.node.timer(self.ttl_s / 3, self._keep_alive)
+
+    def _call(self, op: str, args: tuple[Any, ...], reply: Any = None) -> None:
+        self.meta.call(self.node.name, op, args, None if reply is None else self.node.bound(reply))
+
+    # -- leadership -----------------------------------------------------------------------------
+
+    def _keep_alive(self) -> None:
+        self.node.timer(self.ttl_s / 3, self._keep_alive)
+        if not self.lease:
+            return
+        if self.node.sched.now - self.lease_ok_sent_at > self.ttl_s:
+            self._resign("no keep-alive for a whole TTL")
+            return
+        sent_at, lease = self.node.sched.now, self.lease
+        self._call("keep_alive", (lease,), lambda ttl: self._kept(lease, ttl, sent_at))
+
+    def _kept(self, lease: int, ttl: int, sent_at: float) -> None:
+        if lease != self.lease:
+            return
+        if ttl <= 0:
+            self._resign("leadership lease unknown")
+            return
+        self.lease_ok_sent_at = max(self.lease_ok_sent_at, sent_at)
+
+    def _resign(self, reason: str) -> None:
+        if self.token:
+            self.node.sched.record("resign", self.node.name, reason)
+        self.token = 0
+        self.lease = 0
+        self.campaigning = False
+
+    def _campaign(self) -> None:
+        self.campaigning = True
+        sent_at = self.node.sched.now
+        self._call("grant", (self.ttl_s,), lambda lease: self._granted(lease, sent_at))
+
+    def _granted(self, lease: int, sent_at: float) -> None:
+        self.lease = lease
+        self.lease_ok_sent_at = sent_at
+        compares = [("create", keys.LEADER, 0)]
+        put = ("put", keys.LEADER, self.node.name, lease)
+        self._call("txn", (compares, [put], []), lambda result: self._elected(lease, result))
+
+    def _elected(self, lease: int, result: tuple[bool, int | None]) -> None:
+        self.campaigning = False
+        succeeded, revision = result
+        if lease != self.lease:
+            return
+        if not succeeded or revision is None:
+            self._call("revoke", (lease,))
+            self.lease = 0
+            return
+        self.token = revision
+        self.term_started = self.node.sched.now
+        self.node.sched.record("elected", self.node.name, revision)
+
+    # -- acting ---------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        self.node.timer(STEP_INTERVAL_S, self._step)
+        if not self.token:
+            if not self.campaigning:
+                self._call("get", (keys.LEADER,), self._leader_seen)
+            return
+        reads = ((keys.MAP, keys.LEADER), (keys.NODES, keys.IN_SYNC, keys.STATUS))
+        token = self.token
+        self._call("read_many", reads, lambda found: self._decide(token, found))
+
+    def _leader_seen(self, found: Any) -> None:
+        if found is None and not self.token and not self.campaigning:
+            self._campaign()
+
+    def _decide(self, token: int, found: dict[str, Any]) -> None:
+        if token != self.token:
+            return
+        leader = found[keys.LEADER]
+        if leader is None or leader.create_revision != token:
+            self._resign("leader key gone or taken")
+            return
+        live = sorted(found[keys.NODES].keys())
+        live_names = {k[len(keys.NODES) :] for k in live}
+        stored = found[keys.MAP]
+        if stored is None:
+            config = self.node.config
+            if len(live_names) < config.nodes:
+                return
+            addresses = [NodeAddress(n, "sim", 0) for n in sorted(live_names)]
+            new = placement.initial_map(addresses, config.replicas, config.vbuckets, rev=1)
+            self._write(new, 0, token)
+            return
+        new = self._fail_over(stored.value, live_names, found)
+        if new is not None:
+            self._write(new, stored.mod_revision, token)
+
+    def _fail_over(
+        self, current: ClusterMap, live: set[str], found: dict[str, Any]
+    ) -> ClusterMap | None:
+        names = [n.name for n in current.nodes]
+        hold: set[str] = set()
+        if any(n not in live for n in names) and not self._may_fail_over(names, live):
+            hold = {n for n in names if n not in live}
+        gone = any(
+            c[0] == -1 or (names[c[0]] not in live and names[c[0]] not in hold)
+            for c in current.chains
+        )
+        unplaced = any(
+            -1 in chain and any(n in live and names.index(n) not in chain for n in names)
+            for chain in current.chains
+        )
+        if not (gone or unplaced):
+            return None
+        in_sync = {
+            int(k[len(keys.IN_SYNC) :]): cluster_failover.InSyncRecord(
+                v.value[0], frozenset(v.value[1])
+            )
+            for k, v in found[keys.IN_SYNC].items()
+        }
+        highs = {
+            k[len(keys.STATUS) :]: {int(vb): int(h) for vb, h in v.value.get("high", {}).items()}
+            for k, v in found[keys.STATUS].items()
+        }
+        plan = self.node.rules.plan_failover(current, live, in_sync, highs, hold)
+        for vb, to in sorted(plan.promoted.items()):
+            self.node.sched.record("promote", vb, to)
+        return plan.new_map
+
+    def _may_fail_over(self, names: list[str], live: set[str]) -> bool:
+        up = sum(1 for n in names if n in live)
+        if up * 2 <= len(names):
+            return False
+        return self.node.sched.now - self.term_started >= self.ttl_s
+
+    def _write(self, new: ClusterMap, map_revision: int, token: int) -> None:
+        compares = [("mod", keys.MAP, map_revision), ("create", keys.LEADER, token)]
+        self._call("txn", (compares, [("put", keys.MAP, new, 0)], []), self._written)
+
+    def _written(self, result: tuple[bool, int | None]) -> None:
+        if result[0]:
+            self.maps_written += 1
+            self.node.sched.record("map-written", self.node.name, self.maps_written)

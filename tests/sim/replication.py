@@ -1,0 +1,274 @@
+"""Replica feeds and the active's replica streams over a simulated connection, in real code.
+
+The replica side is the production `cluster.replica_stream.ReplicaFeed`: its stream requests
+(`VBucket.replica_request_range`), its handling of answers (ROLLBACK truncates first, the
+active's failover log adopted), markers, mutations, prepares, commits and aborts applied
+through `VBucket`, and its DCP_SEQNO_ACKNOWLEDGED — fed the bytes the active sent, decoded by
+`protocol.batch.decode_batch`. Only its asyncio shell is replaced: `SimFeed` overrides the
+three methods that read the event loop's clock (`_retry_later`, `_retry_due`) or report a
+failure (`_fail`), and a `_ConnShim` stands in for `consumer.connection.Connection`.
+
+The active side is the production `producer.DcpProducer` (role REPLICA, `consumer_name` = the
+replica node): `decide_stream_request` and the failover log decide each request, a
+`StreamReader` over the vbucket's checkpoints or store feeds `pump`, the real encoder frames
+the items. `ProducerEnd` is the connection handler's part (server/connection.py
+`_dcp_stream_req`, `_dcp_seqno_acknowledged`, `connection_lost`): answers, and the
+`ReplicationTracker` told of opened, acknowledged and closed streams.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
+from changefeed.producer.producer import DcpProducer
+from changefeed.producer.stream_request import Accepted, Refused, RollbackTo
+from changefeed.protocol.batch import decode_batch
+from changefeed.protocol.dcp import (
+    OpenFlag,
+    StreamRole,
+    decode_buffer_ack,
+    decode_seqno_acknowledged,
+    decode_stream_request,
+    encode_failover_log,
+    encode_rollback_seqno,
+)
+from changefeed.protocol.frame import Frame, encode_response
+from changefeed.protocol.opcode import Magic, Opcode
+from changefeed.protocol.status import Status
+from changefeed.vbmap import NodeAddress
+
+from .network import Conn
+
+if TYPE_CHECKING:
+    from .node import SimNode
+
+BUFFER_BYTES = 8 * 1024 * 1024
+PUMP_BYTES_MAX = 1 << 20
+RECONNECT_S = (0.1, 0.2, 0.5)
+
+
+class _BucketShim:
+    """What `ReplicaFeed` reads of a bucket: `vbucket(vb)`."""
+
+    def __init__(self, node: SimNode) -> None:
+        self._node = node
+
+    def vbucket(self, vb: int) -> Any:
+        return self._node.vbuckets[vb]
+
+
+class _ConnShim:
+    """What `ReplicaFeed` uses of `consumer.connection.Connection`."""
+
+    def __init__(self, conn: Conn, end: str) -> None:
+        self.conn = conn
+        self.end = end
+        self._opaque = 0
+
+    def next_opaque(self) -> int:
+        self._opaque += 1
+        return self._opaque
+
+    def send(self, data: bytes) -> None:
+        self.conn.send(self.end, data)
+
+    def pause_reading(self) -> None:  # memory full: the sim's budget is never reached
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class SimFeed(ReplicaFeed):
+    """A `ReplicaFeed` whose connection is a simulated one and whose clock is the scheduler's."""
+
+    def __init__(self, node: SimNode, source: str, vbuckets: set[int]) -> None:
+        options = FeedOptions(node_name=node.name, buffer_bytes=BUFFER_BYTES)
+        super().__init__(_BucketShim(node), NodeAddress(source, "sim", 0), vbuckets, options)  # type: ignore[arg-type]
+        self.node = node
+        self.sim_conn: Conn | None = None
+        self.closed = False
+        self._attempt = 0
+        self._tick_due = False
+
+    # -- the asyncio shell, replaced ------------------------------------------------------------
+
+    def _retry_later(self, vb: int) -> None:
+        self._streaming.discard(vb)
+        self._retry_at[vb] = self.node.sched.now + self.options.retry_s
+        self.poke(self.options.retry_s)
+
+    def _retry_due(self) -> None:
+        now = self.node.sched.now
+        for vb, due in sorted(self._retry_at.items()):
+            if due <= now and self._conn is not None:
+                self._request(vb)
+
+    def _fail(self, error: BaseException) -> None:
+        if isinstance(error, AssertionError):  # production code's own invariant broke
+            self.node.cluster.violation(f"{self.name}: assert in the replica feed: {error!r}")
+        self.node.sched.record("feed-fail", self.name, type(error).__name__)
+        super()._fail(error)
+
+    # -- session --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect: DCP_OPEN (as a message the active's end understands), then a stream
+        request per vbucket, from what each vbucket holds."""
+        if self.closed:
+            return
+        node = self.node
+        conn = node.net.connect(node.name, self.source.name)
+        node.own_conns[conn.id] = conn
+        self.sim_conn = conn
+        me = node.name
+        incarnation = node.incarnation
+        conn.on_message[me] = lambda data: node.if_current(incarnation, self._receive, data)
+        conn.on_close[me] = lambda: node.if_current(incarnation, self._lost, conn)
+        self._conn = _ConnShim(conn, me)  # type: ignore[assignment]
+        self._failure = None
+        self.stats.connects += 1
+        self._unacked_bytes = 0
+        conn.send(me, ("open", me))
+        target = node.cluster.nodes_by_name.get(self.source.name)
+        if target is not None:
+            conn.on_message[self.source.name] = target.accept_conn_message(conn)
+        for vb in sorted(self.vbuckets):
+            self._request(vb)
+        self.poke(self.options.ack_interval_s)
+
+    def close(self) -> None:
+        """The node no longer wants this feed (map changed): hang up."""
+        self.closed = True
+        conn, self.sim_conn = self.sim_conn, None
+        self._conn = None
+        self._streaming.clear()
+        self._opaque_vb.clear()
+        self._backlog.clear()
+        if conn is not None:
+            self.node.own_conns.pop(conn.id, None)
+            conn.close(self.node.name)
+
+    def _receive(self, data: bytes) -> None:
+        if self.closed or self._conn is None:
+            return
+        batch = decode_batch(data)
+        assert batch.consumed == len(data), (batch.consumed, len(data))
+        self._on_push(batch)
+        self.node.request_flush()
+        self.poke(self.options.ack_interval_s)
+
+    def _lost(self, conn: Conn) -> None:
+        if self.sim_conn is not conn:
+            return
+        self.node.own_conns.pop(conn.id, None)
+        self.sim_conn = None
+        self._conn = None
+        self._streaming.clear()
+        self._opaque_vb.clear()
+        self._backlog.clear()
+        if self.closed:
+            return
+        backoff = RECONNECT_S[min(self._attempt, len(RECONNECT_S) - 1)]
+        self._attempt += 1
+        self.node.timer(backoff, self.start)
+
+    def poke(self, delay_s: float) -> None:
+        """Run the feed's tick (acks, retries, backlog) after `delay_s` (one pending at most)."""
+        if not self._tick_due and not self.closed:
+            self._tick_due = True
+            self.node.timer(delay_s, self._tick)
+
+    def _tick(self) -> None:
+        self._tick_due = False
+        if self.closed or self._conn is None:
+            return
+        if self._failure is not None:
+            conn = self.sim_conn
+            if conn is not None:
+                conn.close(self.node.name)
+                self._lost(conn)
+            return
+        self._attempt = 0
+        self._drain_backlog()
+        self._send_acks()
+        self._retry_due()
+        if self._retry_at:
+            self.poke(self.options.retry_s)
+
+
+class ProducerEnd:
+    """The active's side of one replica connection: a real `DcpProducer` and the
+    connection handler's duties towards the replication tracker."""
+
+    def __init__(self, node: SimNode, conn: Conn, replica: str) -> None:
+        self.node = node
+        self.conn = conn
+        self.replica = replica
+        flags = OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES
+        self.producer = DcpProducer(
+            f"replication:{node.name}->{replica}",
+            flags,
+            source=node,
+            role=StreamRole.REPLICA,
+            consumer_name=replica,
+            clock=node.sched.monotonic,
+        )
+        for key, value in (
+            ("connection_buffer_size", str(BUFFER_BYTES)),
+            ("enable_expiry_opcode", "true"),
+        ):
+            status, text = self.producer.control(key, value)
+            assert status == Status.SUCCESS, (key, status, text)
+
+    def receive(self, data: bytes) -> None:
+        batch = decode_batch(data)
+        assert not len(batch.changes), "a replica sends no changes"
+        for _, frame in batch.controls:
+            self._on_frame(frame)
+
+    def _on_frame(self, f: Frame) -> None:
+        node, tracker = self.node, self.node.tracker
+        if f.magic in (Magic.RESPONSE, Magic.ALT_RESPONSE):
+            return  # marker acks, noop replies
+        if f.opcode == Opcode.DCP_STREAM_REQ:
+            match self.producer.stream_request(decode_stream_request(f)):
+                case Accepted(failover_log=entries, start_seqno=start):
+                    self._reply(encode_response(f, value=encode_failover_log(list(entries))))
+                    tracker.stream_opened(f.vbucket, self.replica, start)
+                    node.durability.on_progress(f.vbucket)
+                    node.request_pump()
+                case RollbackTo(seqno=seqno):
+                    self._reply(
+                        encode_response(f, Status.ROLLBACK, value=encode_rollback_seqno(seqno))
+                    )
+                case Refused(status=status, message=message):
+                    self._reply(encode_response(f, status, value=message.encode()))
+        elif f.opcode == Opcode.DCP_SEQNO_ACKNOWLEDGED:
+            ack = decode_seqno_acknowledged(f)
+            persisted = ack.persisted if ack.persisted is not None else 0
+            tracker.acknowledged(f.vbucket, self.replica, ack.received, persisted)
+            node.durability.on_progress(f.vbucket)
+        elif f.opcode == Opcode.DCP_BUFFER_ACK:
+            self.producer.on_buffer_ack(decode_buffer_ack(f))
+            node.request_pump()
+
+    def _reply(self, data: bytes) -> None:
+        self.conn.send(self.node.name, data)
+
+    def pump(self) -> bool:
+        """Send what the streams have; True if more is ready."""
+        out: list[bytes] = []
+        self.producer.pump(out, PUMP_BYTES_MAX)
+        if out:
+            self.conn.send(self.node.name, b"".join(out))
+        return self.producer.ready
+
+    def closed(self) -> None:
+        """The connection is gone (server/connection.py `connection_lost`)."""
+        tracker = self.node.tracker
+        for vb in sorted(self.producer.streams):
+            tracker.stream_closed(vb, self.replica)
+            self.node.durability.on_progress(vb)
+        self.producer.close()

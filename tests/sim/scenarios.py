@@ -1,0 +1,38 @@
+"""The two losses of issue 25 ("Partitions") as written schedules.
+
+- `split`: 5 nodes, 2 replicas. An active and one of its replicas (n0 and the first replica
+  of n0's first vbucket) with client c0 are split from the other nodes, the metadata store
+  and client c1 for longer than a lease: c0 keeps writing durably to the cut-off pair, the
+  orchestrator fails n0 over to the third copy on the strength of an in-sync record written
+  before the cut, and when the split heals the pair rolls back to the new active.
+- `etcd_cut`: 3 nodes, 2 replicas. The active n0 is cut from the metadata store only; its
+  peers and the clients still reach it. It keeps serving until it applies a newer map, which
+  it cannot read; the orchestrator promotes another copy while the third still follows n0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from changefeed.cluster import placement
+
+from .cluster import SimConfig
+from .faults import Fault
+
+
+def split() -> tuple[SimConfig, list[Fault]]:
+    config = SimConfig(nodes=5, replicas=2, vbuckets=5, clients=2, work_s=6.0)
+    chain = placement.chains(config.nodes, config.replicas, config.vbuckets)[0]
+    side = (f"n{chain[0]}", f"n{chain[1]}", "c0")
+    return config, [Fault("split", 0.5, 4.5, tuple(sorted(side)))]
+
+
+def etcd_cut() -> tuple[SimConfig, list[Fault]]:
+    config = SimConfig(nodes=3, replicas=2, vbuckets=4, clients=2, work_s=6.0)
+    return config, [Fault("cut_etcd", 0.5, 4.5, ("n0",))]
+
+
+SCENARIOS: dict[str, Callable[[], tuple[SimConfig, list[Fault]]]] = {
+    "split": split,
+    "etcd_cut": etcd_cut,
+}
