@@ -15,6 +15,10 @@ took or gave back which slot reference and subscription. After every step:
 * a free log is clean, live proxies own distinct logs, IN_WRITING slots are unreferenced;
 * the provider can always claim a slot.
 
+The provider may reclaim dead processes' logs at any step (and die doing it), as the node's
+provider does every 0.2 s: the same checks hold, and no dead reader's log outlives a reclaim
+unless it was caught mid-transaction.
+
 At the end every application restarts and recovers: each log left by a dead process is rolled
 back, unless it was caught mid-transaction — then it is quarantined, and then exactly those.
 """
@@ -52,7 +56,13 @@ from changefeed.ipc.layout import (
 )
 from changefeed.ipc.proxy import creation_steps, register_and_subscribe
 from changefeed.ipc.ring import claim_slot, clean_for_reuse, commit_slot, dereference, reference
-from changefeed.ipc.txlog import CRASH_POINTS, ProcessIdentity, TransactionLog, TransactionLogSet
+from changefeed.ipc.txlog import (
+    CRASH_POINTS,
+    ProcessIdentity,
+    TransactionLog,
+    TransactionLogSet,
+    pid_namespace,
+)
 
 GEOMETRY = Geometry(
     slot_count=7, slot_bytes=64 * 1024, max_subscribers=4, group=(0,), pid_map_entries=8
@@ -79,6 +89,7 @@ CREATE_POINTS = [p for p in CRASH_POINTS if p.startswith(("register", "subscribe
 TAKE_POINTS = [p for p in CRASH_POINTS if p.startswith("reference")]
 RELEASE_POINTS = [p for p in CRASH_POINTS if p.startswith("dereference")]
 CLOSE_POINTS = [*RELEASE_POINTS, *(p for p in CRASH_POINTS if p.startswith(("unsub", "unreg")))]
+RECLAIM_POINTS = [p for p in CRASH_POINTS if p.startswith("rollback")]
 assert set(CREATE_POINTS + TAKE_POINTS + CLOSE_POINTS) == set(CRASH_POINTS)
 
 
@@ -346,6 +357,27 @@ class TxLogModel(RuleBasedStateMachine):
     @rule(proc=consumes(procs))
     def kill(self, proc: Proc) -> None:
         self.die(proc)
+
+    @rule(point=points(RECLAIM_POINTS))
+    def provider_reclaims(self, point: str | None) -> None:
+        """The provider rolls back the logs of dead processes (issue 27): the same rollback
+        as a restart's, run by the survivor; it may die inside it too (then that log is
+        quarantined when it is found again)."""
+        s = self.s
+        s.arm(point)
+        try:
+            result = s.logs.reclaim_dead(self.alive, pid_namespace())
+        except Crash:
+            return
+        finally:
+            s.arm(None)
+        assert set(result.quarantined) <= s.ambiguous, (result.quarantined, s.ambiguous)
+        for index in result.reclaimed:
+            assert s.logs.owner(index) == INVALID_OWNER, index
+        for index in range(GEOMETRY.max_subscribers):  # no dead reader's log is left behind
+            owner, process, _ = s.logs.owner_record(index)
+            if owner != INVALID_OWNER and process.pid and index not in s.ambiguous:
+                assert self.alive(process), (index, process)
 
     # -- invariants -----------------------------------------------------------------------------
 
