@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -19,3 +20,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for item in items:
             if "/hosts/" in str(item.path):
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """Where a test's hosts keep their data and logs: ``tmp_path`` (pytest keeps the last three
+    runs' only), or ``$CHANGEFEED_HOSTS_KEEP/<test name>`` to keep them for debugging."""
+    keep = os.environ.get("CHANGEFEED_HOSTS_KEEP")
+    if not keep:
+        return tmp_path
+    path = Path(keep) / request.node.name.replace("/", "_")
+    path.mkdir(parents=True, exist_ok=True)
+    print(f"\nlogs and data under {path}")
+    return path

@@ -18,10 +18,10 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_a_cluster_on_test_hosts_keeps_every_acknowledged_write_across_a_partition(
-    tmp_path: Path,
+    workdir: Path,
 ) -> None:
     # A lease longer than the cut: no failover, the isolated node's vbuckets just wait.
-    with HostCluster(tmp_path, nodes=3, replicas=2, failover_timeout_s=10) as hosts:
+    with HostCluster(workdir, nodes=3, replicas=2, failover_timeout_s=10) as hosts:
         cmap = hosts.run(hosts.newest_map())
         assert {n.host for n in cmap.nodes} == {n.host for n in hosts.nodes}
         assert all(n.host.startswith("10.77.") for n in cmap.nodes), cmap.nodes
@@ -31,7 +31,7 @@ def test_a_cluster_on_test_hosts_keeps_every_acknowledged_write_across_a_partiti
             time.sleep(3.0)
             cluster.network.heal()
 
-        report = run_scenario(hosts, tmp_path, cut_n3, seed=1, warmup_s=1.5, settle_s=1.5)
+        report = run_scenario(hosts, workdir, cut_n3, seed=1, warmup_s=1.5, settle_s=1.5)
         assert report.acked > 0, report
         assert report.ok, report
         prefix, pids = hosts.prefix, hosts.pids
@@ -39,8 +39,8 @@ def test_a_cluster_on_test_hosts_keeps_every_acknowledged_write_across_a_partiti
     assert all(process_gone(pid) for pid in pids), pids
 
 
-def test_nothing_is_left_behind_after_a_failure_inside_the_harness(tmp_path: Path) -> None:
-    hosts = HostCluster(tmp_path, nodes=2, replicas=1, members=1)
+def test_nothing_is_left_behind_after_a_failure_inside_the_harness(workdir: Path) -> None:
+    hosts = HostCluster(workdir, nodes=2, replicas=1, members=1)
     with pytest.raises(ZeroDivisionError), hosts:
         hosts.network.isolate(hosts.node_hosts[0])  # a fault in place when the test fails
         assert leftovers(hosts.prefix)  # namespaces exist while it runs

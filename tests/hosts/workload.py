@@ -167,11 +167,11 @@ def check(records: list[dict[str, Any]], final: dict[str, Change]) -> Report:
             lost.append(f"{key}: {write['op']} {write['token']} v{write['version']} acked at "
                         f"{write['t1']}s is gone ({where})")  # fmt: skip
         winner = by_token.get(token) if token is not None else None
-        if change is not None and winner is not None and winner["outcome"] == "ok":
-            if winner["cas"] != change.cas:
-                report.cas_mismatch.append(
-                    f"{key}: {token} acked with CAS {winner['cas']}, the copy has {change.cas}"
-                )
+        acked = winner is not None and winner["outcome"] == "ok"
+        if change is not None and acked and winner is not None and winner["cas"] != change.cas:
+            report.cas_mismatch.append(
+                f"{key}: {token} acked with CAS {winner['cas']}, the copy has {change.cas}"
+            )
     return report
 
 
