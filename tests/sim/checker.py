@@ -42,7 +42,7 @@ class History:
             self.durable_acked += 1
             self.durable[op.key] = op.value
             self.acked_at[op.key] = now
-        elif op.cas:  # a CAS update (the first write of a missing key is not one)
+        else:  # a CAS update, or the ADD that creates the key
             self.cas_acked += 1
             self.cas_tokens.setdefault(op.key, []).append(op.token)
 

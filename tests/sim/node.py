@@ -64,7 +64,7 @@ class Request:
 
     client: str
     req_id: int
-    op: str  # "get" or "set"
+    op: str  # "get", "set" or "add"
     vb: int
     key: bytes
     value: bytes = b""
@@ -235,25 +235,22 @@ class SimNode:
 
     # -- replication ----------------------------------------------------------------------------
 
-    def accept_conn_message(self, conn: Conn) -> Callable[[Any], None]:
-        """The handler of this node's end of a connection a replica opened to it."""
-        incarnation = self.incarnation
-
-        def handle(payload: Any) -> None:
-            if incarnation != self.incarnation or not self.up:
-                return
-            if isinstance(payload, tuple):  # ("open", replica): DCP_OPEN
-                end = ProducerEnd(self, conn, payload[1])
-                self.producers[conn.id] = end
-                conn.on_close[self.name] = lambda: self.if_current(
-                    incarnation, self._producer_closed, conn.id
-                )
-                return
-            end = self.producers.get(conn.id)
-            if end is not None:
-                end.receive(payload)
-
-        return handle
+    def on_conn_message(self, conn: Conn, payload: Any) -> None:
+        """This node's end of a connection a replica opened to it (run only while it is up:
+        the network drops what arrives while it is down)."""
+        if isinstance(payload, tuple):  # ("open", replica): DCP_OPEN
+            end = ProducerEnd(self, conn, payload[1])
+            self.producers[conn.id] = end
+            incarnation = self.incarnation
+            conn.on_close[self.name] = lambda: self.if_current(
+                incarnation, self._producer_closed, conn.id
+            )
+            return
+        end = self.producers.get(conn.id)
+        if end is None:  # opened to an earlier incarnation of this node: a reset
+            conn.close(self.name)
+            return
+        end.receive(payload)
 
     def _producer_closed(self, conn_id: int) -> None:
         end = self.producers.pop(conn_id, None)
@@ -325,11 +322,14 @@ class SimNode:
                 answer("ok", None if document is None else (document.value, document.cas))
                 return
             level = request.level
-            if level and vbucket.state is VBucketState.ACTIVE:
-                if not self.durability.possible(request.vb):
-                    answer("impossible", None)
-                    return
-            result = vbucket.set(request.key, request.value, cas=request.cas, level=level)
+            active = vbucket.state is VBucketState.ACTIVE
+            if level and active and not self.durability.possible(request.vb):
+                answer("impossible", None)
+                return
+            if request.op == "add":
+                result = vbucket.add(request.key, request.value, level=level)
+            else:
+                result = vbucket.set(request.key, request.value, cas=request.cas, level=level)
         except NotMyVbucketError:
             answer("nmvb", self.applied)
             return

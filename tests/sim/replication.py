@@ -131,9 +131,8 @@ class SimFeed(ReplicaFeed):
         self.stats.connects += 1
         self._unacked_bytes = 0
         conn.send(me, ("open", me))
-        target = node.cluster.nodes_by_name.get(self.source.name)
-        if target is not None:
-            conn.on_message[self.source.name] = target.accept_conn_message(conn)
+        target = node.cluster.nodes_by_name[self.source.name]
+        conn.on_message[self.source.name] = lambda payload: target.on_conn_message(conn, payload)
         for vb in sorted(self.vbuckets):
             self._request(vb)
         self.poke(self.options.ack_interval_s)

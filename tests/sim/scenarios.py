@@ -5,7 +5,7 @@
   and client c1 for longer than a lease: c0 keeps writing durably to the cut-off pair, the
   orchestrator fails n0 over to the third copy on the strength of an in-sync record written
   before the cut, and when the split heals the pair rolls back to the new active.
-- `etcd_cut`: 3 nodes, 2 replicas. The active n0 is cut from the metadata store only; its
+- `etcd_cut`: 3 nodes, 2 replicas. The active n1 (not the orchestrator, n0) is cut from the metadata store only; its
   peers and the clients still reach it. It keeps serving until it applies a newer map, which
   it cannot read; the orchestrator promotes another copy while the third still follows n0.
 """
@@ -29,7 +29,7 @@ def split() -> tuple[SimConfig, list[Fault]]:
 
 def etcd_cut() -> tuple[SimConfig, list[Fault]]:
     config = SimConfig(nodes=3, replicas=2, vbuckets=4, clients=2, work_s=6.0)
-    return config, [Fault("cut_etcd", 0.5, 4.5, ("n0",))]
+    return config, [Fault("cut_etcd", 0.5, 4.5, ("n1",))]
 
 
 SCENARIOS: dict[str, Callable[[], tuple[SimConfig, list[Fault]]]] = {

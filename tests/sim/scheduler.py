@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import os
 import random
+import sys
 from collections.abc import Callable
 from typing import Any
 
+_PRINT_TRACE = os.environ.get("SIM_TRACE") == "1"  # print each traced step (debugging a seed)
 EPOCH_S = 1_800_000_000.0  # the simulated wall clock's zero (CAS clocks need a plausible epoch)
 
 
@@ -75,7 +78,10 @@ class Scheduler:
 
     def record(self, *parts: object) -> None:
         """Fold one observable step into the trace hash."""
-        self._trace.update(repr((round(self.now, 9), *parts)).encode())
+        line = repr((round(self.now, 9), *parts))
+        self._trace.update(line.encode())
+        if _PRINT_TRACE:
+            print(line, file=sys.stderr)
 
     @property
     def trace_hash(self) -> str:

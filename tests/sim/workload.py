@@ -105,8 +105,9 @@ class Client:
         if op.phase == "read":
             request = Request(self.name, self.req_id, "get", vb, op.key)
         else:
+            kind = "add" if op.kind == "rmw" and not op.cas else "set"
             request = Request(
-                self.name, self.req_id, "set", vb, op.key, op.value, op.cas, op.level,
+                self.name, self.req_id, kind, vb, op.key, op.value, op.cas, op.level,
                 DURABLE_TIMEOUT_S,
             )  # fmt: skip
         node = self.cluster.nodes_by_name[active.name]
