@@ -13,6 +13,20 @@ per field, so it is not used. Both backends use sequentially consistent operatio
 transaction-log protocol relies on the order BEGIN -> operation -> END being seen by a restarted
 process in that order, on every CPU (x86 would keep plain stores in order; ARM would not).
 
+Plain memory (a slot's header, positions and Arrow payload) is ordered against these words by
+fences, one pair per place where one process publishes data another reads:
+
+* writer: `fence_release` right after the provider's CAS of a slot to IN_WRITING (ring.py
+  `claim_slot`), so no store into the slot becomes visible before the slot reads IN_WRITING;
+  the seq_cst store of the new state word (`commit_slot`) then publishes the finished slot.
+* reader: `fence_acquire` between copying a slot's bytes without a reference and loading its
+  state word again to validate the copy (proxy.py `positions_of`, stats.py: a seqlock read),
+  so the copy cannot be satisfied after the validating load.
+
+A reader holding a reference needs no fence: its reference CAS (acquire) comes before its
+reads, its release (a seq_cst fetch_sub) after them, and the provider's claim CAS on the same
+word can only succeed after that release.
+
 Not here: what the words mean (layout.py, txlog.py).
 """
 
@@ -47,6 +61,19 @@ class _SharedMemoryAtomics:
         self.cas_u64 = view.cas_u64
         self.fetch_add_u64 = view.fetch_add_u64
         self.fetch_sub_u64 = view.fetch_sub_u64
+        self._fence = atomicshm.fence
+        self._acquire = atomicshm.ACQUIRE
+        self._release = atomicshm.RELEASE
+
+    def fence_acquire(self) -> None:
+        """``atomic_thread_fence(memory_order_acquire)``: loads before it are not satisfied
+        after loads that follow it."""
+        self._fence(self._acquire)
+
+    def fence_release(self) -> None:
+        """``atomic_thread_fence(memory_order_release)``: loads and stores before it are
+        visible before stores that follow it."""
+        self._fence(self._release)
 
     def close(self) -> None:
         """Release the buffer (a mapping cannot be closed while a view holds it)."""
@@ -67,6 +94,8 @@ class _SharedMemoryAtomics:
         self._view.close()
 
 
+_ACQUIRE: Final = 2  # __ATOMIC_ACQUIRE
+_RELEASE: Final = 3  # __ATOMIC_RELEASE
 _SEQ_CST: Final = 5  # __ATOMIC_SEQ_CST
 
 
@@ -96,6 +125,13 @@ class _LibAtomics:
         self._expected_at = ctypes.addressof(self._expected)
         types = {1: ctypes.c_uint8, 2: ctypes.c_uint16, 4: ctypes.c_uint32, 8: ctypes.c_uint64}
         self._fn: dict[str, Any] = {}
+        # libatomic's C11 atomic_thread_fence (LIBATOMIC_1.2, GCC >= 7); `__atomic_thread_fence`
+        # is a compiler builtin with no symbol.
+        fence = getattr(lib, "atomic_thread_fence", None)
+        if fence is None:
+            raise ImportError("the system libatomic has no atomic_thread_fence (GCC < 7)")
+        fence.argtypes, fence.restype = [ctypes.c_int], None
+        self._fn["fence"] = fence
         for size, ctype in types.items():
             load = getattr(lib, f"__atomic_load_{size}")
             load.argtypes, load.restype = [ctypes.c_void_p, ctypes.c_int], ctype
@@ -121,6 +157,12 @@ class _LibAtomics:
     def close(self) -> None:
         self._fn.clear()
         del self._anchor
+
+    def fence_acquire(self) -> None:
+        self._fn["fence"](_ACQUIRE)
+
+    def fence_release(self) -> None:
+        self._fn["fence"](_RELEASE)
 
     def load_u8(self, offset: int) -> int:
         return int(self._fn["load1"](self._base + offset, _SEQ_CST))

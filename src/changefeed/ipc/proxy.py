@@ -492,6 +492,10 @@ class Subscription:
         geometry = self.header.geometry
         at = slot * self._slot_bytes + geometry.positions_at
         raw = bytes(self._data.buf[at : at + 8 * POSITION_FIELDS * len(geometry.group)])
+        # Acquire fence, paired with the provider's release fence after its IN_WRITING CAS
+        # (ring.claim_slot): the copy above is complete before the validating load below, so
+        # if the slot still holds `seq` the copy saw none of a rewrite.
+        self._a.fence_acquire()
         if self._a.load_u64(self._states[slot]) >> REFCOUNT_BITS != seq:
             return None
         return np.frombuffer(raw, "<u8").reshape(-1, POSITION_FIELDS).astype(np.uint64)

@@ -42,7 +42,7 @@ def claim_slot(a: Atomics, states: list[int], *, prefer: int = -1, rounds: int =
         word = a.load_u64(states[prefer])
         free = word & REFCOUNT_MASK == 0 and word != IN_WRITING_WORD
         if free and a.cas_u64(states[prefer], word, IN_WRITING_WORD) == word:
-            return prefer
+            return _claimed(a, prefer)
     for _ in range(rounds):  # bounded: readers hold at most slot_count - 1 (the budget)
         candidates = []
         for slot, at in enumerate(states):
@@ -52,12 +52,25 @@ def claim_slot(a: Atomics, states: list[int], *, prefer: int = -1, rounds: int =
         candidates.sort()
         for _, slot, word in candidates:
             if a.cas_u64(states[slot], word, IN_WRITING_WORD) == word:
-                return slot
+                return _claimed(a, slot)
     raise NoFreeSlotError(f"all {len(states)} slots referenced for {rounds} scans")
 
 
+def _claimed(a: Atomics, slot: int) -> int:
+    # Release fence, paired with the acquire fence of a reader's validated copy
+    # (`Subscription.positions_of`, `stats.service_stats`): the caller's stores into the slot
+    # come after this, so none is visible before the IN_WRITING state (a CAS alone orders
+    # only its own store on a weakly ordered CPU).
+    a.fence_release()
+    return slot
+
+
 def commit_slot(a: Atomics, layout: ControlLayout, slot: int, seq: int) -> None:
-    """Make batch `seq`, written into `slot`, readable: state, index entry, then the head."""
+    """Make batch `seq`, written into `slot`, readable: state, index entry, then the head.
+
+    The state store is seq_cst (a release): every store into the slot before it is visible to
+    a reader whose load (its reference CAS, or `find_slot`) sees the new state.
+    """
     a.store_u64(layout.slot_state(slot), seq << REFCOUNT_BITS)
     a.store_u64(layout.index_entry(seq), seq << REFCOUNT_BITS | slot)
     a.store_u64(HEAD_SEQ_AT, seq)
