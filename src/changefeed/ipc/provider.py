@@ -52,6 +52,7 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
+from changefeed.ipc import stats as _stats
 from changefeed.ipc import txlog as _txlog
 from changefeed.ipc.atomic import Atomics, atomics_for
 from changefeed.ipc.errors import ControlSegmentError, ProviderExistsError
@@ -155,6 +156,7 @@ class Provider:
         self._quarantined: set[tuple[int, ProcessIdentity]] = set()
         self.stats = {
             "published": 0,
+            "rows": 0,
             "gaps": 0,
             "wakeups": 0,
             "outdated_pids": 0,
@@ -354,6 +356,7 @@ class Provider:
         commit_slot(self._a, self.layout, slot, seq)  # readable from here on
         self._head = seq
         self.stats["published"] += 1
+        self.stats["rows"] += rows
         if flags & SLOT_FLAG_GAP:
             self.stats["gaps"] += 1
         self._wake_waiting()
@@ -523,6 +526,18 @@ class Provider:
     def subscription(self) -> tuple[int, int]:
         """(subscribers, slots of the budget held)."""
         return self.logs.subscription.state()
+
+    def service_stats(self) -> dict[str, float]:
+        """The service's figures now (`changefeed.ipc.stats`), with this provider's counters:
+        batches and rows published, gaps, readers reclaimed."""
+        figures = _stats.service_stats(self._a, self.layout, self._data.buf)
+        stats = self.stats
+        figures["batches_published_total"] = stats["published"]
+        figures["rows_published_total"] = stats["rows"]
+        figures["gaps_total"] = stats["gaps"]
+        figures["readers_reclaimed_total"] = stats["reclaimed"]
+        figures["slots_reclaimed_total"] = stats["reclaimed_slots"]
+        return figures
 
 
 def _bind_control_socket(paths: ServicePaths) -> socket.socket:

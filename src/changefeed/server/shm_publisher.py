@@ -25,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
+from prometheus_client.core import GaugeMetricFamily
 
 from changefeed import limits
 from changefeed.consumer.change_rows import OP_ROLLBACK, ChangeRows
@@ -359,6 +360,36 @@ class ShmPublisher:
             await publisher.stop()
         self.groups.clear()
 
+    def register_stats(
+        self, stat_providers: dict[str, Callable[[], Iterable[tuple[str, str]]]]
+    ) -> None:
+        """Serve STAT ``shm`` from `stat_providers` (the node's ``context.stat_providers``)."""
+        stat_providers["shm"] = self.stat_lines
+
+    def stat_lines(self) -> Iterator[tuple[str, str]]:
+        """STAT ``shm``: per service ``<service>:<figure>`` (`changefeed.ipc.stats`: slots by
+        state, readers attached/stalled/behind/dead/reclaimed, batches and rows published, the
+        oldest unread batch's age, bytes mapped), then ``<service>:publisher_<counter>``."""
+        for publisher in self.groups:
+            service = publisher.provider.service
+            for name, value in publisher.provider.service_stats().items():
+                yield f"{service}:{name}", _stat_value(value)
+            for counter, count in publisher.stats.items():
+                yield f"{service}:publisher_{counter}", str(count)
+
+    def metric_families(self) -> Iterator[GaugeMetricFamily]:
+        """The same figures for ``/metrics``: ``changefeed_shm_<figure>{service=...}``."""
+        figures = [(p.provider.service, p.provider.service_stats()) for p in self.groups]
+        if not figures:
+            return
+        for name in figures[0][1]:
+            family = GaugeMetricFamily(
+                f"changefeed_shm_{name}", _METRIC_HELP.get(name, name), labels=["service"]
+            )
+            for service, values in figures:
+                family.add_metric([service], values[name])
+            yield family
+
     def stats(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for publisher in self.groups:
@@ -368,3 +399,29 @@ class ShmPublisher:
                 total.get("subscribers", 0) + publisher.provider.subscription()[0]
             )
         return total
+
+
+def _stat_value(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.3f}"
+
+
+_METRIC_HELP = {
+    "slots_empty": "Ring slots holding no batch.",
+    "slots_in_writing": "Ring slots the provider is writing.",
+    "slots_ready": "Ring slots holding a batch no reader references.",
+    "slots_referenced": "Ring slots holding a batch readers reference.",
+    "readers_attached": "Local readers subscribed.",
+    "readers_stalled": "Readers whose next batch has waited in the ring over 1 s.",
+    "readers_behind": "Readers whose next batch left the ring (they catch up over DCP).",
+    "readers_dead": "Logs of dead reader processes not reclaimed yet.",
+    "logs_quarantined": "Transaction logs quarantined (a reader died mid-transaction).",
+    "readers_lost_total": "Times the attached readers fell behind the ring.",
+    "oldest_unread_age_s": "Age of the oldest batch a reader has yet to take, in seconds.",
+    "head_seq": "Seq of the newest batch in the ring.",
+    "bytes_mapped": "Bytes of the service's shared-memory segments.",
+    "batches_published_total": "Batches published since the node started.",
+    "rows_published_total": "Change rows published since the node started.",
+    "gaps_total": "Gap batches published (rows larger than a slot).",
+    "readers_reclaimed_total": "Dead readers whose logs the node rolled back.",
+    "slots_reclaimed_total": "Slot references given back by reclaiming dead readers.",
+}
