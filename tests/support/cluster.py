@@ -46,11 +46,20 @@ def start_cluster(
     vbuckets: int = 8,
     extra: Iterable[str] = (),
     failover_timeout_s: int = 3600,
+    crash_failover: bool | None = None,
 ) -> list[NodeProcess]:
     """Start n1..n<count> (all at once: the first map waits for `count` of them) and wait
     until each serves a map placing every vbucket. Automatic failover is off unless a test
-    asks for it (`failover_timeout_s`): a node stopped on purpose keeps its vbuckets."""
-    extra = [*extra, "--failover-timeout-s", str(failover_timeout_s)]
+    asks for it (`failover_timeout_s`; `crash_failover` follows it unless given): a node
+    stopped on purpose keeps its vbuckets."""
+    if crash_failover is None:
+        crash_failover = failover_timeout_s < 3600
+    extra = [
+        *extra,
+        "--failover-timeout-s",
+        str(failover_timeout_s),
+        "--crash-failover" if crash_failover else "--no-crash-failover",
+    ]
     started = [
         nodes(
             start=False,

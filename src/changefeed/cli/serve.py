@@ -86,6 +86,12 @@ def run_loop(coroutine: object) -> None:
     help="Lease TTL: a node silent this long is failed over. Default 5.",
 )
 @click.option(
+    "--crash-failover/--no-crash-failover",
+    default=None,
+    help="Fail a node over as soon as its crash is confirmed (its port refuses connections), "
+    "without waiting out its lease. Default on.",
+)
+@click.option(
     "--shm",
     "shm_groups",
     type=click.IntRange(0),

@@ -30,7 +30,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -117,6 +117,7 @@ class _KeptLease:
         ttl_s: int,
         what: str,
         check: Callable[[], Awaitable[str | None]] | None = None,
+        granted_s: float | None = None,
     ) -> None:
         self.metadata = metadata
         self.lease_id = lease_id
@@ -126,7 +127,10 @@ class _KeptLease:
         self.reason = ""
         self.callbacks: list[Callable[[str], None]] = []
         self._check = check
-        self._expires_at = time.monotonic() + ttl_s
+        # When the last keep-alive etcd answered was sent (the grant's request, at first): the
+        # fence counts from here (cluster/rules.py membership_valid_until).
+        self.renewal_sent_s = time.monotonic() if granted_s is None else granted_s
+        self._expires_at = self.renewal_sent_s + ttl_s
         self._closed = False
         self._task = asyncio.get_running_loop().create_task(self._keep(), name=f"lease {what}")
 
@@ -146,6 +150,7 @@ class _KeptLease:
                     self._lose("etcd says the lease expired")
                     return
                 self._expires_at = sent + reply.TTL
+                self.renewal_sent_s = sent
                 if failing:
                     log.info("%s: lease keep-alive works again", self.what)
                     failing = False
@@ -210,6 +215,11 @@ class Membership:
     @property
     def lease_id(self) -> int:
         return self._lease.lease_id
+
+    @property
+    def renewal_sent_s(self) -> float:
+        """Monotonic time the last keep-alive etcd answered was sent (the fence's origin)."""
+        return self._lease.renewal_sent_s
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` when the lease is lost (not on ``close``)."""
@@ -375,6 +385,7 @@ class ClusterMetadata:
             ValueError: a bad node name or TTL.
         """
         _check_name("node", node.name)
+        granted_s = time.monotonic()
         lease_id = await self._grant(ttl_s, f"node {node.name}")
         document = {"name": node.name, "host": node.host, "port": node.port}
         await self._call(
@@ -383,7 +394,9 @@ class ClusterMetadata:
             ),
             "register node",
         )
-        lease = _KeptLease(self, lease_id, ttl_s, f"member {node.name} of {self.cluster}")
+        lease = _KeptLease(
+            self, lease_id, ttl_s, f"member {node.name} of {self.cluster}", granted_s=granted_s
+        )
         self._leases.append(lease)
         log.info("node %s (%s) joined cluster %s", node.name, node.server, self.cluster)
         return Membership(self, node, lease)
@@ -471,11 +484,18 @@ class ClusterMetadata:
             yield self._parse_map(kv.value), int(kv.mod_revision)
 
     async def write_map(
-        self, new: ClusterMap, expected_mod_revision: int | None, leadership: Leadership
+        self,
+        new: ClusterMap,
+        expected_mod_revision: int | None,
+        leadership: Leadership,
+        *,
+        absent: Collection[str] = (),
     ) -> int | None:
         """Store ``new`` if the map key is still at ``expected_mod_revision`` (None: there is no
-        map yet) and ``leadership`` still holds the leader key (its create revision and value):
-        one etcd transaction.
+        map yet), ``leadership`` still holds the leader key (its create revision and value),
+        and none of the nodes in ``absent`` has registered again (a map planned while a node
+        was gone — a failover of it — must not land once it is back and may serve): one etcd
+        transaction.
 
         Returns:
             the map key's new mod revision (truthy), or None when the map changed meanwhile or
@@ -513,6 +533,7 @@ class ClusterMetadata:
                     map_compare,
                     t.create(leader) == leadership.token,
                     t.value(leader) == leadership.candidate.encode(),
+                    *(t.create(self.key(f"nodes/{name}")) == 0 for name in sorted(absent)),
                 ],
                 success=[t.put(key, data), t.get(key)],
                 failure=[],
@@ -538,15 +559,31 @@ class ClusterMetadata:
 
     # -- in-sync sets and failover requests ---------------------------------------------------
 
-    async def put_in_sync(self, vb: int, active: str, members: list[str]) -> None:
-        """Record `vb`'s in-sync set as its active sees it (``insync/<vb>``, not on a lease:
-        the orchestrator needs it after the active is gone, as Kafka keeps the ISR in the
-        controller)."""
-        document = {"active": active, "members": sorted(members)}
-        await self._call(
-            self.client.put(self.key(f"insync/{vb}"), json.dumps(document).encode()),
+    async def put_in_sync(
+        self, vb: int, active: str, members: list[str], map_mod_revision: int
+    ) -> bool:
+        """Record `vb`'s confirmed in-sync set (``insync/<vb>``, not on a lease: the
+        orchestrator needs it after the active is gone, as Kafka keeps the ISR in the
+        controller), only if the map key is still at `map_mod_revision` — the map the active
+        serves by — so a deposed active's record never lands (cluster/rules.py InSyncKeeper).
+
+        Returns:
+            True if written; False when the map changed (the record was not written).
+
+        Raises:
+            MetadataUnavailableError: etcd did not answer (the write may have happened).
+        """
+        document = {"active": active, "members": sorted(members), "map": map_mod_revision}
+        t = self.client.transactions
+        succeeded, _ = await self._call(
+            self.client.transaction(
+                compare=[t.mod(self.key("map")) == map_mod_revision],
+                success=[t.put(self.key(f"insync/{vb}"), json.dumps(document).encode())],
+                failure=[],
+            ),
             "put in-sync set",
         )
+        return bool(succeeded)
 
     async def in_sync_sets(self) -> dict[int, InSyncRecord]:
         """Every vbucket's last published in-sync set (malformed entries are skipped)."""
@@ -574,6 +611,23 @@ class ClusterMetadata:
             for vb in range(cmap.vbuckets)
             if vb not in sets or {r.name for r in cmap.replica_nodes(vb)} - set(sets[vb].members)
         ]
+
+    async def leases_of(self, node: str) -> list[int]:
+        """The leases `node` holds: its membership, and the leadership if it leads."""
+        leases: list[int] = []
+        member = await self._call(self.client.get(self.key(f"nodes/{node}")), "read member")
+        if member is not None and member.lease:
+            leases.append(int(member.lease))
+        leader = await self._call(self.client.get(self.key("leader")), "read leader")
+        if leader is not None and leader.value == node.encode() and leader.lease:
+            leases.append(int(leader.lease))
+        return leases
+
+    async def revoke(self, lease_ids: Collection[int]) -> None:
+        """Revoke leases (their keys go at once): a confirmed crash (rules.CrashConfirmer)."""
+        for lease_id in lease_ids:
+            with contextlib.suppress(MetadataUnavailableError):  # gone already, or it expires
+                await self._call(self.client.revoke_lease(lease_id), "revoke lease")
 
     async def request_failover(self, node: str, *, force: bool = False) -> None:
         """Ask the orchestrator to fail `node` over (``changefeed cluster failover``)."""

@@ -29,12 +29,18 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Iterator
 
 from changefeed.cluster.metadata import ClusterMetadata, Membership
 from changefeed.cluster.orchestrator import Orchestrator
 from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
-from changefeed.cluster.rules import wanted_state
+from changefeed.cluster.rules import (
+    InSyncKeeper,
+    membership_valid_until,
+    serving_state,
+    wanted_state,
+)
 from changefeed.server.node import Node
 from changefeed.vbmap import ClusterMap, NodeAddress
 from changefeed.vbucket_state import VBucketState
@@ -44,6 +50,7 @@ log = logging.getLogger("changefeed.cluster")
 REPLICATION_USER = "Administrator"
 STOP_WAIT_S = 5.0
 STATUS_INTERVAL_S = 0.25
+FENCE_POLL_S = 0.05  # a fence is noticed this late at worst when no request arrives
 
 
 def replication_password() -> str:
@@ -61,6 +68,10 @@ class NodeAgent:
         self.metadata: ClusterMetadata | None = None
         self.membership: Membership | None = None
         self.applied: ClusterMap | None = None
+        self.applied_revision = 0  # etcd mod revision of the applied map: in-sync records' fence
+        self.fenced_at: float | None = None  # monotonic time the membership went invalid
+        self.fences = 0  # times this node fenced itself (STAT, tests)
+        self.keepers: dict[int, InSyncKeeper] = {}  # per vbucket active here
         self.feeds: dict[str, tuple[ReplicaFeed, asyncio.Task[None]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.map_applied = asyncio.Event()
@@ -85,15 +96,80 @@ class NodeAgent:
             replicas=cfg.replicas,
             expected_nodes=cfg.expected_nodes,
             lease_ttl_s=cfg.failover_timeout_s,
+            crash_failover=cfg.crash_failover,
         )
-        self.node.context.stat_providers["replica-feeds"] = self.feed_stats
+        context = self.node.context
+        context.stat_providers["replica-feeds"] = self.feed_stats
+        context.fence_check = self.check_fence
+        if context.sync_writes is not None:
+            context.sync_writes.required_of = self.required_replicas
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(orchestrator.run(), name="orchestrator"),
             loop.create_task(self._follow_maps(), name="map-watch"),
             loop.create_task(self._publish(), name="status"),
             loop.create_task(self._keep_membership(), name="membership"),
+            loop.create_task(self._watch_fence(), name="fence"),
         ]
+
+    # -- fencing --------------------------------------------------------------------------------
+
+    @property
+    def fenced(self) -> bool:
+        return self.fenced_at is not None
+
+    def membership_valid(self) -> bool:
+        """Whether this node may act as active now (`rules.membership_valid_until`)."""
+        membership = self.membership
+        if membership is None or membership.lost.is_set():
+            return False
+        until = membership_valid_until(membership.renewal_sent_s, self.config.failover_timeout_s)
+        return time.monotonic() < until
+
+    def check_fence(self) -> None:
+        """Fence this node's actives if its membership may have lapsed. Called before a
+        connection serves anything it received (so a node resumed from a pause checks before
+        it acts) and every FENCE_POLL_S."""
+        if self.fenced_at is not None or self.membership is None or self.membership_valid():
+            return
+        self.fenced_at = time.monotonic()
+        self.fences += 1
+        fenced = self._apply_states(self.applied) if self.applied is not None else 0
+        log.warning(
+            "membership not renewed in time: fenced %d active vbuckets (writes refused until "
+            "the lease is renewed and the map re-read)",
+            fenced,
+        )
+
+    async def _watch_fence(self) -> None:
+        """Fence on time; after a fence, once the membership is renewed, read the map afresh
+        and serve by it again (a map that failed this node over meanwhile is applied as is)."""
+        assert self.metadata is not None
+        while True:  # ended by cancellation
+            await asyncio.sleep(FENCE_POLL_S)
+            self.check_fence()
+            fenced_at = self.fenced_at
+            membership = self.membership
+            if fenced_at is None or membership is None or not self.membership_valid():
+                continue
+            if membership.renewal_sent_s <= fenced_at:
+                continue  # renewed by a keep-alive sent before the fence: not proof enough
+            try:
+                stored = await self.metadata.read_map()
+            except (ConnectionError, ValueError) as error:
+                log.warning("re-reading the map after a fence: %s", error)
+                continue
+            if not self.membership_valid():
+                continue
+            self.fenced_at = None
+            log.warning("membership renewed: serving by the map again")
+            if stored is not None:
+                self.apply(*stored, force=True)
+
+    def required_replicas(self, vb: int) -> frozenset[str]:
+        """The replicas every commit on `vb` must hear from (its InSyncKeeper)."""
+        keeper = self.keepers.get(vb)
+        return keeper.required if keeper is not None else frozenset()
 
     def feed_stats(self) -> Iterator[tuple[str, str]]:
         """STAT replica-feeds: per active this node replicates from, what its feed did."""
@@ -128,8 +204,8 @@ class NodeAgent:
         assert self.metadata is not None
         while True:  # the watch; restarted after an etcd hiccup, ended by cancellation
             try:
-                async for cluster_map, _revision in self.metadata.watch_map():
-                    self.apply(cluster_map)
+                async for cluster_map, revision in self.metadata.watch_map():
+                    self.apply(cluster_map, revision)
             except (ConnectionError, TimeoutError) as error:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
@@ -165,7 +241,6 @@ class NodeAgent:
         assert self.metadata is not None
         last_status: dict[str, object] = {}
         membership = self.membership
-        published: dict[int, tuple[str, ...]] = {}
         while True:  # ended by cancellation
             await asyncio.sleep(STATUS_INTERVAL_S)
             try:
@@ -179,12 +254,46 @@ class NodeAgent:
                 ):
                     await membership.put_status(status)
                     last_status = status
-                for vb, members in self._in_sync_sets().items():
-                    if published.get(vb) != members:
-                        await self.metadata.put_in_sync(vb, self.config.node_name, list(members))
-                        published[vb] = members
+                await self._confirm_in_sync()
             except ConnectionError as error:
                 log.warning("publishing status: %s", error)
+
+    async def _confirm_in_sync(self) -> None:
+        """Write each active vbucket's in-sync record where it changed, through its keeper
+        (rules.InSyncKeeper: newcomers required before the write, leavers released after),
+        fenced by the applied map's revision: a node failed over meanwhile writes nothing."""
+        assert self.metadata is not None
+        tracker = self.node.context.replication
+        cluster_map = self.applied
+        if tracker is None or cluster_map is None or self.fenced:
+            return
+        bucket = self.node.context.bucket
+        for vb, keeper in list(self.keepers.items()):
+            placed = {n.name for n in cluster_map.replica_nodes(vb)}
+            high = bucket.vbucket(vb).high_seqno
+            in_sync = frozenset(r for r in tracker.in_sync_set(vb) if r in placed)
+            caught_up = frozenset(
+                r for r in in_sync if tracker.progress(vb, r).received_seqno >= high
+            )
+            members = keeper.target(in_sync, caught_up)
+            if members is None:
+                continue
+            keeper.begin(members)
+            try:
+                written = await self.metadata.put_in_sync(
+                    vb, self.config.node_name, sorted(members), self.applied_revision
+                )
+            except BaseException:
+                keeper.failed()
+                raise
+            if self.keepers.get(vb) is not keeper:
+                continue  # the vbucket changed state meanwhile: the keeper is gone
+            if not written:
+                keeper.failed()  # the map moved on: the next map's apply decides
+                continue
+            keeper.written(members)
+            if self.node.context.sync_writes is not None:
+                self.node.context.sync_writes.on_progress(vb)  # leavers no longer awaited
 
     def _status(self) -> dict[str, object]:
         bucket = self.node.context.bucket
@@ -223,25 +332,11 @@ class NodeAgent:
             status["copies"] = copies
         return status
 
-    def _in_sync_sets(self) -> dict[int, tuple[str, ...]]:
-        """Per vbucket active here: its replicas (by the map) that are in sync now."""
-        tracker = self.node.context.replication
-        cluster_map = self.applied
-        if tracker is None or cluster_map is None:
-            return {}
-        found: dict[int, tuple[str, ...]] = {}
-        for vb, v in self.node.context.bucket.vbuckets.items():
-            if (
-                v.state is VBucketState.ACTIVE
-                and cluster_map.role_of(self.config.node_name, vb) == 0
-            ):
-                placed = {n.name for n in cluster_map.replica_nodes(vb)}
-                found[vb] = tuple(r for r in tracker.in_sync_set(vb) if r in placed)
-        return found
-
-    def apply(self, cluster_map: ClusterMap) -> None:
-        """Make the node's vbucket states and replica feeds what `cluster_map` says."""
-        if self.applied is not None and cluster_map.rev <= self.applied.rev:
+    def apply(self, cluster_map: ClusterMap, revision: int = 0, *, force: bool = False) -> None:
+        """Make the node's vbucket states and replica feeds what `cluster_map` says
+        (`revision`: its key's etcd mod revision; `force`: apply it even if not newer, after
+        a fence)."""
+        if self.applied is not None and cluster_map.rev <= self.applied.rev and not force:
             return
         if cluster_map.vbuckets != self.config.vbuckets:
             log.error(
@@ -256,17 +351,16 @@ class NodeAgent:
             and self.applied.node_index(name) is not None
             and cluster_map.node_index(name) is None
         )
+        self.applied, self.applied_revision = cluster_map, max(revision, self.applied_revision)
+        self._apply_states(cluster_map)
         sources: dict[str, set[int]] = {}
         addresses: dict[str, NodeAddress] = {}
         for vb in range(cluster_map.vbuckets):
-            wanted = wanted_state(cluster_map, name, vb)
-            context.set_vbucket_state(vb, wanted)
             active = cluster_map.active(vb)
-            if wanted is VBucketState.REPLICA and active is not None:
+            if wanted_state(cluster_map, name, vb) is VBucketState.REPLICA and active is not None:
                 sources.setdefault(active.name, set()).add(vb)
                 addresses[active.name] = active
         context.cluster_map = cluster_map
-        self.applied = cluster_map
         pushed = context.push_cluster_map()  # SDK connections that asked to be told
         self._place_feeds(sources, addresses)
         self.map_applied.set()
@@ -277,6 +371,26 @@ class NodeAgent:
         if removed:
             log.warning("map rev %d no longer lists this node (removed): stopping", cluster_map.rev)
             self.node.request_stop()
+
+    def _apply_states(self, cluster_map: ClusterMap) -> int:
+        """Set every vbucket's state from `cluster_map` (a fenced node's actives PENDING), each
+        through the node's one entry; keep an InSyncKeeper per vbucket active here. Returns how
+        many vbuckets the map makes active here."""
+        context = self.node.context
+        name = self.config.node_name
+        actives = 0
+        for vb in range(cluster_map.vbuckets):
+            wanted = wanted_state(cluster_map, name, vb)
+            actives += wanted is VBucketState.ACTIVE
+            state = serving_state(wanted, fenced=self.fenced)
+            context.set_vbucket_state(vb, state)
+            if state is VBucketState.ACTIVE:
+                if vb not in self.keepers:
+                    placed = frozenset(n.name for n in cluster_map.replica_nodes(vb))
+                    self.keepers[vb] = InSyncKeeper(placed)
+            else:
+                self.keepers.pop(vb, None)
+        return actives
 
     def _place_feeds(self, sources: dict[str, set[int]], addresses: dict[str, NodeAddress]) -> None:
         for source_name in list(self.feeds):

@@ -27,11 +27,13 @@ from changefeed.cluster.metadata import ClusterMetadata, Leadership, MetadataUna
 from changefeed.cluster.placement import initial_map
 from changefeed.cluster.rebalance import STEP_INTERVAL_S as REBALANCE_STEP_INTERVAL_S
 from changefeed.cluster.rebalance import Rebalancer
+from changefeed.cluster.rules import CRASH_PROBE_INTERVAL_S, CrashConfirmer
 from changefeed.vbmap import ClusterMap, NodeAddress
 
 log = logging.getLogger(__name__)
 
 STEP_INTERVAL_S = 1.0  # the leader looks at the cluster at least this often (failover requests)
+CRASH_PROBE_TIMEOUT_S = 0.5  # a probe slower than this is not a refusal (rules.CrashConfirmer)
 
 
 class Orchestrator:
@@ -47,6 +49,9 @@ class Orchestrator:
         nodes_wait_log_s: how long to wait for the expected nodes before logging which are
             missing (then again at this interval, waiting on).
         on_change: called with each map this orchestrator wrote (after the write).
+        crash_failover: probe the nodes (the leader while leading, the leader's node while
+            standing by) and revoke the leases of those whose crash is confirmed
+            (rules.CrashConfirmer), so they are failed over in about a second, not a lease.
     """
 
     def __init__(
@@ -61,6 +66,7 @@ class Orchestrator:
         lease_ttl_s: int = limits.ETCD_LEASE_TTL_S_DEFAULT,
         nodes_wait_log_s: float = limits.CLUSTER_NODES_WAIT_LOG_S,
         on_change: Callable[[ClusterMap], None] | None = None,
+        crash_failover: bool = True,
     ) -> None:
         if expected_nodes < 1:
             raise ValueError(f"expected nodes {expected_nodes} must be at least 1")
@@ -84,6 +90,10 @@ class Orchestrator:
         self._quorum_logged = False
         self._term_started = time.monotonic()
         self.rebalancer = Rebalancer(metadata, candidate)
+        self.crash_failover = crash_failover
+        self.crashes = CrashConfirmer()
+        self.confirmed_crashed: set[str] = set()  # leases revoked on a confirmed crash
+        self._last_map: ClusterMap | None = None
 
     @property
     def leading(self) -> bool:
@@ -93,7 +103,17 @@ class Orchestrator:
         """Campaign; lead until the leadership is lost; campaign again. Forever (cancel to
         stop: the leadership, if held, is resigned so another candidate takes over at once)."""
         while True:
-            leadership = await self.metadata.campaign(self.candidate, self.lease_ttl_s)
+            prober = (
+                asyncio.create_task(self._probe_leader(), name=f"leader probe {self.candidate}")
+                if self.crash_failover
+                else None
+            )
+            try:
+                leadership = await self.metadata.campaign(self.candidate, self.lease_ttl_s)
+            finally:
+                if prober is not None:
+                    prober.cancel()
+                    await asyncio.wait({prober})
             self.leadership = leadership
             self._term_started = time.monotonic()
             self.terms += 1
@@ -136,6 +156,11 @@ class Orchestrator:
                     changed.set()
 
         follower = asyncio.create_task(follow(), name=f"live nodes for {self.candidate}")
+        prober = (
+            asyncio.create_task(self._probe_nodes(lambda: latest, changed.set), name="crash probe")
+            if self.crash_failover
+            else None
+        )
         backoff = limits.ETCD_RETRY_BACKOFF_MIN_S
         try:
             while True:
@@ -159,13 +184,18 @@ class Orchestrator:
                     changed.set()
         finally:
             follower.cancel()
-            await asyncio.wait({follower})
+            waited = {follower}
+            if prober is not None:
+                prober.cancel()
+                waited.add(prober)
+            await asyncio.wait(waited)
 
     async def _step(self, live: Mapping[str, NodeAddress], leadership: Leadership) -> None:
         """One reaction to the live set: read the map, plan, write if there is a new map.
         A CAS lost to a concurrent writer is simply read again on the next change."""
         stored = await self.metadata.read_map()
         current, revision = stored if stored is not None else (None, None)
+        self._last_map = current
         new = self.plan(live, current)
         requests: dict[str, bool] = {}
         if current is not None:
@@ -177,7 +207,8 @@ class Orchestrator:
             for node in requests:  # done earlier (or nothing to move): the request is answered
                 await self.metadata.clear_failover_request(node)
             return
-        written = await self.metadata.write_map(new, revision, leadership)
+        absent = () if current is None else [n.name for n in current.nodes if n.name not in live]
+        written = await self.metadata.write_map(new, revision, leadership, absent=absent)
         if written is None:
             log.info(
                 "orchestrator %s: map rev %d not written (lost a race)", self.candidate, new.rev
@@ -260,7 +291,68 @@ class Orchestrator:
                 self._quorum_logged = True
             return False
         self._quorum_logged = False
+        if all(n in live or n in self.confirmed_crashed for n in names):
+            return True  # the only absent nodes crashed for sure: no one to wait for
         return time.monotonic() - self._term_started >= self.lease_ttl_s
+
+    async def _probe_nodes(
+        self, live: Callable[[], Mapping[str, NodeAddress] | None], confirmed: Callable[[], None]
+    ) -> None:
+        """While leading: probe every node of the map but this one. A live node whose crash
+        is confirmed has its leases revoked, so the live set drops it and its failover runs
+        now; an absent one (its lease revoked by a standby that confirmed it, or expired) is
+        marked confirmed, so this term need not wait a lease before failing it over."""
+        while True:  # ended by cancellation
+            await asyncio.sleep(CRASH_PROBE_INTERVAL_S)
+            now_live = live() or {}
+            self.confirmed_crashed -= set(now_live)  # registered again: alive after all
+            known = {n.name: n for n in self._last_map.nodes} if self._last_map else {}
+            for name, address in sorted({**known, **now_live}.items()):
+                if name == self.candidate or (
+                    name in self.confirmed_crashed and name not in now_live
+                ):
+                    continue
+                if await self._probe(name, address):
+                    confirmed()  # plan now: its failover need not wait
+
+    async def _probe_leader(self) -> None:
+        """While standing by: probe the leader's node; on a confirmed crash revoke its leases,
+        so this candidate's campaign wins now rather than after the leadership lease."""
+        while True:  # ended by cancellation
+            await asyncio.sleep(CRASH_PROBE_INTERVAL_S)
+            try:
+                leader = await self.metadata.leader()
+                if leader is None or leader[0] == self.candidate:
+                    continue
+                address = (await self.metadata.live_nodes()).get(leader[0])
+            except MetadataUnavailableError:
+                continue
+            if address is not None:
+                await self._probe(leader[0], address)
+
+    async def _probe(self, name: str, address: NodeAddress) -> bool:
+        """Probe `name` once; True when this probe confirmed its crash."""
+        try:
+            leases = await self.metadata.leases_of(name)  # read before the probes: see rules
+        except MetadataUnavailableError:
+            return False
+        refused = await _refused(address)
+        if not self.crashes.observe(name, refused=refused, now=time.monotonic()):
+            return False
+        if name not in self.confirmed_crashed:
+            log.warning(
+                "orchestrator %s: %s (%s) refuses connections: crash confirmed%s",
+                self.candidate, name, address.server,
+                ", revoking its lease to fail it over now" if leases else "",
+            )  # fmt: skip
+        self.confirmed_crashed.add(name)
+        self.crashes.forget(name)
+        if leases:
+            try:
+                await self.metadata.revoke(leases)
+            except MetadataUnavailableError as error:
+                log.warning("orchestrator %s: revoking %s's lease: %s", self.candidate, name, error)
+        return True
 
     def plan(
         self, live: Mapping[str, NodeAddress], current: ClusterMap | None
@@ -296,6 +388,21 @@ class Orchestrator:
             ", ".join(live) or "none",
             f"; missing: {', '.join(missing)}" if missing else "",
         )
+
+
+async def _refused(address: NodeAddress) -> bool:
+    """Whether a TCP connection to `address` is refused (nothing listens there)."""
+    try:
+        async with asyncio.timeout(CRASH_PROBE_TIMEOUT_S):
+            _, writer = await asyncio.open_connection(address.host, address.port)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False  # unreachable or slow: not a confirmed crash (the lease decides)
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
 
 
 async def _shielded(coroutine: Awaitable[None]) -> None:

@@ -26,3 +26,132 @@ def wanted_state(cluster_map: ClusterMap, name: str, vb: int) -> VBucketState:
     if move is not None and index is not None and index in move.chain:
         return VBucketState.REPLICA
     return VBucketState.DEAD
+
+
+# -- fencing: how long an active may act on a lease it cannot renew --------------------------
+
+# Clocks are assumed to run at rates within 1 % of each other (etcd's and ours), and the
+# lease's expiry at etcd is counted from when etcd *received* a keep-alive, which is after we
+# sent it. So, measured on our monotonic clock from the send of the last keep-alive etcd
+# answered, etcd cannot expire the lease (and the orchestrator cannot fail us over) before
+# ``ttl * (1 - CLOCK_RATE_ERROR)``; we stop FENCE_MARGIN_S before that, which also covers the
+# time from the check to the end of the write it admits (one event-loop step).
+CLOCK_RATE_ERROR = 0.01
+FENCE_MARGIN_S = 0.5
+
+
+def membership_valid_until(renewal_sent_s: float, ttl_s: float) -> float:
+    """The monotonic time until which a node whose last successful lease keep-alive was sent
+    at `renewal_sent_s` may still act as active (write, commit, ack as a member)."""
+    until = renewal_sent_s + ttl_s * (1 - CLOCK_RATE_ERROR) - FENCE_MARGIN_S
+    assert until > renewal_sent_s, (ttl_s, until)  # config keeps the TTL at 2 s or more
+    return until
+
+
+def serving_state(wanted: VBucketState, *, fenced: bool) -> VBucketState:
+    """The state a copy takes: what the map wants, except that a fenced node's actives wait
+    PENDING (writes refused NOT_MY_VBUCKET, durable waiters answered AMBIGUOUS, streams go
+    on so replicas still receive all it acknowledged) until the membership is renewed and
+    the map re-read."""
+    if fenced and wanted is VBucketState.ACTIVE:
+        return VBucketState.PENDING
+    return wanted
+
+
+# -- the confirmed in-sync set ------------------------------------------------------------------
+
+
+class InSyncKeeper:
+    """One active vbucket's confirmed in-sync record and the replicas its commits require.
+
+    The orchestrator promotes only a replica of the record the failed active confirmed in
+    etcd (`failover.plan_failover`). For that to never lose an acknowledged durable write,
+    every member of any record this active has written, or may have written, must hold every
+    prepare it committed (Kafka: acks=all waits for the whole ISR, and the leader shrinks the
+    ISR in the controller before it commits without a member). So:
+
+    - `required` — the replicas every commit must hear from, besides the majority of the
+      chain (`sync_writes.durability_met(..., required_acks=...)`) — is always a superset
+      of the record in etcd;
+    - a replica joins the record only once it acked the vbucket's high seqno (it holds every
+      prepare so far), and joins `required` *before* the record is written (`begin`);
+    - a replica leaves `required` only *after* a record without it was written (`written`);
+      a write that failed or may have failed leaves `required` as it was (`failed`).
+
+    A record is written fenced by the map revision the active applied, so a deposed active's
+    write fails. Sans-IO: the agent does the writing.
+
+    Args:
+        placed: the vbucket's replicas in the map when it became active here. Until this
+            active's first record is written they are all required: a record written before
+            (by this node before a restart, or by an earlier active) may name any of them.
+    """
+
+    def __init__(self, placed: frozenset[str]) -> None:
+        self.required: frozenset[str] = placed
+        self.confirmed: frozenset[str] | None = None  # None: this active wrote none yet
+        self.writing: frozenset[str] | None = None
+
+    def target(self, in_sync: frozenset[str], caught_up: frozenset[str]) -> frozenset[str] | None:
+        """The record to write next, or None when the confirmed one is right (or a write is on
+        its way). `in_sync`: replicas the in-sync rule keeps; `caught_up`: those that acked
+        the high seqno now (a subset of `in_sync`)."""
+        assert caught_up <= in_sync, (caught_up, in_sync)
+        if self.writing is not None:
+            return None
+        confirmed = self.confirmed if self.confirmed is not None else frozenset()
+        wanted = (confirmed & in_sync) | caught_up
+        if self.confirmed is not None and wanted == self.confirmed:
+            return None
+        return wanted
+
+    def begin(self, members: frozenset[str]) -> None:
+        """A write of `members` is about to start: newcomers are required from now on."""
+        assert self.writing is None, self.writing
+        self.writing = members
+        self.required = self.required | members
+
+    def written(self, members: frozenset[str]) -> None:
+        """etcd took the record: leavers are no longer required."""
+        assert self.writing == members, (self.writing, members)
+        self.writing = None
+        self.confirmed = members
+        self.required = members
+        assert self.confirmed <= self.required
+
+    def failed(self) -> None:
+        """The write failed or its outcome is unknown: keep requiring every member."""
+        self.writing = None
+
+
+# -- confirmed crashes: failover without waiting out a lease -------------------------------------
+
+CRASH_PROBE_INTERVAL_S = 0.2  # how often the orchestrator (and each standby) probes
+CRASH_CONFIRM_S = 0.15  # a second refusal at least this long after the first confirms
+
+
+class CrashConfirmer:
+    """Decides from connection probes that a node's process is gone.
+
+    Only *connection refused* counts: the node's host answered and nothing listens on its
+    port — the process is dead (or closed its listener to stop), so it serves nothing and its
+    lease may be revoked at once (then the usual failover runs). A pause, an overloaded node
+    or a partition gives timeouts or unreachable errors, never refusals: those still wait out
+    the lease, so the fence (`membership_valid_until`) stays the only guard there. Two
+    refusals `CRASH_CONFIRM_S` apart with no success between are required, so a listener
+    that is being re-created is not mistaken for a crash. Sans-IO: the caller probes.
+    """
+
+    def __init__(self) -> None:
+        self._first_refused: dict[str, float] = {}
+
+    def observe(self, node: str, *, refused: bool, now: float) -> bool:
+        """Record one probe of `node`; True once its crash is confirmed."""
+        if not refused:
+            self._first_refused.pop(node, None)
+            return False
+        first = self._first_refused.setdefault(node, now)
+        return now - first >= CRASH_CONFIRM_S
+
+    def forget(self, node: str) -> None:
+        self._first_refused.pop(node, None)

@@ -63,6 +63,9 @@ class NodeConfig:
     # A node whose etcd lease lapses this long is failed over (its in-sync replicas promoted);
     # also the orchestrator's lease. etcd leases are whole seconds, at least 2.
     failover_timeout_s: int = 5
+    # Fail a node over once its crash is confirmed (cluster/rules.py CrashConfirmer: its port
+    # refuses connections), its lease revoked, instead of waiting out the lease.
+    crash_failover: bool = True
     # Disk backfills of replica streams (catch-up) stream at most this fast, so catching up
     # cannot starve front-end traffic; 0 = no limit.
     replication_catchup_bytes_per_s: int = 64 * 1024 * 1024

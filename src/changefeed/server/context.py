@@ -77,6 +77,9 @@ class ServerContext:
         map_subscribers: connections that asked to be told of cluster map changes
             (`push_cluster_map`).
         sync_writes: the durable writes pending on this node's active vbuckets.
+        fence_check: called before a connection serves what it received: the cluster agent
+            fences this node's actives there if its membership may have lapsed (a node
+            resumed from a pause must not act on a lease it may have lost).
     """
 
     config: NodeConfig
@@ -100,6 +103,7 @@ class ServerContext:
     )
     map_subscribers: set[MapSubscriber] = dataclasses.field(default_factory=set)
     sync_writes: SyncWriteMonitor | None = None
+    fence_check: Callable[[], None] | None = None
 
     def set_vbucket_state(self, vb: int, state: VBucketState) -> Transition | None:
         """The node's one entry to change a vbucket's state: the vbucket performs its own

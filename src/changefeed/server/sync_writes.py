@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 from changefeed.checkpoint import CheckpointMemoryFullError
@@ -79,6 +79,8 @@ class SyncWriteMonitor:
         bucket: the node's bucket.
         replicas_of: the replica node names of a vbucket in the current map.
         replication: replica acks (None: a node alone, no replicas).
+        required_of: the replicas of a vbucket every commit must hear from (its confirmed
+            in-sync record, kept by the cluster agent; none for a node alone).
         default_timeout_s: a write's timeout when its durability frame has none.
     """
 
@@ -88,10 +90,12 @@ class SyncWriteMonitor:
         *,
         replicas_of: Callable[[int], Sequence[str]],
         replication: ReplicationTracker | None,
+        required_of: Callable[[int], Iterable[str]] = lambda vb: (),
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self._bucket = bucket
         self._replicas_of = replicas_of
+        self.required_of = required_of
         self._replication = replication
         self._default_timeout_s = default_timeout_s
         self._pending: dict[int, dict[bytes, _Pending]] = {}
@@ -202,11 +206,15 @@ class SyncWriteMonitor:
         replicas: Sequence[str],
         persisted_here: int,
     ) -> bool:
-        if pending.level is DurabilityLevel.PERSIST_TO_MAJORITY:
-            acked = [self._persisted(vb, r) for r in replicas]
-        else:
-            acked = [self._received(vb, r) for r in replicas]
-        return durability_met(pending.seqno, persisted_here, acked)
+        ack = (
+            self._persisted
+            if pending.level is DurabilityLevel.PERSIST_TO_MAJORITY
+            else self._received
+        )
+        required = [ack(vb, r) for r in self.required_of(vb)]
+        return durability_met(
+            pending.seqno, persisted_here, [ack(vb, r) for r in replicas], required
+        )
 
     def _expire(self, pending: _Pending) -> None:
         if pending.future.done():
@@ -257,18 +265,28 @@ class SyncWriteMonitor:
         return self._replication.progress(vb, replica).persisted_seqno
 
 
-def durability_met(seqno: int, active_persisted: int, replica_acks: Sequence[int]) -> bool:
+def durability_met(
+    seqno: int,
+    active_persisted: int,
+    replica_acks: Sequence[int],
+    required_acks: Sequence[int] = (),
+) -> bool:
     """The commit rule: may the prepare at `seqno` commit?
 
     `replica_acks` holds one seqno per replica slot of the vbucket's chain (dead ones included:
     the majority is of the chain, not of who is up) — what each acknowledged as received
-    (levels `majority`, `majorityAndPersistActive`) or persisted (`persistToMajority`). Every
-    level also waits for the active's own persistence (module docstring). Pure, so the real
-    monitor and the cluster simulator decide with the same code.
+    (levels `majority`, `majorityAndPersistActive`) or persisted (`persistToMajority`).
+    `required_acks` are the acks of the replicas in the vbucket's confirmed in-sync record
+    (`cluster.rules.InSyncKeeper.required`): each must hold the prepare too, so that any
+    replica the orchestrator may promote holds every committed write. Every level also waits
+    for the active's own persistence (module docstring). Pure, so the real monitor and the
+    cluster simulator decide with the same code.
     """
     chain = 1 + len(replica_acks)
     majority = chain // 2 + 1
     if active_persisted < seqno:
+        return False
+    if any(acked < seqno for acked in required_acks):
         return False
     held = 1 + sum(1 for acked in replica_acks if acked >= seqno)
     assert 1 <= held <= chain, (held, chain)

@@ -1,0 +1,127 @@
+"""Partition safety and fast failover on loopback (issue 25).
+
+An active fences itself when it cannot renew its membership: it refuses writes
+before etcd can expire its lease — so before anyone may fail it over — and serves again once
+the lease is renewed and the map re-read. etcd is paused (SIGSTOP) to cut every node from it
+while clients still reach them; real processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from changefeed.cli.node_process import NodeProcess
+from changefeed.cluster.etcd_server import EtcdServer
+from changefeed.cluster.metadata import ClusterMetadata
+from changefeed.consumer import KvClient
+from changefeed.consumer.handshake import call
+from changefeed.protocol.errors import NotMyVbucketError
+from changefeed.protocol.opcode import Opcode
+from support.clients import node_stats, raw_connection
+from support.cluster import cluster_map, start_cluster, wait_in_sync_published
+from support.etcd import running_etcd
+from support.nodes import NodeFactory
+
+pytestmark = pytest.mark.timeout(240)
+LEASE_S = 2
+LONG_LEASE_S = 30
+
+
+async def active_count(node: NodeProcess) -> int:
+    return int((await node_stats(node))["vb_active_num"])
+
+
+def test_an_active_cut_from_etcd_refuses_writes_before_its_lease_can_expire_then_serves_again(
+    nodes: NodeFactory, tmp_path: Path
+) -> None:
+    with running_etcd(tmp_path) as etcd:
+        cluster = start_cluster(
+            nodes, etcd.endpoint, "fence", count=2, replicas=1, failover_timeout_s=LEASE_S
+        )
+        n1 = cluster[0]
+        actives = asyncio.run(active_count(n1))
+        assert actives > 0
+
+        cmap = asyncio.run(cluster_map(n1))
+        vb = next(vb for vb in range(cmap.vbuckets) if (a := cmap.active(vb)) and a.port == n1.port)
+
+        async def write(key: bytes) -> None:  # a raw SET to n1 itself: no retry, no rerouting
+            conn = await raw_connection(n1)
+            try:
+                await call(conn, Opcode.SET, vbucket=vb, extras=bytes(8), key=key, value=b"v")
+            finally:
+                await conn.close()
+
+        asyncio.run(write(b"before"))
+        os.kill(etcd.pid, signal.SIGSTOP)
+        paused = time.monotonic()
+        try:
+            # Fenced no later than the lease (from its last renewal, at most a TTL ago).
+            fenced_after = None
+            while time.monotonic() - paused < LEASE_S + 3:
+                if asyncio.run(active_count(n1)) == 0:
+                    fenced_after = time.monotonic() - paused
+                    break
+                time.sleep(0.05)
+            assert fenced_after is not None, "still active with etcd unreachable past the lease"
+            assert fenced_after < LEASE_S, fenced_after
+            with pytest.raises(NotMyVbucketError):
+                asyncio.run(write(b"while-fenced"))
+        finally:
+            os.kill(etcd.pid, signal.SIGCONT)
+        # Renewed (or registered again) and the map re-read: active again, writes served.
+        deadline = time.monotonic() + 60
+        while asyncio.run(active_count(n1)) != actives:
+            assert time.monotonic() < deadline, "never served again after etcd came back"
+            time.sleep(0.1)
+        asyncio.run(write(b"after"))
+        print(f"fenced {fenced_after:.2f} s after etcd paused (lease {LEASE_S} s)")
+
+
+@pytest.mark.parametrize("victim", ["orchestrator", "other"])
+def test_a_crashed_node_is_failed_over_without_waiting_out_its_lease(
+    nodes: NodeFactory, etcd: EtcdServer, cluster_name: str, victim: str
+) -> None:
+    """kill -9: its port refuses connections, the orchestrator (or, when the victim led, a
+    standby) confirms the crash and revokes its lease, and a promoted copy serves a durable
+    write long before the 30 s lease could have run out."""
+    cluster = start_cluster(
+        nodes, etcd.endpoint, cluster_name, count=3, replicas=2, failover_timeout_s=LONG_LEASE_S
+    )
+    asyncio.run(wait_in_sync_published(etcd.endpoint, cluster_name))
+
+    async def leader_name() -> str:
+        async with await ClusterMetadata.connect(etcd.endpoint, cluster_name) as metadata:
+            leader = await metadata.leader()
+            assert leader is not None
+            return leader[0]
+
+    leader = asyncio.run(leader_name())
+    by_name = {f"n{i}": node for i, node in enumerate(cluster, 1)}
+    name = leader if victim == "orchestrator" else next(n for n in by_name if n != leader)
+    doomed = by_name[name]
+    survivor = next(node for n, node in by_name.items() if n != name)
+    cmap = asyncio.run(cluster_map(survivor))
+    doomed_vbs = {
+        vb for vb in range(cmap.vbuckets) if (a := cmap.active(vb)) and a.port == doomed.port
+    }
+    assert doomed_vbs
+
+    async def durable_write_after_kill() -> float:
+        async with await KvClient.connect("127.0.0.1", survivor.port) as kv:
+            key = next(
+                k for k in (b"k%d" % i for i in range(10_000)) if kv.vbucket_of(k) in doomed_vbs
+            )
+            doomed.kill()
+            killed = time.monotonic()
+            await kv.upsert(key, b"after", durability="majority")
+            return time.monotonic() - killed
+
+    serving_s = asyncio.run(durable_write_after_kill())
+    print(f"kill -9 of {victim} {name}: a durable write served again after {serving_s:.2f} s")
+    assert serving_s < LONG_LEASE_S / 2, "waited for the lease: the crash was not confirmed"
