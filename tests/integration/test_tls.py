@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import resource
 import ssl
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,8 @@ from changefeed.consumer.connection import TlsError
 from changefeed.consumer.events import Changes, StreamEnded
 from support.clients import PASSWORD, USER, free_port
 from support.nodes import NodeFactory
+
+from .test_connection_budgets import FLOOD_SOCKETS, closed_by_node, open_flood
 
 ITEMS = 2000
 
@@ -178,3 +182,72 @@ def test_serve_names_a_certificate_it_cannot_load(tmp_path: Path, certs: Path) -
     log = node.log_path.read_text()
     assert "Error: cannot load TLS certificate" in log and "ca.key" in log, log
     assert "Traceback" not in log
+
+
+def test_sockets_that_never_finish_a_handshake_take_no_slot_a_client_needs(
+    nodes: NodeFactory, certs: Path
+) -> None:
+    """A socket on the TLS port counts as a connection still authenticating from the moment it
+    is accepted (asyncio's TLS server would hold it outside every count for 60 s): 5,000 that
+    never send a ClientHello are closed oldest first while a TLS client gets in at once."""
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < FLOOD_SOCKETS + 500:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} is too low")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 2 * FLOOD_SOCKETS)), hard))
+    node, tls_port = tls_node(nodes, certs / "n0.pem", certs / "n0.key")
+
+    async def scenario() -> None:
+        flood = await asyncio.to_thread(open_flood, tls_port, FLOOD_SOCKETS)
+        try:
+            # Closed oldest first as the node accepts them, long before the 10 s handshake
+            # deadline (how many in 3 s depends on the machine: ~1.3k/s on a loaded 2-core box).
+            closed = await asyncio.to_thread(closed_by_node, flood, 3.0)
+            assert closed >= 1000, closed
+            started = time.monotonic()
+            async with await KvClient.connect(
+                HOST, tls_port, user=USER, password=PASSWORD, tls_ca=certs / "ca.pem"
+            ) as kv:
+                await kv.upsert(b"tls:after-flood", b"in")
+                assert (await kv.get(b"tls:after-flood")).value == b"in"
+            took = time.monotonic() - started
+            print(
+                f"TLS port: {closed} of {FLOOD_SOCKETS} silent sockets closed; "
+                f"a TLS KvClient in {took * 1000:.0f} ms"
+            )
+            assert took < 3.0, took
+        finally:
+            for sock in flood:
+                sock.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert "unknown magic" not in node.log_path.read_text()
+
+
+def test_tls_on_an_in_process_node_runs_on_asyncios_own_loop(tmp_path: Path, certs: Path) -> None:
+    """The node's TLS path with asyncio's SSLProtocol (the node process runs on uvloop's)."""
+    from changefeed.server.config import NodeConfig
+    from changefeed.server.node import Node
+
+    tls_port = free_port()
+    config = NodeConfig(
+        data_dir=tmp_path / "data", port=0, vbuckets=4, durable=False, tls_port=tls_port,
+        tls_cert=certs / "n0.pem", tls_key=certs / "n0.key",
+    )  # fmt: skip
+
+    async def scenario() -> None:
+        node = Node(config)
+        await node.start()
+        try:
+            async with await KvClient.connect(
+                HOST, node.tls_port, user=USER, password=PASSWORD, tls_ca=certs / "ca.pem"
+            ) as kv:
+                await kv.upsert_many([(f"k{i}".encode(), b"v" * 100) for i in range(1000)])
+                assert (await kv.get(b"k999")).value == b"v" * 100
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -96,6 +97,19 @@ UNAUTHENTICATED_OPCODES = frozenset(
 )
 Handler = Callable[["ClientConnection", Frame], None]
 _TLS_HANDSHAKE_RECORD = b"\x16"  # the first byte a TLS client sends (a handshake record)
+
+
+def _ssl_protocol_class(loop: asyncio.AbstractEventLoop) -> Any:
+    """The SSLProtocol of ``loop``'s implementation (``_begin_tls`` says why it is needed)."""
+    if type(loop).__module__.startswith("uvloop"):
+        from uvloop.loop import SSLProtocol  # type: ignore[attr-defined]
+
+        return SSLProtocol
+    from asyncio.sslproto import SSLProtocol as AsyncioSSLProtocol
+
+    return AsyncioSSLProtocol
+
+
 _REFUSAL_LOG_INTERVAL_S = 10.0  # a connection flood logs one line per interval, not per socket
 _last_refusal_log_s = float("-inf")
 
@@ -128,15 +142,26 @@ class ClientConnection(asyncio.Protocol):
     Args:
         context: what the node's connections share.
         admission: the node's connection budgets (admission.py); None: only max_connections.
-        tls: whether it came in on the TLS listener (STAT, logs).
+        tls: for a connection of the TLS listener: the TLS settings its handshake runs with.
+            The listener accepts plain TCP and the connection runs the handshake itself
+            (``loop.start_tls``), so that while it does, the connection is one of those still
+            authenticating: counted, bounded and closed oldest first like them (asyncio's own
+            TLS server keeps a socket in its handshake out of every count for up to 60 s).
     """
 
     def __init__(
-        self, context: ServerContext, admission: Admission | None = None, *, tls: bool = False
+        self,
+        context: ServerContext,
+        admission: Admission | None = None,
+        *,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.context = context
         self.admission = admission
-        self.tls = tls
+        self.tls = tls is not None
+        self._tls_context = tls
+        self._handshake: asyncio.Task[None] | None = None  # the TLS handshake, while it runs
+        self._lost = False  # connection_lost ran (a failed TLS handshake may run it twice)
         self._answers_pending = 0  # requests answered later (durable writes, waits)
         # Until SASL succeeds a peer may only send small frames (limits.py explains why).
         self.reader = FrameReader(limits.UNAUTHENTICATED_FRAME_SIZE_MAX)
@@ -196,8 +221,60 @@ class ClientConnection(asyncio.Protocol):
                     self.admission.closed_unauthenticated,
                 )
                 oldest.close()
+        if self._tls_context is not None:
+            self._begin_tls(transport, self._tls_context)
+
+    def _begin_tls(self, raw: asyncio.BaseTransport, tls: ssl.SSLContext) -> None:
+        """Put a TLS protocol between the accepted socket and this connection, now.
+
+        What ``loop.start_tls`` does, but before ``connection_made`` returns: start_tls runs a
+        loop iteration later, and uvloop starts reading the socket as soon as connection_made
+        returns (undoing a pause), so the client's first TLS bytes would reach this connection
+        instead. The event loop's own SSLProtocol class is used (uvloop's compiled one on uvloop).
+        """
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        secure = _ssl_protocol_class(loop)(
+            loop,
+            self,
+            tls,
+            waiter,
+            server_side=True,
+            call_connection_made=False,
+            ssl_handshake_timeout=limits.TLS_HANDSHAKE_DEADLINE_S,
+        )
+        raw.set_protocol(secure)
+        secure.connection_made(raw)
+        self._handshake = loop.create_task(self._secured(raw, secure, waiter))
+
+    async def _secured(
+        self, raw: asyncio.BaseTransport, secure: Any, waiter: asyncio.Future[None]
+    ) -> None:
+        """Once the handshake is done, serve over the TLS transport; a handshake that fails or
+        overstays TLS_HANDSHAKE_DEADLINE_S closes the connection."""
+        try:
+            await waiter
+        except (OSError, TimeoutError) as error:  # ssl.SSLError and ConnectionError are OSErrors
+            log.debug("TLS handshake with %s failed: %r", self.peer, error)
+            self._handshake = None
+            raw.close()
+            self.connection_lost(None)
+            return
+        self._handshake = None
+        secured = secure._get_app_transport()
+        if self._lost:
+            secured.close()
+            return
+        self.transport = secured
+        secured.set_write_buffer_limits(high=limits.WRITE_BUFFER_HIGH_BYTES)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        if self._handshake is not None:
+            self._handshake.cancel()
+            self._handshake = None
         if self.admission is not None:
             self.admission.left(self)
         for waiting in list(self.persistence_waits):
@@ -432,8 +509,14 @@ class ClientConnection(asyncio.Protocol):
         )
 
     def close(self) -> None:
+        """Close the connection; it stops counting against max_connections and the budgets at
+        once (a burst that closes hundreds of connections per loop iteration must not be
+        refused for slots that are already being given back)."""
         if self.transport is not None:
             self.transport.close()
+        self.context.connections.discard(self)
+        if self.admission is not None:
+            self.admission.left(self)
 
     def _dispatch(self, frame: Frame) -> None:
         if not frame.is_request:

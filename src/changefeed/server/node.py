@@ -236,12 +236,11 @@ class Node:
         )
         context.port = self._server.sockets[0].getsockname()[1]
         if self._tls is not None:
+            tls = self._tls  # the connections run their handshakes (ClientConnection's tls)
             self._tls_server = await loop.create_server(
-                lambda: ClientConnection(context, admission, tls=True),
+                lambda: ClientConnection(context, admission, tls=tls),
                 self.config.host,
                 self.config.tls_port,
-                ssl=self._tls,
-                ssl_handshake_timeout=limits.TLS_HANDSHAKE_DEADLINE_S,
                 backlog=limits.LISTEN_BACKLOG,
             )
             self.tls_port = self._tls_server.sockets[0].getsockname()[1]
