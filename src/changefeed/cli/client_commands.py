@@ -54,9 +54,10 @@ from changefeed.consumer import (
 )
 from changefeed.consumer.connection import ConnectionClosedError
 from changefeed.consumer.handshake import connect
+from changefeed.consumer.kv_client import Durability
 from changefeed.protocol.batch import ChangeColumns
 from changefeed.protocol.errors import AuthError, StatusError
-from changefeed.protocol.kv import encode_request
+from changefeed.protocol.kv import MutationResult, encode_request
 from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.status import Status
 
@@ -141,6 +142,8 @@ def load(
     if not 0 <= update_ratio + delete_ratio <= 1:
         raise click.BadParameter("update-ratio + delete-ratio must be within 0..1")
 
+    tally = _LoadTally()
+
     async def main() -> dict[str, Any]:
         kv = await KvClient.connect(host, port, bucket=bucket, user=user, password=password)
         try:
@@ -155,11 +158,16 @@ def load(
                 durability,
                 seed,
                 as_json,
+                tally,
             )
         finally:
             await kv.close()
 
-    summary = run_against(main(), Target(host, port, user))
+    try:
+        summary = run_against(main(), Target(host, port, user))
+    except KeyboardInterrupt:
+        _report_interrupted(tally, count, as_json)
+        raise SystemExit(130) from None  # 128 + SIGINT, as shells report it
     if as_json:
         click.echo(json.dumps(summary))
     else:
@@ -167,6 +175,80 @@ def load(
             f"{summary['ops']:,} ops ({summary['sets']:,} sets, {summary['deletes']:,} deletes) "
             f"in {summary['seconds']:.2f} s: {summary['ops_per_s']:,.0f} ops/s"
         )
+
+
+class _Acknowledged:
+    """The `KvClient` calls `OrderedWrites` makes, passed through, remembering the write
+    answered last: what an interrupted `load` can say it wrote."""
+
+    def __init__(self, kv: KvClient) -> None:
+        self.kv = kv
+        self.last: tuple[bytes, MutationResult] | None = None
+
+    async def upsert_many(
+        self, items: list[tuple[bytes, bytes]], *, durability: Durability = "none"
+    ) -> list[MutationResult]:
+        results = await self.kv.upsert_many(items, durability=durability)
+        if results:
+            self.last = (items[-1][0], results[-1])
+        return results
+
+    async def upsert(self, key: bytes, value: bytes, **options: Any) -> MutationResult:
+        result = await self.kv.upsert(key, value, **options)
+        self.last = (key, result)
+        return result
+
+    async def remove(self, key: bytes, **options: Any) -> MutationResult:
+        result = await self.kv.remove(key, **options)
+        self.last = (key, result)
+        return result
+
+    async def wait_all_persisted(self, done: list[MutationResult]) -> None:
+        await self.kv.wait_all_persisted(done)
+
+
+@dataclass(slots=True)
+class _LoadTally:
+    """How far `load` got, kept outside its coroutine so that an interrupt can report it."""
+
+    generated: int = 0  # operations made and handed to the writer
+    writes: OrderedWrites | None = None
+    client: _Acknowledged | None = None
+
+
+def _report_interrupted(tally: _LoadTally, count: int, as_json: bool) -> None:
+    """Say what an interrupted `load` wrote: the writes the node acknowledged (whole segments:
+    a segment cut short counts as unacknowledged, though some of it may have been applied),
+    and the last acknowledged key with its vbucket and seqno."""
+    writes, last = tally.writes, tally.client.last if tally.client else None
+    sets = writes.sets if writes else 0
+    deletes = (writes.deletes + writes.missing) if writes else 0
+    report: dict[str, Any] = {
+        "interrupted": True,
+        "ops": sets + deletes,
+        "sets": sets,
+        "deletes": deletes,
+        "generated": tally.generated,
+        "requested": count,
+        "last": None,
+    }
+    if last is not None:
+        key, result = last
+        report["last"] = {"key": _text(key), "vbucket": result.vbucket, "seqno": result.seqno}
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    line = (
+        f"interrupted: {report['ops']:,} of {count:,} ops acknowledged ({sets:,} sets, "
+        f"{deletes:,} deletes)"
+    )
+    unanswered = tally.generated - report["ops"]
+    if unanswered > 0:
+        line += f"; {unanswered:,} more were sent or queued without an answer (some may be written)"
+    if last is not None:
+        key, result = last
+        line += f"; last acknowledged: {_text(key)} (vb {result.vbucket}, seqno {result.seqno})"
+    click.echo(line, err=True)
 
 
 async def _load(
@@ -180,10 +262,16 @@ async def _load(
     durability: str,
     seed: int,
     quiet: bool,
+    tally: _LoadTally | None = None,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     written: list[bytes] = []  # keys set and not deleted, for updates and deletes to pick
-    writes = OrderedWrites(kv, durability=durability, missing_ok=True)  # type: ignore[arg-type]
+    tally = _LoadTally() if tally is None else tally
+    tally.client = recorder = _Acknowledged(kv)
+    # `recorder` stands in for the KvClient (the calls OrderedWrites makes); durability is
+    # one of load's --durability choices
+    writes = OrderedWrites(recorder, durability=durability, missing_ok=True)  # type: ignore[arg-type]
+    tally.writes = writes
     # Unpaced, whole segments go at once; paced, a window per 50 ms is flushed on time.
     window = writes.segment_max if rate == 0 else max(1, int(rate / 20))
     started = time.perf_counter()
@@ -201,6 +289,7 @@ async def _load(
             done = 0
             while done < count:
                 for _ in range(min(window, count - done)):  # bounded by the window
+                    tally.generated += 1
                     roll = rng.random()
                     if written and roll < delete_ratio:
                         at = rng.randrange(len(written))  # swap-remove: O(1), order is not kept
@@ -335,10 +424,14 @@ def stream(
     )
     show_progress = not (to_stdout or as_json) and Console(stderr=True).is_terminal
 
+    covered: dict[int, tuple[int, int]] = {}  # vb -> (seqno at the start, seqno at the end)
+
     async def main(sink: _Sink) -> int:
         vbs = _check_vbuckets(vbucket_list, await _node_vbuckets(config), target)
         async with DcpClient(config) as client:
             await client.stream(vbs, start=resume if resume is not None else start)  # type: ignore[arg-type]
+            if start == "beginning" or resume is not None:  # from now: no start seqno known
+                begun = {vb: client.session.get(vb).seqno for vb in vbs}
             try:
                 with _stream_progress(show_progress) as progress:
                     return await _copy_events(client, len(vbs), sink, follow, progress)
@@ -348,6 +441,8 @@ def stream(
                 raise sink.error from None  # a commit in a pause failed: it names the file
             finally:
                 sink.commit(client.session)
+                if start == "beginning" or resume is not None:
+                    covered.update((vb, (begun[vb], client.session.get(vb).seqno)) for vb in vbs)
 
     with _open_output(output) as handle:
         sink = _Sink(
@@ -369,8 +464,11 @@ def stream(
             )
         else:
             streams = run_against(main(sink), target)
+    seqnos, deduplicated = _deduplicated(covered, sink)
     summary = {
         "changes": sink.changes,
+        "seqnos": seqnos,
+        "deduplicated": deduplicated,
         "rollbacks": sink.rollbacks,
         "vbuckets": streams,
         "resumed": resume is not None,
@@ -379,8 +477,30 @@ def stream(
     }
     if as_json:
         click.echo(json.dumps(summary), err=True)
+    elif deduplicated:
+        click.echo(
+            f"{sink.changes} changes for {seqnos} seqnos (writes): the other {deduplicated} "
+            "were older versions of keys written again, which DCP sends once, at their latest "
+            "(deduplicated in memory and on disk)",
+            err=True,
+        )
     else:
         click.echo(f"{sink.changes} changes", err=True)
+
+
+def _deduplicated(
+    covered: dict[int, tuple[int, int]], sink: _Sink
+) -> tuple[int | None, int | None]:
+    """(seqnos the stream advanced over, how many of them it was not sent), or (None, None)
+    when it cannot tell (from now, a rollback, --local). Every write gets a seqno, and DCP
+    sends one version of a key per snapshot and storage keeps one per key, so the seqnos not
+    sent are writes replaced by a later write of the same key (or purged tombstones and
+    durable-write prepares, which are numbered too)."""
+    if not covered or sink.rollbacks:
+        return None, None
+    seqnos = sum(end - begun for begun, end in covered.values())
+    assert seqnos >= 0, covered
+    return seqnos, max(0, seqnos - sink.changes)
 
 
 @dataclass(frozen=True, slots=True)
