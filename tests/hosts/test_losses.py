@@ -20,7 +20,7 @@ from .workload import run_scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-HEALED_S = 4.0  # between two cuts: the map settles, the returning node catches up
+HEALED_S = 4.0  # between two cuts: the returning node catches up (writes go on meanwhile)
 
 
 def test_split_of_an_active_and_a_replica_from_the_rest_and_etcd_loses_nothing(
@@ -39,7 +39,7 @@ def test_split_of_an_active_and_a_replica_from_the_rest_and_etcd_loses_nothing(
                 time.sleep(LEASE_S + 5.0)
                 cluster.network.heal()
                 time.sleep(HEALED_S)
-                cluster.run(cluster.wait_converged())
+                cluster.run(cluster.wait_settled())
 
         report = run_scenario(
             hosts, workdir, splits, seed=rng.randrange(1, 10**6), workers=6, hot=4
@@ -62,7 +62,7 @@ def test_an_active_cut_from_etcd_only_loses_nothing(workdir: Path, rng: random.R
                 time.sleep(LEASE_S + 3.0)
                 cluster.network.heal()
                 time.sleep(HEALED_S)
-                cluster.run(cluster.wait_converged())
+                cluster.run(cluster.wait_settled())
 
         report = run_scenario(hosts, workdir, cuts, seed=rng.randrange(1, 10**6), workers=6, hot=4)
         assert report.acked > 0, report

@@ -269,9 +269,7 @@ class Network:
         self.namespaces.clear()
         self.hosts.clear()
         self._rules.clear()
-        left = leftovers(self.prefix)
-        assert not left or errors is not None, errors
-        return left
+        return leftovers(self.prefix) + errors
 
     def __enter__(self) -> Network:
         return self.create()
@@ -560,6 +558,22 @@ class HostCluster:
                 return await self.newest_map()
             await asyncio.sleep(0.3)
         raise TimeoutError(f"not converged after {timeout_s} s: {behind[:8]}")
+
+    async def wait_settled(self, *, timeout_s: float = 60.0) -> ClusterMap:
+        """Wait until every running node serves the same map and it names an active for every
+        vbucket (copies may still be catching up: writes may go on meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        revs: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, TimeoutError, ConnectionError):
+                async with asyncio.timeout(10.0):
+                    revs = {n.host: (await cluster_map(n)).rev for n in self.nodes if n.alive}
+                    cmap = await self.newest_map()
+                placed = all(cmap.active(vb) is not None for vb in range(cmap.vbuckets))
+                if len(set(revs.values())) == 1 and placed:
+                    return cmap
+            await asyncio.sleep(0.3)
+        raise TimeoutError(f"no settled map after {timeout_s} s: revs {revs}")
 
     async def _behind(self) -> list[object]:
         revs = {n.host: (await cluster_map(n)).rev for n in self.nodes if n.alive}
