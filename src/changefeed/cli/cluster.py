@@ -1,17 +1,21 @@
-"""``changefeed cluster start | status | stop | failover | add | remove``: a local cluster of
-nodes on loopback, on etcd.
+"""``changefeed cluster start | restart | status | stop | failover | add | remove``: a local
+cluster of nodes on loopback, on etcd.
 
 ``start`` launches an etcd (unless ``--etcd URL`` names one) and N ``changefeed serve``
 processes (through ``NodeProcess``, the one launcher), each with its own directory under
 ``--dir``, and records what it started in ``DIR/cluster.json``; it returns once the
 orchestrator has written the first map and every node answers. The processes outlive the
 command (each in its own process group); ``stop`` stops them by the recorded pids (nodes
-first, with SIGTERM: a clean shutdown; then etcd). ``status`` reads the map from etcd and
-each copy's seqnos from its node (STAT ``vbucket-seqno``), plus the active's view of each
-replica (STAT ``replication``) when the node has it. ``add`` and ``remove`` hand a rebalance
-request to the orchestrator (cluster/rebalance.py) and follow its progress until the map is
-the target; ``add`` first starts the node in ``--dir`` (as ``start`` does), ``remove`` waits for
-the removed node to stop (it stops by itself once the map no longer lists it).
+first, with SIGTERM: a clean shutdown; then etcd). ``restart`` starts one recorded node again
+in place (same port, data and flags; no rebalance) and records its new pid. The readiness
+checks log in as the nodes' admin user, whose password the nodes take from
+``CHANGEFEED_PASSWORD`` as this command does. ``status`` reads the map from etcd and each
+copy's seqnos from its node (STAT ``vbucket-seqno``), plus the active's view of each replica
+(STAT ``replication``) when the node has it, and leads with a summary of them. ``add`` and
+``remove`` hand a rebalance request to the orchestrator (cluster/rebalance.py) and follow its
+progress until the map is the target; ``add`` first starts the node in ``--dir`` (as ``start``
+does), ``remove`` waits for the removed node to stop (it stops by itself once the map no
+longer lists it).
 
 Failures are one ``Error:`` line naming the endpoint, node or file: exit 1; usage errors exit 2.
 """
