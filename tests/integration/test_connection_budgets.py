@@ -34,7 +34,7 @@ from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.sasl import encode_plain
 from changefeed.protocol.status import Status
 from changefeed.server.users import Users
-from support.clients import BUCKET, FEATURES, PASSWORD, USER
+from support.clients import BUCKET, FEATURES, PASSWORD, USER, node_stats
 from support.nodes import NodeFactory
 
 FLOOD_SOCKETS = 5000
@@ -244,6 +244,9 @@ def test_unauthenticated_flood_takes_no_slot_an_authenticated_client_needs(
             assert took < LOCKOUT_MAX_S, f"a new KvClient took {took:.1f} s"
             assert await asyncio.to_thread(raw.set_and_get, b"raw-old", b"still") == b"still"
             assert writer.done() is False, "the steady client failed"
+            counters = await node_stats(node, "connections")
+            assert int(counters["closed_unauthenticated_total"]) >= closed, counters
+            assert int(counters["unauthenticated"]) <= 256, counters
         finally:
             stop.set()
             for sock in flood:
@@ -374,6 +377,10 @@ def test_admins_get_the_reserved_slots_when_applications_hold_the_rest(
             took = await timed(new_kv_client_works(node.port, b"admin"))
             assert took < LOCKOUT_MAX_S, f"the admin took {took:.1f} s"
             assert alive(floods) == share  # nobody's stream was closed for the admin
+            counters = await node_stats(node, "connections")
+            assert counters["authenticated_share"] == str(share), counters
+            assert int(counters["refused_authentications_total"]) >= 1, counters
+            assert counters["closed_idle_total"] == "0", counters
         finally:
             await asyncio.gather(*(conn.close() for conn in floods))
 

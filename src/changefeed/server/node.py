@@ -208,12 +208,33 @@ class Node:
             assert config.tls_cert is not None and config.tls_key is not None  # validate()
             self._tls = server_tls_context(config.tls_cert, config.tls_key)
         self.tls_port = 0  # the bound TLS port once listening; 0: no TLS listener
+        self.context.stat_providers["connections"] = self._connection_stats
         self._server: asyncio.Server | None = None
         self._tls_server: asyncio.Server | None = None
         self._metrics: asyncio.Server | None = None
         self._deadlines: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self.shm: ShmPublisher | None = None  # config.shm_groups: local readers (docs/ipc.md)
+
+    def _connection_stats(self) -> list[tuple[str, str]]:
+        """STAT connections: the budgets' state and what they closed or refused (admission.py)."""
+        admission = self.admission
+        shares = admission.shares
+        tls = sum(1 for conn in self.context.connections if getattr(conn, "tls", False))
+        return [
+            ("curr_connections", str(len(self.context.connections))),
+            ("tls_connections", str(tls)),
+            ("unauthenticated", str(admission.unauthenticated)),
+            ("authenticated", str(admission.authenticated)),
+            ("max_connections", str(self.config.max_connections)),
+            ("max_unauthenticated_connections", str(shares.unauthenticated_max)),
+            ("authenticated_share", str(shares.authenticated_max)),
+            ("admin_share", str(shares.admin_max)),
+            ("max_connections_per_user", str(shares.per_user_max)),
+            ("closed_unauthenticated_total", str(admission.closed_unauthenticated)),
+            ("closed_idle_total", str(admission.closed_idle)),
+            ("refused_authentications_total", str(admission.refused)),
+        ]
 
     @property
     def port(self) -> int:
