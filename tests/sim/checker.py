@@ -5,7 +5,7 @@
 - No acknowledged CAS update is lost: a read-modify-write appends a token of its own to the
   value it read, so every acknowledged token must be in the hot key's final value.
 - Copies converge: every copy of each vbucket in the final map holds the same records
-  (seqno, key, op, value, cas) up to the same high seqno.
+  (seqno, key, op, value, cas).
 - No assert in production code fired, and no exception escaped an event (`violations`).
 - The consumer (consumer.py) saw per-vbucket seqnos rise, except after a rollback.
 
@@ -83,7 +83,10 @@ def check(
             if not node.up:
                 continue
             other_high, other = copy_records(node, vb)
-            if (other_high, other) != (high, records):
+            # Records, not high seqnos: a copy fed by a disk snapshot ends at the last record
+            # sent, below the active's high seqno when the tail is prepares or aborts (disk
+            # snapshots skip them, docs/architecture.md); its next change catches it up.
+            if other != records:
                 failures.append(
                     f"vb {vb}: copy on {name} (high {other_high}, {len(other)} records) differs "
                     f"from the active {chain[0]} (high {high}, {len(records)} records)"

@@ -22,11 +22,13 @@ import tempfile
 import traceback
 from pathlib import Path
 
+from changefeed.cluster import placement
 from changefeed.vbmap import ClusterMap
 
 from . import keys
 from .checker import History, check
-from .faults import Fault, FaultInjector, random_faults
+from .consumer import Consumer
+from .faults import Fault, FaultInjector, random_faults, template_faults
 from .metastore import MetaStore
 from .network import Network
 from .node import SimNode
@@ -35,6 +37,7 @@ from .scheduler import Scheduler
 from .workload import Client
 
 MAP_WAIT_S = 5.0  # the first map must exist by then
+TEMPLATE_SHARE = 0.2  # random seeds that instantiate a dangerous pattern (faults.template_faults)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,12 +48,13 @@ class SimConfig:
     clients: int = 2
     lease_ttl_s: int = 2  # limits.ETCD_LEASE_TTL_S_MIN: short, so failovers fit in a run
     replica_lag_max_s: float = 2.0
-    work_s: float = 4.0
-    settle_s: float = 8.0
-    faults_max: int = 3
-    think_s: tuple[float, float] = (0.005, 0.04)
+    work_s: float = 5.0
+    settle_s: float = 7.0
+    faults_max: int = 4
+    think_s: tuple[float, float] = (0.02, 0.1)
     plain_share: float = 0.2
     durable_share: float = 0.4  # the rest: CAS read-modify-write
+    consumer: bool = True  # a DCP consumer reading every vbucket from its active
 
     @classmethod
     def for_seed(cls, seed: int) -> SimConfig:
@@ -112,13 +116,15 @@ class SimCluster:
         self.history = History()
         self.violations: list[str] = []
         self.nodes_by_name: dict[str, SimNode] = {}
-        self.clients_by_name: dict[str, Client] = {}
+        self.clients_by_name: dict[str, Client | Consumer] = {}
         for i in range(config.nodes):
             name = f"n{i}"
             self.nodes_by_name[name] = SimNode(self, name, root / name)
         for i in range(config.clients):
             name = f"c{i}"
             self.clients_by_name[name] = Client(self, name)
+        if config.consumer:
+            self.clients_by_name["k0"] = Consumer(self, "k0")
         self.injector = FaultInjector(self)
 
     def violation(self, text: str) -> None:
@@ -178,7 +184,12 @@ def run(
         rng = Scheduler(seed).stream("faults")
         nodes = [f"n{i}" for i in range(config.nodes)]
         clients = [f"c{i}" for i in range(config.clients)]
-        faults = random_faults(rng, nodes, clients, config.work_s, config.faults_max)
+        chains = placement.chains(config.nodes, config.replicas, config.vbuckets)
+        victim = tuple(f"n{i}" for i in rng.choice(chains) if i != -1)
+        if rng.random() < TEMPLATE_SHARE:
+            faults = template_faults(rng, nodes, clients, config.work_s, victim)
+        else:
+            faults = random_faults(rng, nodes, clients, config.work_s, config.faults_max, victim)
     root = Path(tempfile.mkdtemp(prefix=f"sim-{seed}-", dir=_scratch()))
     cluster = SimCluster(seed, config, root, rules if rules is not None else rules_for_tree())
     logger = logging.getLogger("changefeed")
@@ -202,6 +213,8 @@ def run(
             "plain_acked": h.plain_acked,
             "unknown": h.unknown_count,
             "map_rev": final.rev if final is not None else 0,
+            "consumed": getattr(cluster.clients_by_name.get("k0"), "items", 0),
+            "consumer_rollbacks": getattr(cluster.clients_by_name.get("k0"), "rollbacks", 0),
         }
         return RunResult(
             seed, config, list(faults), failures, cluster.sched.trace_hash,

@@ -62,25 +62,47 @@ class Fault:
         return cls(kind, float(start), float(duration), names, amount)
 
 
-def random_faults(rng: random.Random, nodes: list[str], clients: list[str], window_s: float,
-                  count_max: int = 3) -> list[Fault]:  # fmt: skip
-    """Up to `count_max` faults inside [0, window_s), drawn from `rng`."""
+def random_faults(
+    rng: random.Random,
+    nodes: list[str],
+    clients: list[str],
+    window_s: float,
+    count_max: int = 4,
+    victim: tuple[str, ...] = (),
+) -> list[Fault]:
+    """Up to `count_max` faults inside [0, window_s), drawn from `rng`.
+
+    Swarm testing (as FoundationDB and TigerBeetle do): each schedule enables a few kinds
+    only, and most faults aim at the copies of one `victim` vbucket chain, so that the
+    combinations that lose data (a replica lagging while the others go away) are common.
+    Durations are short (a blip) or longer than a lease (a failover follows).
+    """
+    kinds = rng.sample(KINDS, rng.randint(2, 5))
     faults: list[Fault] = []
-    for _ in range(rng.randint(0, count_max)):
-        kind = rng.choice(KINDS)
-        start = round(rng.uniform(0.0, window_s * 0.8), 2)
-        duration = round(rng.uniform(0.3, min(4.5, window_s - start)), 2)
-        node = rng.choice(nodes)
+    for _ in range(rng.randint(1, count_max)):
+        kind = rng.choice(kinds)
+        start = round(rng.uniform(0.0, window_s * 0.7), 2)
+        longest = max(0.3, window_s - start)
+        if rng.random() < 0.5:
+            duration = round(rng.uniform(0.2, min(1.5, longest)), 2)
+        else:
+            duration = round(rng.uniform(min(2.5, longest * 0.8), min(4.5, longest)), 2)
+        pool = list(victim) if victim and rng.random() < 0.75 else nodes
+        node = rng.choice(pool)
         if kind in ("oneway", "slow_link"):
-            a, b = rng.sample([*nodes, metastore.ENDPOINT], 2)
+            a = node
+            b = rng.choice([n for n in [*pool, *nodes, metastore.ENDPOINT] if n != a])
             amount = round(rng.uniform(0.005, 0.2), 3) if kind == "slow_link" else 0.0
             faults.append(Fault(kind, start, duration, (a, b), amount))
         elif kind == "split":
-            side = rng.sample(nodes, rng.randint(1, max(1, len(nodes) // 2)))
+            size = rng.randint(1, max(1, len(nodes) // 2))
+            side = sorted({node, *rng.sample(nodes, size)})[: max(1, len(nodes) // 2)]
+            if node not in side:
+                side[0] = node
             side += rng.sample(clients, rng.randint(0, len(clients)))
             if rng.random() < 0.3:
                 side.append(metastore.ENDPOINT)
-            faults.append(Fault(kind, start, duration, tuple(sorted(side))))
+            faults.append(Fault(kind, start, duration, tuple(sorted(set(side)))))
         elif kind == "slow_disk":
             faults.append(Fault(kind, start, duration, (node,), round(rng.uniform(0.02, 0.5), 3)))
         elif kind == "reorder":
@@ -89,6 +111,47 @@ def random_faults(rng: random.Random, nodes: list[str], clients: list[str], wind
             faults.append(Fault(kind, start, duration, (), round(rng.uniform(0.01, 0.2), 3)))
         else:
             faults.append(Fault(kind, start, duration, (node,)))
+    return sorted(faults, key=lambda f: (f.start_s, str(f)))
+
+
+def template_faults(
+    rng: random.Random, nodes: list[str], clients: list[str], window_s: float,
+    victim: tuple[str, ...],
+) -> list[Fault]:  # fmt: skip
+    """A random instance of a pattern known to be dangerous, aimed at the `victim` chain
+    (active first): the timings, sides and extra noise come from `rng`.
+
+    - split: the active and one replica (and some clients) cut from the rest and etcd;
+    - etcd_cut: the active cut from the metadata store only;
+    - lag_then_fail: one replica falls behind (cut from the active one way, paused, or on a
+      slow link), then the active and the other replicas go away for longer than a lease.
+    """
+    active, replicas = victim[0], list(victim[1:])
+    start = round(rng.uniform(0.2, 1.0), 2)
+    long_s = round(rng.uniform(3.0, max(3.0, window_s - start - 0.2)), 2)
+    pattern = rng.choice(("split", "etcd_cut", "lag_then_fail"))
+    faults: list[Fault] = []
+    if pattern == "split" and replicas:
+        side = {active, rng.choice(replicas), *rng.sample(clients, rng.randint(1, len(clients)))}
+        faults.append(Fault("split", start, long_s, tuple(sorted(side))))
+    elif pattern == "lag_then_fail" and len(replicas) >= 2:
+        lagging, others = replicas[-1], replicas[:-1]
+        how = rng.choice(("oneway", "pause", "slow_link"))
+        lag_s = round(long_s + 2.0, 2)
+        if how == "oneway":
+            faults.append(Fault("oneway", start, lag_s, (active, lagging)))
+        elif how == "pause":
+            faults.append(Fault("pause", start, round(rng.uniform(2.5, 3.5), 2), (lagging,)))
+        else:
+            faults.append(Fault("slow_link", start, lag_s, (active, lagging), 0.5))
+        later = round(start + rng.uniform(2.5, 3.5), 2)
+        gone_s = round(max(2.6, window_s - later), 2)
+        for node in [active, *others]:
+            faults.append(Fault(rng.choice(("crash", "isolate")), later, gone_s, (node,)))
+    else:
+        faults.append(Fault("cut_etcd", start, long_s, (active,)))
+    if rng.random() < 0.5:  # noise the pattern does not need (shrinking drops it)
+        faults.extend(random_faults(rng, nodes, clients, window_s, 1, victim))
     return sorted(faults, key=lambda f: (f.start_s, str(f)))
 
 

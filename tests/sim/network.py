@@ -63,7 +63,8 @@ class Network:
         self.gates[name] = gate
 
     def is_cut(self, src: str, dst: str) -> bool:
-        return self.faults.cut[(src, dst)] > 0
+        cut = self.faults.cut
+        return bool(cut) and cut[(src, dst)] > 0
 
     def delay(self, src: str, dst: str) -> float:
         base = self.rng.uniform(DELAY_MIN_S, DELAY_MAX_S)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from changefeed.checkpoint import CheckpointMemoryFullError, CursorKind, StreamReader
 from changefeed.producer.stream_request import VbucketView
-from changefeed.protocol.dcp import StreamEndReason
+from changefeed.protocol.dcp import StreamEndReason, StreamRole
 from changefeed.protocol.errors import (
     KeyExistsError,
     KeyNotFoundError,
@@ -205,7 +205,9 @@ class SimNode:
         self._flush_due = False
         written = 0
         for vb in sorted(self.vbuckets):
-            written += self.vbuckets[vb].flush()
+            vbucket = self.vbuckets[vb]
+            if vbucket.high_seqno != vbucket.persisted_seqno:  # else nothing is queued
+                written += vbucket.flush()
         if written:
             self.durability.on_persisted()
             for source in sorted(self.feeds):
@@ -238,8 +240,9 @@ class SimNode:
     def on_conn_message(self, conn: Conn, payload: Any) -> None:
         """This node's end of a connection a replica opened to it (run only while it is up:
         the network drops what arrives while it is down)."""
-        if isinstance(payload, tuple):  # ("open", replica): DCP_OPEN
-            end = ProducerEnd(self, conn, payload[1])
+        if isinstance(payload, tuple):  # ("open", name, role): DCP_OPEN
+            role = StreamRole(payload[2]) if len(payload) > 2 else StreamRole.REPLICA
+            end = ProducerEnd(self, conn, payload[1], role)
             self.producers[conn.id] = end
             incarnation = self.incarnation
             conn.on_close[self.name] = lambda: self.if_current(

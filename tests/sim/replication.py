@@ -201,17 +201,19 @@ class ProducerEnd:
     """The active's side of one replica connection: a real `DcpProducer` and the
     connection handler's duties towards the replication tracker."""
 
-    def __init__(self, node: SimNode, conn: Conn, replica: str) -> None:
+    def __init__(
+        self, node: SimNode, conn: Conn, peer: str, role: StreamRole = StreamRole.REPLICA
+    ) -> None:
         self.node = node
         self.conn = conn
-        self.replica = replica
+        self.replica = peer if role is StreamRole.REPLICA else None
         flags = OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES
         self.producer = DcpProducer(
-            f"replication:{node.name}->{replica}",
+            f"{role.value}:{node.name}->{peer}",
             flags,
             source=node,
-            role=StreamRole.REPLICA,
-            consumer_name=replica,
+            role=role,
+            consumer_name=self.replica,
             clock=node.sched.monotonic,
         )
         for key, value in (
@@ -235,8 +237,9 @@ class ProducerEnd:
             match self.producer.stream_request(decode_stream_request(f)):
                 case Accepted(failover_log=entries, start_seqno=start):
                     self._reply(encode_response(f, value=encode_failover_log(list(entries))))
-                    tracker.stream_opened(f.vbucket, self.replica, start)
-                    node.durability.on_progress(f.vbucket)
+                    if self.replica is not None:
+                        tracker.stream_opened(f.vbucket, self.replica, start)
+                        node.durability.on_progress(f.vbucket)
                     node.request_pump()
                 case RollbackTo(seqno=seqno):
                     self._reply(
@@ -244,7 +247,7 @@ class ProducerEnd:
                     )
                 case Refused(status=status, message=message):
                     self._reply(encode_response(f, status, value=message.encode()))
-        elif f.opcode == Opcode.DCP_SEQNO_ACKNOWLEDGED:
+        elif f.opcode == Opcode.DCP_SEQNO_ACKNOWLEDGED and self.replica is not None:
             ack = decode_seqno_acknowledged(f)
             persisted = ack.persisted if ack.persisted is not None else 0
             tracker.acknowledged(f.vbucket, self.replica, ack.received, persisted)
@@ -267,7 +270,8 @@ class ProducerEnd:
     def closed(self) -> None:
         """The connection is gone (server/connection.py `connection_lost`)."""
         tracker = self.node.tracker
-        for vb in sorted(self.producer.streams):
-            tracker.stream_closed(vb, self.replica)
-            self.node.durability.on_progress(vb)
+        if self.replica is not None:
+            for vb in sorted(self.producer.streams):
+                tracker.stream_closed(vb, self.replica)
+                self.node.durability.on_progress(vb)
         self.producer.close()

@@ -1,0 +1,45 @@
+"""Deliberately broken rules, to show the simulator catches each within the CI seed budget.
+
+Each mutant wraps the production function it breaks and is installed with pytest's
+`monkeypatch` on the function's own module (the simulator looks rules up there at call time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from changefeed.cluster import failover as cluster_failover
+from changefeed.server import sync_writes
+
+
+def commit_one_ack_short(real: Callable[..., bool]) -> Callable[..., bool]:
+    """`durability_met` that commits with one copy fewer than a majority of the chain."""
+
+    def mutant(seqno: int, active_persisted: int, replica_acks: Sequence[int], **kw: Any) -> bool:
+        chain = 1 + len(replica_acks)
+        majority = chain // 2 + 1
+        if active_persisted < seqno:
+            return False
+        held = 1 + sum(1 for acked in replica_acks if acked >= seqno)
+        return held >= majority - 1
+
+    mutant.__wrapped__ = real  # type: ignore[attr-defined]
+    return mutant
+
+
+def promote_out_of_sync(real: Callable[..., Any]) -> Callable[..., Any]:
+    """`plan_failover` whose eligibility ignores the in-sync record: any live replica may be
+    promoted (the most advanced by its published seqno), in sync or not."""
+
+    def mutant(current: Any, live: Any, in_sync: Any, high_seqnos: Any, **kw: Any) -> Any:
+        return real(current, live, {}, high_seqnos, **{**kw, "force": True})
+
+    mutant.__wrapped__ = real  # type: ignore[attr-defined]
+    return mutant
+
+
+MUTANTS: dict[str, tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = {
+    "commit_one_ack_short": (sync_writes, "durability_met", commit_one_ack_short),
+    "promote_out_of_sync": (cluster_failover, "plan_failover", promote_out_of_sync),
+}
