@@ -125,3 +125,52 @@ def test_a_crashed_node_is_failed_over_without_waiting_out_its_lease(
     serving_s = asyncio.run(durable_write_after_kill())
     print(f"kill -9 of {victim} {name}: a durable write served again after {serving_s:.2f} s")
     assert serving_s < LONG_LEASE_S / 2, "waited for the lease: the crash was not confirmed"
+
+
+def test_in_sync_records_follow_failovers_back_and_forth_and_never_block_a_failover(
+    nodes: NodeFactory, etcd: EtcdServer, cluster_name: str
+) -> None:
+    """Issue 25: after failovers back and forth, a vbucket's in-sync record named an earlier
+    active (the agent never wrote again what it had written once), and killing the current
+    active then failed over only some of its vbuckets ("no live replica was in sync"). Each
+    activation now writes its own record, fenced by the map it serves by."""
+    cluster = start_cluster(
+        nodes, etcd.endpoint, cluster_name, count=3, replicas=2, failover_timeout_s=LONG_LEASE_S
+    )
+    n1, n2, n3 = cluster
+
+    async def fail_over(name: str) -> None:
+        async with await ClusterMetadata.connect(etcd.endpoint, cluster_name) as metadata:
+            before = await metadata.read_map()
+            assert before is not None
+            await metadata.request_failover(name)
+            deadline = time.monotonic() + 60
+            while True:  # bounded by the deadline
+                now = await metadata.read_map()
+                assert now is not None
+                if now[0].rev > before[0].rev and not await metadata.failover_requests():
+                    return  # done, and the request answered (else the node stays "failed")
+                assert time.monotonic() < deadline, f"{name} never failed over"
+                await asyncio.sleep(0.1)
+
+    for name in ("n1", "n2", "n3", "n1"):  # each leads, loses and regains vbuckets
+        asyncio.run(wait_in_sync_published(etcd.endpoint, cluster_name))
+        asyncio.run(fail_over(name))
+    asyncio.run(wait_in_sync_published(etcd.endpoint, cluster_name))
+    cmap = asyncio.run(cluster_map(n3))
+    by_port = {n.port: n for n in cluster}
+    victim = max(
+        cluster, key=lambda n: sum(a.port == n.port for a in map(cmap.active, range(8)) if a)
+    )
+    led = [vb for vb in range(cmap.vbuckets) if (a := cmap.active(vb)) and a.port == victim.port]
+    assert led
+    victim.kill()
+    survivor = next(n for n in (n1, n2, n3) if n is not victim)
+    deadline = time.monotonic() + 30
+    while True:  # bounded by the deadline
+        now = asyncio.run(cluster_map(survivor))
+        left = [vb for vb in led if (a := now.active(vb)) is None or by_port.get(a.port) is victim]
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"vbuckets {left} of the killed active not failed over"
+        time.sleep(0.1)
