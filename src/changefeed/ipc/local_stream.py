@@ -50,6 +50,7 @@ from changefeed.ipc.errors import (
     ServiceReplacedError,
     UnpublishedError,
 )
+from changefeed.ipc.layout import SLOT_FLAG_GAP
 from changefeed.ipc.proxy import Sample, Subscription, subscribe
 from changefeed.protocol.kv import encode_request
 from changefeed.protocol.opcode import Opcode
@@ -219,8 +220,14 @@ class LocalStream:
         return batch
 
     def _join(self) -> bool:
-        """Point the subscription at the oldest batch that continues the reader; False if the
-        ring holds none (and it is not empty)."""
+        """Point the subscription at the oldest batch that continues the reader with something
+        new; False if the ring holds none (and it is not empty): the reader goes over DCP.
+
+        A batch continues the reader if its positions *before* are at or below the reader's,
+        on the same branch. Batches with nothing past the reader are passed over (joining one
+        would only repeat it), and so is a gap batch (its rows are not in the ring: they come
+        over DCP). A reader at or past the newest batch waits for the next one.
+        """
         sub = self._sub
         session = self.session
         if session is None:
@@ -234,18 +241,29 @@ class LocalStream:
             return True
         mine = np.array([session.get(vb).seqno for vb in self.vbuckets], np.uint64)
         uuids = np.array([session.get(vb).vb_uuid for vb in self.vbuckets], np.uint64)
-        for seq in range(oldest, head + 1):
+        for seq in range(oldest, head + 1):  # bounded by the slot count
             positions = sub.positions_of(seq)
-            if positions is None:
+            flags = sub.flags_of(seq)
+            if positions is None or flags is None:
                 continue
             positions = positions[self._watched]
             same_branch = (uuids == 0) | (mine == 0) | (uuids == positions[:, 0])
-            if bool(np.all(positions[:, 4] <= mine)) and bool(np.all(same_branch)):
-                sub.seek(seq)
-                self._joined = True
-                self.stats["rejoins"] += 1
-                return True
+            if not bool(np.all(positions[:, 4] <= mine)) or not bool(np.all(same_branch)):
+                continue  # rows between the reader and this batch are missing
+            if bool(np.all(positions[:, 1] <= mine)):
+                if seq == head:  # the reader has everything the ring holds: the next one
+                    return self._seek_joined(seq + 1)
+                continue  # nothing new in it
+            if flags & SLOT_FLAG_GAP:
+                continue  # joining it would raise LostDataError again
+            return self._seek_joined(seq)
         return False
+
+    def _seek_joined(self, seq: int) -> bool:
+        self._sub.seek(seq)
+        self._joined = True
+        self.stats["rejoins"] += 1
+        return True
 
     def _start_catch_up(self) -> None:
         if self._dcp is None:

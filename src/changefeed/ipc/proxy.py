@@ -500,6 +500,20 @@ class Subscription:
             return None
         return np.frombuffer(raw, "<u8").reshape(-1, POSITION_FIELDS).astype(np.uint64)
 
+    def flags_of(self, seq: int) -> int | None:
+        """The slot flags of batch `seq` (SLOT_FLAG_GAP), read as `positions_of` reads: None if
+        no slot holds it (checked after the read)."""
+        if seq < 1:
+            return None
+        slot = find_slot(self._a, self._layout, seq)
+        if slot is None:
+            return None
+        header = SLOT_HEADER.unpack_from(self._data.buf, slot * self._slot_bytes)
+        self._a.fence_acquire()  # paired with ring.claim_slot's release fence, as positions_of
+        if self._a.load_u64(self._states[slot]) >> REFCOUNT_BITS != seq:
+            return None
+        return int(header[4])
+
     # -- closing ---------------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -47,11 +47,19 @@ from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.snapshot_marker import decode_snapshot_marker
 from changefeed.server.bucket import Bucket
 from changefeed.server.config import NodeConfig
+from changefeed.vbucket_state import VBucketState
 
 log = logging.getLogger("changefeed.shm")
 
 SEQNO_FOREVER: Final = 0xFFFF_FFFF_FFFF_FFFF
 TICK_S: Final = 0.1  # an idle group looks for refused streams and persistence this often
+# Free when unused: with no reader subscribed for IDLE_AFTER_S a group stops publishing (its
+# streams and checkpoint cursors closed, no wakeup per change) and only moves the ring's head
+# positions on to what is persisted, every REFRESH_S, with a gap batch (readers fetch those rows
+# over DCP). The first subscriber restarts the streams from the head positions: no row is
+# skipped, and the catch-up from memory or disk covers at most REFRESH_S of changes.
+IDLE_AFTER_S: Final = 1.0
+REFRESH_S: Final = 1.0
 RETRY_S: Final = 1.0  # a refused (not active) vbucket is asked for again after this long
 UUID, SEQNO, SNAP_START, SNAP_END, BEFORE = range(POSITION_FIELDS)
 
@@ -87,12 +95,8 @@ class GroupPublisher:
         self.persisted_only = persisted_only
         self.rows_per_batch = rows_per_batch
         self._loop_time = clock or asyncio.get_running_loop().time
-        self.producer = DcpProducer(
-            f"shm:{provider.service}",
-            OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES,
-            source=bucket,
-            backfill_slots=backfill_slots,
-        )
+        self._backfill_slots = backfill_slots
+        self.producer = self._new_producer()
         self._index = np.full(limits.VBUCKETS_MAX, -1, np.int64)
         self._index[list(self.group)] = np.arange(len(self.group))
         self._positions = self._start_positions()
@@ -105,7 +109,27 @@ class GroupPublisher:
         for vb in self.group:
             bucket.wakeup(vb).add_callback(self._work.set)
         self._task: asyncio.Task[None] | None = None
-        self.stats = {"rows": 0, "batches": 0, "rollbacks": 0, "gaps": 0, "refused": 0}
+        self.paused = False  # no reader: streams closed, nothing published per change
+        self._unread_since: float | None = None  # when the last reader left (None: one is in)
+        self._refreshed_at = 0.0
+        self.stats = {
+            "rows": 0,
+            "batches": 0,
+            "rollbacks": 0,
+            "gaps": 0,
+            "refused": 0,
+            "pauses": 0,
+            "resumes": 0,
+            "refreshes": 0,
+        }
+
+    def _new_producer(self) -> DcpProducer:
+        return DcpProducer(
+            f"shm:{self.provider.service}",
+            OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES,
+            source=self.bucket,
+            backfill_slots=self._backfill_slots,
+        )
 
     def _start_positions(self) -> NDArray[np.uint64]:
         """Where the ring ends (a reused ring), else each vbucket's high seqno now."""
@@ -141,12 +165,13 @@ class GroupPublisher:
                 await self._task
         with contextlib.suppress(ValueError, OSError):
             asyncio.get_running_loop().remove_reader(self.provider.control_fileno())
-        for vb in self.group:
-            with contextlib.suppress(ValueError):
-                self.bucket.wakeup(vb).remove_callback(self._work.set)
-        # What is persisted by now goes out; the rest is read again after a restart.
-        with contextlib.suppress(Exception):
-            self._publish_ready()
+        if not self.paused:
+            for vb in self.group:
+                with contextlib.suppress(ValueError):
+                    self.bucket.wakeup(vb).remove_callback(self._work.set)
+            # What is persisted by now goes out; the rest is read again after a restart.
+            with contextlib.suppress(Exception):
+                self._publish_ready()
         self.producer.close()
         self.provider.stop_offer()
 
@@ -155,6 +180,9 @@ class GroupPublisher:
             while True:  # the group's publishing loop; cancelled by stop()
                 self._work.clear()
                 self.provider.maintain()  # dead readers reclaimed (every RECLAIM_INTERVAL_S)
+                if self._idle():
+                    await asyncio.sleep(TICK_S)  # nothing per change: a look every tick
+                    continue
                 self._request_streams()
                 produced = self._pump() if self._pending_rows < limits.SHM_PENDING_ROWS_MAX else 0
                 published = self._publish_ready()
@@ -168,6 +196,82 @@ class GroupPublisher:
             raise
         except Exception:
             log.exception("shm publisher of %s failed", self.provider.service)
+
+    # -- free when unused -----------------------------------------------------------------------
+
+    def _idle(self) -> bool:
+        """Pause, resume or refresh by the subscriber count; True while paused."""
+        now = self._loop_time()
+        readers = self.provider.subscription()[0]
+        if readers:
+            self._unread_since = None
+            if self.paused:
+                self._resume()
+            return False
+        if self._unread_since is None:
+            self._unread_since = now
+        if not self.paused and now - self._unread_since >= IDLE_AFTER_S:
+            self._pause()
+        if self.paused and now - self._refreshed_at >= REFRESH_S:
+            self._refreshed_at = now
+            self._refresh()
+        return self.paused
+
+    def _pause(self) -> None:
+        """No reader: publish what is ready, close the streams (their cursors go), stop being
+        woken per change. The ring ends at the positions of its newest batch."""
+        with contextlib.suppress(Exception):
+            self._publish_ready()
+        for vb in self.group:
+            with contextlib.suppress(ValueError):
+                self.bucket.wakeup(vb).remove_callback(self._work.set)
+        self.producer.close()
+        self.producer = self._new_producer()
+        self._streaming.clear()
+        self._snapshots.clear()
+        self._retry_at.clear()
+        self._pending = []
+        self._pending_rows = 0
+        self.paused = True
+        self.stats["pauses"] += 1
+        log.info("%s: no reader; publishing paused", self.provider.service)
+
+    def _resume(self) -> None:
+        """A reader subscribed: stream again from the ring's head positions."""
+        assert self.paused
+        for vb in self.group:
+            self.bucket.wakeup(vb).add_callback(self._work.set)
+        self.paused = False
+        self.stats["resumes"] += 1
+        self._work.set()
+        log.info("%s: a reader subscribed; publishing resumed", self.provider.service)
+
+    def _refresh(self) -> None:
+        """While paused: move the head positions on to what each active vbucket persisted (the
+        high seqno without persisted-only), as a gap batch: a reader that wants those rows
+        fetches them over DCP (`LostDataError`; `LocalStream` does it), and a reader from "now"
+        starts at most REFRESH_S behind. A vbucket whose branch changed, or that went back, is
+        left for the resumed stream request to settle (a rollback row)."""
+        positions = self._positions.copy()
+        moved = False
+        for i, vb in enumerate(self.group):
+            view = self.bucket.vbucket_view(vb)
+            if view is None or view.state is not VBucketState.ACTIVE:
+                continue
+            target = view.persisted_seqno if self.persisted_only else view.high_seqno
+            if view.failover_log.latest[0] != int(positions[i, UUID]):
+                continue
+            if target > int(positions[i, SEQNO]):
+                positions[i, BEFORE] = positions[i, SEQNO]
+                positions[i, SEQNO:BEFORE] = target
+                moved = True
+        if not moved:
+            return
+        unmoved = positions[:, SEQNO] == self._positions[:, SEQNO]
+        positions[unmoved, BEFORE] = positions[unmoved, SEQNO]
+        self._positions = positions
+        self.provider.publish_gap(positions)
+        self.stats["refreshes"] += 1
 
     # -- streams --------------------------------------------------------------------------------
 
