@@ -887,8 +887,8 @@ def _render_summary(report: Mapping[str, Any]) -> list[str]:
             f"{node['actives']:>7} {node['replicas']:>8} {in_sync:>8}"
         )
         if not node["up"]:
-            error = addresses[node["name"]]["error"]
-            line += f"  {node['down_because']}" + (f" ({error})" if error else "")
+            error = addresses[node["name"]]["error"]  # whole in --json
+            line += f"  {node['down_because']}" + (f" ({error.split(':')[0]})" if error else "")
         elif node["replicas_unknown"]:
             line += f"  ({node['replicas_unknown']} not reported by their active)"
         lines.append(line)
@@ -900,15 +900,16 @@ def _render_summary(report: Mapping[str, Any]) -> list[str]:
     if summary["vbuckets_without_active"]:
         lines.append(f"vbuckets with no active copy: {summary['vbuckets_without_active']}")
     worst, worst_s = summary["worst_lag_items"], summary["worst_lag_s"]
+    lines.append(f"replicas in sync: {summary['replicas_in_sync']}/{summary['replicas']}")
     if worst is None:
         lag = "worst lag: unknown"
     elif worst["items"] == 0:
-        lag = "worst lag: 0 items (every replica has the active's high seqno)"
+        lag = "worst lag: 0 items (all caught up)"
     else:
         lag = f"worst lag: {worst['items']} items (vb {worst['vb']} on {worst['node']})"
     if worst_s is not None and worst_s["s"] > 0:
-        lag += f", {worst_s['s']:.3f} s (vb {worst_s['vb']} on {worst_s['node']})"
-    lines.append(f"replicas in sync: {summary['replicas_in_sync']}/{summary['replicas']}; {lag}")
+        lag += f"; {worst_s['s']:.3f} s (vb {worst_s['vb']} on {worst_s['node']})"
+    lines.append(lag)
     return lines
 
 
