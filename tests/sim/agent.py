@@ -11,8 +11,15 @@ As the real agent does today:
 - applies each newer map (`apply`): each copy's state by `cluster.rules.wanted_state`, through
   the node's one state-change entry, then the feeds. A map is read by polling (the watch).
 
-The membership's validity is tracked (`valid_until`: last good keep-alive sent + TTL) for the
-rules that fence an active by its lease (rules.py).
+Under the fencing rules (rules.py `FencedRules`, fae8c28), as the agent does since:
+- the node fences itself once `cluster.rules.membership_valid_until` (from the send of the last
+  keep-alive etcd answered) has passed: checked before a request or a replica's message is
+  served and every `FENCE_POLL_S`; its actives go PENDING (`serving_state`) until a
+  keep-alive sent after the fence is answered and the map has been read again;
+- per vbucket active here an `InSyncKeeper` decides the record to write (`target`, `begin`,
+  `written`, `failed`); the record is written in a transaction fenced by the mod revision of
+  the map the node applied, and the keeper's `required` replicas are the ones each commit
+  must hear from (durability.py).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ if TYPE_CHECKING:
     from .node import SimNode
 
 STATUS_INTERVAL_S = 0.25  # node_agent.STATUS_INTERVAL_S
+FENCE_POLL_S = 0.05  # node_agent.FENCE_POLL_S
+ETCD_CALL_TIMEOUT_S = 1.0  # an etcd call not answered by then failed (outcome unknown)
 
 
 class Agent:
@@ -42,17 +51,65 @@ class Agent:
         self.registering = False
         self.last_status: dict[str, Any] | None = None
         self.published: dict[int, tuple[str, ...]] = {}
-        self.map_seen: ClusterMap | None = None
-
-    @property
-    def valid_until(self) -> float:
-        """When the membership may have expired at etcd, by this node's clock."""
-        return self.lease_ok_sent_at + self.ttl_s
+        self.applied_revision = 0  # the applied map's mod revision: in-sync records' fence
+        self.fenced_at: float | None = None
+        self.fences = 0
+        self.rereading = False
+        self.keepers: dict[int, cluster_rules.InSyncKeeper] = {}
 
     def start(self) -> None:
         self._register()
         self.node.timer(self.ttl_s / 3, self._keep_alive)
         self.node.timer(STATUS_INTERVAL_S, self._tick)
+        if self.node.rules.fencing:
+            self.node.timer(FENCE_POLL_S, self._watch_fence)
+
+    # -- fencing --------------------------------------------------------------------------------
+
+    @property
+    def fenced(self) -> bool:
+        return self.fenced_at is not None
+
+    def membership_valid(self) -> bool:
+        if self.lost:
+            return False
+        until = cluster_rules.membership_valid_until(self.lease_ok_sent_at, self.ttl_s)
+        return self.node.sched.now < until
+
+    def check_fence(self) -> None:
+        """`NodeAgent.check_fence`: fence the actives if the membership may have lapsed."""
+        if not self.node.rules.fencing or self.fenced_at is not None or self.membership_valid():
+            return
+        self.fenced_at = self.node.sched.now
+        self.fences += 1
+        self.node.sched.record("fenced", self.node.name)
+        if self.node.applied is not None:
+            self._apply_states(self.node.applied)
+
+    def _watch_fence(self) -> None:
+        """`NodeAgent._watch_fence`: fence on time; once renewed, re-read the map and serve."""
+        self.node.timer(FENCE_POLL_S, self._watch_fence)
+        self.check_fence()
+        fenced_at = self.fenced_at
+        if fenced_at is None or self.rereading or not self.membership_valid():
+            return
+        if self.lease_ok_sent_at <= fenced_at:
+            return  # renewed by a keep-alive sent before the fence: not proof enough
+        self.rereading = True
+        self.node.timer(ETCD_CALL_TIMEOUT_S, self._reread_timeout)
+        self._call("get", (keys.MAP,), self._reread)
+
+    def _reread_timeout(self) -> None:
+        self.rereading = False
+
+    def _reread(self, found: Any) -> None:
+        self.rereading = False
+        if self.fenced_at is None or not self.membership_valid():
+            return
+        self.fenced_at = None
+        self.node.sched.record("unfenced", self.node.name)
+        if found is not None:
+            self.apply(found.value, found.mod_revision, force=True)
 
     def _call(self, op: str, args: tuple[Any, ...], reply: Any = None) -> None:
         self.meta.call(self.node.name, op, args, None if reply is None else self.node.bound(reply))
@@ -125,6 +182,9 @@ class Agent:
         if status != self.last_status and not self.lost:
             self._call("put", (keys.status(node.name), status, self.lease))
             self.last_status = status
+        if node.rules.fencing:
+            self._confirm_in_sync()
+            return
         for vb, members in sorted(self.in_sync_sets().items()):
             if self.published.get(vb) != members:
                 record = (node.name, members)
@@ -133,6 +193,54 @@ class Agent:
                     (keys.in_sync(vb), record, 0),
                     lambda _, vb=vb, members=members: self.published.__setitem__(vb, members),
                 )
+
+    def _confirm_in_sync(self) -> None:
+        """`NodeAgent._confirm_in_sync`: each active vbucket's record through its keeper,
+        written only while the map is still the one this node applied."""
+        node, cluster_map = self.node, self.node.applied
+        if cluster_map is None or self.fenced:
+            return
+        tracker = node.tracker
+        for vb, keeper in sorted(self.keepers.items()):
+            placed = {n.name for n in cluster_map.replica_nodes(vb)}
+            high = node.vbuckets[vb].high_seqno
+            in_sync = frozenset(r for r in tracker.in_sync_set(vb) if r in placed)
+            caught_up = frozenset(
+                r for r in in_sync if tracker.progress(vb, r).received_seqno >= high
+            )
+            members = keeper.target(in_sync, caught_up)
+            if members is None:
+                continue
+            keeper.begin(members)
+            record = (node.name, tuple(sorted(members)), self.applied_revision)
+            compares = [("mod", keys.MAP, self.applied_revision)]
+            put = ("put", keys.in_sync(vb), record, 0)
+            self._call(
+                "txn",
+                (compares, [put], []),
+                lambda result, vb=vb, keeper=keeper, members=members: self._in_sync_written(
+                    vb, keeper, members, result[0]
+                ),
+            )
+            node.timer(ETCD_CALL_TIMEOUT_S, self._in_sync_timeout, keeper, members)
+
+    def _in_sync_written(
+        self, vb: int, keeper: cluster_rules.InSyncKeeper, members: frozenset[str], ok: bool
+    ) -> None:
+        if keeper.writing != members:
+            return  # timed out already: its outcome stayed unknown (failed)
+        if self.keepers.get(vb) is not keeper:
+            return
+        if not ok:
+            keeper.failed()
+            return
+        keeper.written(members)
+        self.node.sched.record("in-sync", self.node.name, vb, tuple(sorted(members)))
+        self.node.durability.on_progress(vb)
+
+    def _in_sync_timeout(self, keeper: cluster_rules.InSyncKeeper, members: frozenset[str]) -> None:
+        if keeper.writing == members:
+            keeper.failed()
 
     def in_sync_sets(self) -> dict[int, tuple[str, ...]]:
         """`NodeAgent._in_sync_sets`: per vbucket active here, its replicas in sync now."""
@@ -148,20 +256,39 @@ class Agent:
 
     def _map_read(self, found: Any) -> None:
         if found is not None:
-            self.apply(found.value)
+            self.apply(found.value, found.mod_revision)
 
-    def apply(self, cluster_map: ClusterMap) -> None:
+    def apply(self, cluster_map: ClusterMap, revision: int = 0, *, force: bool = False) -> None:
         """`NodeAgent.apply`: each copy's state from the map, then the replica feeds."""
         node = self.node
-        if node.applied is not None and cluster_map.rev <= node.applied.rev:
+        if node.applied is not None and cluster_map.rev <= node.applied.rev and not force:
             return
+        node.applied = cluster_map
+        self.applied_revision = max(revision, self.applied_revision)
+        self._apply_states(cluster_map)
         sources: dict[str, set[int]] = {}
         for vb in range(cluster_map.vbuckets):
-            wanted = cluster_rules.wanted_state(cluster_map, node.name, vb)
-            node.set_vbucket_state(vb, wanted)
             active = cluster_map.active(vb)
+            wanted = cluster_rules.wanted_state(cluster_map, node.name, vb)
             if wanted is VBucketState.REPLICA and active is not None:
                 sources.setdefault(active.name, set()).add(vb)
-        node.applied = cluster_map
         node.sched.record("applied", node.name, cluster_map.rev)
         node.place_feeds(sources)
+
+    def _apply_states(self, cluster_map: ClusterMap) -> None:
+        """`NodeAgent._apply_states`: every copy's state through the node's one entry (a fenced
+        node's actives PENDING), and a keeper per vbucket active here."""
+        node = self.node
+        fencing = node.rules.fencing
+        for vb in range(cluster_map.vbuckets):
+            wanted = cluster_rules.wanted_state(cluster_map, node.name, vb)
+            state = cluster_rules.serving_state(wanted, fenced=self.fenced) if fencing else wanted
+            node.set_vbucket_state(vb, state)
+            if not fencing:
+                continue
+            if state is VBucketState.ACTIVE:
+                if vb not in self.keepers:
+                    placed = frozenset(n.name for n in cluster_map.replica_nodes(vb))
+                    self.keepers[vb] = cluster_rules.InSyncKeeper(placed)
+            else:
+                self.keepers.pop(vb, None)

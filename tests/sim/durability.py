@@ -12,7 +12,6 @@ module grows a confirmed in-sync record (issue 25), `required_acks` is passed to
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -109,11 +108,14 @@ class Durability:
             acked = [tracker.progress(vb, r).persisted_seqno for r in replicas]
         else:
             acked = [tracker.progress(vb, r).received_seqno for r in replicas]
-        rule = sync_writes.durability_met
-        required = self.node.rules.required_acks(vb, replicas)
-        if required is not None and "required_acks" in _parameters(rule):
-            return rule(pending.seqno, persisted_here, acked, required_acks=required)  # type: ignore[call-arg]
-        return rule(pending.seqno, persisted_here, acked)
+        required = self.node.rules.required_replicas(self.node, vb)
+        if required is None:
+            return sync_writes.durability_met(pending.seqno, persisted_here, acked)
+        if pending.level is DurabilityLevel.PERSIST_TO_MAJORITY:
+            needed = [tracker.progress(vb, r).persisted_seqno for r in sorted(required)]
+        else:
+            needed = [tracker.progress(vb, r).received_seqno for r in sorted(required)]
+        return sync_writes.durability_met(pending.seqno, persisted_here, acked, needed)
 
     def _expire(self, pending: Pending) -> None:
         waiting = self.pending.get(pending.vb)
@@ -138,17 +140,3 @@ class Durability:
         if outcome != "ok":
             self.ambiguous += 1
         pending.answer(outcome, detail)
-
-
-def _parameters(function: Callable[..., object]) -> frozenset[str]:
-    cached = _PARAMETERS.get(function)
-    if cached is None:
-        try:
-            cached = frozenset(inspect.signature(function).parameters)
-        except (TypeError, ValueError):
-            cached = frozenset()
-        _PARAMETERS[function] = cached
-    return cached
-
-
-_PARAMETERS: dict[Callable[..., object], frozenset[str]] = {}

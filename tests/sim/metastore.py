@@ -123,6 +123,18 @@ class MetaStore:
         for key in sorted(lease.keys):
             self.kv.pop(key, None)
 
+    def leases_of(self, name: str) -> list[int]:
+        """A node's leases: its membership's, and the leadership's if it leads
+        (`ClusterMetadata.leases_of`: two reads)."""
+        leases = []
+        member = self.kv.get(f"nodes/{name}")
+        if member is not None and member.lease:
+            leases.append(member.lease)
+        leader = self.kv.get("leader")
+        if leader is not None and leader.value == name and leader.lease:
+            leases.append(leader.lease)
+        return leases
+
     # -- keys -----------------------------------------------------------------------------------
 
     def get(self, key: str) -> KeyValue | None:

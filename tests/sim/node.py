@@ -210,8 +210,13 @@ class SimNode:
                 written += vbucket.flush()
         if written:
             self.durability.on_persisted()
+            vbs = sorted(self.vbuckets)
             for source in sorted(self.feeds):
-                self.feeds[source].poke(0.0)
+                feed = self.feeds[source]
+                if hasattr(feed, "on_persisted"):  # the feed's persisted listener
+                    feed.on_persisted(vbs)
+                else:
+                    feed.poke(0.0)
 
     # -- VbucketSource (for the producers) ------------------------------------------------------
 
@@ -240,6 +245,8 @@ class SimNode:
     def on_conn_message(self, conn: Conn, payload: Any) -> None:
         """This node's end of a connection a replica opened to it (run only while it is up:
         the network drops what arrives while it is down)."""
+        if self.rules.fencing:
+            self.agent.check_fence()  # before serving anything it received
         if isinstance(payload, tuple):  # ("open", name, role): DCP_OPEN
             role = StreamRole(payload[2]) if len(payload) > 2 else StreamRole.REPLICA
             end = ProducerEnd(self, conn, payload[1], role)

@@ -11,6 +11,14 @@ election and failover steps on simulated time, deciding with the production func
   `cluster.failover.plan_failover` (looked up through its module, so a test can replace it)
   for the next map. A map is written by a transaction comparing the map's mod revision and
   the leader key's create revision: a deposed orchestrator cannot write.
+
+Under the fencing rules (fae8c28), also: a map is written only while every node it was planned
+without is still unregistered (a failover must not land once the failed node is back and may
+serve); and crashes confirmed by refused connections (`cluster.rules.CrashConfirmer`, probes
+every `CRASH_PROBE_INTERVAL_S`: the leader probes every node, a standby the leader) revoke the
+node's leases, so its failover runs without waiting out the lease. A probe is refused only
+when the target is down and the prober's packets reach its host: a partition or a pause
+gives a timeout, which proves nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from changefeed.cluster import failover as cluster_failover
 from changefeed.cluster import placement
+from changefeed.cluster import rules as cluster_rules
 from changefeed.vbmap import ClusterMap, NodeAddress
 
 from . import keys
@@ -40,6 +49,10 @@ class Candidate:
         self.term_started = 0.0
         self.campaigning = False
         self.maps_written = 0
+        self.crashes = cluster_rules.CrashConfirmer()
+        self.confirmed_crashed: set[str] = set()
+        self.last_map: ClusterMap | None = None
+        self.live: set[str] = set()
 
     @property
     def leading(self) -> bool:
@@ -48,6 +61,8 @@ class Candidate:
     def start(self) -> None:
         self.node.timer(STEP_INTERVAL_S, self._step)
         self.node.timer(self.ttl_s / 3, self._keep_alive)
+        if self.node.rules.fencing:
+            self.node.timer(cluster_rules.CRASH_PROBE_INTERVAL_S, self._probe_round)
 
     def _call(self, op: str, args: tuple[Any, ...], reply: Any = None) -> None:
         self.meta.call(self.node.name, op, args, None if reply is None else self.node.bound(reply))
@@ -129,6 +144,7 @@ class Candidate:
             return
         live = sorted(found[keys.NODES].keys())
         live_names = {k[len(keys.NODES) :] for k in live}
+        self.live = live_names
         stored = found[keys.MAP]
         if stored is None:
             config = self.node.config
@@ -138,9 +154,11 @@ class Candidate:
             new = placement.initial_map(addresses, config.replicas, config.vbuckets, rev=1)
             self._write(new, 0, token)
             return
+        self.last_map = stored.value
         new = self._fail_over(stored.value, live_names, found)
         if new is not None:
-            self._write(new, stored.mod_revision, token)
+            absent = [n.name for n in stored.value.nodes if n.name not in live_names]
+            self._write(new, stored.mod_revision, token, absent)
 
     def _fail_over(
         self, current: ClusterMap, live: set[str], found: dict[str, Any]
@@ -178,13 +196,58 @@ class Candidate:
         up = sum(1 for n in names if n in live)
         if up * 2 <= len(names):
             return False
+        if self.node.rules.fencing and all(n in live or n in self.confirmed_crashed for n in names):
+            return True  # the only absent nodes crashed for sure: no one to wait for
         return self.node.sched.now - self.term_started >= self.ttl_s
 
-    def _write(self, new: ClusterMap, map_revision: int, token: int) -> None:
+    def _write(
+        self, new: ClusterMap, map_revision: int, token: int, absent: list[str] | None = None
+    ) -> None:
         compares = [("mod", keys.MAP, map_revision), ("create", keys.LEADER, token)]
+        if self.node.rules.fencing:
+            compares += [("create", keys.node(n), 0) for n in sorted(absent or ())]
         self._call("txn", (compares, [("put", keys.MAP, new, 0)], []), self._written)
 
     def _written(self, result: tuple[bool, int | None]) -> None:
         if result[0]:
             self.maps_written += 1
             self.node.sched.record("map-written", self.node.name, self.maps_written)
+
+    # -- confirmed crashes (fencing rules) ------------------------------------------------------
+
+    def _probe_round(self) -> None:
+        """`Orchestrator._probe_nodes` while leading, `_probe_leader` while standing by."""
+        self.node.timer(cluster_rules.CRASH_PROBE_INTERVAL_S, self._probe_round)
+        if self.token:
+            self.confirmed_crashed -= self.live  # registered again: alive after all
+            known = {n.name for n in self.last_map.nodes} if self.last_map else set()
+            for name in sorted(known | self.live):
+                if name == self.node.name or (
+                    name in self.confirmed_crashed and name not in self.live
+                ):
+                    continue
+                self._probe(name)
+        else:
+            self._call("get", (keys.LEADER,), self._probe_leader)
+
+    def _probe_leader(self, found: Any) -> None:
+        if found is not None and found.value != self.node.name:
+            self._probe(found.value)
+
+    def _probe(self, name: str) -> None:
+        """Read the node's leases, then try to connect; a confirmed crash revokes them."""
+        self._call("leases_of", (name,), lambda leases: self._probed(name, leases))
+
+    def _probed(self, name: str, leases: list[int]) -> None:
+        net, me = self.node.net, self.node.name
+        target = self.node.cluster.nodes_by_name.get(name)
+        reachable = not (net.is_cut(me, name) or net.is_cut(name, me))
+        refused = reachable and target is not None and not target.up
+        if not self.crashes.observe(name, refused=refused, now=self.node.sched.now):
+            return
+        self.node.sched.record("crash-confirmed", me, name)
+        if self.token:
+            self.confirmed_crashed.add(name)
+        self.crashes.forget(name)
+        for lease in leases:
+            self._call("revoke", (lease,))

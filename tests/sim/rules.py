@@ -4,10 +4,10 @@ Every decision is one call into `changefeed`: a copy's state (`cluster.rules.wan
 agent.py), the commit rule (`server.sync_writes.durability_met`, durability.py), the in-sync
 rule (`server.replication.ReplicationTracker`, node.py), the promotion
 (`cluster.failover.plan_failover`, here). This module only says which of them apply while the
-partition fixes of issue 25 land: `TodayRules` is the node as it is (an active serves until it
-applies a newer map; the commit rule counts acks of the chain; the orchestrator promotes from
-the last published in-sync record). When `changefeed.cluster.rules` grows the fencing rules,
-`rules_for_tree()` returns a set that calls them too.
+partition fixes of issue 25 landed: `TodayRules` is the node as it was (an active serves until
+it applies a newer map; the commit rule counts acks of the chain; the orchestrator promotes
+from the last published in-sync record); `FencedRules` adds the fixes, calling the new
+functions of `changefeed.cluster.rules`. `rules_for_tree()` picks by what the tree has.
 
 Functions are looked up through their modules at call time, so the mutation tests can replace
 one (`monkeypatch.setattr(sync_writes, "durability_met", ...)`).
@@ -27,16 +27,17 @@ if TYPE_CHECKING:
 
 
 class TodayRules:
-    """The rules as they are before the partition fixes."""
+    """The rules as they were before the partition fixes (fae8c28)."""
 
     name = "today"
+    fencing = False
 
     def may_serve(self, node: SimNode, vb: int) -> bool:
         """An active serves until it applies a newer map (node_agent.py): always."""
         return True
 
-    def required_acks(self, vb: int, replicas: list[str]) -> None:
-        """No confirmed in-sync record yet: the commit rule counts the chain."""
+    def required_replicas(self, node: SimNode, vb: int) -> frozenset[str] | None:
+        """No confirmed in-sync record: the commit rule counts the chain."""
         return None
 
     def plan_failover(
@@ -50,13 +51,35 @@ class TodayRules:
         return cluster_failover.plan_failover(current, set(live), in_sync, highs, hold=hold)
 
 
+class FencedRules(TodayRules):
+    """The partition fixes of issue 25 (fae8c28), each decision a call into
+    `changefeed.cluster.rules`: an active fences itself at `membership_valid_until` and its
+    actives wait PENDING (`serving_state`) until the lease is renewed and the map re-read; a
+    commit needs the acks of `InSyncKeeper.required` (`durability_met(..., required_acks)`),
+    whose record is written fenced by the applied map's revision; a failover map is written
+    only while the nodes it fails over stay unregistered; a crash confirmed by refused
+    connections (`CrashConfirmer`) revokes the node's leases (agent.py, orchestrator.py)."""
+
+    name = "fenced"
+    fencing = True
+
+    def may_serve(self, node: SimNode, vb: int) -> bool:
+        """The fence is checked before a request is served (a node back from a pause checks
+        before it acts); the vbucket's state (PENDING while fenced) does the refusing."""
+        node.agent.check_fence()
+        return True
+
+    def required_replicas(self, node: SimNode, vb: int) -> frozenset[str] | None:
+        keeper = node.agent.keepers.get(vb)
+        return keeper.required if keeper is not None else frozenset()
+
+
 def new_rules_available() -> bool:
     """True once `changefeed.cluster.rules` has more than `wanted_state` (issue 25's rules)."""
     public = {n for n in dir(cluster_rules) if not n.startswith("_")}
-    known = {"ClusterMap", "VBucketState", "annotations", "wanted_state"}
-    return bool(public - known)
+    return {"InSyncKeeper", "membership_valid_until", "serving_state"} <= public
 
 
 def rules_for_tree() -> TodayRules:
-    """The rule set matching the source tree (today's until the fencing rules land)."""
-    return TodayRules()
+    """The rule set matching the source tree: the fencing rules once they are there."""
+    return FencedRules() if new_rules_available() else TodayRules()

@@ -5,9 +5,10 @@
   and client c1 for longer than a lease: c0 keeps writing durably to the cut-off pair, the
   orchestrator fails n0 over to the third copy on the strength of an in-sync record written
   before the cut, and when the split heals the pair rolls back to the new active.
-- `etcd_cut`: 3 nodes, 2 replicas. The active n1 (not the orchestrator, n0) is cut from the metadata store only; its
-  peers and the clients still reach it. It keeps serving until it applies a newer map, which
-  it cannot read; the orchestrator promotes another copy while the third still follows n0.
+- `etcd_cut`: 3 nodes, 2 replicas. The active n1 (not the orchestrator: n0 is elected first)
+  is cut from the metadata store only; its peers and the clients still reach it. It keeps
+  serving until it applies a newer map, which it cannot read; the orchestrator promotes
+  another copy while the third still follows n1 and acknowledges its writes.
 """
 
 from __future__ import annotations

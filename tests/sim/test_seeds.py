@@ -1,0 +1,60 @@
+"""Random seeds: ≥ 2,000 in CI, 50,000 under `-m slow`.
+
+A seed draws its cluster shape, workload, network and faults (faults.py: swarm schedules
+aimed at one vbucket's chain, and a fifth of them instances of known-dangerous patterns).
+A failure prints its replay line (``.venv/bin/python -m tests.sim.run --seed N ...``, which
+also shrinks it). On the rules as they were before the partition fixes (`TodayRules`), some
+seeds lose acknowledged writes — issue 25's losses, found at random; those runs are an
+expected failure until the fencing rules land. Anything else (an exception, an assert in
+production code, copies that do not converge, a consumer seeing seqnos go backwards) fails.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from .cluster import RunResult, run
+from .test_scenarios import ON_TODAYS_RULES
+
+CI_SEEDS = int(os.environ.get("SIM_CI_SEEDS", "2000"))
+SLOW_SEEDS = int(os.environ.get("SIM_SLOW_SEEDS", "50000"))
+
+
+def _only_losses(result: RunResult) -> bool:
+    return all(" lost" in line for line in result.failures)
+
+
+def _run_seeds(seeds: range) -> None:
+    began = time.perf_counter()
+    failed: list[RunResult] = []
+    for seed in seeds:
+        result = run(seed)
+        if not result.ok:
+            failed.append(result)
+            print(result.report())
+    wall = time.perf_counter() - began
+    print(
+        f"{len(seeds)} seeds in {wall:.0f} s ({len(seeds) / wall:.1f} seeds/s), {len(failed)} failed"
+    )
+    hard = [r for r in failed if not _only_losses(r)]
+    assert not hard, "\n".join(r.report() for r in hard[:5])
+    if not failed:
+        return
+    summary = f"{len(failed)} of {len(seeds)} seeds lost acknowledged writes, e.g.\n" + (
+        failed[0].report()
+    )
+    if ON_TODAYS_RULES:
+        pytest.xfail("issue 25 on today's rules: " + summary)
+    pytest.fail(summary)
+
+
+def test_random_seeds_ci() -> None:
+    _run_seeds(range(CI_SEEDS))
+
+
+@pytest.mark.slow
+def test_random_seeds_slow() -> None:
+    _run_seeds(range(CI_SEEDS, CI_SEEDS + SLOW_SEEDS))
