@@ -557,7 +557,22 @@ class HostCluster:
             if not behind:
                 return await self.newest_map()
             await asyncio.sleep(0.3)
-        raise TimeoutError(f"not converged after {timeout_s} s: {behind[:8]}")
+        details = await self._diagnose(behind)
+        raise TimeoutError(f"not converged after {timeout_s} s: {behind[:8]}{details}")
+
+    async def _diagnose(self, behind: list[object]) -> str:
+        """What the actives say of the replicas behind (``STAT replication``), for the error."""
+        lines = []
+        with contextlib.suppress(OSError, TimeoutError, ConnectionError, AssertionError):
+            async with asyncio.timeout(10.0):
+                cmap = await self.newest_map()
+                for vb in sorted({b[0] for b in behind if isinstance(b, tuple)})[:4]:
+                    active = cmap.active(vb)
+                    assert active is not None
+                    found = await _stat(self.node_at(active.host), "replication")
+                    mine = {k: v for k, v in found.items() if k.startswith(f"vb_{vb}:")}
+                    lines.append(f"vb {vb} on active {active.host} (map rev {cmap.rev}): {mine}")
+        return "".join(f"\n  {line}" for line in lines)
 
     async def wait_settled(self, *, timeout_s: float = 60.0) -> ClusterMap:
         """Wait until every running node serves the same map and it names an active for every
