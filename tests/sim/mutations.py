@@ -14,15 +14,25 @@ from changefeed.server import sync_writes
 
 
 def commit_one_ack_short(real: Callable[..., bool]) -> Callable[..., bool]:
-    """`durability_met` that commits with one copy fewer than a majority of the chain."""
+    """`durability_met` that commits with one ack fewer than it needs: the slowest replica
+    (of the chain, and of the required ones) counts as holding the prepare."""
 
-    def mutant(seqno: int, active_persisted: int, replica_acks: Sequence[int], **kw: Any) -> bool:
-        chain = 1 + len(replica_acks)
-        majority = chain // 2 + 1
-        if active_persisted < seqno:
-            return False
-        held = 1 + sum(1 for acked in replica_acks if acked >= seqno)
-        return held >= majority - 1
+    def mutant(
+        seqno: int,
+        active_persisted: int,
+        replica_acks: Sequence[int],
+        required_acks: Sequence[int] = (),
+        **kw: Any,
+    ) -> bool:
+        acks = sorted(replica_acks)
+        if acks:
+            acks[0] = max(acks[0], seqno)
+        required = sorted(required_acks)
+        if required:
+            required[0] = max(required[0], seqno)
+        if required:
+            return real(seqno, active_persisted, acks, required)
+        return real(seqno, active_persisted, acks)
 
     mutant.__wrapped__ = real  # type: ignore[attr-defined]
     return mutant

@@ -9,6 +9,15 @@
   is cut from the metadata store only; its peers and the clients still reach it. It keeps
   serving until it applies a newer map, which it cannot read; the orchestrator promotes
   another copy while the third still follows n1 and acknowledges its writes.
+
+Found by the simulator on the fencing rules (fae8c28), random seed 41:
+
+- `restart_before_map`: 3 nodes, 2 replicas. The active n0 crashes and is failed over (its
+  crash confirmed by refused connections); when it restarts, its vbuckets come back in the
+  state the store kept (ACTIVE) and it serves them before it has read a map: the commit rule
+  counts a chain of one (no map: no replicas) and no in-sync keeper requires anything, so a
+  client still routing by the old map gets durable writes acknowledged by n0 alone, which
+  roll back once n0 applies the map that made it a replica.
 """
 
 from __future__ import annotations
@@ -33,7 +42,14 @@ def etcd_cut() -> tuple[SimConfig, list[Fault]]:
     return config, [Fault("cut_etcd", 0.5, 4.5, ("n1",))]
 
 
+def restart_before_map() -> tuple[SimConfig, list[Fault]]:
+    """Random seed 41's schedule (it does not shrink: each fault sets the timing)."""
+    faults = ["pause:n0@0.11+0.23", "pause:n2@2.21+1.40", "crash:n0@2.33+1.22"]
+    return SimConfig(), [Fault.parse(text) for text in faults]
+
+
 SCENARIOS: dict[str, Callable[[], tuple[SimConfig, list[Fault]]]] = {
     "split": split,
     "etcd_cut": etcd_cut,
+    "restart_before_map": restart_before_map,
 }
