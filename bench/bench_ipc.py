@@ -18,7 +18,13 @@ Sections (one run, well under 2 minutes):
      binding (Slice[c_uint8], safe overflow off, RetryUntilDelivered: lossless); readers poll.
    * TCP DCP: the same readers, each a DcpClient streaming every vbucket of a node holding
      ``--dcp-items`` 100-byte items in memory (the node's checkpoints), summing each run's seqnos.
-3. Recovery. After a reader holding 2 batches is killed: how long its restart's subscribe takes
+3. Node CPU per ingested key with ``--shm 2`` and no reader attached, against ``--shm`` off
+   (issue 27: free when unused): a node (``--no-durable``) takes ``--idle-keys`` upserts of
+   100-byte values from one client; the node's CPU (utime + stime from /proc) over the load,
+   per key; the best of ``--idle-repeat`` alternating runs (the machine is shared). With no
+   reader the shm groups pause a second after the node starts, so the difference is what a
+   change costs them then. ``--section idle`` runs only this.
+4. Recovery. After a reader holding 2 batches is killed: how long its restart's subscribe takes
    (rollback of the dead log included) until every slot and the budget are back. After the
    provider is killed mid-stream: restart -> offer (segments reused, IN_WRITING cleaned) ->
    the readers' next batch.
@@ -508,7 +514,64 @@ def run_node_publisher(rows: int, workdir: Path) -> dict[str, float]:
     return asyncio.run(main())
 
 
-# -- 3. recovery --------------------------------------------------------------------------------
+# -- 3. node CPU per key, --shm on and no reader ------------------------------------------------
+
+
+def node_cpu_per_key(workdir: Path, keys: int, shm: bool) -> float:
+    """us of node CPU per ingested key (one client, 100-byte values, --no-durable)."""
+    from changefeed.cli.node_process import NodeProcess
+    from changefeed.consumer import KvClient
+    from changefeed.server.shm_publisher import IDLE_AFTER_S
+
+    name = f"node-{'shm' if shm else 'plain'}-{uuid.uuid4().hex[:6]}"
+    args = ["--no-durable", "--log-level", "WARNING"]
+    if shm:
+        args += ["--shm", "2", "--shm-dir", str(workdir / "idle-ipc")]
+    node = NodeProcess(workdir / name, vbuckets=16, args=args)
+    node.start()
+    try:
+        time.sleep(IDLE_AFTER_S + 0.5)  # the groups pause with no reader
+
+        async def load() -> float:
+            async with await KvClient.connect("127.0.0.1", node.port) as kv:
+                value = b"v" * VALUE_BYTES
+                cpu0 = cpu_seconds(node.pid)
+                for start in range(0, keys, 500):
+                    await asyncio.gather(
+                        *(
+                            kv.upsert(b"key%07d" % i, value)
+                            for i in range(start, min(keys, start + 500))
+                        )
+                    )
+                await asyncio.sleep(0.3)  # the flusher's share of the load
+                return cpu_seconds(node.pid) - cpu0
+
+        return asyncio.run(load()) / keys * 1e6
+    finally:
+        node.stop(check=False)
+
+
+def run_idle(workdir: Path, keys: int, repeat: int) -> list[str]:
+    plain: list[float] = []
+    shm: list[float] = []
+    for _ in range(repeat):  # alternating: both see the same machine load
+        plain.append(node_cpu_per_key(workdir, keys, shm=False))
+        shm.append(node_cpu_per_key(workdir, keys, shm=True))
+    extra = min(shm) - min(plain)
+
+    def runs(values: list[float]) -> str:
+        return ", ".join(f"{v:.2f}" for v in values)
+
+    return [
+        f"## 3. node CPU per ingested key, {keys:,} upserts, best of {repeat} (all runs)",
+        f"--shm off:               {min(plain):6.2f} us/key  ({runs(plain)})",
+        f"--shm 2, no reader:      {min(shm):6.2f} us/key  ({runs(shm)})",
+        f"cost of --shm with no reader: {extra:+.2f} us/key "
+        f"(goal <= 0.3: {'met' if extra <= 0.3 else 'NOT met'}; before issue 27: ~12 us/key)",
+    ]
+
+
+# -- 4. recovery --------------------------------------------------------------------------------
 
 
 def role_holder(args: argparse.Namespace) -> None:
@@ -679,6 +742,9 @@ def main() -> None:
     parser.add_argument("--dcp-items", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=5, help="fan-out runs; the best is shown")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--section", choices=["all", "idle"], default="all")
+    parser.add_argument("--idle-keys", type=int, default=50_000)
+    parser.add_argument("--idle-repeat", type=int, default=3)
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     roles = {
@@ -693,7 +759,11 @@ def main() -> None:
         roles[args.role](args)
         return
     if args.quick:
-        args.batches, args.dcp_items = 60, 20_000
+        args.batches, args.dcp_items, args.idle_keys, args.idle_repeat = 60, 20_000, 10_000, 1
+    if args.section == "idle":
+        with tempfile.TemporaryDirectory(prefix="bench-ipc-") as work:
+            print("\n".join([*machine(), *run_idle(Path(work), args.idle_keys, args.idle_repeat)]))
+        return
     began = time.perf_counter()
     out = [*machine(), ""]
     lines, chosen = bench_atomics(20_000 if args.quick else 200_000)
@@ -763,7 +833,10 @@ def main() -> None:
             f"{dcp[4]['server_cpu_us']:.3f} us"
         )
         print("\n".join(table), flush=True)
-        recovery = ["", "## 3. recovery after kill -9", *run_recovery(directory)]
+        idle = ["", *run_idle(Path(work), args.idle_keys, args.idle_repeat)]
+        print("\n".join(idle), flush=True)
+        table += idle
+        recovery = ["", "## 4. recovery after kill -9", *run_recovery(directory)]
         print("\n".join(recovery), flush=True)
     total = f"\n(run took {time.perf_counter() - began:.0f} s)"
     print(total)

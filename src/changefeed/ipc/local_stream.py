@@ -57,6 +57,7 @@ from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.status import Status
 
 DCP_ROWS_PER_BATCH: Final = 4096
+DCP_RETRY_S: Final = 0.2  # a fallback that cannot reach the node tries again after this long
 LocalStart = Literal["now", "beginning"] | SessionState
 
 
@@ -114,6 +115,7 @@ class LocalStream:
             "rejoins": 0,
             "dropped_rows": 0,
             "resubscribed": 0,
+            "dcp_unreachable": 0,
         }
 
     def _subscribe(self) -> Subscription:
@@ -300,7 +302,14 @@ class LocalStream:
             self._dcp, to_latest=target is None, name=f"changefeed:local:{uuid.uuid4().hex[:12]}"
         )
         snaps = {vb: (session.get(vb).snap_start, session.get(vb).snap_end) for vb in vbs}
-        async with DcpClient(config) as client:
+        client = DcpClient(config)
+        try:
+            await client.connect()
+        except OSError:  # the node is down (a restart): the ring, or a later try, serves
+            self.stats["dcp_unreachable"] += 1
+            await asyncio.sleep(DCP_RETRY_S)
+            return
+        try:
             await client.stream(vbs, session, end_seqnos=ends or None)
             unfinished = set(vbs)
             rows = ChangeRows()
@@ -328,6 +337,8 @@ class LocalStream:
             if len(rows):
                 yield self._from_dcp(rows.to_batch(), client, vbs)
             self._take_session(client, vbs)
+        finally:
+            await client.close()
 
     def _from_dcp(self, batch: pa.RecordBatch, client: DcpClient, vbs: list[int]) -> pa.RecordBatch:
         self._take_session(client, vbs)
