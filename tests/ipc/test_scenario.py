@@ -35,7 +35,7 @@ from changefeed.consumer import ClientConfig, KvClient
 from changefeed.ipc.local_stream import high_seqnos, services_of
 from changefeed.ipc.segments import Segment, ServicePaths
 from changefeed.ipc.stats import inspect
-from ipc.test_node_wiring import dcp_rows, shm_node
+from ipc.test_node_wiring import dcp_rows, load, shm_node
 from support.nodes import NodeFactory
 
 Row = tuple[int, int, str]
@@ -230,3 +230,29 @@ def test_scenario(nodes: NodeFactory, ipc_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_scenario_long(nodes: NodeFactory, ipc_dir: Path, tmp_path: Path) -> None:
     run_scenario(nodes, ipc_dir, tmp_path, phase_s=120.0)
+
+
+def test_the_state_is_written_only_when_output_is_committed(
+    nodes: NodeFactory, ipc_dir: Path, tmp_path: Path
+) -> None:
+    """``stream --local --follow --state``: the state file is replaced when output lines were
+    committed, and left alone while nothing arrives (a reader idle for hours writes nothing),
+    and stays small however many batches went by."""
+    node = shm_node(nodes, ipc_dir, tmp_path)
+    work = tmp_path / "readers"
+    work.mkdir()
+    reader = Reader("S", node.port, ipc_dir, work, 1)
+    try:
+        asyncio.run(load(node.port, 300, prefix="a"))
+        wait(lambda: len(reader.rows()) == 300, 30, f"300 changes; {reader.tail()}")
+        time.sleep(1.0)  # the last commit (at most 0.1 s after the last line)
+        before = reader.state.stat()
+        time.sleep(3.0)  # nothing written: nothing to commit
+        after = reader.state.stat()
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+        asyncio.run(load(node.port, 100, prefix="b"))
+        wait(lambda: len(reader.rows()) == 400, 30, f"400 changes; {reader.tail()}")
+        wait(lambda: reader.state.stat().st_ino != before.st_ino, 5, "the state saved again")
+        assert reader.state.stat().st_size < 2000 * 8  # bounded: ~1.3 KB a vbucket at most
+    finally:
+        reader.kill()
