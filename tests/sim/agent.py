@@ -24,6 +24,7 @@ Under the fencing rules (rules.py `FencedRules`, fae8c28), as the agent does sin
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from changefeed.cluster import rules as cluster_rules
@@ -87,8 +88,12 @@ class Agent:
             self._apply_states(self.node.applied)
 
     def _watch_fence(self) -> None:
-        """`NodeAgent._watch_fence`: fence on time; once renewed, re-read the map and serve."""
-        self.node.timer(FENCE_POLL_S, self._watch_fence)
+        """`NodeAgent._watch_fence`: fence on time; once renewed, re-read the map and serve.
+
+        It polls every FENCE_POLL_S as the agent does, but skips the polls that cannot find
+        anything: while not fenced, none before the first poll at or after the validity's
+        end (keep-alives only move it later; each wake-up looks again)."""
+        self._next_poll()
         self.check_fence()
         fenced_at = self.fenced_at
         if fenced_at is None or self.rereading or not self.membership_valid():
@@ -98,6 +103,14 @@ class Agent:
         self.rereading = True
         self.node.timer(ETCD_CALL_TIMEOUT_S, self._reread_timeout)
         self._call("get", (keys.MAP,), self._reread)
+
+    def _next_poll(self) -> None:
+        delay = FENCE_POLL_S
+        if self.fenced_at is None and not self.lost:
+            until = cluster_rules.membership_valid_until(self.lease_ok_sent_at, self.ttl_s)
+            polls = max(1, math.ceil((until - self.node.sched.now) / FENCE_POLL_S))
+            delay = polls * FENCE_POLL_S
+        self.node.timer(delay, self._watch_fence)
 
     def _reread_timeout(self) -> None:
         self.rereading = False

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from changefeed.checkpoint import CheckpointMemoryFullError, CursorKind, StreamReader
+from changefeed.checkpoint import CheckpointMemoryFullError, CursorKind, Item, StreamReader
 from changefeed.producer.stream_request import VbucketView
 from changefeed.protocol.dcp import StreamEndReason, StreamRole
 from changefeed.protocol.errors import (
@@ -36,6 +36,7 @@ from changefeed.protocol.errors import (
     SyncWriteInProgressError,
 )
 from changefeed.protocol.frame_info import DurabilityLevel
+from changefeed.server.bucket import ROUND_BYTES_MAX
 from changefeed.server.replication import ReplicationTracker
 from changefeed.storage import Store
 from changefeed.vbmap import ClusterMap
@@ -202,21 +203,44 @@ class SimNode:
             self.timer(gap + self.disk_delay_s, self.flush)
 
     def flush(self) -> None:
+        """One flush round as `server.bucket.Bucket._flush_round` does it: every vbucket with
+        queued items staged into one batch, committed in one transaction (here at once: the
+        simulated disk is the store's commit; a slow disk delays the round)."""
         self._flush_due = False
-        written = 0
-        for vb in sorted(self.vbuckets):
-            vbucket = self.vbuckets[vb]
-            if vbucket.high_seqno != vbucket.persisted_seqno:  # else nothing is queued
-                written += vbucket.flush()
-        if written:
-            self.durability.on_persisted()
-            vbs = sorted(self.vbuckets)
-            for source in sorted(self.feeds):
-                feed = self.feeds[source]
-                if hasattr(feed, "on_persisted"):  # the feed's persisted listener
-                    feed.on_persisted(vbs)
-                else:
-                    feed.poke(0.0)
+        store = self.store
+        assert store is not None
+        vbuckets = [self.vbuckets[vb] for vb in sorted(self.vbuckets)]
+        pending = [v for v in vbuckets if v.flusher.pending]
+        if not pending:
+            return
+        batch = store.begin_batch()
+        runs: list[tuple[int, Sequence[Item]]] = []
+        staged = []
+        run_bytes = 0
+        try:
+            for v in pending:
+                if batch.stored_bytes + run_bytes >= ROUND_BYTES_MAX:
+                    self.request_flush()  # the rest go in the next round
+                    break
+                staged.append((v, v.flusher.stage(batch, runs)))
+                if runs and runs[-1][0] == v.vb:
+                    run_bytes += sum(len(item.body) for item in runs[-1][1])
+            batch.put_runs(runs)
+        except BaseException:
+            store.abort_batch(batch)
+            for v, stage in staged:
+                v.flusher.staged_failed(stage)
+            raise
+        store.commit_batch(batch)
+        written = sum(v.flusher.staged_committed(stage) for v, stage in staged)
+        moved = [v.vb for v, stage in staged if stage is not None]
+        self.durability.on_persisted()
+        for source in sorted(self.feeds):
+            feed = self.feeds[source]
+            if hasattr(feed, "on_persisted"):  # the feed's persisted listener
+                feed.on_persisted(moved)
+            elif written:
+                feed.poke(0.0)
 
     # -- VbucketSource (for the producers) ------------------------------------------------------
 

@@ -235,14 +235,24 @@ class Candidate:
             self._probe(found.value)
 
     def _probe(self, name: str) -> None:
-        """Read the node's leases, then try to connect; a confirmed crash revokes them."""
+        """Read the node's leases, then try to connect (`Orchestrator._probe`); a confirmed
+        crash revokes the leases read. A probe that would be answered (the node is up, or
+        cannot be reached: a timeout) only resets the confirmer, so it is decided at once
+        without the reads that would not be used."""
+        if not self._refused(name):
+            self.crashes.observe(name, refused=False, now=self.node.sched.now)
+            return
         self._call("leases_of", (name,), lambda leases: self._probed(name, leases))
 
-    def _probed(self, name: str, leases: list[int]) -> None:
+    def _refused(self, name: str) -> bool:
         net, me = self.node.net, self.node.name
         target = self.node.cluster.nodes_by_name.get(name)
         reachable = not (net.is_cut(me, name) or net.is_cut(name, me))
-        refused = reachable and target is not None and not target.up
+        return reachable and target is not None and not target.up
+
+    def _probed(self, name: str, leases: list[int]) -> None:
+        me = self.node.name
+        refused = self._refused(name)  # the probe proper, after the leases were read
         if not self.crashes.observe(name, refused=refused, now=self.node.sched.now):
             return
         self.node.sched.record("crash-confirmed", me, name)
