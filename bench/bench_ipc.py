@@ -557,17 +557,23 @@ def run_idle(workdir: Path, keys: int, repeat: int) -> list[str]:
     for _ in range(repeat):  # alternating: both see the same machine load
         plain.append(node_cpu_per_key(workdir, keys, shm=False))
         shm.append(node_cpu_per_key(workdir, keys, shm=True))
-    extra = min(shm) - min(plain)
+    best = min(shm) - min(plain)
+    median = float(np.median(shm) - np.median(plain))
 
     def runs(values: list[float]) -> str:
         return ", ".join(f"{v:.2f}" for v in values)
 
+    # The node's CPU is read in clock ticks (10 ms): keys x 20 us makes the resolution
+    # ~0.2 us/key at 60k keys; on a shared machine the run-to-run spread is larger still.
     return [
-        f"## 3. node CPU per ingested key, {keys:,} upserts, best of {repeat} (all runs)",
-        f"--shm off:               {min(plain):6.2f} us/key  ({runs(plain)})",
-        f"--shm 2, no reader:      {min(shm):6.2f} us/key  ({runs(shm)})",
-        f"cost of --shm with no reader: {extra:+.2f} us/key "
-        f"(goal <= 0.3: {'met' if extra <= 0.3 else 'NOT met'}; before issue 27: ~12 us/key)",
+        f"## 3. node CPU per ingested key, {keys:,} upserts, {repeat} alternating runs",
+        f"--shm off:               best {min(plain):6.2f}, median {np.median(plain):6.2f} "
+        f"us/key  ({runs(plain)})",
+        f"--shm 2, no reader:      best {min(shm):6.2f}, median {np.median(shm):6.2f} "
+        f"us/key  ({runs(shm)})",
+        f"cost of --shm with no reader: {median:+.2f} us/key (medians), {best:+.2f} (bests); "
+        f"goal <= 0.3: {'met' if median <= 0.3 else 'NOT met'} by the medians "
+        "(before issue 27: +12 us/key in the issue, +29 with this bench)",
     ]
 
 
