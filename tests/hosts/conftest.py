@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from support.hosts import reap_stale
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     reason = ""
@@ -29,7 +31,15 @@ def workdir(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
     keep = os.environ.get("CHANGEFEED_HOSTS_KEEP")
     if not keep:
         return tmp_path
-    path = Path(keep) / request.node.name.replace("/", "_")
+    path = Path(keep) / str(request.node.name).replace("/", "_")
     path.mkdir(parents=True, exist_ok=True)
     print(f"\nlogs and data under {path}")
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reap_stale_hosts() -> None:
+    """Remove the namespaces a killed earlier run left (only those whose pid is gone)."""
+    if os.geteuid() == 0 and shutil.which("ip") is not None:
+        for name in reap_stale():
+            print(f"removed namespace {name} of a run that is gone")

@@ -40,6 +40,7 @@ import ctypes
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -135,7 +136,8 @@ def in_netns(
         raise TimeoutError(f"{getattr(function, '__name__', function)} in {netns}: {timeout_s} s")
     if "error" in box:
         raise box["error"]
-    return box["result"]  # type: ignore[no-any-return]
+    result: T = box["result"]
+    return result
 
 
 @dataclass(frozen=True)
@@ -305,6 +307,24 @@ def leftovers(prefix: str) -> list[str]:
         if prefix in line:
             found.append(f"link {line.split(':')[1].strip()}")
     return found
+
+
+def reap_stale() -> list[str]:
+    """Delete the namespaces of runs whose process is gone (a run killed with SIGKILL cannot
+    clean up; its pid is in its names, ``cfh<pid>x<n>-...``). Returns the names deleted."""
+    deleted = []
+    for line in ip("netns", "list").splitlines():
+        name = line.split()[0] if line.split() else ""
+        match = re.fullmatch(r"cfh(\d+)x\d+-.+", name)
+        if match is None or not process_gone(int(match.group(1))):
+            continue
+        for pid in _netns_pids(name):  # the dead run's own processes, left in its namespace
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.CalledProcessError):  # deleted meanwhile
+            ip("netns", "del", name)
+            deleted.append(name)
+    return deleted
 
 
 def process_gone(pid: int) -> bool:
@@ -483,7 +503,8 @@ class HostCluster:
     def run(self, coroutine: Coroutine[Any, Any, T], *, timeout_s: float = 300.0) -> T:
         """Run ``coroutine`` to its end on the client host (a thread inside its namespace)."""
         assert self.client is not None, "not started"
-        return in_netns(self.client.netns, asyncio.run, coroutine, timeout_s=timeout_s)
+        result: T = in_netns(self.client.netns, asyncio.run, coroutine, timeout_s=timeout_s)
+        return result
 
     # -- etcd -----------------------------------------------------------------------------------
 
