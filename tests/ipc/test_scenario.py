@@ -245,7 +245,11 @@ def test_the_state_is_written_only_when_output_is_committed(
     try:
         asyncio.run(load(node.port, 300, prefix="a"))
         wait(lambda: len(reader.rows()) == 300, 30, f"300 changes; {reader.tail()}")
-        time.sleep(1.0)  # the last commit (at most 0.1 s after the last line)
+        stamps = [reader.state.stat().st_mtime_ns]
+        while len(stamps) < 10 or len(set(stamps[-10:])) > 1:  # the last commit is done:
+            time.sleep(0.1)  # the state unchanged for 1 s (0.1 s after the last line, idle)
+            stamps.append(reader.state.stat().st_mtime_ns)
+            assert len(stamps) < 300, "the state is rewritten without output"
         before = reader.state.stat()
         time.sleep(3.0)  # nothing written: nothing to commit
         after = reader.state.stat()

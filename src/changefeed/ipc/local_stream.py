@@ -133,7 +133,8 @@ class LocalStream:
 
     async def next_batch(self, timeout_s: float | None = None) -> pa.RecordBatch | None:
         """The next rows (None after `timeout_s` without any); the previous batch from the ring
-        is released first, so use it before calling again.
+        is released first, so use it before calling again. Never an empty batch: a batch with
+        nothing new for this reader moves `session` on and is passed over.
 
         Raises:
             LostDataError: the reader fell behind and there is no `dcp` fallback.
@@ -178,8 +179,12 @@ class LocalStream:
             if sample is None:
                 return None
             batch = self._accept(sample)
-            if batch is not None:
+            if batch is not None and batch.num_rows:
                 return batch
+            if batch is not None:  # nothing new (all had over DCP, or an empty batch): the
+                self._release()  # position moved on; a caller saving it per batch need not
+                if deadline is not None and loop.time() >= deadline:
+                    return None
 
     def _accept(self, sample: Sample) -> pa.RecordBatch | None:
         """The rows of `sample` that continue the reader; None if it does not continue it (the
