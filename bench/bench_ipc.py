@@ -7,17 +7,22 @@ Sections (one run, well under 2 minutes):
    (``atomicshm``, ctypes on the system ``libatomic``, the ``atomics`` package), and the cost
    of what a reader does per batch (reference + release: 2 transaction-logged CAS/fetch ops and
    4 flag stores, 2 loads). The chosen backend is the fastest that loads.
-2. Fan-out, items/s delivered to 1 and 4 local readers (separate processes) and CPU us per item
-   (all processes, publisher included, over items delivered). Items: change rows with 100-byte
-   values, 4096 rows per Arrow batch (one ring slot), the batch built once and published
-   ``--batches`` times. Every reader takes each batch, reads it (zero copy) and sums its seqno
-   column, then releases it. The publisher keeps at most half the ring ahead of the slowest
-   reader, so nothing is lost and every reader gets every batch.
+2. Transport only (no node): items/s delivered to 1 and 4 local readers (separate
+   processes) and CPU us per item (all processes, publisher included, over items
+   delivered). Items: change rows with 100-byte values, 4096 rows per Arrow batch (one ring
+   slot), the batch built once and published ``--batches`` times. Every reader takes each
+   batch, reads it (zero copy) and sums its seqno column, then releases it. The publisher
+   keeps at most half the ring ahead of the slowest reader, so nothing is lost and every
+   reader gets every batch.
    * shm: changefeed.ipc (Provider.publish / Subscription.receive).
    * iceoryx2: the same serialized batch bytes, publish -> subscribe through iceoryx2's Python
      binding (Slice[c_uint8], safe overflow off, RetryUntilDelivered: lossless); readers poll.
    * TCP DCP: the same readers, each a DcpClient streaming every vbucket of a node holding
      ``--dcp-items`` 100-byte items in memory (the node's checkpoints), summing each run's seqnos.
+2b. End to end (``--section live``): a node publishing live changes from a writer (in the
+   bench process, not counted), 1 and 4 readers from now until each has every change:
+   ``LocalStream`` per service (shm) against one ``DcpClient`` each (TCP); items/s delivered
+   and total CPU us per delivered item (node + readers; the node's includes the ingest).
 3. Node CPU per ingested key with ``--shm 2`` and no reader attached, against ``--shm`` off
    (issue 27: free when unused): a node (``--no-durable``) takes ``--idle-keys`` upserts of
    100-byte values from one client; the node's CPU (utime + stime from /proc) over the load,
@@ -514,6 +519,146 @@ def run_node_publisher(rows: int, workdir: Path) -> dict[str, float]:
     return asyncio.run(main())
 
 
+# -- 2b. end to end: the node publishing live changes ------------------------------------------
+
+
+def role_live_reader(args: argparse.Namespace) -> None:
+    """Read `--count` changes written after it is ready: ``--transport shm`` (a LocalStream
+    per service of the node, from now) or ``tcp`` (one DcpClient, every vbucket, from now)."""
+    from changefeed.consumer import Changes, ClientConfig, DcpClient
+
+    config = ClientConfig(port=args.port)
+
+    async def shm() -> int:
+        from changefeed.ipc.local_stream import LocalStream, services_of
+
+        streams = [
+            LocalStream(s, directory=args.dir, app_id=args.app, dcp=config, start="now")
+            for s in services_of("default", args.port, args.dir)
+        ]
+        emit(ready=True)
+        rows = total = 0
+        try:
+            while rows < args.count:  # bounded by the writer's count
+                for local in streams:
+                    batch = await local.next_batch(0.05)
+                    if batch is not None:
+                        rows += batch.num_rows
+                        total += int(pc.sum(batch.column("seqno")).as_py() or 0)
+        finally:
+            for local in streams:
+                local.close()
+        return rows
+
+    async def tcp() -> int:
+        async with DcpClient(config) as client:
+            await client.stream(list(range(args.vbuckets)), start="now")
+            emit(ready=True)
+            rows = total = 0
+            async for event in client.events():
+                if isinstance(event, Changes):
+                    total += int(event.columns.array("seqno").sum())
+                    rows += len(event.columns)
+                    if rows >= args.count:
+                        break
+            return rows
+
+    rows = asyncio.run(shm() if args.transport == "shm" else tcp())
+    emit(rows=rows, cpu=time.process_time())
+
+
+def run_live(transport: str, readers: int, keys: int, workdir: Path) -> dict[str, float]:
+    """Items/s delivered and total CPU us per delivered item (node + readers), the node
+    publishing live changes from a writer (in this process: not counted)."""
+    from changefeed.cli.node_process import NodeProcess
+    from changefeed.consumer import KvClient
+
+    ipc = workdir / f"live-ipc-{uuid.uuid4().hex[:6]}"
+    args = ["--no-durable", "--log-level", "WARNING"]
+    if transport == "shm":
+        args += ["--shm", "1", "--shm-dir", str(ipc)]
+    node = NodeProcess(workdir / f"live-{transport}-{readers}", vbuckets=16, args=args)
+    node.start()
+    try:
+        procs = [
+            spawn(
+                "--role",
+                "live-reader",
+                "--transport",
+                transport,
+                "--port",
+                str(node.port),
+                "--dir",
+                str(ipc),
+                "--app",
+                str(app),
+                "--count",
+                str(keys),
+                "--vbuckets",
+                "16",
+            )
+            for app in range(1, readers + 1)
+        ]
+        for proc in procs:
+            read_json(proc)
+        time.sleep(0.5)  # the shm group resumes within 0.1 s of its first reader
+
+        async def write() -> None:
+            async with await KvClient.connect("127.0.0.1", node.port) as kv:
+                value = b"v" * VALUE_BYTES
+                for start in range(0, keys, 500):
+                    await asyncio.gather(
+                        *(
+                            kv.upsert(b"live%07d" % i, value)
+                            for i in range(start, min(keys, start + 500))
+                        )
+                    )
+
+        node0, start = cpu_seconds(node.pid), time.perf_counter()
+        asyncio.run(write())
+        reports = [read_json(proc, timeout_s=300) for proc in procs]
+        wall = time.perf_counter() - start
+        node_cpu = cpu_seconds(node.pid) - node0
+        for proc in procs:
+            proc.wait(30)
+    finally:
+        node.stop(check=False)
+    rows = sum(r["rows"] for r in reports)
+    assert rows == readers * keys, (rows, readers, keys)
+    cpu = node_cpu + sum(r["cpu"] for r in reports)
+    return {
+        "items_s": rows / wall,
+        "cpu_us": cpu / rows * 1e6,
+        "node_cpu_us": node_cpu / rows * 1e6,
+    }
+
+
+def run_live_all(workdir: Path, keys: int, repeat: int) -> list[str]:
+    lines = [
+        f"## 2b. end to end: a writer upserting {keys:,} keys ({VALUE_BYTES}-byte values) into a "
+        "node that publishes them live; readers from now until they have every change; best "
+        f"of {repeat} (the writer's CPU is not counted)",
+        f"{'transport':<10} {'readers':>7} {'items/s (all readers)':>22} "
+        f"{'CPU us/item (node+readers)':>27} {'node CPU us/item':>16}",
+    ]
+    found: dict[tuple[str, int], dict[str, float]] = {}
+    for readers in (1, 4):
+        for transport in ("shm", "tcp"):
+            runs = [run_live(transport, readers, keys, workdir) for _ in range(repeat)]
+            top = min(runs, key=lambda r: r["cpu_us"])
+            found[transport, readers] = top
+            lines.append(
+                f"{transport:<10} {readers:>7} {top['items_s']:>22,.0f} "
+                f"{top['cpu_us']:>27.2f} {top['node_cpu_us']:>16.2f}"
+            )
+    ratio = found["tcp", 4]["cpu_us"] / found["shm", 4]["cpu_us"]
+    lines.append(
+        f"goal: 4 local readers >= 3x fewer CPU us per delivered item than 4 TCP readers: "
+        f"{ratio:.2f}x ({'met' if ratio >= 3 else 'NOT met'})"
+    )
+    return lines
+
+
 # -- 3. node CPU per key, --shm on and no reader ------------------------------------------------
 
 
@@ -748,7 +893,11 @@ def main() -> None:
     parser.add_argument("--dcp-items", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=5, help="fan-out runs; the best is shown")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--section", choices=["all", "idle"], default="all")
+    parser.add_argument("--section", choices=["all", "idle", "live"], default="all")
+    parser.add_argument("--transport", choices=["shm", "tcp"], default="shm")
+    parser.add_argument("--count", type=int, default=0)
+    parser.add_argument("--live-keys", type=int, default=50_000)
+    parser.add_argument("--live-repeat", type=int, default=2)
     parser.add_argument("--idle-keys", type=int, default=50_000)
     parser.add_argument("--idle-repeat", type=int, default=3)
     parser.add_argument("--no-save", action="store_true")
@@ -757,6 +906,7 @@ def main() -> None:
         "shm-reader": role_shm_reader,
         "iox-reader": role_iox_reader,
         "dcp-reader": role_dcp_reader,
+        "live-reader": role_live_reader,
         "holder": role_holder,
         "provider": role_provider,
         "follower": role_follower,
@@ -766,6 +916,13 @@ def main() -> None:
         return
     if args.quick:
         args.batches, args.dcp_items, args.idle_keys, args.idle_repeat = 60, 20_000, 10_000, 1
+    if args.quick:
+        args.live_keys, args.live_repeat = 10_000, 1
+    if args.section == "live":
+        with tempfile.TemporaryDirectory(prefix="bench-ipc-") as work:
+            lines = run_live_all(Path(work), args.live_keys, args.live_repeat)
+            print("\n".join([*machine(), *lines]))
+        return
     if args.section == "idle":
         with tempfile.TemporaryDirectory(prefix="bench-ipc-") as work:
             print("\n".join([*machine(), *run_idle(Path(work), args.idle_keys, args.idle_repeat)]))
@@ -839,6 +996,9 @@ def main() -> None:
             f"{dcp[4]['server_cpu_us']:.3f} us"
         )
         print("\n".join(table), flush=True)
+        live = ["", *run_live_all(Path(work), args.live_keys, args.live_repeat)]
+        print("\n".join(live), flush=True)
+        table += live
         idle = ["", *run_idle(Path(work), args.idle_keys, args.idle_repeat)]
         print("\n".join(idle), flush=True)
         table += idle
