@@ -49,9 +49,9 @@ class SimConfig:
     lease_ttl_s: int = 2  # limits.ETCD_LEASE_TTL_S_MIN: short, so failovers fit in a run
     replica_lag_max_s: float = 2.0
     work_s: float = 5.0
-    settle_s: float = 7.0
+    settle_s: float = 6.0
     faults_max: int = 4
-    think_s: tuple[float, float] = (0.02, 0.1)
+    think_s: tuple[float, float] = (0.03, 0.12)
     plain_share: float = 0.2
     durable_share: float = 0.4  # the rest: CAS read-modify-write
     consumer: bool = True  # a DCP consumer reading every vbucket from its active

@@ -29,23 +29,30 @@ from changefeed.cluster import placement
 from .cluster import SimConfig
 from .faults import Fault
 
+BUSY_S = (0.005, 0.04)  # clients' think time: busy, so writes fall inside the loss windows
+
 
 def split() -> tuple[SimConfig, list[Fault]]:
-    config = SimConfig(nodes=5, replicas=2, vbuckets=5, clients=2, work_s=6.0)
+    config = SimConfig(
+        nodes=5, replicas=2, vbuckets=5, clients=2, work_s=6.0, think_s=(0.02, 0.1), settle_s=7.0
+    )
     chain = placement.chains(config.nodes, config.replicas, config.vbuckets)[0]
     side = (f"n{chain[0]}", f"n{chain[1]}", "c0")
     return config, [Fault("split", 0.5, 4.5, tuple(sorted(side)))]
 
 
 def etcd_cut() -> tuple[SimConfig, list[Fault]]:
-    config = SimConfig(nodes=3, replicas=2, vbuckets=4, clients=2, work_s=6.0)
+    config = SimConfig(
+        nodes=3, replicas=2, vbuckets=4, clients=2, work_s=6.0, think_s=BUSY_S, settle_s=7.0
+    )
     return config, [Fault("cut_etcd", 0.5, 4.5, ("n1",))]
 
 
 def restart_before_map() -> tuple[SimConfig, list[Fault]]:
     """Random seed 41's schedule (it does not shrink: each fault sets the timing)."""
     faults = ["pause:n0@0.11+0.23", "pause:n2@2.21+1.40", "crash:n0@2.33+1.22"]
-    return SimConfig(), [Fault.parse(text) for text in faults]
+    config = SimConfig(think_s=(0.02, 0.1), settle_s=7.0)  # the random runs' shape then
+    return config, [Fault.parse(text) for text in faults]
 
 
 SCENARIOS: dict[str, Callable[[], tuple[SimConfig, list[Fault]]]] = {
