@@ -51,3 +51,21 @@ def test_a_quiet_cluster_is_correct() -> None:
     result = run(11, [], SimConfig())
     assert result.ok, result.report()
     assert result.stats["map_rev"] == 1
+
+
+def test_a_seed_replays_in_another_process() -> None:
+    """Nothing depends on the process: another interpreter, with another string-hash seed
+    (set iteration order), ends with the same trace hash."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    here = run(7).trace_hash
+    code = "from tests.sim.cluster import run; print(run(7).trace_hash)"
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(root)}
+    there = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert there == here
