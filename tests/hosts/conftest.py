@@ -27,12 +27,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture
 def workdir(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
     """Where a test's hosts keep their data and logs: ``tmp_path`` (pytest keeps the last three
-    runs' only), or ``$CHANGEFEED_HOSTS_KEEP/<test name>`` to keep them for debugging."""
+    runs' only), or ``$CHANGEFEED_HOSTS_KEEP/<test name>-<pid>`` to keep them for debugging."""
     keep = os.environ.get("CHANGEFEED_HOSTS_KEEP")
     if not keep:
         return tmp_path
-    path = Path(keep) / str(request.node.name).replace("/", "_")
-    path.mkdir(parents=True, exist_ok=True)
+    # A directory of this run's own: a node or etcd member must never start on old data.
+    path = Path(keep) / f"{str(request.node.name).replace('/', '_')}-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
     print(f"\nlogs and data under {path}")
     return path
 
