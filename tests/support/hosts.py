@@ -60,7 +60,7 @@ from changefeed.consumer.handshake import call, connect
 from changefeed.protocol.opcode import Opcode
 from changefeed.vbmap import ClusterMap
 from support.clients import AGENT, BUCKET, FEATURES, PASSWORD, USER, dcp_config, stats
-from support.cluster import cluster_args, same_copy
+from support.cluster import cluster_args
 from support.consumer import Change, StreamedState, all_ended, drain
 
 T = TypeVar("T")
@@ -639,19 +639,6 @@ class HostCluster:
             holders = [active, *cmap.replica_nodes(vb)]
             out[vb] = [(h.host, (await copy_of(self.node_at(h.host), [vb]))[vb]) for h in holders]
         return out
-
-    async def divergent_copies(self, cmap: ClusterMap) -> list[str]:
-        """Every replica copy that differs from its active's (keys' newest changes with all
-        their metadata, ``support.cluster.same_copy``)."""
-        problems = []
-        purged = {n.host: await purge_seqnos(n) for n in self.nodes if n.alive}
-        for vb, holders in (await self.copies(cmap)).items():
-            (active, truth), *replicas = holders
-            for host, copy in replicas:
-                differ = same_copy(truth, purged[active].get(vb, 0), copy, purged[host].get(vb, 0))
-                if differ:
-                    problems.append(f"vb {vb}: {host} differs from {active}: {differ[:2]}")
-        return problems
 
 
 def _stop_node(node: NodeProcess) -> None:
