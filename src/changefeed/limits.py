@@ -134,6 +134,13 @@ STREAM_QUANTUM_BYTES = 64 * 1024
 # 1 ms of a 1 GiB/s loopback. With flow control the window bounds it further.
 PUMP_BYTES_MAX = 16 * STREAM_QUANTUM_BYTES
 
+# Consumer side: a DCP consumer acknowledges received bytes (DCP_BUFFER_ACKNOWLEDGEMENT) once
+# this fraction of its flow-control window has arrived unacknowledged (consumer/dcp_session.py):
+# the producer never waits on a window more than 80 % used, and there is one ack per 1/5 window
+# (kv_engine's consumer acks at the same fraction).
+DCP_BUFFER_ACK_FRACTION = 0.2
+assert 0 < DCP_BUFFER_ACK_FRACTION < 1, DCP_BUFFER_ACK_FRACTION
+
 # Consumer side: decoded events (a `Changes` event holds up to one socket read of items) a
 # DcpClient queues for the application before it pauses reading the socket. 256 events of one
 # 256 KiB read each bound it at 64 MiB of frames in the worst case.

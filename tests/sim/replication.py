@@ -80,36 +80,28 @@ class _ConnShim:
         pass
 
 
-class SimFeed(ReplicaFeed):
-    """A `ReplicaFeed` whose connection is a simulated one and whose clock is the scheduler's."""
+class SimFeed:
+    """The production `ReplicaFeed` core over a simulated connection, on the scheduler's clock:
+    this is only its shell (connect, reconnect with backoff, the tick timer)."""
 
     def __init__(self, node: SimNode, source: str, vbuckets: set[int]) -> None:
         options = FeedOptions(node_name=node.name, buffer_bytes=BUFFER_BYTES)
-        super().__init__(_BucketShim(node), NodeAddress(source, "sim", 0), vbuckets, options)  # type: ignore[arg-type]
+        self.feed = ReplicaFeed(
+            _BucketShim(node),  # type: ignore[arg-type]
+            NodeAddress(source, "sim", 0),
+            vbuckets,
+            options,
+            clock=lambda: node.sched.now,
+        )
         self.node = node
+        self.source = self.feed.source
+        self.vbuckets = self.feed.vbuckets
+        self.options = options
+        self.name = self.feed.name
         self.sim_conn: Conn | None = None
         self.closed = False
         self._attempt = 0
         self._tick_due = False
-
-    # -- the asyncio shell, replaced ------------------------------------------------------------
-
-    def _retry_later(self, vb: int) -> None:
-        self._streaming.discard(vb)
-        self._retry_at[vb] = self.node.sched.now + self.options.retry_s
-        self.poke(self.options.retry_s)
-
-    def _retry_due(self) -> None:
-        now = self.node.sched.now
-        for vb, due in sorted(self._retry_at.items()):
-            if due <= now and self._conn is not None:
-                self._request(vb)
-
-    def _fail(self, error: BaseException) -> None:
-        if isinstance(error, AssertionError):  # production code's own invariant broke
-            self.node.cluster.violation(f"{self.name}: assert in the replica feed: {error!r}")
-        self.node.sched.record("feed-fail", self.name, type(error).__name__)
-        super()._fail(error)
 
     # -- session --------------------------------------------------------------------------------
 
@@ -126,35 +118,37 @@ class SimFeed(ReplicaFeed):
         incarnation = node.incarnation
         conn.on_message[me] = lambda data: node.if_current(incarnation, self._receive, data)
         conn.on_close[me] = lambda: node.if_current(incarnation, self._lost, conn)
-        self._conn = _ConnShim(conn, me)  # type: ignore[assignment]
-        self._failure = None
-        self.stats.connects += 1
-        self._unacked_bytes = 0
+        self.feed.attach(_ConnShim(conn, me))
         conn.send(me, ("open", me))
         target = node.cluster.nodes_by_name[self.source.name]
         conn.on_message[self.source.name] = lambda payload: target.on_conn_message(conn, payload)
-        for vb in sorted(self.vbuckets):
-            self._request(vb)
+        self.feed.request_all()
         self.poke(self.options.ack_interval_s)
 
     def close(self) -> None:
         """The node no longer wants this feed (map changed): hang up."""
         self.closed = True
         conn, self.sim_conn = self.sim_conn, None
-        self._conn = None
-        self._streaming.clear()
-        self._opaque_vb.clear()
-        self._backlog.clear()
+        self.feed.detach()
         if conn is not None:
             self.node.own_conns.pop(conn.id, None)
             conn.close(self.node.name)
 
+    def on_persisted(self, vbs: list[int]) -> None:
+        if not self.closed and self.sim_conn is not None:
+            self.feed.on_persisted(vbs)
+
     def _receive(self, data: bytes) -> None:
-        if self.closed or self._conn is None:
+        if self.closed or self.sim_conn is None:
             return
         batch = decode_batch(data)
         assert batch.consumed == len(data), (batch.consumed, len(data))
-        self._on_push(batch)
+        self.feed.on_push(batch)
+        failure = self.feed.failure
+        if failure is not None:
+            if isinstance(failure, AssertionError):  # production code's own invariant broke
+                self.node.cluster.violation(f"{self.name}: assert in the replica feed: {failure!r}")
+            self.node.sched.record("feed-fail", self.name, type(failure).__name__)
         self.node.request_flush()
         self.poke(self.options.ack_interval_s)
 
@@ -163,10 +157,7 @@ class SimFeed(ReplicaFeed):
             return
         self.node.own_conns.pop(conn.id, None)
         self.sim_conn = None
-        self._conn = None
-        self._streaming.clear()
-        self._opaque_vb.clear()
-        self._backlog.clear()
+        self.feed.detach()
         if self.closed:
             return
         backoff = RECONNECT_S[min(self._attempt, len(RECONNECT_S) - 1)]
@@ -181,19 +172,16 @@ class SimFeed(ReplicaFeed):
 
     def _tick(self) -> None:
         self._tick_due = False
-        if self.closed or self._conn is None:
+        if self.closed or self.sim_conn is None:
             return
-        if self._failure is not None:
+        if self.feed.failure is not None:
             conn = self.sim_conn
-            if conn is not None:
-                conn.close(self.node.name)
-                self._lost(conn)
+            conn.close(self.node.name)
+            self._lost(conn)
             return
         self._attempt = 0
-        self._drain_backlog()
-        self._send_acks()
-        self._retry_due()
-        if self._retry_at:
+        self.feed.tick()
+        if self.feed.retries_pending:
             self.poke(self.options.retry_s)
 
 

@@ -103,9 +103,9 @@ def test_memory_full_mid_run_keeps_each_item_in_its_own_vbucket(bucket: Bucket) 
     )
     target = bucket.vbucket(1)
     memory_full_once(target)
-    feed._on_push(decode_batch(buffer))
+    feed.on_push(decode_batch(buffer))
     assert bucket.vbucket(0).high_seqno == 1  # vb 0's later items wait behind the backlog
-    feed._drain_backlog()  # the session loop's next tick: memory is back
+    feed.tick()  # the session loop's next tick: memory is back
     for vb in range(2):
         vbucket = bucket.vbucket(vb)
         assert vbucket.high_seqno == 3
@@ -130,10 +130,10 @@ def test_sync_write_frames_are_taken_in_wire_order_behind_a_backlog(bucket: Buck
     )
     target = bucket.vbucket(0)
     memory_full_once(target)
-    feed._on_push(decode_batch(buffer))
-    assert target.high_seqno == 0 and feed._failure is None
-    feed._drain_backlog()
-    assert feed._failure is None
+    feed.on_push(decode_batch(buffer))
+    assert target.high_seqno == 0 and feed.failure is None
+    feed.tick()
+    assert feed.failure is None
     assert target.high_seqno == 6 and target.pending_prepares == []
     committed = target.get(b"p")
     assert committed is not None and (committed.value, committed.cas, committed.seqno) == (
@@ -177,8 +177,8 @@ def test_replicated_items_equal_the_actives_byte_for_byte(bucket: Bucket, vector
                 )
             )
     feed = feed_of(bucket)
-    feed._on_push(decode_batch(run_of(*frames), vectorise=vectorise))
-    assert feed._failure is None
+    feed.on_push(decode_batch(run_of(*frames), vectorise=vectorise))
+    assert feed.failure is None
     manager = bucket.vbucket(0).manager
     held = [one for checkpoint in manager.checkpoints() for one in checkpoint.live_items()]
     assert held == active[1:]  # seqno 1 was deduplicated by seqno 5, key "plain"
@@ -245,6 +245,12 @@ class _FakeConn:
     def send(self, data: bytes) -> None:
         pass
 
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
     async def close(self) -> None:
         pass
 
@@ -260,16 +266,16 @@ def test_a_session_cancelled_as_its_connection_closes_reports_nothing(
     async def connect(*args: object, **kwargs: object) -> _FakeConn:
         return fake
 
-    async def expect_ok(*args: object) -> None:
+    async def open_session(*args: object, **kwargs: object) -> None:
         return None
 
     monkeypatch.setattr(replica_stream, "connect", connect)
-    monkeypatch.setattr(replica_stream, "_expect_ok", expect_ok)
+    monkeypatch.setattr(replica_stream, "open_session", open_session)
     reported: list[dict[str, object]] = []
 
     async def main() -> None:
         asyncio.get_running_loop().set_exception_handler(lambda _, c: reported.append(c))
-        session = asyncio.ensure_future(feed_of(bucket)._session())
+        session = asyncio.ensure_future(feed_of(bucket)._connected())
         for _ in range(5):
             await asyncio.sleep(0)  # the session waits on its connection now
         assert fake.on_close is not None

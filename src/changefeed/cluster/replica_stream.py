@@ -37,31 +37,34 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 from collections import deque
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Final, Protocol
 
 import numpy as np
 
 from changefeed.checkpoint import CheckpointMemoryFullError, Item, SyncItem
 from changefeed.consumer.connection import Connection, ConnectionClosedError
+from changefeed.consumer.dcp_node_stream import open_session
+from changefeed.consumer.dcp_session import (
+    DcpSession,
+    MarkerReceived,
+    Run,
+    StreamAnswered,
+    StreamEnded,
+    SyncFrame,
+)
 from changefeed.consumer.handshake import connect
 from changefeed.protocol.batch import Batch, ChangeColumns
 from changefeed.protocol.dcp import (
-    DcpControl,
-    DcpOpen,
-    OpenFlag,
     SeqnoAcknowledged,
     StreamFlag,
     StreamRequest,
     StreamRole,
     decode_failover_log,
     decode_rollback_seqno,
-    decode_stream_end,
-    encode_buffer_ack,
-    encode_dcp_control,
-    encode_dcp_open,
     encode_seqno_acknowledged,
-    encode_stream_request,
 )
 from changefeed.protocol.dcp_items import (
     MUTATION_EXTRAS,
@@ -71,12 +74,11 @@ from changefeed.protocol.dcp_items import (
     decode_commit,
     decode_prepare,
 )
-from changefeed.protocol.errors import ProtocolError, StatusError, error_for_status
-from changefeed.protocol.frame import Frame, encode_response
-from changefeed.protocol.opcode import Feature, Magic, Opcode
-from changefeed.protocol.snapshot_marker import MarkerFlag, decode_snapshot_marker
+from changefeed.protocol.errors import ProtocolError, StatusError
+from changefeed.protocol.frame import Frame
+from changefeed.protocol.opcode import Feature, Opcode
+from changefeed.protocol.snapshot_marker import SnapshotMarker
 from changefeed.protocol.status import Status
-from changefeed.server.bucket import Bucket
 from changefeed.storage import Op
 from changefeed.vbmap import NodeAddress
 
@@ -91,6 +93,58 @@ _OP_OF_OPCODE: Final = {
     Opcode.DCP_DELETION: Op.DELETION,
     Opcode.DCP_EXPIRATION: Op.EXPIRATION,
 }
+
+
+class ReplicaVBucket(Protocol):
+    """What a feed needs of one replica vbucket (the replica role of `vbucket.VBucket`)."""
+
+    @property
+    def vb_uuid(self) -> int: ...
+
+    @property
+    def purge_seqno(self) -> int: ...
+
+    @property
+    def high_seqno(self) -> int: ...
+
+    @property
+    def persisted_seqno(self) -> int: ...
+
+    def replica_request_range(self) -> tuple[int, int, int]: ...
+
+    def adopt_failover_log(self, entries: list[tuple[int, int]]) -> None: ...
+
+    def rollback(self, seqno: int) -> int: ...
+
+    def replica_snapshot(self, snap_start: int, snap_end: int) -> None: ...
+
+    def queue_replicated(self, item: Item) -> None: ...
+
+    def queue_replicated_run(self, items: Sequence[Item]) -> int: ...
+
+    def replica_commit(self, key: bytes, prepared_seqno: int, commit_seqno: int) -> None: ...
+
+
+class FeedLink(Protocol):
+    """What a feed needs of its connection (`consumer.connection.Connection` has it; the
+    cluster simulator gives a simulated one)."""
+
+    def next_opaque(self) -> int: ...
+
+    def send(self, data: bytes) -> None: ...
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+class ReplicaVBuckets(Protocol):
+    """Where a feed finds its vbuckets and hears of persistence (the node's bucket)."""
+
+    @property
+    def persisted_listeners(self) -> list[Callable[[list[int]], None]]: ...
+
+    def vbucket(self, vb: int) -> ReplicaVBucket: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -135,14 +189,25 @@ class ReplicaFeed:
     """Feeds this node's replica vbuckets `vbuckets` from their active `source`.
 
     Args:
-        bucket: this node's bucket (the replica vbuckets live there).
+        bucket: where the replica vbuckets live (the node's bucket, through a narrow port).
         source: the active node.
         vbuckets: the replica vbuckets whose active `source` is.
         options: connection settings.
+        clock: monotonic seconds (retries of refused streams); inject for simulation.
+
+    The feed is a sans-IO core — `attach` a link, `request_all`, `on_push` what it received,
+    `tick` now and then, `detach` when the link is gone — and an asyncio shell, `run`, that
+    drives it over a real connection. The cluster simulator drives the same core.
     """
 
     def __init__(
-        self, bucket: Bucket, source: NodeAddress, vbuckets: set[int], options: FeedOptions
+        self,
+        bucket: ReplicaVBuckets,
+        source: NodeAddress,
+        vbuckets: set[int],
+        options: FeedOptions,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         assert vbuckets, source
         self.bucket = bucket
@@ -150,12 +215,12 @@ class ReplicaFeed:
         self.vbuckets = frozenset(vbuckets)
         self.options = options
         self.stats = FeedStats()
-        self._conn: Connection | None = None
-        self._opaque_vb: dict[int, int] = {}
-        self._streaming: set[int] = set()
+        self._clock = clock
+        self._conn: FeedLink | None = None
+        self._connection: Connection | None = None  # the shell's real connection
+        self._session = DcpSession(buffer_bytes=options.buffer_bytes)
         self._retry_at: dict[int, float] = {}
         self._acked: dict[int, tuple[int, int]] = {}
-        self._unacked_bytes = 0
         # (vbucket, item) waiting for checkpoint memory, in wire order (a run may hold
         # several vbuckets: each item keeps its own).
         self._backlog: deque[tuple[int, Item | Commit]] = deque()
@@ -167,56 +232,117 @@ class ReplicaFeed:
         """The DCP connection name (unique per replica/active pair)."""
         return f"replication:{self.source.name}->{self.options.node_name}:{self.options.bucket}"
 
+    # -- the sans-IO core -------------------------------------------------------------------------
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the current link must be dropped (bad data, a bug), if it must."""
+        return self._failure
+
+    @property
+    def retries_pending(self) -> bool:
+        """Whether a refused or ended stream waits to be requested again (`tick` does it)."""
+        return bool(self._retry_at)
+
+    def control_messages(self) -> list[tuple[str, str]]:
+        """The DCP controls a replica connection sets after DCP_OPEN."""
+        opts = self.options
+        return [
+            ("enable_noop", "true"),
+            ("set_noop_interval", f"{opts.noop_interval_s:g}"),
+            ("connection_buffer_size", str(opts.buffer_bytes)),
+            ("enable_expiry_opcode", "true"),
+        ]
+
+    @property
+    def session(self) -> DcpSession:
+        """The consumer protocol of the current link (its handshake is sent through it)."""
+        return self._session
+
+    def attach(self, link: FeedLink) -> None:
+        """A new link to the active (not yet opened: send `session.open_messages` first)."""
+        self._conn = link
+        self._failure = None
+        self.stats.connects += 1
+        self._session.forget()
+        self._backlog.clear()
+
+    def detach(self) -> None:
+        """The link is gone: nothing is requested or owed on it any more."""
+        self._conn = None
+        self._session.forget()
+        self._backlog.clear()
+
+    def request_all(self) -> None:
+        """Request every vbucket of the feed from what it holds (after the handshake)."""
+        for vb in sorted(self.vbuckets):
+            self._request(vb)
+
+    def on_push(self, batch: Batch) -> None:
+        """What the link received, decoded (`protocol.batch.decode_batch`)."""
+        self._on_push(batch)
+
+    def on_persisted(self, vbs: list[int]) -> None:
+        """The flusher persisted more of `vbs`: acknowledge now, not at the next tick."""
+        if self._conn is not None and any(
+            vb in self.vbuckets and self._session.status(vb) is not None for vb in vbs
+        ):
+            self._send_acks()
+
+    def tick(self) -> None:
+        """Take what waited for memory, acknowledge what moved, request what is due."""
+        self._drain_backlog()
+        self._send_acks()
+        self._retry_due()
+
+    # -- the asyncio shell ----------------------------------------------------------------------
+
     async def run(self) -> None:
         """Stream until cancelled; reconnect with backoff when the connection drops."""
         backoff = self.options.reconnect_backoff_s
         attempt = 0
-        while True:  # the feed's life; ended by cancellation
-            try:
-                await self._session()
-                attempt = 0
-            except (OSError, TimeoutError, ConnectionClosedError, ProtocolError) as error:
-                log.info("replica feed %s: %s; reconnecting", self.name, error)
-            except StatusError as error:
-                log.warning("replica feed %s refused: %s; retrying", self.name, error)
-            finally:
-                await self._close()
-            await asyncio.sleep(backoff[min(attempt, len(backoff) - 1)])
-            attempt += 1
+        listeners = self.bucket.persisted_listeners
+        listeners.append(self.on_persisted)  # persisted acks go out as the flusher commits
+        try:
+            while True:  # the feed's life; ended by cancellation
+                try:
+                    await self._connected()
+                    attempt = 0
+                except (OSError, TimeoutError, ConnectionClosedError, ProtocolError) as error:
+                    log.info("replica feed %s: %s; reconnecting", self.name, error)
+                except StatusError as error:
+                    log.warning("replica feed %s refused: %s; retrying", self.name, error)
+                finally:
+                    await self._close()
+                await asyncio.sleep(backoff[min(attempt, len(backoff) - 1)])
+                attempt += 1
+        finally:
+            listeners.remove(self.on_persisted)
 
     async def _close(self) -> None:
-        conn, self._conn = self._conn, None
-        self._streaming.clear()
-        self._opaque_vb.clear()
-        self._backlog.clear()
+        conn = self._connection
+        self._connection = None
+        self.detach()
         if conn is not None:
             with contextlib.suppress(Exception):
                 await conn.close()
 
-    async def _session(self) -> None:
+    async def _connected(self) -> None:
+        """One connection's life: open it, request every vbucket, then tick (acks, retries,
+        the backlog) until it ends."""
         opts = self.options
         conn = await connect(
             self.source.host, self.source.port, agent=self.name, user=opts.user,
             password=opts.password, bucket=opts.bucket,
             features=[Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON],
         )  # fmt: skip
-        self._conn = conn
-        self._failure = None
-        self.stats.connects += 1
-        opaque = conn.next_opaque()
-        flags = OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES
-        message = DcpOpen(opaque, self.name, flags, opts.node_name, StreamRole.REPLICA)
-        await _expect_ok(conn, encode_dcp_open(message), opaque)
-        for key, value in (
-            ("enable_noop", "true"),
-            ("set_noop_interval", f"{opts.noop_interval_s:g}"),
-            ("connection_buffer_size", str(opts.buffer_bytes)),
-            ("enable_expiry_opcode", "true"),
-        ):
-            opaque = conn.next_opaque()
-            await _expect_ok(conn, encode_dcp_control(DcpControl(opaque, key, value)), opaque)
-        self._unacked_bytes = 0
-        conn.on_push = self._on_push
+        self._connection = conn
+        self.attach(conn)
+        await open_session(
+            conn, self._session, name=self.name, role=StreamRole.REPLICA,
+            controls=self.control_messages(), consumer_name=opts.node_name,
+        )  # fmt: skip
+        conn.on_push = self.on_push
         closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def on_close(error: ConnectionClosedError) -> None:
@@ -227,15 +353,12 @@ class ReplicaFeed:
                 closed.exception()
 
         conn.on_close = on_close
-        for vb in sorted(self.vbuckets):
-            self._request(vb)
+        self.request_all()
         while not closed.done():  # ticks: acks, retries, backlog; ends with the connection
             await asyncio.wait([closed], timeout=opts.ack_interval_s)
             if self._failure is not None:
                 raise self._failure
-            self._drain_backlog()
-            self._send_acks()
-            self._retry_due()
+            self.tick()
         closed.result()
 
     # -- requests -------------------------------------------------------------------------------
@@ -248,7 +371,6 @@ class ReplicaFeed:
         vbucket = self.bucket.vbucket(vb)
         start, snap_start, snap_end = vbucket.replica_request_range()
         opaque = conn.next_opaque()
-        self._opaque_vb[opaque] = vb
         self._retry_at.pop(vb, None)
         # ACTIVE_VB_ONLY: a node that is no longer the vbucket's active refuses, and the
         # replica asks where the map points next, instead of copying a copy.
@@ -258,14 +380,13 @@ class ReplicaFeed:
         )
         if vbucket.purge_seqno:
             request = dataclasses.replace(request, value={"purge_seqno": str(vbucket.purge_seqno)})
-        conn.send(encode_stream_request(request))
+        conn.send(self._session.request(request))
 
     def _retry_later(self, vb: int) -> None:
-        self._streaming.discard(vb)
-        self._retry_at[vb] = asyncio.get_running_loop().time() + self.options.retry_s
+        self._retry_at[vb] = self._clock() + self.options.retry_s
 
     def _retry_due(self) -> None:
-        now = asyncio.get_running_loop().time()
+        now = self._clock()
         for vb, due in list(self._retry_at.items()):
             if due <= now and self._conn is not None:
                 self._request(vb)
@@ -273,21 +394,28 @@ class ReplicaFeed:
     # -- the reader task's side -----------------------------------------------------------------
 
     def _on_push(self, batch: Batch) -> None:
-        """In wire order: data runs between control frames (markers, stream responses)."""
+        """The session's events in wire order: data runs between control frames."""
         try:
-            changes = batch.changes
-            done = 0
-            view = _BatchView(changes) if len(changes) else None
-            for position, frame in batch.controls:
-                if position > done:
-                    assert view is not None, position
-                    self._apply(view, done, position)
-                    done = position
-                self._on_control(frame)
-            if len(changes) > done:
-                assert view is not None, done
-                self._apply(view, done, len(changes))
-            self._ack_bytes(batch.item_bytes)
+            view = _BatchView(batch.changes) if len(batch.changes) else None
+            for event in self._session.receive(batch):
+                match event:
+                    case Run(start, stop):
+                        assert view is not None, event
+                        self._apply(view, start, stop)
+                    case MarkerReceived(vb, marker):
+                        self._on_marker(vb, marker)
+                    case StreamAnswered(vb, frame):
+                        self._on_stream_response(frame, vb)
+                    case StreamEnded(vb, reason):
+                        log.info(
+                            "replica stream vb %d from %s ended: %s",
+                            vb, self.source.name, reason.name,
+                        )  # fmt: skip
+                        self._retry_later(vb)
+                    case SyncFrame(vb, frame):
+                        self._on_sync(vb, frame)
+            self.stats.bytes = self._session.received_bytes
+            self._flush_owed()
             if self._prepared:
                 self._prepared = False
                 self._send_acks()
@@ -375,48 +503,25 @@ class ReplicaFeed:
         else:
             vbucket.queue_replicated(item)
 
-    def _on_control(self, frame: Frame) -> None:
+    def _on_marker(self, vb: int, marker: SnapshotMarker) -> None:
+        self._settle_backlog()
+        self.bucket.vbucket(vb).replica_snapshot(marker.snap_start, marker.snap_end)
+
+    def _on_sync(self, vb: int, frame: Frame) -> None:
         opcode = frame.opcode
-        if frame.magic in (Magic.RESPONSE, Magic.ALT_RESPONSE):
-            if opcode == Opcode.DCP_STREAM_REQ:
-                self._on_stream_response(frame)
-            return
-        if opcode == Opcode.DCP_NOOP:
-            self._send(encode_response(frame))
-            return
-        self._ack_bytes(frame.wire_size)
-        if opcode == Opcode.DCP_SNAPSHOT_MARKER:
-            marker = decode_snapshot_marker(frame)
-            self._settle_backlog()
-            self.bucket.vbucket(frame.vbucket).replica_snapshot(marker.snap_start, marker.snap_end)
-            if marker.flags & MarkerFlag.ACK:
-                self._send(encode_response(frame))
-        elif opcode == Opcode.DCP_STREAM_END:
-            reason = decode_stream_end(frame).reason
-            log.info(
-                "replica stream vb %d from %s ended: %s",
-                frame.vbucket,
-                self.source.name,
-                reason.name,
-            )
-            self._retry_later(frame.vbucket)
-        elif opcode == Opcode.DCP_SET_VBUCKET_STATE:
-            self._send(encode_response(frame))
-        elif opcode == Opcode.DCP_PREPARE:
-            self._queue(frame.vbucket, _prepare_item(decode_prepare(frame)))
+        if opcode == Opcode.DCP_PREPARE:
+            self._queue(vb, _prepare_item(decode_prepare(frame)))
             self._prepared = True
-            self.stats.items += 1
         elif opcode == Opcode.DCP_COMMIT:
-            self._queue(frame.vbucket, decode_commit(frame))
-            self.stats.items += 1
-        elif opcode == Opcode.DCP_ABORT:
+            self._queue(vb, decode_commit(frame))
+        else:
             abort = decode_abort(frame)
             item = SyncItem(
                 abort.abort_seqno, abort.key, Op.ABORT, Op.DELETION, b"", 1,
                 prepared_seqno=abort.prepared_seqno,
             )  # fmt: skip
-            self._queue(frame.vbucket, item)
-            self.stats.items += 1
+            self._queue(vb, item)
+        self.stats.items += 1
 
     def _settle_backlog(self) -> None:
         """A marker must not overtake items still waiting for memory: take them first."""
@@ -427,14 +532,12 @@ class ReplicaFeed:
                 "checkpoint memory full across a snapshot boundary", Status.ETMPFAIL
             )
 
-    def _on_stream_response(self, frame: Frame) -> None:
-        vb = self._opaque_vb.pop(frame.opaque, None)
-        if vb is None or vb not in self.vbuckets:
+    def _on_stream_response(self, frame: Frame, vb: int) -> None:
+        if vb not in self.vbuckets:
             return
         vbucket = self.bucket.vbucket(vb)
         if frame.status == Status.SUCCESS:
             vbucket.adopt_failover_log(decode_failover_log(frame.value))
-            self._streaming.add(vb)
         elif frame.status == Status.ROLLBACK:
             seqno = decode_rollback_seqno(frame.value)
             self._settle_backlog()
@@ -460,7 +563,7 @@ class ReplicaFeed:
     def _send_acks(self) -> None:
         if self._conn is None:
             return
-        for vb in self._streaming:
+        for vb in self._session.streaming():
             vbucket = self.bucket.vbucket(vb)
             now = (vbucket.high_seqno, vbucket.persisted_seqno)
             if self._acked.get(vb) != now:
@@ -468,12 +571,10 @@ class ReplicaFeed:
                 self._send(encode_seqno_acknowledged(ack))
                 self._acked[vb] = now
 
-    def _ack_bytes(self, nbytes: int) -> None:
-        self.stats.bytes += nbytes
-        self._unacked_bytes += nbytes
-        if self._unacked_bytes >= self.options.buffer_bytes // 5:
-            self._send(encode_buffer_ack(self._unacked_bytes))
-            self._unacked_bytes = 0
+    def _flush_owed(self) -> None:
+        owed = self._session.data_to_send()
+        if owed:
+            self._send(owed)
 
     def _send(self, data: bytes) -> None:
         if self._conn is not None:
@@ -488,14 +589,14 @@ def _prepare_item(p: Prepare) -> SyncItem:
     )  # fmt: skip
 
 
-async def _expect_ok(conn: Connection, data: bytes, opaque: int) -> Frame:
-    response = await conn.request(data, opaque)
-    if response.status != Status.SUCCESS:
-        raise error_for_status(response.status, response.value.decode(errors="replace"))
-    return response
-
-
-__all__ = ["FeedOptions", "FeedStats", "ReplicaFeed"]
+__all__ = [
+    "FeedLink",
+    "FeedOptions",
+    "FeedStats",
+    "ReplicaFeed",
+    "ReplicaVBucket",
+    "ReplicaVBuckets",
+]
 
 
 def _status_name(status: int) -> str:

@@ -1,12 +1,12 @@
 """One DCP connection of a ``DcpClient``: the streams it holds on one node.
 
 A ``DcpClient`` opens one ``NodeStream`` per node that holds active copies of the vbuckets it
-streams. The node stream owns the wire side of that connection: DCP_OPEN and the controls,
-stream requests, noop replies, snapshot-marker acks and flow-control buffer acks (per
-connection, dcp-wire.md §8.1). It turns what the reader task receives into events, in wire
-order, and hands everything that needs a decision — a stream request's answer, a stream's end,
-the loss of the connection — to its ``StreamOwner`` (the client), which knows the sessions and
-the cluster map. It keeps no per-vbucket state beyond which opaque asked for which vbucket.
+streams. The node stream is the asyncio shell of that connection around the one consumer
+protocol (`dcp_session.DcpSession`: DCP_OPEN and controls, stream requests, noop replies,
+snapshot-marker acks, buffer acks, the wire-ordered split); it turns the session's events into
+the application's (`Changes`, `Snapshot`) and hands everything that needs a decision — a
+stream request's answer, a stream's end, the loss of the connection — to its ``StreamOwner``
+(the client), which knows the sessions and the cluster map.
 """
 
 from __future__ import annotations
@@ -14,26 +14,19 @@ from __future__ import annotations
 from typing import Protocol
 
 from changefeed.consumer.connection import Connection, ConnectionClosedError
+from changefeed.consumer.dcp_session import (
+    DcpSession,
+    MarkerReceived,
+    Run,
+    StreamAnswered,
+    StreamEnded,
+)
 from changefeed.consumer.events import Changes, Event, Snapshot
 from changefeed.consumer.session import VbSession
 from changefeed.protocol.batch import Batch
-from changefeed.protocol.dcp import (
-    DcpControl,
-    DcpOpen,
-    OpenFlag,
-    StreamEndReason,
-    StreamRequest,
-    StreamRole,
-    decode_stream_end,
-    encode_buffer_ack,
-    encode_dcp_control,
-    encode_dcp_open,
-    encode_stream_request,
-)
-from changefeed.protocol.errors import ProtocolError, error_for_status
-from changefeed.protocol.frame import Frame, encode_response
-from changefeed.protocol.opcode import Magic, Opcode
-from changefeed.protocol.snapshot_marker import MarkerFlag, decode_snapshot_marker
+from changefeed.protocol.dcp import StreamEndReason, StreamRequest, StreamRole
+from changefeed.protocol.errors import error_for_status
+from changefeed.protocol.frame import Frame
 from changefeed.protocol.status import Status
 
 
@@ -57,14 +50,12 @@ class NodeStream:
     """The DCP connection to one node (``server`` = ``host:port``). Build with ``open``."""
 
     def __init__(
-        self, server: str, conn: Connection, owner: StreamOwner, *, buffer_bytes: int
+        self, server: str, conn: Connection, owner: StreamOwner, session: DcpSession
     ) -> None:
         self.server = server
         self._conn = conn
         self._owner = owner
-        self._buffer_bytes = buffer_bytes
-        self._unacked_bytes = 0
-        self._opaque_vb: dict[int, int] = {}
+        self.session = session
 
     @classmethod
     async def open(
@@ -85,17 +76,13 @@ class NodeStream:
             StatusError: the node refused DCP_OPEN or a control.
             ConnectionClosedError, TimeoutError: the connection failed meanwhile.
         """
+        session = DcpSession(buffer_bytes=buffer_bytes)
         try:
-            opaque = conn.next_opaque()
-            flags = OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES
-            await _expect_ok(conn, encode_dcp_open(DcpOpen(opaque, name, flags, role=role)), opaque)
-            for key, value in controls:
-                opaque = conn.next_opaque()
-                await _expect_ok(conn, encode_dcp_control(DcpControl(opaque, key, value)), opaque)
+            await open_session(conn, session, name=name, role=role, controls=controls)
         except BaseException:
             await conn.close()
             raise
-        node = cls(server, conn, owner, buffer_bytes=buffer_bytes)
+        node = cls(server, conn, owner, session)
         conn.on_push = node._on_push
         conn.on_close = lambda error: owner.disconnected(node, error)
         return node
@@ -112,14 +99,12 @@ class NodeStream:
             ConnectionClosedError: the connection is gone.
         """
         start, snap_start, snap_end = session.request_range()
-        opaque = self._conn.next_opaque()
         value = {"purge_seqno": str(session.purge_seqno)} if session.purge_seqno else {}
         request = StreamRequest(
-            session.vbucket, opaque, flags, start, end_seqno, session.vb_uuid,
-            snap_start, snap_end, value,
+            session.vbucket, self._conn.next_opaque(), flags, start, end_seqno,
+            session.vb_uuid, snap_start, snap_end, value,
         )  # fmt: skip
-        self._conn.send(encode_stream_request(request))
-        self._opaque_vb[opaque] = session.vbucket
+        self._conn.send(self.session.request(request))
 
     def pause_reading(self) -> None:
         self._conn.pause_reading()
@@ -133,58 +118,48 @@ class NodeStream:
     # -- reader task side ---------------------------------------------------------------------
 
     def _on_push(self, batch: Batch) -> None:
-        """Split the batch into events, in wire order: data runs between control frames."""
-        changes = batch.changes
-        done = 0
-        for position, frame in batch.controls:
-            if position > done:
-                self._owner.put(Changes(changes.slice(done, position)))
-                done = position
-            self._on_control(frame)
-        if len(changes) > done:
-            self._owner.put(Changes(changes.slice(done, len(changes))))
-        self._ack(batch.item_bytes)
-
-    def _on_control(self, frame: Frame) -> None:
-        opcode = frame.opcode
-        if frame.magic in (Magic.RESPONSE, Magic.ALT_RESPONSE):
-            if opcode == Opcode.DCP_STREAM_REQ:
-                vb = self._opaque_vb.pop(frame.opaque, None)
-                if vb is None:
-                    raise ProtocolError(f"stream response for unknown opaque {frame.opaque}")
-                self._owner.stream_answered(self, vb, frame)
-            return
-        if opcode == Opcode.DCP_NOOP:
-            self._conn.send(encode_response(frame))
-            return
-        self._ack(frame.wire_size)
-        if opcode == Opcode.DCP_SNAPSHOT_MARKER:
-            marker = decode_snapshot_marker(frame)
-            self._owner.put(
-                Snapshot(
-                    frame.vbucket,
-                    marker.snap_start,
-                    marker.snap_end,
-                    marker.flags,
-                    marker.purge_seqno,
-                )
-            )
-            if marker.flags & MarkerFlag.ACK:
-                self._conn.send(encode_response(frame))
-        elif opcode == Opcode.DCP_STREAM_END:
-            self._owner.stream_ended(self, frame.vbucket, decode_stream_end(frame).reason)
-        elif opcode == Opcode.DCP_SET_VBUCKET_STATE:
-            self._conn.send(encode_response(frame))
-
-    def _ack(self, nbytes: int) -> None:
-        self._unacked_bytes += nbytes
-        if self._unacked_bytes >= self._buffer_bytes // 5:
-            self._conn.send(encode_buffer_ack(self._unacked_bytes))
-            self._unacked_bytes = 0
+        """The session's events, in wire order, as the application's and the owner's."""
+        owner, changes = self._owner, batch.changes
+        for event in self.session.receive(batch):
+            match event:
+                case Run(start, stop):
+                    owner.put(Changes(changes.slice(start, stop)))
+                case MarkerReceived(vb, marker):
+                    snapshot = Snapshot(
+                        vb, marker.snap_start, marker.snap_end, marker.flags, marker.purge_seqno
+                    )
+                    owner.put(snapshot)
+                case StreamAnswered(vb, frame):
+                    owner.stream_answered(self, vb, frame)
+                case StreamEnded(vb, reason):
+                    owner.stream_ended(self, vb, reason)
+                case _:
+                    pass  # SyncFrame: application streams never carry them
+        owed = self.session.data_to_send()
+        if owed and self._conn.closed is None:
+            self._conn.send(owed)
 
 
-async def _expect_ok(conn: Connection, data: bytes, opaque: int) -> Frame:
-    response = await conn.request(data, opaque)
-    if response.status != Status.SUCCESS:
-        raise error_for_status(response.status, response.value.decode(errors="replace"))
-    return response
+async def open_session(
+    conn: Connection,
+    session: DcpSession,
+    *,
+    name: str,
+    role: StreamRole,
+    controls: list[tuple[str, str]],
+    consumer_name: str = "",
+) -> None:
+    """Send the session's DCP_OPEN and controls on ``conn``, each awaited and checked.
+
+    Raises:
+        StatusError: the node refused one.
+        ConnectionClosedError, TimeoutError: the connection failed meanwhile.
+    """
+    messages = session.open_messages(
+        iter(conn.next_opaque, None),
+        name=name, role=role, consumer_name=consumer_name, controls=controls,
+    )  # fmt: skip
+    for opaque, message in messages:
+        response = await conn.request(message, opaque)
+        if response.status != Status.SUCCESS:
+            raise error_for_status(response.status, response.value.decode(errors="replace"))

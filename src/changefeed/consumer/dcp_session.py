@@ -1,0 +1,238 @@
+"""The consumer side of one DCP connection, sans-IO: frames in, typed events and bytes out.
+
+Written once and used by both shells that read DCP: the application client
+(`dcp_node_stream.NodeStream` under `DcpClient`) and the replica feed
+(`cluster.replica_stream.ReplicaFeed`). It owns what the wire asks of any consumer
+(dcp-wire.md §4, §8): the DCP_OPEN and control messages, the opaque → vbucket map of stream
+requests, each stream's status, NOOP replies, snapshot-marker acks, DCP_SET_VBUCKET_STATE
+replies and flow-control buffer acks (every `limits.DCP_BUFFER_ACK_FRACTION` of the window). It
+splits a received batch into events *in wire order*: runs of changes between control frames,
+and one event per control frame that means something to the shell. What to do with them —
+queue rows for an application, apply items to a replica vbucket, roll back, re-request — is the
+shell's.
+
+No socket, no clock, no asyncio: the shell feeds `receive` with what its connection decoded
+and sends `data_to_send()` (acks are owed bytes, not calls), so the whole consumer protocol is
+unit-tested without a node and driven by the cluster simulator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterator
+
+from changefeed import limits
+from changefeed.protocol.batch import Batch
+from changefeed.protocol.dcp import (
+    DcpControl,
+    DcpOpen,
+    OpenFlag,
+    StreamEndReason,
+    StreamRequest,
+    StreamRole,
+    decode_stream_end,
+    encode_buffer_ack,
+    encode_dcp_control,
+    encode_dcp_open,
+    encode_stream_request,
+)
+from changefeed.protocol.errors import ProtocolError
+from changefeed.protocol.frame import Frame, encode_response
+from changefeed.protocol.opcode import Magic, Opcode
+from changefeed.protocol.snapshot_marker import MarkerFlag, SnapshotMarker, decode_snapshot_marker
+
+
+class StreamStatus(enum.Enum):
+    """Where one vbucket's stream on this connection is."""
+
+    REQUESTED = "requested"  # a stream request is out, unanswered
+    STREAMING = "streaming"  # accepted; changes may arrive
+    ENDED = "ended"  # refused, rolled back, or ended by the producer: request again to go on
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Run:
+    """Changes ``start``..``stop`` of the batch (its ``changes`` columns), with no control frame
+    between them; they may span vbuckets."""
+
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamAnswered:
+    """The producer answered the stream request for ``vb`` (``frame.status``: success, rollback,
+    or a refusal); the stream is STREAMING on success, else ENDED."""
+
+    vb: int
+    frame: Frame
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamEnded:
+    """DCP_STREAM_END for ``vb``."""
+
+    vb: int
+    reason: StreamEndReason
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MarkerReceived:
+    """A snapshot marker for ``vb`` (already acked on the wire when it asked for an ack)."""
+
+    vb: int
+    marker: SnapshotMarker
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncFrame:
+    """DCP_PREPARE, DCP_COMMIT or DCP_ABORT (only replica streams carry them); the shell
+    decodes what it needs."""
+
+    vb: int
+    frame: Frame
+
+
+Event = Run | StreamAnswered | StreamEnded | MarkerReceived | SyncFrame
+
+_SYNC_OPCODES = frozenset({Opcode.DCP_PREPARE, Opcode.DCP_COMMIT, Opcode.DCP_ABORT})
+
+
+class DcpSession:
+    """The consumer protocol of one DCP connection.
+
+    Args:
+        buffer_bytes: the flow-control window announced (``connection_buffer_size``); 0 = no
+            flow control (no buffer acks are owed).
+    """
+
+    def __init__(self, *, buffer_bytes: int) -> None:
+        assert buffer_bytes >= 0, buffer_bytes
+        self.buffer_bytes = buffer_bytes
+        self._unacked_bytes = 0
+        self._opaque_vb: dict[int, int] = {}
+        self._status: dict[int, StreamStatus] = {}
+        self._outbox: list[bytes] = []
+        self.received_bytes = 0  # wire bytes of data and control messages taken
+
+    # -- what the shell sends -------------------------------------------------------------------
+
+    def open_messages(
+        self,
+        opaques: Iterator[int],
+        *,
+        name: str,
+        role: StreamRole,
+        consumer_name: str = "",
+        controls: list[tuple[str, str]],
+    ) -> list[tuple[int, bytes]]:
+        """DCP_OPEN (as a producer's consumer, with delete times) and then each control, as
+        ``(opaque, request)``: the shell sends each and expects SUCCESS before the next."""
+        flags = OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES
+        opaque = next(opaques)
+        messages = [(opaque, encode_dcp_open(DcpOpen(opaque, name, flags, consumer_name, role)))]
+        for key, value in controls:
+            opaque = next(opaques)
+            messages.append((opaque, encode_dcp_control(DcpControl(opaque, key, value))))
+        return messages
+
+    def request(self, request: StreamRequest) -> bytes:
+        """The stream request to send for ``request.vbucket``; its answer comes back as
+        `StreamAnswered`. A vbucket has at most one request out."""
+        vb = request.vbucket
+        self.require(vb, None, StreamStatus.ENDED)
+        self._opaque_vb[request.opaque] = vb
+        self._status[vb] = StreamStatus.REQUESTED
+        return encode_stream_request(request)
+
+    def data_to_send(self) -> bytes:
+        """The replies and acks owed since the last call (send them in this order)."""
+        owed, self._outbox = self._outbox, []
+        return b"".join(owed)
+
+    # -- what the shell receives ----------------------------------------------------------------
+
+    def receive(self, batch: Batch) -> list[Event]:
+        """Events of one decoded batch, in wire order.
+
+        Raises:
+            ProtocolError: a stream answer for an opaque this session never sent.
+        """
+        events: list[Event] = []
+        done = 0
+        for position, frame in batch.controls:
+            if position > done:
+                events.append(Run(done, position))
+                done = position
+            event = self._control(frame)
+            if event is not None:
+                events.append(event)
+        if len(batch.changes) > done:
+            events.append(Run(done, len(batch.changes)))
+        self._consumed(batch.item_bytes)
+        return events
+
+    def status(self, vb: int) -> StreamStatus | None:
+        """The stream's status, or None if this session never requested ``vb``."""
+        return self._status.get(vb)
+
+    def require(self, vb: int, *expected: StreamStatus | None) -> None:
+        """Assert ``vb``'s stream is in one of ``expected`` (a bug in the shell otherwise)."""
+        status = self._status.get(vb)
+        assert status in expected, (vb, status, expected)
+
+    def streaming(self) -> list[int]:
+        """The vbuckets whose streams are open now."""
+        return [vb for vb, s in self._status.items() if s is StreamStatus.STREAMING]
+
+    def forget(self) -> None:
+        """The connection is gone: no request is out, no stream open, no ack owed."""
+        self._opaque_vb.clear()
+        self._status.clear()
+        self._outbox.clear()
+        self._unacked_bytes = 0
+
+    # -- inside ---------------------------------------------------------------------------------
+
+    def _control(self, frame: Frame) -> Event | None:
+        opcode = frame.opcode
+        if frame.magic in (Magic.RESPONSE, Magic.ALT_RESPONSE):
+            if opcode != Opcode.DCP_STREAM_REQ:
+                return None  # other responses (controls after open) are the shell's
+            vb = self._opaque_vb.pop(frame.opaque, None)
+            if vb is None:
+                raise ProtocolError(f"stream response for unknown opaque {frame.opaque}")
+            self.require(vb, StreamStatus.REQUESTED)
+            ok = frame.status == 0
+            self._status[vb] = StreamStatus.STREAMING if ok else StreamStatus.ENDED
+            return StreamAnswered(vb, frame)
+        if opcode == Opcode.DCP_NOOP:
+            self._outbox.append(encode_response(frame))  # not counted by flow control
+            return None
+        self._consumed(frame.wire_size)
+        vb = frame.vbucket
+        if opcode == Opcode.DCP_SNAPSHOT_MARKER:
+            marker = decode_snapshot_marker(frame)
+            if marker.flags & MarkerFlag.ACK:
+                self._outbox.append(encode_response(frame))
+            return MarkerReceived(vb, marker)
+        if opcode == Opcode.DCP_STREAM_END:
+            if self._status.get(vb) is StreamStatus.STREAMING:
+                self._status[vb] = StreamStatus.ENDED
+            return StreamEnded(vb, decode_stream_end(frame).reason)
+        if opcode == Opcode.DCP_SET_VBUCKET_STATE:
+            self._outbox.append(encode_response(frame))
+            return None
+        if opcode in _SYNC_OPCODES:
+            return SyncFrame(vb, frame)
+        return None  # what a consumer may ignore (system events, OSO markers, ...)
+
+    def _consumed(self, nbytes: int) -> None:
+        self.received_bytes += nbytes
+        if not self.buffer_bytes:
+            return
+        self._unacked_bytes += nbytes
+        if self._unacked_bytes >= self.buffer_bytes * limits.DCP_BUFFER_ACK_FRACTION:
+            self._outbox.append(encode_buffer_ack(self._unacked_bytes))
+            self._unacked_bytes = 0
