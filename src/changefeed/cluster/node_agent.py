@@ -38,6 +38,7 @@ from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
 from changefeed.cluster.rules import (
     InSyncKeeper,
     membership_valid_until,
+    recovered_state,
     serving_state,
     wanted_state,
 )
@@ -73,6 +74,12 @@ class NodeAgent:
         self.fences = 0  # times this node fenced itself (STAT, tests)
         self.keepers: dict[int, InSyncKeeper] = {}  # per vbucket active here
         self.feeds: dict[str, tuple[ReplicaFeed, asyncio.Task[None]]] = {}
+        # Before the node listens: nothing recovered from disk acts as active until a map
+        # (read after registering) says so, and the fence is checked from the first request.
+        context = node.context
+        for vb, vbucket in sorted(context.bucket.vbuckets.items()):
+            context.set_vbucket_state(vb, recovered_state(vbucket.state))
+        context.fence_check = self.check_fence
         self._tasks: list[asyncio.Task[None]] = []
         self.map_applied = asyncio.Event()
 
@@ -100,7 +107,6 @@ class NodeAgent:
         )
         context = self.node.context
         context.stat_providers["replica-feeds"] = self.feed_stats
-        context.fence_check = self.check_fence
         if context.sync_writes is not None:
             context.sync_writes.required_of = self.required_replicas
         loop = asyncio.get_running_loop()

@@ -58,6 +58,14 @@ def serving_state(wanted: VBucketState, *, fenced: bool) -> VBucketState:
     return wanted
 
 
+def recovered_state(state: VBucketState) -> VBucketState:
+    """The state a clustered node gives a vbucket it recovered from disk, before it has a
+    membership and a map: a copy that was active waits PENDING until a map read after
+    registering says it still is (it may have been failed over while it was down, and with no
+    map its durable writes would count a chain of one). Other states stay as they were."""
+    return VBucketState.PENDING if state is VBucketState.ACTIVE else state
+
+
 # -- the confirmed in-sync set ------------------------------------------------------------------
 
 
