@@ -165,6 +165,12 @@ def cluster() -> None:
 )
 @click.option("--timeout", "timeout_s", type=float, default=START_TIMEOUT_S, show_default=True)
 @click.option("--log-level", default="INFO", show_default=True, help="The nodes' log level.")
+@click.option(
+    "--failover-timeout-s",
+    type=click.IntRange(2, 3600),
+    help="The nodes' lease TTL: a node cut off this long is failed over (a crash confirmed "
+    "sooner). Default: serve's (5).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the record (cluster.json) as JSON.")
 def start(
     node_count: int,
@@ -176,6 +182,7 @@ def start(
     base_port: int,
     timeout_s: float,
     log_level: str,
+    failover_timeout_s: int | None,
     as_json: bool,
 ) -> None:
     """Start etcd (unless --etcd) and NODES nodes; return once the first map is written and
@@ -196,6 +203,7 @@ def start(
         "etcd_data_dir": None,
         "vbuckets": vbuckets,
         "replicas": replicas,
+        "failover_timeout_s": failover_timeout_s,
         "nodes": [],
         "started_at": time.time(),
     }
@@ -237,7 +245,15 @@ def start(
             node = NodeProcess(
                 directory / node_name,
                 vbuckets=vbuckets,
-                args=node_args(endpoint, name, node_name, node_count, replicas, log_level),
+                args=node_args(
+                    endpoint,
+                    name,
+                    node_name,
+                    node_count,
+                    replicas,
+                    log_level,
+                    failover_timeout_s,
+                ),
                 ready_timeout_s=max(1.0, deadline - time.monotonic()),
             )
             if base_port:
@@ -272,13 +288,21 @@ def start(
 
 
 def node_args(
-    endpoint: str, name: str, node_name: str, expected_nodes: int, replicas: int, log_level: str
+    endpoint: str,
+    name: str,
+    node_name: str,
+    expected_nodes: int,
+    replicas: int,
+    log_level: str,
+    failover_timeout_s: int | None = None,
 ) -> list[str]:
     """The ``serve`` flags of a node of a local cluster (besides NodeProcess's own)."""
+    lease = () if failover_timeout_s is None else ("--failover-timeout-s", str(failover_timeout_s))
     return [
         *("--etcd", endpoint, "--cluster", name, "--node-name", node_name),
         *("--expected-nodes", str(expected_nodes), "--replicas", str(replicas)),
         *("--log-level", log_level),
+        *lease,
     ]
 
 
@@ -1186,6 +1210,7 @@ def _start_added(directory: Path, node: str, log_level: str) -> None:
             max(1, len(record["nodes"])),
             int(record.get("replicas", 1)),
             log_level,
+            record.get("failover_timeout_s"),
         ),
     )
     if known is not None:

@@ -72,6 +72,7 @@ class NodeAgent:
         self.applied_revision = 0  # etcd mod revision of the applied map: in-sync records' fence
         self.fenced_at: float | None = None  # monotonic time the membership went invalid
         self.fences = 0  # times this node fenced itself (STAT, tests)
+        self.removed = False  # the map no longer lists this node: it leaves the cluster
         self.keepers: dict[int, InSyncKeeper] = {}  # per vbucket active here
         self.feeds: dict[str, tuple[ReplicaFeed, asyncio.Task[None]]] = {}
         # Before the node listens: nothing recovered from disk acts as active until a map
@@ -198,9 +199,10 @@ class NodeAgent:
         try:
             async with asyncio.timeout(STOP_WAIT_S):
                 if self.membership is not None:
-                    # Not revoked: the lease runs out by itself, so a restart within the
-                    # failover timeout finds the map unchanged (no failover, no rejoin).
-                    await self.membership.close(revoke=False)
+                    # Not revoked, unless the map no longer lists this node (removed: it
+                    # leaves now): the lease runs out by itself, so a restart within the
+                    # failover timeout finds the map unchanged (with --no-crash-failover).
+                    await self.membership.close(revoke=self.removed)
                 if self.metadata is not None:
                     await self.metadata.close()
         except (TimeoutError, ConnectionError) as error:
@@ -376,6 +378,7 @@ class NodeAgent:
         )  # fmt: skip
         if removed:
             log.warning("map rev %d no longer lists this node (removed): stopping", cluster_map.rev)
+            self.removed = True
             self.node.request_stop()
 
     def _apply_states(self, cluster_map: ClusterMap) -> int:
