@@ -75,6 +75,7 @@ RULE_PRIORITY_FIRST = 1000
 MAP_WAIT_S = 60.0
 ETCD_WAIT_S = 30.0
 IN_NETNS_TIMEOUT_S = 300.0
+COPY_READ_S = 60.0
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _networks = itertools.count(1)
@@ -717,7 +718,15 @@ async def copy_of(node: NodeProcess, vbuckets: list[int]) -> dict[int, dict[byte
     config = dcp_config(node, host=node.host, follow_map=False)
     async with DcpClient(config) as client:
         await client.stream(vbuckets)
-        await drain(client, state, all_ended(vbuckets), timeout_s=60.0)
+        try:
+            await drain(client, state, all_ended(vbuckets), timeout_s=COPY_READ_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{node.root.name} ({node.host}): vbuckets {vbuckets} not read in {COPY_READ_S} s:"
+                f" opened {sorted(state.opened)}, ended {state.ended}, last seqnos "
+                f"{state.last_seqno}, rollbacks {state.rollbacks}, refused {state.refused}, "
+                f"disconnects {state.disconnects}"
+            ) from None
     out: dict[int, dict[bytes, Change]] = {}
     for vb in vbuckets:
         latest: dict[bytes, Change] = {}
