@@ -4,9 +4,9 @@ on the fencing rules that fixed them.
 Recorded 2026-11-28 (docs/simulator.md): on the rules as they were before the partition
 fixes (`TodayRules`), the `split` and `etcd_cut` scenarios lose acknowledged durable writes
 or CAS updates with the seeds below; on the fencing rules of fae8c28 (`FencedRules`) they
-lose nothing. `restart_before_map` (random seed 41) loses a durable write on the fencing
-rules: a restarted active serves its recovered vbuckets before it has read a map. It is an
-expected failure until the node is fixed (see the report in docs/simulator.md).
+lose nothing. `restart_before_map` (random seed 611's one short crash) loses durable
+writes on the fencing rules: a restarted active serves its recovered vbuckets before it has
+read a map. It is an expected failure until the node is fixed (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .scenarios import SCENARIOS
 
 # Seeds whose run lost acknowledged writes on the rules named.
 LOST_ON_TODAYS_RULES = {"split": (1, 5, 6, 8, 9, 10), "etcd_cut": (1, 8)}
-LOST_ON_FENCED_RULES = {"restart_before_map": (41,)}
+LOST_ON_FENCED_RULES = {"restart_before_map": (3, 8, 9, 611)}
 ON_TODAYS_RULES = not isinstance(rules_for_tree(), FencedRules)
 ISSUE_25 = pytest.mark.xfail(
     ON_TODAYS_RULES,

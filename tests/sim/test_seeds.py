@@ -24,8 +24,13 @@ SLOW_SEEDS = int(os.environ.get("SIM_SLOW_SEEDS", "50000"))
 
 # Seeds of the CI range that lose acknowledged writes on the fencing rules (fae8c28).
 KNOWN = {
-    41: "restart_before_map: a restarted active serves before it reads a map",
-    1002: "restart_before_map: restarted cut from etcd, fenced, still serving without a map",
+    # restart_before_map (docs/simulator.md): a restarted active serves before it reads a map
+    211: "restarted while cut from etcd: fenced, but no map to fence by; acks alone",
+    425: "restarted active acknowledges durable writes alone before its map",
+    611: "restarted active acknowledges durable writes alone before its map",
+    1243: "restarted active acknowledges durable writes alone before its map",
+    1253: "restarted while cut from etcd: fenced, but no map to fence by; acks alone",
+    1409: "the in-sync replica follows the restarted active, rolls back, is then promoted",
 }
 
 
