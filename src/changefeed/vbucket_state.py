@@ -24,6 +24,21 @@ class VBucketState(enum.StrEnum):
     DEAD = "dead"
 
     @property
+    def is_active(self) -> bool:
+        """Takes writes and reads, owns locks and durable writes (the one copy in the map)."""
+        return self is VBucketState.ACTIVE
+
+    @property
+    def is_replica(self) -> bool:
+        """A copy fed by its active, serving replica reads."""
+        return self is VBucketState.REPLICA
+
+    @property
+    def holds_copy(self) -> bool:
+        """Holds the vbucket's data (everything but DEAD)."""
+        return self is not VBucketState.DEAD
+
+    @property
     def streamable(self) -> bool:
         """True if a DCP stream may be opened on it (active and replica, dcp-wire.md §6.2)."""
         return self in (VBucketState.ACTIVE, VBucketState.REPLICA)

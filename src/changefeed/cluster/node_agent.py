@@ -44,7 +44,6 @@ from changefeed.cluster.rules import (
 )
 from changefeed.server.node import Node
 from changefeed.vbmap import ClusterMap, NodeAddress
-from changefeed.vbucket_state import VBucketState
 
 log = logging.getLogger("changefeed.cluster")
 
@@ -305,8 +304,7 @@ class NodeAgent:
 
     def _status(self) -> dict[str, object]:
         bucket = self.node.context.bucket
-        held = (VBucketState.ACTIVE, VBucketState.REPLICA, VBucketState.PENDING)
-        high = {str(vb): v.high_seqno for vb, v in bucket.vbuckets.items() if v.state in held}
+        high = {str(vb): v.high_seqno for vb, v in bucket.vbuckets.items() if v.state.holds_copy}
         status: dict[str, object] = {"high": high}
         cluster_map = self.applied
         if cluster_map is None:
@@ -365,7 +363,7 @@ class NodeAgent:
         addresses: dict[str, NodeAddress] = {}
         for vb in range(cluster_map.vbuckets):
             active = cluster_map.active(vb)
-            if wanted_state(cluster_map, name, vb) is VBucketState.REPLICA and active is not None:
+            if wanted_state(cluster_map, name, vb).is_replica and active is not None:
                 sources.setdefault(active.name, set()).add(vb)
                 addresses[active.name] = active
         context.cluster_map = cluster_map
@@ -390,10 +388,10 @@ class NodeAgent:
         actives = 0
         for vb in range(cluster_map.vbuckets):
             wanted = wanted_state(cluster_map, name, vb)
-            actives += wanted is VBucketState.ACTIVE
+            actives += wanted.is_active
             state = serving_state(wanted, fenced=self.fenced)
             context.set_vbucket_state(vb, state)
-            if state is VBucketState.ACTIVE:
+            if state.is_active:
                 if vb not in self.keepers:
                     placed = frozenset(n.name for n in cluster_map.replica_nodes(vb))
                     self.keepers[vb] = InSyncKeeper(placed)

@@ -318,7 +318,7 @@ class Bucket:
         for vb, indexes in by_vb.items():
             vbucket = self.vbuckets.get(vb)
             vb_keys[vb] = [keys[i] for i in indexes]
-            if vbucket is not None and vbucket.state is VBucketState.ACTIVE:
+            if vbucket is not None and vbucket.state.is_active:
                 in_memory[vb], missing[vb] = vbucket.lookup_memory(vb_keys[vb])
         stored = self.store.get_many_across(missing)
         for vb, indexes in by_vb.items():
@@ -352,7 +352,7 @@ class Bucket:
 
     def get(self, vb: int, key: bytes) -> Document:
         vbucket = self.vbucket(vb)
-        if vbucket.state is not VBucketState.ACTIVE:
+        if not vbucket.state.is_active:
             raise NotMyVbucketError(f"vb {vb} is {vbucket.state.value}, not active here")
         document = vbucket.get(key)
         if document is None:
@@ -362,7 +362,7 @@ class Bucket:
     def get_replica(self, vb: int, key: bytes) -> Document:
         """GET_REPLICA: read this node's replica copy (what it has received so far)."""
         vbucket = self.vbucket(vb)
-        if vbucket.state is not VBucketState.REPLICA:
+        if not vbucket.state.is_replica:
             raise NotMyVbucketError(f"vb {vb} is {vbucket.state.value}, not a replica here")
         document = vbucket.get(key)
         if document is None:
@@ -374,7 +374,7 @@ class Bucket:
     def active(self, vb: int) -> VBucket:
         """`vb` if it is active here, else NotMyVbucketError (writes and locks need the active)."""
         vbucket = self.vbucket(vb)
-        if vbucket.state is not VBucketState.ACTIVE:
+        if not vbucket.state.is_active:
             raise NotMyVbucketError(f"vb {vb} is {vbucket.state.value}, not active here")
         return vbucket
 
@@ -463,7 +463,7 @@ class Bucket:
         return [
             (vb, v.high_seqno)
             for vb, v in sorted(self.vbuckets.items())
-            if (v.state is wanted if wanted else v.state is not VBucketState.DEAD)
+            if (v.state is wanted if wanted else v.state.holds_copy)
         ]
 
     def failover_log(self, vb: int) -> list[tuple[int, int]]:

@@ -52,7 +52,6 @@ from changefeed.protocol.status import Status
 from changefeed.server.bucket import Bucket
 from changefeed.storage import StorageError
 from changefeed.vbucket import VBucket
-from changefeed.vbucket_state import VBucketState
 
 log = logging.getLogger("changefeed.compactor")
 
@@ -176,7 +175,7 @@ class Compactor:
         and skipped (the next run tries again)."""
         done = []
         for vb, vbucket in sorted(self._bucket.vbuckets.items()):
-            if vbucket.state is not VBucketState.ACTIVE:
+            if not vbucket.state.is_active:
                 continue
             try:
                 done.append(await self.compact_vbucket(vb, delete_time_max=delete_time_max))
@@ -217,7 +216,7 @@ class Compactor:
         self._release_idle_checkpoint(vbucket)
         start_seqno = 0
         purged = visited = chunks = 0
-        while vbucket.state is VBucketState.ACTIVE:  # bounded: each chunk moves start_seqno on
+        while vbucket.state.is_active:  # bounded: each chunk moves start_seqno on
             ceiling = min(seqno_max, self._purge_ceiling(vbucket))
             if start_seqno > ceiling:
                 break
@@ -257,7 +256,7 @@ class Compactor:
 
     def _active(self, vb: int) -> VBucket:
         vbucket = self._bucket.vbuckets.get(vb)
-        if vbucket is None or vbucket.state is not VBucketState.ACTIVE:
+        if vbucket is None or not vbucket.state.is_active:
             state = "missing" if vbucket is None else vbucket.state.value
             raise NotMyVbucketError(f"vb {vb} is {state}: only active vbuckets are compacted")
         return vbucket

@@ -34,7 +34,6 @@ from typing import ClassVar
 from changefeed import limits
 from changefeed.server.bucket import Bucket
 from changefeed.storage import StorageError
-from changefeed.vbucket_state import VBucketState
 
 log = logging.getLogger("changefeed.expiry_pager")
 
@@ -132,7 +131,7 @@ class ExpiryPager:
         active = [
             vb
             for vb, vbucket in sorted(self._bucket.vbuckets.items())
-            if vbucket.state is VBucketState.ACTIVE
+            if vbucket.state.is_active
         ]
         later = [vb for vb in active if vb >= self._next_vb]
         order = later + [vb for vb in active if vb < self._next_vb]
@@ -174,7 +173,7 @@ class ExpiryPager:
         visited = expired = 0
         while visited < budget:  # bounded by budget: every chunk looks at >= 1 record or ends
             vbucket = self._bucket.vbuckets[vb]
-            if vbucket.state is not VBucketState.ACTIVE:
+            if not vbucket.state.is_active:
                 break
             scan = self._bucket.store.find_expired(
                 vb,

@@ -43,7 +43,6 @@ from changefeed.protocol.frame_info import DurabilityLevel, DurabilityRequiremen
 from changefeed.protocol.kv import MutationResult
 from changefeed.server.bucket import Bucket
 from changefeed.server.replication import ReplicationTracker
-from changefeed.vbucket_state import VBucketState
 
 log = logging.getLogger("changefeed.sync_writes")
 
@@ -158,7 +157,7 @@ class SyncWriteMonitor:
         if not waiting:
             return 0
         state = self._bucket.vbucket(vb).state
-        assert state is not VBucketState.ACTIVE, (vb, state)
+        assert not state.is_active, (vb, state)
         answered = 0
         for pending in list(waiting.values()):
             self.stats.ambiguous_state += 1
@@ -179,7 +178,7 @@ class SyncWriteMonitor:
         if not waiting:
             return
         vbucket = self._bucket.vbucket(vb)
-        if vbucket.state is not VBucketState.ACTIVE:
+        if not vbucket.state.is_active:
             for pending in list(waiting.values()):
                 self.stats.ambiguous_state += 1
                 self._finish(pending, SyncWriteAmbiguousError(f"vb {vb} is no longer active here"))
@@ -220,7 +219,7 @@ class SyncWriteMonitor:
         if pending.future.done():
             return
         vbucket = self._bucket.vbucket(pending.vb)
-        if vbucket.state is VBucketState.ACTIVE:
+        if vbucket.state.is_active:
             try:
                 vbucket.abort(pending.key)
                 self.stats.aborted += 1
