@@ -15,7 +15,8 @@ Usage::
     .venv/bin/python bench/bench_sim.py --seeds 50    # a smoke run
     .venv/bin/python bench/bench_sim.py --no-faults   # the same seeds without faults
 
-The table goes to stdout and to ``--results`` (default bench/results_sim.txt; ``-`` for none).
+The table goes to stdout and, with ``--results PATH``, to a file (the figures of a full run
+are kept in docs/simulator.md, "Cost").
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=200, help="seeds per shape")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--no-faults", action="store_true")
-    parser.add_argument("--results", default=str(ROOT / "bench" / "results_sim.txt"))
+    parser.add_argument("--results", default="-", help="also write the table here")
     args = parser.parse_args()
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     rows = [(name, measure(config, seeds, not args.no_faults)) for name, config in SHAPES.items()]
