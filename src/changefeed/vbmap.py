@@ -51,11 +51,13 @@ class NodeAddress:
         name: the node's stable name (its etcd member key, its data dir's identity).
         host: KV host (loopback in tests).
         port: KV port.
+        tls_port: KV/DCP over TLS (Couchbase's ``kvSSL``); 0: none.
     """
 
     name: str
     host: str
     port: int
+    tls_port: int = 0
 
     @property
     def server(self) -> str:
@@ -166,7 +168,7 @@ class ClusterMap:
         document: dict[str, object] = {
             "rev": self.rev,
             "replicas": self.replicas,
-            "nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in self.nodes],
+            "nodes": [_node_json(n) for n in self.nodes],
             "chains": [list(chain) for chain in self.chains],
         }
         if self.moves:
@@ -185,7 +187,10 @@ class ClusterMap:
         try:
             assert isinstance(data, dict)
             nodes = tuple(
-                NodeAddress(str(n["name"]), str(n["host"]), int(n["port"])) for n in data["nodes"]
+                NodeAddress(
+                    str(n["name"]), str(n["host"]), int(n["port"]), int(n.get("tls_port", 0))
+                )
+                for n in data["nodes"]
             )
             chains = tuple(tuple(int(i) for i in chain) for chain in data["chains"])
             moves = tuple(
@@ -211,7 +216,8 @@ class ClusterMap:
         """
         nodes_ext: list[dict[str, object]] = []
         for n in self.nodes:
-            entry: dict[str, object] = {"hostname": n.host, "services": {"kv": n.port}}
+            services = {"kv": n.port, "kvSSL": n.tls_port} if n.tls_port else {"kv": n.port}
+            entry: dict[str, object] = {"hostname": n.host, "services": services}
             if n.name == this_node:
                 entry["thisNode"] = True
             nodes_ext.append(entry)
@@ -247,13 +253,35 @@ class ClusterMap:
         try:
             assert isinstance(config, dict), "not an object"
             server_map = config["vBucketServerMap"]
+            tls_ports = _tls_ports(config.get("nodesExt"))
             nodes = []
             for server in server_map["serverList"]:
                 host, _, port = str(server).rpartition(":")
-                nodes.append(NodeAddress(str(server), host, int(port)))
+                tls = tls_ports.get(str(server), 0)
+                nodes.append(NodeAddress(str(server), host, int(port), tls))
             chains = tuple(tuple(int(i) for i in row) for row in server_map["vBucketMap"])
             return cls(
                 int(config.get("rev", 0)), tuple(nodes), chains, int(server_map["numReplicas"])
             )
         except (AssertionError, KeyError, TypeError) as error:
             raise ValueError(f"not a cluster config: {error!r}") from error
+
+
+def _node_json(node: NodeAddress) -> dict[str, object]:
+    document: dict[str, object] = {"name": node.name, "host": node.host, "port": node.port}
+    if node.tls_port:
+        document["tls_port"] = node.tls_port
+    return document
+
+
+def _tls_ports(nodes_ext: object) -> dict[str, int]:
+    """``host:kv`` -> ``kvSSL`` from a config's ``nodesExt`` (entries without one left out)."""
+    found: dict[str, int] = {}
+    for entry in nodes_ext if isinstance(nodes_ext, list) else ():
+        services = entry.get("services") if isinstance(entry, dict) else None
+        if not isinstance(services, dict):
+            continue
+        host, kv, tls = entry.get("hostname"), services.get("kv"), services.get("kvSSL")
+        if isinstance(host, str) and isinstance(kv, int) and isinstance(tls, int):
+            found[f"{host}:{kv}"] = tls
+    return found

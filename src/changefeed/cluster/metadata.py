@@ -388,6 +388,8 @@ class ClusterMetadata:
         granted_s = time.monotonic()
         lease_id = await self._grant(ttl_s, f"node {node.name}")
         document = {"name": node.name, "host": node.host, "port": node.port}
+        if node.tls_port:
+            document["tls_port"] = node.tls_port
         await self._call(
             self.client.put(
                 self.key(f"nodes/{node.name}"), json.dumps(document).encode(), lease=lease_id
@@ -422,7 +424,10 @@ class ClusterMetadata:
             try:
                 document = json.loads(kvs[key].value)
                 node = NodeAddress(
-                    str(document["name"]), str(document["host"]), int(document["port"])
+                    str(document["name"]),
+                    str(document["host"]),
+                    int(document["port"]),
+                    int(document.get("tls_port", 0)),
                 )
                 if not 0 < node.port <= 65535:
                     raise ValueError(f"port {node.port}")

@@ -85,7 +85,9 @@ class NodeAgent:
 
     @property
     def me(self) -> NodeAddress:
-        return NodeAddress(self.config.node_name, self.config.host, self.node.port)
+        return NodeAddress(
+            self.config.node_name, self.config.host, self.node.port, self.node.tls_port
+        )
 
     async def start(self) -> None:
         """Connect to etcd, register, and start the orchestrator candidate and the map watch.

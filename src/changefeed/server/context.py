@@ -67,6 +67,7 @@ class ServerContext:
         auth_throttle: per-host failed-authentication budget, shared by all connections.
         monotonic: seconds for timeouts and noops; injected so tests replay.
         port: the bound KV port (known once listening; config.port may be 0).
+        tls_port: the bound TLS port (0: no TLS listener); clients find it in the map (kvSSL).
         cluster_map: the map this node serves by (None: alone, every vbucket active here);
             set by the cluster layer as maps arrive, read by GET_CLUSTER_CONFIG and
             NOT_MY_VBUCKET replies.
@@ -95,6 +96,7 @@ class ServerContext:
     auth_throttle: AuthThrottle = dataclasses.field(default_factory=AuthThrottle)
     monotonic: Callable[[], float] = time.monotonic
     port: int = 0
+    tls_port: int = 0
     cluster_map: ClusterMap | None = None
     replication: ReplicationTracker | None = None
     catchup_rate: ByteRate | None = None
@@ -139,7 +141,7 @@ class ServerContext:
         """The map clients route by: the cluster's, or this node alone with every vbucket."""
         if self.cluster_map is not None:
             return self.cluster_map
-        me = NodeAddress(self.config.node_name, self.config.host, self.port)
+        me = NodeAddress(self.config.node_name, self.config.host, self.port, self.tls_port)
         return ClusterMap.single_node(me, self.config.vbuckets)
 
     def cluster_config_json(self) -> bytes:

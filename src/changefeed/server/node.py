@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import gc
-import json
 import logging
 import os
 import random
@@ -20,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from changefeed import limits
 from changefeed.server.admission import Admission, Shares
@@ -102,30 +101,6 @@ def load_or_create_users(config: NodeConfig) -> Users:
     return users
 
 
-class NodeContext(ServerContext):
-    """The node's `ServerContext`, whose cluster maps also advertise this node's TLS port.
-
-    Couchbase names it ``kvSSL`` in the node's ``nodesExt`` services; the SDKs connect there
-    when they bootstrap with ``couchbases://`` (without it the C++ SDK 1.3 crashed opening the
-    bucket). Only this node's own entry can say it here: the TLS ports of the other nodes of a
-    cluster map belong in the map itself (vbmap.py), once membership carries them.
-    """
-
-    __slots__ = ("tls_port",)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tls_port = 0  # the bound TLS port; 0: no TLS listener
-
-    def cluster_config_json(self) -> bytes:
-        config = self.current_map().couchbase_config(self.bucket.name, self.config.node_name)
-        if self.tls_port:
-            for entry in config.get("nodesExt", ()):  # type: ignore[attr-defined]
-                if entry.get("thisNode"):
-                    entry["services"].setdefault("kvSSL", self.tls_port)
-        return json.dumps(config).encode()
-
-
 class Companion(Protocol):
     """Something that runs beside a node for its lifetime (the cluster membership agent):
     started once the node listens, stopped before the node shuts down."""
@@ -167,7 +142,7 @@ class Node:
         self.expiry_pager = ExpiryPager(
             bucket, clock=clock, interval_s=config.expiry_pager_interval_s
         )
-        self.context = NodeContext(
+        self.context = ServerContext(
             config,
             users,
             bucket,
@@ -248,7 +223,6 @@ class Node:
         self.compactor.start()
         self.expiry_pager.start()
         admission = self.admission
-        assert isinstance(context, NodeContext), type(context)
         self._server = await loop.create_server(
             lambda: ClientConnection(context, admission),
             self.config.host,
