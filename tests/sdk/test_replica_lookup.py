@@ -1,7 +1,7 @@
 """``lookup_in_any_replica`` through the official SDK (issue 26): its C++ core refuses the call
 with FeatureUnavailableException unless the bucket's config lists ``subdoc.ReplicaRead`` in
-``bucketCapabilities``; with it, the lookup is answered (by the active at least: see the
-xfail below for the replicas' own answers)."""
+``bucketCapabilities``; with it, the lookup is answered by the active and by each replica
+(the ReplicaRead document flag, HELLO SubdocReplicaRead)."""
 
 from __future__ import annotations
 
@@ -59,11 +59,6 @@ def test_lookup_in_any_replica_on_a_cluster(three: list[NodeProcess]) -> None:
         sdk.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server/subdoc.py refuses the ReplicaRead doc flag (NOT_SUPPORTED), so replicas do "
-    "not answer yet; only the active's copy comes back",
-)
 def test_every_replica_answers_lookup_in_all_replicas(three: list[NodeProcess]) -> None:
     sdk = connect(three[1])
     try:

@@ -90,6 +90,7 @@ SUPPORTED_FEATURES = frozenset(
         Feature.VATTR,
         Feature.SYNC_REPLICATION,  # durability frames: SyncWrites (server/sync_writes.py)
         Feature.PRESERVE_TTL,
+        Feature.SUBDOC_REPLICA_READ,  # lookups on a replica copy (server/subdoc.py)
     }
 )
 UNAUTHENTICATED_OPCODES = frozenset(

@@ -13,7 +13,8 @@ Extended attributes: the virtual ``$document`` (CAS, vbucket_uuid, seqno, revid,
 flags, value_bytes, datatype, deleted, last_modified; no value_crc32c), ``$XTOC`` (always
 empty) and ``$vbucket`` (HLC) can be looked up; documents here have no user xattrs, so a user
 xattr path is SUBDOC_PATH_ENOENT, and writing one is NOT_SUPPORTED. So are the doc flags for
-deleted documents (access deleted, create as deleted, revive) and replica reads.
+deleted documents (access deleted, create as deleted, revive). Replica reads (the ReplicaRead
+document flag, HELLO SubdocReplicaRead) read this node's replica copy as GET_REPLICA does.
 
 A mutation without an expiry in its extras leaves the document without one, as Couchbase does,
 unless the request carries PreserveTTL; without user flags it keeps the document's flags.
@@ -62,12 +63,7 @@ if TYPE_CHECKING:
     from changefeed.server.bucket import Bucket
 
 _CREATE = DocFlag.MKDOC | DocFlag.ADD  # create the document; imply MKDIR_P on every path
-UNSUPPORTED_DOC_FLAGS = (
-    DocFlag.ACCESS_DELETED
-    | DocFlag.CREATE_AS_DELETED
-    | DocFlag.REVIVE_DOCUMENT
-    | DocFlag.REPLICA_READ
-)
+UNSUPPORTED_DOC_FLAGS = DocFlag.ACCESS_DELETED | DocFlag.CREATE_AS_DELETED | DocFlag.REVIVE_DOCUMENT
 ARRAY_ROOT_OPS = frozenset(
     {
         Opcode.SUBDOC_ARRAY_PUSH_LAST,
@@ -80,7 +76,9 @@ _DATATYPE_NAMES = ((Datatype.JSON, "json"), (Datatype.SNAPPY, "snappy"), (Dataty
 
 def _check_request(c: Requester, doc_flags: DocFlag, specs: tuple[Spec, ...]) -> None:
     if doc_flags & UNSUPPORTED_DOC_FLAGS:
-        raise NotSupportedError("deleted documents and replica reads are not supported")
+        raise NotSupportedError("deleted documents are not supported")
+    if doc_flags & DocFlag.REPLICA_READ and Feature.SUBDOC_REPLICA_READ not in c.features:
+        raise NotSupportedError("replica reads need the SubdocReplicaRead feature (HELLO)")
     if any(s.xattr for s in specs) and Feature.XATTR not in c.features:
         raise NotSupportedError("xattr paths need the XATTR feature (HELLO)")
 
@@ -93,7 +91,10 @@ def multi_lookup(c: Requester, f: Frame) -> None:
     request = decode_multi_lookup(f)
     _check_request(c, request.doc_flags, request.specs)
     bucket = c.context.bucket
-    document = bucket.read(f.vbucket, request.key)
+    if request.doc_flags & DocFlag.REPLICA_READ:  # lookup_in_any/all_replicas: this copy
+        document: Document | None = bucket.get_replica(f.vbucket, request.key)
+    else:
+        document = bucket.read(f.vbucket, request.key)
     if document is None:
         raise KeyNotFoundError(f"key {request.key[:64]!r} not found")
     vb_uuid = bucket.vbucket(f.vbucket).vb_uuid
