@@ -157,6 +157,10 @@ class FeedOptions:
         user, password: credentials every node of the cluster accepts.
         buffer_bytes: the DCP flow-control window.
         noop_interval_s: the active's noop interval (a dead replica is noticed this way).
+        silence_max_s: a link that brought nothing — no data, no noop — for this long is
+            dropped and dialled again (a partition's silent drops leave a TCP connection
+            that looks open on both ends; the active's noops make silence impossible on a
+            live one). 0: three noop intervals.
         ack_interval_s: how often received/persisted seqnos are acknowledged while they move.
         retry_s: pause before requesting a refused or ended stream again.
         reconnect_backoff_s: pauses between reconnect attempts (the last one repeats).
@@ -168,6 +172,7 @@ class FeedOptions:
     password: str = "password"
     buffer_bytes: int = 8 * 1024 * 1024
     noop_interval_s: float = 5.0
+    silence_max_s: float = 0.0
     ack_interval_s: float = 0.05
     retry_s: float = 0.25
     reconnect_backoff_s: tuple[float, ...] = (0.1, 0.2, 0.5, 1.0, 2.0)
@@ -225,6 +230,7 @@ class ReplicaFeed:
         # several vbuckets: each item keeps its own).
         self._backlog: deque[tuple[int, Item | Commit]] = deque()
         self._failure: BaseException | None = None
+        self._heard_at = 0.0  # when the link last brought anything (clock)
         self._prepared = False  # the batch being taken held a prepare: acknowledge at once
 
     @property
@@ -263,6 +269,7 @@ class ReplicaFeed:
         """A new link to the active (not yet opened: send `session.open_messages` first)."""
         self._conn = link
         self._failure = None
+        self._heard_at = self._clock()
         self.stats.connects += 1
         self._session.forget()
         self._backlog.clear()
@@ -280,6 +287,7 @@ class ReplicaFeed:
 
     def on_push(self, batch: Batch) -> None:
         """What the link received, decoded (`protocol.batch.decode_batch`)."""
+        self._heard_at = self._clock()
         self._on_push(batch)
 
     def on_persisted(self, vbs: list[int]) -> None:
@@ -290,7 +298,18 @@ class ReplicaFeed:
             self._send_acks()
 
     def tick(self) -> None:
-        """Take what waited for memory, acknowledge what moved, request what is due."""
+        """Take what waited for memory, acknowledge what moved, request what is due; give up
+        on a link that has been silent too long (`FeedOptions.silence_max_s`)."""
+        opts = self.options
+        silence_max = opts.silence_max_s or 3 * opts.noop_interval_s
+        silent = self._clock() - self._heard_at
+        if self._conn is not None and self._failure is None and silent > silence_max:
+            log.warning(
+                "replica feed %s: nothing from %s for %.1f s; connecting again",
+                self.name, self.source.name, silent,
+            )  # fmt: skip
+            self._fail(TimeoutError(f"the active sent nothing for {silent:.1f} s"))
+            return
         self._drain_backlog()
         self._send_acks()
         self._retry_due()

@@ -290,3 +290,49 @@ def test_a_session_cancelled_as_its_connection_closes_reports_nothing(
 
     asyncio.run(main())
     assert reported == [], [c.get("message") for c in reported]
+
+
+class _Link:
+    """A FeedLink that records what the feed sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.opaque = 0
+        self.paused = False
+
+    def next_opaque(self) -> int:
+        self.opaque += 1
+        return self.opaque
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+
+def test_a_link_silent_past_the_limit_is_given_up_and_a_talking_one_is_kept(
+    bucket: Bucket,
+) -> None:
+    """A partition's silent drops leave the replica's connection open and quiet forever (seen
+    on test hosts: a healed replica stayed behind for good); the active's noops mean a live
+    link is never silent for three noop intervals."""
+    clock = ManualClock(0.0)
+    options = FeedOptions(node_name="me", noop_interval_s=5.0)
+    feed = ReplicaFeed(bucket, NodeAddress("a", "h", 1), {0}, options, clock=clock)
+    feed.attach(_Link())
+    clock.now = 14.0
+    feed.tick()
+    assert feed.failure is None
+    feed.on_push(decode_batch(marker(0, 1, 1) + mutation(0, 1)))  # something arrived
+    clock.now = 28.0
+    feed.tick()
+    assert feed.failure is None, "heard from 14 s to 28 s"
+    clock.now = 29.5
+    feed.tick()
+    assert isinstance(feed.failure, TimeoutError)
+    feed.attach(_Link())  # dialled again: a fresh start
+    assert feed.failure is None
