@@ -77,6 +77,7 @@ class RunResult:
     sim_s: float
     events: int
     stats: dict[str, int]
+    notes: frozenset[str] = frozenset()  # known causes seen in the run (`SimCluster.note`)
 
     @property
     def ok(self) -> bool:
@@ -91,6 +92,7 @@ class RunResult:
         lines = [f"seed {self.seed}: {'ok' if self.ok else 'FAILED'} ({self.stats})"]
         lines += [f"  fault {f}" for f in self.faults]
         lines += [f"  {failure}" for failure in self.failures]
+        lines += [f"  noted: {note}" for note in sorted(self.notes) if not self.ok]
         lines.append(f"  replay: {self.replay_command()}")
         return "\n".join(lines)
 
@@ -115,6 +117,7 @@ class SimCluster:
         self.meta = MetaStore(self.sched, self.net)
         self.history = History()
         self.violations: list[str] = []
+        self.notes: set[str] = set()
         self.nodes_by_name: dict[str, SimNode] = {}
         self.clients_by_name: dict[str, Client | Consumer] = {}
         for i in range(config.nodes):
@@ -129,6 +132,13 @@ class SimCluster:
 
     def violation(self, text: str) -> None:
         self.violations.append(text)
+
+    def note(self, cause: str) -> None:
+        """Something a known bug needs happened (not a failure by itself: the checker decides);
+        a failed run that noted it is attributed to that bug (test_seeds.py `KNOWN_CAUSES`)."""
+        if cause not in self.notes:
+            self.notes.add(cause)
+            self.sched.record("note", cause)
 
     def stored_map(self) -> ClusterMap | None:
         found = self.meta.kv.get(keys.MAP)
@@ -218,7 +228,7 @@ def run(
         }
         return RunResult(
             seed, config, list(faults), failures, cluster.sched.trace_hash,
-            cluster.sched.now, cluster.sched.events_run, stats,
+            cluster.sched.now, cluster.sched.events_run, stats, frozenset(cluster.notes),
         )  # fmt: skip
     finally:
         logger.setLevel(level)

@@ -57,6 +57,8 @@ FLUSH_GAP_S = 0.005  # server/bucket.py: 5 ms between flush rounds to gather a g
 HURRY_FLUSH_S = 0.0005  # a durable write's prepare cuts the gap short
 PUMP_DELAY_S = 0.0002
 STORE_MAP_BYTES = 64 << 20
+# A restarted node took a write before it applied any map (docs/simulator.md, "What it found").
+SERVED_BEFORE_MAP = "served_before_map"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -378,6 +380,8 @@ class SimNode:
             return
         self.request_pump()
         self.request_flush()
+        if self.applied is None and self.incarnation > 1:
+            self.cluster.note(SERVED_BEFORE_MAP)
         if not level:
             answer("ok", (result.seqno, result.cas))
             return

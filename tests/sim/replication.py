@@ -228,6 +228,8 @@ class ProducerEnd:
                     if self.replica is not None:
                         tracker.stream_opened(f.vbucket, self.replica, start)
                         node.durability.on_progress(f.vbucket)
+                        if node.applied is None and node.incarnation > 1:
+                            node.cluster.note("served_before_map")  # a replica stream
                     node.request_pump()
                 case RollbackTo(seqno=seqno):
                     self._reply(
