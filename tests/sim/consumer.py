@@ -20,10 +20,13 @@ from changefeed.consumer.session import VbSession
 from changefeed.failover import FailoverLog
 from changefeed.protocol.batch import decode_batch
 from changefeed.protocol.dcp import (
+    DcpOpen,
+    OpenFlag,
     StreamFlag,
     StreamRequest,
     decode_failover_log,
     decode_rollback_seqno,
+    encode_dcp_open,
     encode_stream_request,
 )
 from changefeed.protocol.frame import Frame
@@ -107,7 +110,8 @@ class Consumer:
         conn.on_message[node_name] = lambda payload: node.on_conn_message(conn, payload)
         conn.on_message[self.name] = lambda data: self._receive(conn, data)
         conn.on_close[self.name] = lambda: self._lost(node_name, conn)
-        conn.send(self.name, ("open", self.name, "application"))
+        flags = OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES
+        conn.send(self.name, encode_dcp_open(DcpOpen(0, self.name, flags)))  # role APPLICATION
         return conn
 
     def _lost(self, node_name: str, conn: Conn) -> None:

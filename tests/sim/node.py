@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from changefeed.checkpoint import CheckpointMemoryFullError, CursorKind, Item, StreamReader
 from changefeed.producer.stream_request import VbucketView
-from changefeed.protocol.dcp import StreamEndReason, StreamRole
+from changefeed.protocol.dcp import StreamEndReason
 from changefeed.protocol.errors import (
     KeyExistsError,
     KeyNotFoundError,
@@ -268,25 +268,22 @@ class SimNode:
 
     # -- replication ----------------------------------------------------------------------------
 
-    def on_conn_message(self, conn: Conn, payload: Any) -> None:
-        """This node's end of a connection a replica opened to it (run only while it is up:
-        the network drops what arrives while it is down)."""
+    def on_conn_message(self, conn: Conn, data: bytes) -> None:
+        """This node's end of a DCP connection a replica or the consumer opened to it (run
+        only while it is up: the network drops what arrives while it is down)."""
         if self.rules.fencing:
             self.agent.check_fence()  # before serving anything it received
-        if isinstance(payload, tuple):  # ("open", name, role): DCP_OPEN
-            role = StreamRole(payload[2]) if len(payload) > 2 else StreamRole.REPLICA
-            end = ProducerEnd(self, conn, payload[1], role)
-            self.producers[conn.id] = end
+        end = self.producers.get(conn.id)
+        if end is None and ProducerEnd.opens(data):
+            end = self.producers[conn.id] = ProducerEnd(self, conn)
             incarnation = self.incarnation
             conn.on_close[self.name] = lambda: self.if_current(
                 incarnation, self._producer_closed, conn.id
             )
-            return
-        end = self.producers.get(conn.id)
         if end is None:  # opened to an earlier incarnation of this node: a reset
             conn.close(self.name)
             return
-        end.receive(payload)
+        end.receive(data)
 
     def _producer_closed(self, conn_id: int) -> None:
         end = self.producers.pop(conn_id, None)

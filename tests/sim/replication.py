@@ -25,9 +25,10 @@ from changefeed.producer.producer import DcpProducer
 from changefeed.producer.stream_request import Accepted, Refused, RollbackTo
 from changefeed.protocol.batch import decode_batch
 from changefeed.protocol.dcp import (
-    OpenFlag,
     StreamRole,
     decode_buffer_ack,
+    decode_dcp_control,
+    decode_dcp_open,
     decode_seqno_acknowledged,
     decode_stream_request,
     encode_failover_log,
@@ -106,8 +107,8 @@ class SimFeed:
     # -- session --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Connect: DCP_OPEN (as a message the active's end understands), then a stream
-        request per vbucket, from what each vbucket holds."""
+        """Connect: the session's DCP_OPEN (role REPLICA) and controls, then a stream request
+        per vbucket, from what each vbucket holds."""
         if self.closed:
             return
         node = self.node
@@ -118,8 +119,18 @@ class SimFeed:
         incarnation = node.incarnation
         conn.on_message[me] = lambda data: node.if_current(incarnation, self._receive, data)
         conn.on_close[me] = lambda: node.if_current(incarnation, self._lost, conn)
-        self.feed.attach(_ConnShim(conn, me))
-        conn.send(me, ("open", me))
+        link = _ConnShim(conn, me)
+        self.feed.attach(link)
+        opens = self.feed.session.open_messages(
+            iter(link.next_opaque, None),
+            name=self.name,
+            role=StreamRole.REPLICA,
+            consumer_name=me,
+            controls=self.feed.control_messages(),
+        )
+        # DCP_OPEN and the controls in one write; the active answers each (the session
+        # leaves those answers to the shell, which has nothing to wait for here).
+        conn.send(me, b"".join(data for _, data in opens))
         target = node.cluster.nodes_by_name[self.source.name]
         conn.on_message[self.source.name] = lambda payload: target.on_conn_message(conn, payload)
         self.feed.request_all()
@@ -186,43 +197,62 @@ class SimFeed:
 
 
 class ProducerEnd:
-    """The active's side of one replica connection: a real `DcpProducer` and the
-    connection handler's duties towards the replication tracker."""
+    """The active's side of one DCP connection: a real `DcpProducer`, made by the DCP_OPEN the
+    connection starts with, and the connection handler's duties (server/connection.py
+    `_dcp_open`, `_dcp_control`, `_dcp_stream_req`, `_dcp_seqno_acknowledged`,
+    `connection_lost`): answers, one write per received message, and the replication
+    tracker told of a replica's opened, acknowledged and closed streams."""
 
-    def __init__(
-        self, node: SimNode, conn: Conn, peer: str, role: StreamRole = StreamRole.REPLICA
-    ) -> None:
+    def __init__(self, node: SimNode, conn: Conn) -> None:
         self.node = node
         self.conn = conn
-        self.replica = peer if role is StreamRole.REPLICA else None
-        flags = OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES
-        self.producer = DcpProducer(
-            f"{role.value}:{node.name}->{peer}",
-            flags,
-            source=node,
-            role=role,
-            consumer_name=self.replica,
-            clock=node.sched.monotonic,
-        )
-        for key, value in (
-            ("connection_buffer_size", str(BUFFER_BYTES)),
-            ("enable_expiry_opcode", "true"),
-        ):
-            status, text = self.producer.control(key, value)
-            assert status == Status.SUCCESS, (key, status, text)
+        self.replica: str | None = None
+        self.producer: DcpProducer | None = None
+        self._replies: list[bytes] = []
+
+    @staticmethod
+    def opens(data: bytes) -> bool:
+        """Whether `data` starts with a DCP_OPEN (the first bytes of a DCP connection)."""
+        controls = decode_batch(data).controls
+        return bool(controls) and controls[0][1].opcode == Opcode.DCP_OPEN
 
     def receive(self, data: bytes) -> None:
         batch = decode_batch(data)
-        assert not len(batch.changes), "a replica sends no changes"
+        assert not len(batch.changes), "a consumer sends no changes"
         for _, frame in batch.controls:
             self._on_frame(frame)
+        if self._replies:
+            replies, self._replies = self._replies, []
+            self.conn.send(self.node.name, b"".join(replies))
 
     def _on_frame(self, f: Frame) -> None:
         node, tracker = self.node, self.node.tracker
         if f.magic in (Magic.RESPONSE, Magic.ALT_RESPONSE):
             return  # marker acks, noop replies
-        if f.opcode == Opcode.DCP_STREAM_REQ:
-            match self.producer.stream_request(decode_stream_request(f)):
+        if f.opcode == Opcode.DCP_OPEN:
+            message = decode_dcp_open(f)
+            replica = message.role is StreamRole.REPLICA and message.consumer_name
+            self.replica = message.consumer_name if replica else None
+            self.producer = DcpProducer(
+                message.name,
+                message.flags,
+                source=node,
+                role=message.role,
+                consumer_name=message.consumer_name,
+                clock=node.sched.monotonic,
+            )
+            self._reply(encode_response(f))
+            return
+        producer = self.producer
+        if producer is None:
+            self._reply(encode_response(f, Status.EINVAL, value=b"DCP_OPEN first"))
+            return
+        if f.opcode == Opcode.DCP_CONTROL:
+            control = decode_dcp_control(f)
+            status, text = producer.control(control.key, control.value)
+            self._reply(encode_response(f, status, value=text.encode()))
+        elif f.opcode == Opcode.DCP_STREAM_REQ:
+            match producer.stream_request(decode_stream_request(f)):
                 case Accepted(failover_log=entries, start_seqno=start):
                     self._reply(encode_response(f, value=encode_failover_log(list(entries))))
                     if self.replica is not None:
@@ -232,9 +262,8 @@ class ProducerEnd:
                             node.cluster.note("served_before_map")  # a replica stream
                     node.request_pump()
                 case RollbackTo(seqno=seqno):
-                    self._reply(
-                        encode_response(f, Status.ROLLBACK, value=encode_rollback_seqno(seqno))
-                    )
+                    value = encode_rollback_seqno(seqno)
+                    self._reply(encode_response(f, Status.ROLLBACK, value=value))
                 case Refused(status=status, message=message):
                     self._reply(encode_response(f, status, value=message.encode()))
         elif f.opcode == Opcode.DCP_SEQNO_ACKNOWLEDGED and self.replica is not None:
@@ -243,14 +272,16 @@ class ProducerEnd:
             tracker.acknowledged(f.vbucket, self.replica, ack.received, persisted)
             node.durability.on_progress(f.vbucket)
         elif f.opcode == Opcode.DCP_BUFFER_ACK:
-            self.producer.on_buffer_ack(decode_buffer_ack(f))
+            producer.on_buffer_ack(decode_buffer_ack(f))
             node.request_pump()
 
     def _reply(self, data: bytes) -> None:
-        self.conn.send(self.node.name, data)
+        self._replies.append(data)
 
     def pump(self) -> bool:
         """Send what the streams have; True if more is ready."""
+        if self.producer is None:
+            return False
         out: list[bytes] = []
         self.producer.pump(out, PUMP_BYTES_MAX)
         if out:
@@ -259,6 +290,8 @@ class ProducerEnd:
 
     def closed(self) -> None:
         """The connection is gone (server/connection.py `connection_lost`)."""
+        if self.producer is None:
+            return
         tracker = self.node.tracker
         if self.replica is not None:
             for vb in sorted(self.producer.streams):

@@ -18,7 +18,7 @@ from .rules import FencedRules, TodayRules, rules_for_tree
 from .scenarios import SCENARIOS
 
 # Seeds whose run lost acknowledged writes on the rules named.
-LOST_ON_TODAYS_RULES = {"split": (1, 5, 6, 8, 9, 10), "etcd_cut": (1, 8)}
+LOST_ON_TODAYS_RULES = {"split": (1, 5, 6, 8, 9, 10), "etcd_cut": (1, 3, 4, 8)}
 LOST_ON_FENCED_RULES = {"restart_before_map": (3, 8, 9, 611)}
 ON_TODAYS_RULES = not isinstance(rules_for_tree(), FencedRules)
 ISSUE_25 = pytest.mark.xfail(
