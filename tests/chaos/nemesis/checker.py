@@ -196,6 +196,10 @@ class ChaosReport:
     mirror: StateCheck | None = None  # None: no mirror in this run
     healed_s: float | None = None  # when every node was running again, after the last fault
     notes: list[str] = field(default_factory=list)
+    # More counts that must be zero, from other checkers (the test hosts' SDK writer: lost
+    # CAS updates...): name -> the problems found.
+    extra: dict[str, list[str]] = field(default_factory=dict)
+    replay: str = ""  # the command that replays this run (printed with the seed)
 
     def counts(self) -> dict[str, int]:
         """The counts that must be zero."""
@@ -210,6 +214,7 @@ class ChaosReport:
         if self.mirror is not None:
             out["keys missing from the mirror"] = len(self.mirror.missing)
             out["keys stale in the mirror"] = len(self.mirror.stale)
+        out.update({name: len(problems) for name, problems in self.extra.items()})
         return out
 
     @property
@@ -235,7 +240,7 @@ class ChaosReport:
     def render(self) -> str:
         lines = [
             f"chaos run: schedule {self.schedule}, durability {self.durability}, seed {self.seed}"
-            f" (replay: CHANGEFEED_CHAOS_SEED={self.seed})",
+            f" (replay: {self.replay or f'CHANGEFEED_CHAOS_SEED={self.seed}'})",
             "operations: "
             + ", ".join(f"{n} {k}" for k, n in self.operations().items())
             + f" ({len(self.writes)} writes over {self.write_check.keys} keys)",
@@ -257,6 +262,7 @@ class ChaosReport:
         if self.mirror is not None:
             examples["keys missing from the mirror"] = self.mirror.missing
             examples["keys stale in the mirror"] = self.mirror.stale
+        examples.update(self.extra)
         for name, count in self.counts().items():
             lines.append(f"{'FAIL' if count else 'ok  '} {count:6d} {name}")
             lines.extend(f"         e.g. {p}" for p in examples[name][:EXAMPLES])
