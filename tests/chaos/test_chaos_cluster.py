@@ -41,11 +41,26 @@ __all__ = ["cluster_name", "etcd"]  # the cluster tests' fixtures, used here too
 SHORT_SEED = 766956336
 
 
-def play(config: ChaosConfig, nodes: NodeFactory, etcd: EtcdServer, name: str, tmp: Path) -> None:
+def play(
+    config: ChaosConfig,
+    nodes: NodeFactory,
+    etcd: EtcdServer,
+    name: str,
+    tmp: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    slow = " -m slow" if request.node.get_closest_marker("slow") else ""
+    replay = (
+        f"CHANGEFEED_CHAOS_SEED={config.seed} .venv/bin/pytest '{request.node.nodeid}' -s{slow}"
+    )
     try:
         report = run_chaos(config, nodes, etcd, name, tmp)
     except DurabilityUnsupportedError as error:  # SyncWrites are built: refusing is a bug
         pytest.fail(f"{error} (CHANGEFEED_CHAOS_DURABILITY=none runs without durability)")
+    except BaseException as error:
+        error.add_note(f"chaos seed {config.seed}; replay: {replay}")
+        raise
+    report.replay = replay
     print(report.render())
     assert report.operations()[Outcome.OK.value] > 0, "no write was acknowledged: nothing tested"
     assert not report.failed, f"chaos checker failed:\n{report.render()}"
@@ -53,7 +68,11 @@ def play(config: ChaosConfig, nodes: NodeFactory, etcd: EtcdServer, name: str, t
 
 @pytest.mark.timeout(600)
 def test_chaos_short(
-    nodes: NodeFactory, etcd: EtcdServer, cluster_name: str, tmp_path: Path
+    nodes: NodeFactory,
+    etcd: EtcdServer,
+    cluster_name: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     config = ChaosConfig(
         seed=env_seed(SHORT_SEED),
@@ -64,7 +83,7 @@ def test_chaos_short(
         replicas=2,
         mirror=os.environ.get("CHANGEFEED_CHAOS_MIRROR", "1") != "0",
     )
-    play(config, nodes, etcd, cluster_name, tmp_path)
+    play(config, nodes, etcd, cluster_name, tmp_path, request)
 
 
 @pytest.mark.slow
@@ -77,6 +96,7 @@ def test_chaos_long(
     tmp_path: Path,
     targets: Targets,
     count: int,
+    request: pytest.FixtureRequest,
 ) -> None:
     config = ChaosConfig(
         seed=env_seed(),
@@ -87,4 +107,4 @@ def test_chaos_long(
         replicas=2,
         keys=1000,
     )
-    play(config, nodes, etcd, cluster_name, tmp_path)
+    play(config, nodes, etcd, cluster_name, tmp_path, request)
