@@ -14,8 +14,16 @@ the clients that trust the CA. Keys are ECDSA P-256 (fast handshakes; every TLS 
 takes them), signed with SHA-256. A node's certificate names the node, ``localhost``,
 127.0.0.1 and the ``--hosts`` given, so clients that check host names accept it on those.
 
-What it does not do: distribute files, revoke certificates, or touch a running node (a node
-reads its certificate when it starts).
+    crl.pem         the certificates revoked (``certs revoke``): a CRL the CA signed, read by
+                    every node's ``serve --tls-crl``; a node certificate listed there is refused
+                    when it dials another node
+
+Nodes authenticate to each other by these certificates (``serve --tls-ca ca.pem``): every
+certificate the CA signs is a node certificate, so issue no client certificates for
+applications from it (they authenticate with a password).
+
+What it does not do: distribute files or touch a running node (a node reloads its
+certificate, key, CA and CRL when the files change or on SIGHUP).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from changefeed import limits
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
+CRL = "crl.pem"
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 # A certificate is valid from a little before it is made: clocks of a cluster differ a bit.
 CLOCK_SKEW_S = 300
@@ -264,6 +273,9 @@ def create(directory: Path, nodes: str, hosts: str, days: int, ca_days: int, as_
     try:
         directory.mkdir(parents=True, exist_ok=True)
         ca, created = load_or_create_ca(directory, days=ca_days)
+        if not (directory / CRL).exists():  # empty: so that serve --tls-crl works from the start
+            empty = revocation_list(ca, set())
+            write_file(directory / CRL, empty.public_bytes(serialization.Encoding.PEM))
         now = datetime.datetime.now(datetime.UTC)
         end = now + datetime.timedelta(days=days)
         written = {}
@@ -276,11 +288,73 @@ def create(directory: Path, nodes: str, hosts: str, days: int, ca_days: int, as_
         raise click.ClickException(f"cannot write {where}: {error.strerror}") from None
     ca_path = directory / CA_CERT
     if as_json:
-        click.echo(json.dumps({"ca": str(ca_path), "ca_created": created, "nodes": written}))
+        crl = str(directory / CRL)
+        answer = {"ca": str(ca_path), "ca_created": created, "crl": crl, "nodes": written}
+        click.echo(json.dumps(answer))
         return
     click.echo(f"{'created' if created else 'using'} CA {ca_path} (its key: {directory / CA_KEY})")
+    click.echo(f"nodes: --tls-ca {ca_path} --tls-crl {directory / CRL}")
     for node, paths in written.items():
         click.echo(
             f"{node}: --tls-cert {paths['cert']} --tls-key {paths['key']} "
             f"(valid until {end:%Y-%m-%d})"
         )
+
+
+def revocation_list(ca: Issued, serials: set[int]) -> x509.CertificateRevocationList:
+    """A CRL of ``serials`` signed by ``ca``, valid as long as the CA is (a node refuses every
+    node certificate once its CRL is past its next update: OpenSSL's "CRL has expired")."""
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca.certificate.subject)
+        .last_update(now - datetime.timedelta(seconds=CLOCK_SKEW_S))
+        .next_update(ca.certificate.not_valid_after_utc)
+    )
+    for serial in sorted(serials):
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build()
+        )
+    return builder.sign(ca.key, hashes.SHA256())
+
+
+def revoked_serials(path: Path) -> set[int]:
+    """The serials a CRL file lists (none if there is no file)."""
+    if not path.exists():
+        return set()
+    crl = x509.load_pem_x509_crl(path.read_bytes())
+    return {entry.serial_number for entry in crl}
+
+
+@certs.command("revoke")
+@click.option(
+    "--dir", "directory", type=click.Path(path_type=Path), required=True,
+    help="The directory of the CA (certs create --dir); crl.pem is written there.",
+)  # fmt: skip
+@click.argument("nodes", nargs=-1)
+def revoke(directory: Path, nodes: tuple[str, ...]) -> None:
+    """Revoke the current certificate of each of NODES (DIR/<node>.pem): add it to DIR/crl.pem,
+    which nodes read with serve --tls-crl (and reload when it changes). Without NODES, write
+    the CRL again with what it lists (a new CRL for a new CA's lifetime)."""
+    names = _names(",".join(nodes), "NODES") if nodes else ()
+    if not (directory / CA_CERT).exists():
+        raise click.ClickException(f"{directory / CA_CERT} does not exist: no CA there")
+    ca, _created = load_or_create_ca(directory, days=limits.TLS_CA_CERT_DAYS_DEFAULT)
+    crl_path = directory / CRL
+    try:
+        serials = revoked_serials(crl_path)
+    except ValueError as error:
+        raise click.ClickException(f"cannot read {crl_path}: {error}") from None
+    for node in names:
+        try:
+            certificate = x509.load_pem_x509_certificate((directory / f"{node}.pem").read_bytes())
+        except (OSError, ValueError) as error:
+            raise click.ClickException(f"cannot read {node}'s certificate: {error}") from None
+        serials.add(certificate.serial_number)
+        click.echo(f"{node}: certificate {certificate.serial_number:x} revoked")
+    crl = revocation_list(ca, serials)
+    try:
+        write_file(crl_path, crl.public_bytes(serialization.Encoding.PEM))
+    except OSError as error:
+        raise click.ClickException(f"cannot write {crl_path}: {error.strerror}") from None
+    click.echo(f"{crl_path}: {len(serials)} revoked (serve --tls-crl {crl_path})")

@@ -111,6 +111,18 @@ def run_loop(coroutine: object) -> None:
 )
 @click.option("--tls-key", type=click.Path(path_type=Path), help="The node's private key, PEM.")
 @click.option(
+    "--tls-ca",
+    type=click.Path(path_type=Path),
+    help="The cluster's CA, PEM: a client certificate it signed authenticates that node "
+    "without a password (replica streams), and replica feeds dial other nodes over TLS "
+    "trusting it. Default: no client certificates; replicas dial plain TCP.",
+)
+@click.option(
+    "--tls-crl",
+    type=click.Path(path_type=Path),
+    help="Revoked node certificates, a PEM CRL (`changefeed certs revoke` writes it).",
+)
+@click.option(
     "--max-unauthenticated-connections",
     type=click.IntRange(1),
     help="Connections still authenticating; one more closes the oldest. Default 256.",

@@ -408,11 +408,15 @@ class NodeAgent:
             if wanted != set(feed.vbuckets) or addresses.get(source_name) != feed.source:
                 task.cancel()
                 del self.feeds[source_name]
+        # With a cluster CA (serve --tls-ca) replicas dial their actives' TLS ports and
+        # authenticate by this node's certificate; the password serves plain-TCP clusters.
+        tls = self.node.tls
         options = FeedOptions(
             node_name=self.config.node_name,
             bucket=self.config.bucket,
             user=REPLICATION_USER,
             password=replication_password(),
+            tls=tls.client if tls is not None and tls.authenticates_nodes else None,
         )
         loop = asyncio.get_running_loop()
         for source_name, vbs in sources.items():

@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -164,6 +165,12 @@ class FeedOptions:
         ack_interval_s: how often received/persisted seqnos are acknowledged while they move.
         retry_s: pause before requesting a refused or ended stream again.
         reconnect_backoff_s: pauses between reconnect attempts (the last one repeats).
+        tls: the TLS settings to dial with (the cluster CA trusted, this node's certificate
+            presented: `server.node.NodeTls.client`), asked at every connect so that a
+            rotated certificate is used from the next connection on. With it, an active whose
+            map entry has a TLS port (`NodeAddress.tls_port`) is dialled there and the
+            certificate authenticates this node (no SASL); one without a TLS port is dialled
+            on its plain port with `user`/`password`. None: plain TCP and the password.
     """
 
     node_name: str
@@ -176,6 +183,7 @@ class FeedOptions:
     ack_interval_s: float = 0.05
     retry_s: float = 0.25
     reconnect_backoff_s: tuple[float, ...] = (0.1, 0.2, 0.5, 1.0, 2.0)
+    tls: Callable[[], ssl.SSLContext] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -232,6 +240,8 @@ class ReplicaFeed:
         self._failure: BaseException | None = None
         self._heard_at = 0.0  # when the link last brought anything (clock)
         self._prepared = False  # the batch being taken held a prepare: acknowledge at once
+        self._warned_plain = False  # logged that the active has no TLS port
+        self._last_tls_error: str | None = None  # the TLS refusal logged last (shell)
 
     @property
     def name(self) -> str:
@@ -328,7 +338,14 @@ class ReplicaFeed:
                     await self._connected()
                     attempt = 0
                 except (OSError, TimeoutError, ConnectionClosedError, ProtocolError) as error:
-                    log.info("replica feed %s: %s; reconnecting", self.name, error)
+                    text = str(error)
+                    if "TLS:" in text and text != self._last_tls_error:
+                        # A refused certificate (either side's) repeats at every attempt:
+                        # one line per distinct reason, not one per reconnect.
+                        log.warning("replica feed %s: %s; reconnecting", self.name, text)
+                    else:
+                        log.info("replica feed %s: %s; reconnecting", self.name, text)
+                    self._last_tls_error = text if "TLS:" in text else None
                 except StatusError as error:
                     log.warning("replica feed %s refused: %s; retrying", self.name, error)
                 finally:
@@ -350,10 +367,11 @@ class ReplicaFeed:
         """One connection's life: open it, request every vbucket, then tick (acks, retries,
         the backlog) until it ends."""
         opts = self.options
+        host, port, tls = self.dial()
         conn = await connect(
-            self.source.host, self.source.port, agent=self.name, user=opts.user,
+            host, port, agent=self.name, user=None if tls is not None else opts.user,
             password=opts.password, bucket=opts.bucket,
-            features=[Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON],
+            features=[Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON], tls=tls,
         )  # fmt: skip
         self._connection = conn
         self.attach(conn)
@@ -379,6 +397,20 @@ class ReplicaFeed:
                 raise self._failure
             self.tick()
         closed.result()
+
+    def dial(self) -> tuple[str, int, ssl.SSLContext | None]:
+        """Where and how the next connection goes: the active's TLS port with this node's
+        certificate when both sides have TLS, else its plain port (authenticated by password)."""
+        source, tls = self.source, self.options.tls
+        if tls is not None and source.tls_port:
+            return source.host, source.tls_port, tls()
+        if tls is not None and not self._warned_plain:
+            self._warned_plain = True
+            log.warning(
+                "replica feed %s: %s advertises no TLS port; replicating over plain TCP "
+                "with the password", self.name, source.name,
+            )  # fmt: skip
+        return source.host, source.port, None
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -70,15 +70,29 @@ _VERIFY_HINTS = {
 }
 
 
-def client_tls_context(ca_file: str | Path | None = None) -> ssl.SSLContext:
+def client_tls_context(
+    ca_file: str | Path | None = None,
+    *,
+    cert_file: str | Path | None = None,
+    key_file: str | Path | None = None,
+) -> ssl.SSLContext:
     """A client's TLS settings: TLS 1.2 or newer, the node's certificate checked against the
     CA in ``ca_file`` (PEM; None: the system's CAs) and its names against the host dialled.
 
+    Args:
+        cert_file, key_file: a client certificate chain and its key (PEM) to present: a node
+            certificate the node's ``--tls-ca`` signed authenticates the connection as that
+            node, without SASL (``handshake`` with ``user=None``).
+
     Raises:
-        OSError: ``ca_file`` cannot be read; ssl.SSLError: it holds no certificate.
+        OSError: a file cannot be read; ssl.SSLError: the CA file holds no certificate, or
+            the key does not match the certificate.
     """
+    assert (cert_file is None) == (key_file is None), (cert_file, key_file)
     context = ssl.create_default_context(cafile=None if ca_file is None else str(ca_file))
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert_file is not None and key_file is not None:
+        context.load_cert_chain(cert_file, key_file)
     assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
     return context
 
@@ -324,6 +338,12 @@ class Connection:
         except ProtocolError as error:
             self._fail(ConnectionClosedError(CloseReason.PROTOCOL_ERROR, str(error)))
             self._writer.close()
+        except ssl.SSLError as error:
+            # TLS 1.3: the node checks our client certificate after our side of the handshake
+            # is done, so its refusal (an alert: unknown ca, certificate revoked...) comes here.
+            reason = error.reason or str(error)
+            detail = f"TLS: the node refused the connection: {reason.lower().replace('_', ' ')}"
+            self._fail(ConnectionClosedError(CloseReason.IO_ERROR, detail))
         except OSError as error:
             self._fail(ConnectionClosedError(CloseReason.IO_ERROR, str(error)))
 

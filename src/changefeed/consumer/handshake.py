@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from scramp import ScramClient
 
-from changefeed.consumer.connection import Connection
+from changefeed.consumer.connection import Connection, ConnectionClosedError, TlsError
 from changefeed.protocol.errors import AuthError, error_for_status
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.kv import decode_hello, encode_hello, encode_request
@@ -34,7 +34,7 @@ async def handshake(
     conn: Connection,
     *,
     agent: str,
-    user: str,
+    user: str | None,
     password: str,
     bucket: str,
     features: Iterable[int] = BASE_FEATURES,
@@ -46,6 +46,9 @@ async def handshake(
         conn: a connection that has sent nothing yet.
         agent: the HELLO agent name (the node logs it; a DCP client passes its DCP name).
         user, password: the credentials; the best mechanism both sides support is used.
+            ``user=None``: no SASL, the connection is authenticated by the client
+            certificate its TLS context presented (a node certificate, see
+            ``connection.client_tls_context``).
         bucket: the bucket to select.
         features: HELLO features to ask for, in order.
 
@@ -57,7 +60,8 @@ async def handshake(
         StatusError: HELLO or SELECT_BUCKET refused (e.g. no such bucket).
     """
     enabled = await hello(conn, agent, list(features))
-    await authenticate(conn, user, password)
+    if user is not None:
+        await authenticate(conn, user, password)
     await select_bucket(conn, bucket)
     return enabled
 
@@ -67,7 +71,7 @@ async def connect(
     port: int,
     *,
     agent: str,
-    user: str,
+    user: str | None,
     password: str,
     bucket: str,
     features: Iterable[int] = BASE_FEATURES,
@@ -84,7 +88,8 @@ async def connect(
 
     Raises:
         OSError, TimeoutError: the node cannot be reached.
-        TlsError: the node's certificate is not trusted (one line saying why).
+        TlsError: the node's certificate is not trusted (one line saying why), or, with
+            ``user=None``, the node refused the client certificate.
         AuthError, StatusError: as ``handshake``.
     """
     conn = await Connection.open(host, port, timeout_s=timeout_s, tls=tls)
@@ -92,6 +97,17 @@ async def connect(
         await handshake(
             conn, agent=agent, user=user, password=password, bucket=bucket, features=features
         )
+    except ConnectionClosedError as error:
+        await conn.close()
+        if tls is None or user is not None or "TLS:" in str(error):
+            raise
+        # TLS 1.3: a node checks the client certificate after the client's side of the
+        # handshake is done, and one it refuses sees the connection closed at its first
+        # request (asyncio's TLS server sends no alert). The node's log names the reason.
+        raise TlsError(
+            f"TLS: {host}:{port} closed the connection after the handshake: it refused this "
+            "node's certificate (revoked, or not signed by its --tls-ca; its log says which)"
+        ) from None
     except BaseException:
         await conn.close()
         raise

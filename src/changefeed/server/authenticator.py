@@ -88,6 +88,22 @@ assert AUTH_HOSTS_TRACKED_MAX >= 1
 assert AUTH_LOG_LINES_PER_WINDOW_MAX >= 1
 
 FAILED = b"authentication failed"
+# A node authenticated by its certificate (authenticate_node) is this user: users-file names
+# cannot hold ':' (users.py), so no password user can be mistaken for a node.
+NODE_IDENTITY_PREFIX = "@node:"
+# What a node certificate grants: reading, streaming and stats for replica feeds and the
+# cluster's own checks, and ADMIN so that replica streams take the slots kept for admins
+# (admission.py). Not WRITE: no node writes documents through another's KV port.
+NODE_PRIVILEGES = frozenset(
+    {Privilege.READ, Privilege.DCP_STREAM, Privilege.STATS, Privilege.ADMIN}
+)
+
+
+def node_identity(node: str) -> str:
+    """The user name of a connection authenticated by ``node``'s certificate."""
+    return NODE_IDENTITY_PREFIX + node
+
+
 # The decoy secret of an authenticator built without the node secret (the synchronous API of
 # old): decoys are stable only within this process.
 _PROCESS_SECRET = secrets.token_bytes(NODE_SECRET_SIZE)
@@ -459,6 +475,17 @@ class SaslAuthenticator:
         return Status.SUCCESS, final.encode()
 
     # -- identity -------------------------------------------------------------------------------
+
+    def authenticate_node(self, node: str) -> None:
+        """The peer presented a node certificate the cluster CA signed (the TLS handshake
+        checked it): it is authenticated as that node, without SASL, as Couchbase's client
+        certificate auth. The identity is `node_identity(node)`, with `NODE_PRIVILEGES`.
+        A later SASL_AUTH replaces it, as it replaces any identity."""
+        assert node and node.isprintable(), node
+        self._scram = None
+        self.user = node_identity(node)
+        self.privileges = NODE_PRIVILEGES
+        assert self.user not in self._users, self.user  # users.py refuses ':' in names
 
     def _begin(self) -> int:
         """A SASL_AUTH begins: forget the identity and any exchange in progress."""

@@ -89,6 +89,14 @@ class NodeConfig:
     tls_port: int = 0
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # The cluster's CA (PEM): the TLS listener asks clients for a certificate and one this CA
+    # signed authenticates its peer as that node, without SASL (nodes replicate this way);
+    # replica feeds dial other nodes' TLS ports trusting it. None: no client certificates,
+    # replica feeds dial plain TCP with the password.
+    tls_ca: Path | None = None
+    # Certificates the CA revoked (a CRL, PEM; `changefeed certs revoke` writes it): a client
+    # certificate listed there is refused in the handshake. Needs tls_ca.
+    tls_crl: Path | None = None
 
     @property
     def users_path(self) -> Path:
@@ -158,6 +166,10 @@ class NodeConfig:
             raise ConfigError("tls_port needs tls_cert and tls_key (PEM files)")
         if not self.tls_port and (self.tls_cert is not None or self.tls_key is not None):
             raise ConfigError("tls_cert and tls_key need tls_port (the TLS listener's port)")
+        if self.tls_ca is not None and not self.tls_port:
+            raise ConfigError("tls_ca needs tls_port (nodes present their certificates there)")
+        if self.tls_crl is not None and self.tls_ca is None:
+            raise ConfigError("tls_crl needs tls_ca (the CA whose revocations it lists)")
 
     def _validate_shm(self) -> None:
         from changefeed.ipc.layout import Geometry
@@ -211,7 +223,7 @@ def load_config(path: Path | None, **overrides: Any) -> NodeConfig:
     for key in values:
         if key not in known:
             raise ConfigError(f"unknown config key {key!r}" + (f" in {path}" if path else ""))
-    for key in ("data_dir", "users_file", "shm_dir", "tls_cert", "tls_key"):
+    for key in ("data_dir", "users_file", "shm_dir", "tls_cert", "tls_key", "tls_ca", "tls_crl"):
         if isinstance(values.get(key), str):
             values[key] = Path(values[key])
     for key, value in values.items():

@@ -64,7 +64,7 @@ from changefeed.protocol.set_run import (
 from changefeed.protocol.status import Status
 from changefeed.server import kv_commands, subdoc
 from changefeed.server.admission import Admission
-from changefeed.server.authenticator import SaslAuthenticator
+from changefeed.server.authenticator import SaslAuthenticator, node_identity
 from changefeed.server.compactor import answer_compact_db
 from changefeed.server.context import ServerContext
 from changefeed.server.dcp_pump import DcpPump
@@ -111,6 +111,15 @@ def _ssl_protocol_class(loop: asyncio.AbstractEventLoop) -> Any:
     return AsyncioSSLProtocol
 
 
+# What to do about a client certificate the TLS listener refused (OpenSSL X509_V_ERR codes).
+_CLIENT_CERT_HINTS = {
+    23: " (changefeed certs revoke listed it; issue the node a new one: certs create)",
+    10: " (renew the node's certificate: changefeed certs create)",
+    20: " (not signed by this node's --tls-ca: a certificate of another cluster?)",
+    19: " (not signed by this node's --tls-ca: a certificate of another cluster?)",
+    18: " (self-signed, not signed by this node's --tls-ca)",
+    12: " (the --tls-crl is out of date: run changefeed certs revoke again)",
+}
 _REFUSAL_LOG_INTERVAL_S = 10.0  # a connection flood logs one line per interval, not per socket
 _last_refusal_log_s = float("-inf")
 
@@ -178,6 +187,7 @@ class ClientConnection(asyncio.Protocol):
         self.map_version_seen = (0, 0)  # newest cluster map (epoch, rev) fetched or pushed
         self.dcp: DcpPump | None = None
         self.replica_name: str | None = None  # DCP_OPEN consumer_name of a replica stream
+        self.peer_node: str | None = None  # the node whose certificate authenticated the peer
         self.peer = "?"
         self.writable = asyncio.Event()
         self.writable.set()
@@ -256,7 +266,17 @@ class ClientConnection(asyncio.Protocol):
         try:
             await waiter
         except (OSError, TimeoutError) as error:  # ssl.SSLError and ConnectionError are OSErrors
-            log.debug("TLS handshake with %s failed: %r", self.peer, error)
+            if isinstance(error, ssl.SSLCertVerificationError):  # its client certificate
+                reason = error.verify_message
+                _log_budget(
+                    f"client certificate: {reason}",
+                    "refusing %s: its client certificate is not accepted: %s%s",
+                    self.peer,
+                    reason,
+                    _CLIENT_CERT_HINTS.get(error.verify_code, ""),
+                )
+            else:
+                log.debug("TLS handshake with %s failed: %r", self.peer, error)
             self._handshake = None
             raw.close()
             self.connection_lost(None)
@@ -268,6 +288,28 @@ class ClientConnection(asyncio.Protocol):
             return
         self.transport = secured
         secured.set_write_buffer_limits(high=limits.WRITE_BUFFER_HIGH_BYTES)
+        self._authenticate_certificate(secured.get_extra_info("peercert"))
+
+    def _authenticate_certificate(self, peercert: Any) -> None:
+        """A client certificate the handshake verified against the cluster CA (``--tls-ca``)
+        names a node: the connection is authenticated as it, no SASL (Couchbase's client
+        certificate auth). Without one (SDK clients) the connection authenticates with SASL."""
+        if not peercert:
+            return
+        subject = dict(pair for rdn in peercert.get("subject", ()) for pair in rdn)
+        node = str(subject.get("commonName", ""))
+        if not node or not node.isprintable():
+            log.warning("closing %s: its client certificate names no node (CN)", self.peer)
+            self.close()
+            return
+        self.peer_node = node
+        self.sasl.authenticate_node(node)
+        refusal = _after_sasl(self)
+        if refusal is not None:
+            _log_budget("authenticated", "refusing node %s at %s: %s", node, self.peer, refusal)
+            self.close()
+            return
+        log.info("%s authenticated as node %s by its certificate", self.peer, node)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._lost:
@@ -824,6 +866,12 @@ def _dcp_open(c: ClientConnection, f: Frame) -> None:
     message = decode_dcp_open(f)
     if not message.flags & OpenFlag.PRODUCER:
         c.reply(f, Status.NOT_SUPPORTED, value=b"consumer connections are not supported")
+        return
+    certified = c.peer_node is not None and c.sasl.user == node_identity(c.peer_node)
+    if certified and message.role is StreamRole.REPLICA and message.consumer_name != c.peer_node:
+        # A node's certificate replicates (and acknowledges seqnos) for that node only.
+        text = f"node {c.peer_node}'s certificate cannot replicate for {message.consumer_name}"
+        c.reply(f, Status.EACCESS, value=text.encode())
         return
     context = c.context
     producer = DcpProducer(

@@ -44,9 +44,18 @@ DEFAULT_USER = "Administrator"
 CERT_EXPIRY_WARNING_S = 30 * 24 * 3600.0
 
 
-def server_tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+# How often a node looks at its certificate, key, CA and CRL files for a change (rotation).
+TLS_FILES_CHECK_INTERVAL_S = 2.0
+
+
+def server_tls_context(
+    cert: Path, key: Path, *, ca: Path | None = None, crl: Path | None = None
+) -> ssl.SSLContext:
     """The TLS listener's context: the node's certificate chain and key (PEM), TLS 1.2 or
-    newer, no client certificate asked for (clients authenticate with SASL inside TLS).
+    newer. With ``ca``, clients are asked for a certificate (optional, as Couchbase's
+    client certificate auth: SDK clients without one authenticate with SASL); one that is
+    presented must chain to ``ca`` (and, with ``crl``, not be revoked there), else the
+    handshake fails.
 
     Raises:
         ConfigError: a file cannot be read or the key does not match the certificate (the
@@ -59,8 +68,102 @@ def server_tls_context(cert: Path, key: Path) -> ssl.SSLContext:
     except (OSError, ssl.SSLError) as error:  # SSLError: not PEM, or key and cert differ
         reason = error.strerror or getattr(error, "reason", None) or str(error)
         raise ConfigError(f"cannot load TLS certificate {cert} / key {key}: {reason}") from None
+    for path, what in ((ca, "CA"), (crl, "CRL")):
+        if path is None:
+            continue
+        try:
+            context.load_verify_locations(cafile=path)  # PEM certificates and CRLs alike
+        except (OSError, ssl.SSLError) as error:
+            reason = error.strerror or getattr(error, "reason", None) or str(error)
+            raise ConfigError(f"cannot load TLS {what} {path}: {reason}") from None
+    if ca is not None:
+        context.verify_mode = ssl.CERT_OPTIONAL
+    if crl is not None:
+        # The leaf's issuer must have a CRL loaded: `changefeed certs revoke` writes the CA's.
+        context.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
     _warn_if_expiring(cert)
     return context
+
+
+class NodeTls:
+    """A node's TLS settings, reloaded when its files change (certificate rotation).
+
+    ``server`` is what new connections of the TLS listener handshake with; ``client()`` what
+    this node dials other nodes with (the cluster CA trusted, its own certificate presented).
+    ``reload()`` (SIGHUP, or `watch` seeing a file change) builds both again from the files;
+    connections already open keep the settings they started with. A reload that fails (a key
+    written but not yet its certificate) keeps the old settings and is tried again.
+
+    Args:
+        cert, key, ca, crl: the files (NodeConfig's tls_cert, tls_key, tls_ca, tls_crl).
+
+    Raises:
+        ConfigError: the files cannot be used at start.
+    """
+
+    def __init__(self, cert: Path, key: Path, ca: Path | None, crl: Path | None) -> None:
+        self.files = (cert, key, ca, crl)
+        self.reloads = 0  # successful reloads since start (STAT, tests)
+        self._seen = self._fingerprint()
+        self.server = server_tls_context(cert, key, ca=ca, crl=crl)
+        self._client = self._client_context()
+
+    @property
+    def authenticates_nodes(self) -> bool:
+        """Whether there is a cluster CA: client certificates are checked and nodes dial TLS."""
+        return self.files[2] is not None
+
+    def client(self) -> ssl.SSLContext:
+        """The settings to dial another node's TLS port with (the current certificate)."""
+        assert self._client is not None, "no cluster CA (tls_ca): nodes do not dial TLS"
+        return self._client
+
+    def _client_context(self) -> ssl.SSLContext | None:
+        from changefeed.consumer.connection import client_tls_context
+
+        cert, key, ca, _crl = self.files
+        if ca is None:
+            return None
+        try:
+            return client_tls_context(ca, cert_file=cert, key_file=key)
+        except (OSError, ssl.SSLError) as error:
+            raise ConfigError(f"cannot load TLS CA {ca} for dialling nodes: {error}") from None
+
+    def _fingerprint(self) -> tuple[tuple[int, int], ...]:
+        marks = []
+        for path in self.files:
+            try:
+                stat = path.stat() if path is not None else None
+            except OSError:
+                stat = None
+            marks.append((0, 0) if stat is None else (stat.st_mtime_ns, stat.st_size))
+        return tuple(marks)
+
+    def reload(self) -> bool:
+        """Build the settings again from the files; True if they are in use now."""
+        cert, key, ca, crl = self.files
+        seen = self._fingerprint()
+        try:
+            server = server_tls_context(cert, key, ca=ca, crl=crl)
+            client = self._client_context()
+        except ConfigError as error:
+            log.error("TLS files not reloaded (the node keeps its current ones): %s", error)
+            return False
+        self.server, self._client, self._seen = server, client, seen
+        self.reloads += 1
+        log.info("TLS certificate %s reloaded: new connections use it", cert)
+        return True
+
+    def changed(self) -> bool:
+        """Whether a file changed since the settings in use were built (or last tried)."""
+        return self._fingerprint() != self._seen
+
+    async def watch(self, interval_s: float = TLS_FILES_CHECK_INTERVAL_S) -> None:
+        """Reload when a file changes; runs until cancelled."""
+        while True:  # the node's file watch; cancelled by Node.stop()
+            await asyncio.sleep(interval_s)
+            if self.changed() and not self.reload():
+                self._seen = self._fingerprint()  # one error line per change, not per check
 
 
 def _warn_if_expiring(cert: Path) -> None:
@@ -178,10 +281,11 @@ class Node:
             ),
             clock=monotonic,
         )
-        self._tls: ssl.SSLContext | None = None
+        self.tls: NodeTls | None = None
         if config.tls_port:
             assert config.tls_cert is not None and config.tls_key is not None  # validate()
-            self._tls = server_tls_context(config.tls_cert, config.tls_key)
+            self.tls = NodeTls(config.tls_cert, config.tls_key, config.tls_ca, config.tls_crl)
+        self._tls_watch: asyncio.Task[None] | None = None
         self.tls_port = 0  # the bound TLS port once listening; 0: no TLS listener
         self.context.stat_providers["connections"] = self._connection_stats
         self._server: asyncio.Server | None = None
@@ -199,6 +303,13 @@ class Node:
         return [
             ("curr_connections", str(len(self.context.connections))),
             ("tls_connections", str(tls)),
+            (
+                "node_certificate_connections",
+                str(
+                    sum(1 for conn in self.context.connections if getattr(conn, "peer_node", None))
+                ),
+            ),
+            ("tls_reloads_total", str(0 if self.tls is None else self.tls.reloads)),
             ("unauthenticated", str(admission.unauthenticated)),
             ("authenticated", str(admission.authenticated)),
             ("max_connections", str(self.config.max_connections)),
@@ -230,10 +341,11 @@ class Node:
             backlog=limits.LISTEN_BACKLOG,
         )
         context.port = self._server.sockets[0].getsockname()[1]
-        if self._tls is not None:
-            tls = self._tls  # the connections run their handshakes (ClientConnection's tls)
+        if self.tls is not None:
+            tls = self.tls  # the connections run their handshakes (ClientConnection's tls)
+            # tls.server is read per connection: a reload serves new connections only.
             self._tls_server = await loop.create_server(
-                lambda: ClientConnection(context, admission, tls=tls),
+                lambda: ClientConnection(context, admission, tls=tls.server),
                 self.config.host,
                 self.config.tls_port,
                 backlog=limits.LISTEN_BACKLOG,
@@ -241,6 +353,7 @@ class Node:
             self.tls_port = self._tls_server.sockets[0].getsockname()[1]
             context.tls_port = self.tls_port
             log.info("serving TLS on %s:%d", self.config.host, self.tls_port)
+            self._tls_watch = loop.create_task(tls.watch(), name="tls-files")
         self._deadlines = loop.create_task(self._check_deadlines())
         if self.config.shm_groups:  # services are named after the bound port
             self.shm = ShmPublisher(
@@ -277,6 +390,8 @@ class Node:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopped.set)
+        if self.tls is not None:
+            loop.add_signal_handler(signal.SIGHUP, self.tls.reload)  # certificate rotation
         if ready_file:
             with open(ready_file, "w") as handle:
                 handle.write(str(self.port))
@@ -306,6 +421,8 @@ class Node:
             self._metrics.close()
         if self._deadlines is not None:
             self._deadlines.cancel()
+        if self._tls_watch is not None:
+            self._tls_watch.cancel()
         for conn in list(self.context.connections):
             conn.close()
         await asyncio.sleep(0)
