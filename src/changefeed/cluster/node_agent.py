@@ -38,6 +38,7 @@ from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
 from changefeed.cluster.rules import (
     InSyncKeeper,
     membership_valid_until,
+    record_candidates,
     recovered_state,
     serving_state,
     wanted_state,
@@ -280,11 +281,7 @@ class NodeAgent:
         for vb, keeper in list(self.keepers.items()):
             placed = {n.name for n in cluster_map.replica_nodes(vb)}
             high = bucket.vbucket(vb).high_seqno
-            in_sync = frozenset(r for r in tracker.in_sync_set(vb) if r in placed)
-            caught_up = frozenset(
-                r for r in in_sync if tracker.progress(vb, r).received_seqno >= high
-            )
-            members = keeper.target(in_sync, caught_up)
+            members = keeper.target(*record_candidates(tracker, vb, placed, high))
             if members is None:
                 continue
             keeper.begin(members)

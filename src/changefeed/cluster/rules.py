@@ -8,6 +8,9 @@ orchestrator's decision is `failover.plan_failover`; the commit rule is
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+from changefeed.server.replication import ReplicationTracker
 from changefeed.vbmap import ClusterMap
 from changefeed.vbucket_state import VBucketState
 
@@ -67,6 +70,18 @@ def recovered_state(state: VBucketState) -> VBucketState:
 
 
 # -- the confirmed in-sync set ------------------------------------------------------------------
+
+
+def record_candidates(
+    tracker: ReplicationTracker, vb: int, placed: Collection[str], high_seqno: int
+) -> tuple[frozenset[str], frozenset[str]]:
+    """``(in_sync, caught_up)`` for `InSyncKeeper.target`: the replicas of `vb` placed in the
+    map that the in-sync rule keeps, and those of them that acknowledged `high_seqno`."""
+    in_sync = frozenset(r for r in tracker.in_sync_set(vb) if r in placed)
+    caught_up = frozenset(
+        r for r in in_sync if tracker.progress(vb, r).received_seqno >= high_seqno
+    )
+    return in_sync, caught_up
 
 
 class InSyncKeeper:
