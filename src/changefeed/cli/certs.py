@@ -358,3 +358,23 @@ def revoke(directory: Path, nodes: tuple[str, ...]) -> None:
     except OSError as error:
         raise click.ClickException(f"cannot write {crl_path}: {error.strerror}") from None
     click.echo(f"{crl_path}: {len(serials)} revoked (serve --tls-crl {crl_path})")
+
+
+def ensure_node_certificates(directory: Path, nodes: list[str]) -> None:
+    """The CA (made if missing), its CRL and a certificate for each of ``nodes`` that has none
+    in ``directory`` (``cluster start --tls``; a restart keeps the ones there).
+
+    Raises:
+        click.ClickException: the directory cannot be written, or holds half a CA.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        ca, _created = load_or_create_ca(directory, days=limits.TLS_CA_CERT_DAYS_DEFAULT)
+        if not (directory / CRL).exists():
+            empty = revocation_list(ca, set())
+            write_file(directory / CRL, empty.public_bytes(serialization.Encoding.PEM))
+        for node in nodes:
+            if not (directory / f"{node}.pem").exists():
+                write_node(directory, ca, node, issue_node_certificate(ca, node))
+    except OSError as error:
+        raise click.ClickException(f"cannot write {error.filename or directory}: {error}") from None

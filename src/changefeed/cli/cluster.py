@@ -36,8 +36,9 @@ from typing import Any, TypeVar
 import click
 
 from changefeed import limits
+from changefeed.cli.certs import CA_CERT, CRL, ensure_node_certificates
 from changefeed.cli.node_process import NodeProcess
-from changefeed.cluster.etcd_server import EtcdServer, process_runs, stop_pid
+from changefeed.cluster.etcd_server import EtcdServer, free_port, process_runs, stop_pid
 from changefeed.cluster.failover import plan_failover
 from changefeed.cluster.metadata import ClusterMetadata, MetadataUnavailableError
 from changefeed.cluster.rebalance import read_request, read_status, request_rebalance
@@ -171,6 +172,13 @@ def cluster() -> None:
     help="The nodes' lease TTL: a node cut off this long is failed over (a crash confirmed "
     "sooner). Default: serve's (5).",
 )
+@click.option(
+    "--tls",
+    is_flag=True,
+    help="Nodes serve TLS too (ports after the plain ones), with certificates made in "
+    "DIR/certs (a CA, a CRL, one per node); replicas stream over TLS, each node "
+    "authenticated by its certificate.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the record (cluster.json) as JSON.")
 def start(
     node_count: int,
@@ -183,6 +191,7 @@ def start(
     timeout_s: float,
     log_level: str,
     failover_timeout_s: int | None,
+    tls: bool,
     as_json: bool,
 ) -> None:
     """Start etcd (unless --etcd) and NODES nodes; return once the first map is written and
@@ -240,20 +249,19 @@ def start(
                 )
             _say(f"etcd {etcd_url} (given)")
         endpoint = str(record["etcd"])
+        if tls:
+            ensure_node_certificates(directory / "certs", [f"node{i}" for i in range(node_count)])
         for i in range(node_count):
             node_name = f"node{i}"
+            args = node_args(
+                endpoint, name, node_name, node_count, replicas, log_level, failover_timeout_s
+            )
+            if tls:
+                args += tls_args(directory / "certs", node_name, base_port, node_count, i, previous)
             node = NodeProcess(
                 directory / node_name,
                 vbuckets=vbuckets,
-                args=node_args(
-                    endpoint,
-                    name,
-                    node_name,
-                    node_count,
-                    replicas,
-                    log_level,
-                    failover_timeout_s,
-                ),
+                args=args,
                 ready_timeout_s=max(1.0, deadline - time.monotonic()),
             )
             if base_port:
@@ -303,6 +311,32 @@ def node_args(
         *("--expected-nodes", str(expected_nodes), "--replicas", str(replicas)),
         *("--log-level", log_level),
         *lease,
+    ]
+
+
+def tls_args(
+    certs: Path,
+    node_name: str,
+    base_port: int,
+    node_count: int,
+    index: int,
+    previous: Mapping[str, Any],
+) -> list[str]:
+    """The TLS flags of node ``index`` of a ``cluster start --tls``: its TLS port (after the
+    plain ports with --base-port; the one it had on a restart; else any free one), its
+    certificate, the cluster CA (clients' certificates, dialling other nodes) and the CRL."""
+    if base_port:
+        port = base_port + node_count + index
+    else:
+        earlier: list[str] = []
+        if previous and index < len(previous.get("nodes", [])):
+            earlier = list(previous["nodes"][index].get("args", []))
+        port = int(earlier[earlier.index("--tls-port") + 1]) if "--tls-port" in earlier else 0
+        port = port or free_port()
+    return [
+        *("--tls-port", str(port), "--tls-cert", str(certs / f"{node_name}.pem")),
+        *("--tls-key", str(certs / f"{node_name}.key"), "--tls-ca", str(certs / CA_CERT)),
+        *("--tls-crl", str(certs / CRL)),
     ]
 
 
