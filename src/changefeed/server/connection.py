@@ -186,7 +186,6 @@ class ClientConnection(asyncio.Protocol):
         self.bucket_selected = False
         self.map_version_seen = (0, 0)  # newest cluster map (epoch, rev) fetched or pushed
         self.dcp: DcpPump | None = None
-        self.replica_name: str | None = None  # DCP_OPEN consumer_name of a replica stream
         self.peer_node: str | None = None  # the node whose certificate authenticated the peer
         self.peer = "?"
         self.writable = asyncio.Event()
@@ -329,12 +328,6 @@ class ClientConnection(asyncio.Protocol):
             self._sasl_task.cancel()
             self._sasl_task = None
         if self.dcp is not None:
-            tracker = self.context.replication
-            if self.replica_name is not None and tracker is not None:
-                for vb in self.dcp.producer.streams:
-                    tracker.stream_closed(vb, self.replica_name)
-                    if self.context.sync_writes is not None:
-                        self.context.sync_writes.on_progress(vb)
             self.dcp.close()
             self.context.dcp.unregister(self.dcp)
             self.dcp = None
@@ -883,16 +876,18 @@ def _dcp_open(c: ClientConnection, f: Frame) -> None:
         clock=context.monotonic,
         backfill_slots=context.backfill_slots,
     )
+    replica = None  # the node whose replica vbuckets this feeds, and who tracks it
+    if message.role is StreamRole.REPLICA and message.consumer_name and context.replication:
+        replica = (message.consumer_name, context.replication)
     c.dcp = DcpPump(
         producer,
         sink=c,
         wakeup_of=context.bucket.wakeup,
         idle_timeout_s=context.config.noop_idle_timeout_s,
         disk_rate=context.catchup_rate if message.role is StreamRole.REPLICA else None,
+        replica=replica,
     )
     context.dcp.register(c.dcp)
-    if message.role is StreamRole.REPLICA and message.consumer_name:
-        c.replica_name = message.consumer_name  # the node whose replica vbuckets this feeds
     c.reply(f)
 
 
@@ -912,11 +907,8 @@ def _dcp_control(c: ClientConnection, f: Frame) -> None:
 def _dcp_stream_req(c: ClientConnection, f: Frame) -> None:
     dcp = _dcp_only(f, c)
     match dcp.stream_request(decode_stream_request(f)):
-        case Accepted(failover_log=entries, start_seqno=start):
+        case Accepted(failover_log=entries):
             c.reply(f, value=encode_failover_log(list(entries)))
-            tracker = c.context.replication
-            if c.replica_name is not None and tracker is not None:
-                tracker.stream_opened(f.vbucket, c.replica_name, start)
         case RollbackTo(seqno=seqno):
             c.reply(f, Status.ROLLBACK, value=encode_rollback_seqno(seqno))
         case Refused(status=Status.NOT_MY_VBUCKET):
@@ -945,16 +937,11 @@ def _dcp_noop_request(c: ClientConnection, f: Frame) -> None:
 
 def _dcp_seqno_acknowledged(c: ClientConnection, f: Frame) -> None:
     """A replica's progress (no response on success, dcp-wire.md §2.1)."""
-    _dcp_only(f, c)
+    dcp = _dcp_only(f, c)
     ack = decode_seqno_acknowledged(f)
-    tracker = c.context.replication
-    if c.replica_name is None or tracker is None:
-        c.reply(f, Status.EINVAL, value=b"DCP_SEQNO_ACKNOWLEDGED needs a replica connection")
-        return
     persisted = ack.persisted if ack.persisted is not None else 0
-    tracker.acknowledged(f.vbucket, c.replica_name, ack.received, persisted)
-    if c.context.sync_writes is not None:
-        c.context.sync_writes.on_progress(f.vbucket)
+    if not dcp.acknowledged(f.vbucket, ack.received, persisted):
+        c.reply(f, Status.EINVAL, value=b"DCP_SEQNO_ACKNOWLEDGED needs a replica connection")
 
 
 def _get_replica(c: ClientConnection, f: Frame) -> None:

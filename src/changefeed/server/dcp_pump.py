@@ -24,6 +24,7 @@ from changefeed.protocol.dcp import StreamRequest
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.opcode import Opcode
 from changefeed.server.rate_limit import ByteRate
+from changefeed.server.replication import ReplicationTracker
 
 log = logging.getLogger("changefeed.dcp")
 
@@ -54,6 +55,9 @@ class DcpPump:
         idle_timeout_s: with noops on, a peer silent this long is disconnected.
         disk_rate: when given, bytes sent while a stream reads from disk are charged to it and
             the pump waits when it is spent (replica catch-up, rate_limit.py).
+        replica: a replica connection (DCP_OPEN role REPLICA): the replica node's name and the
+            active's tracker, which the pump tells of each stream opened, acknowledged and
+            closed (the tracker tells the durable-write monitor). None for applications.
     """
 
     def __init__(
@@ -64,9 +68,12 @@ class DcpPump:
         wakeup_of: Callable[[int], Wakeup],
         idle_timeout_s: float,
         disk_rate: ByteRate | None = None,
+        replica: tuple[str, ReplicationTracker] | None = None,
     ) -> None:
         assert idle_timeout_s > 0, idle_timeout_s
         self._disk_rate = disk_rate
+        self.replica_name: str | None = None if replica is None else replica[0]
+        self._tracker: ReplicationTracker | None = None if replica is None else replica[1]
         self.producer = producer
         self._sink = sink
         self._wakeup_of = wakeup_of
@@ -97,6 +104,9 @@ class DcpPump:
         vb = request.vbucket
         if isinstance(outcome, RollbackTo):
             log.info("%s vb %d: rollback to %d (%s)", self.name, vb, outcome.seqno, outcome.reason)
+        if isinstance(outcome, Accepted) and self._tracker is not None:
+            assert self.replica_name is not None
+            self._tracker.stream_opened(vb, self.replica_name, outcome.start_seqno)
         if isinstance(outcome, Accepted):
             if vb not in self._wakeups:
                 wakeup = self._wakeup_of(vb)
@@ -109,8 +119,21 @@ class DcpPump:
         """Close the connection this pump writes to (a newer connection took its name)."""
         self._sink.close()
 
+    def acknowledged(self, vb: int, received: int, persisted: int) -> bool:
+        """DCP_SEQNO_ACKNOWLEDGED from the replica; False on an application connection."""
+        if self._tracker is None:
+            return False
+        assert self.replica_name is not None
+        self._tracker.acknowledged(vb, self.replica_name, received, persisted)
+        return True
+
     def close(self) -> None:
-        """The connection is gone: stop the task, release every stream and wakeup."""
+        """The connection is gone: stop the task, release every stream and wakeup (a
+        replica's streams are closed at its tracker first)."""
+        if self._tracker is not None:
+            assert self.replica_name is not None
+            for vb in list(self.producer.streams):
+                self._tracker.stream_closed(vb, self.replica_name)
         self._task.cancel()
         for wakeup in self._wakeups.values():
             with contextlib.suppress(ValueError):

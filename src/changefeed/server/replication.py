@@ -9,8 +9,9 @@ not item count: a replica is in sync while its stream is open and it has been fu
 One rule covers the stuck replica (no acks: the time runs out) and the slow one (acks that never
 reach the end). A replica whose stream is gone is out at once.
 
-Sans-IO apart from the clock it is given: the connection feeds acks and stream open/close, STAT
-and /metrics read `snapshot`.
+Sans-IO apart from the clock it is given: a replica connection's DCP pump feeds it stream
+open/close and acks (server/dcp_pump.py), it tells its listeners (the durable-write monitor)
+which vbucket moved, and STAT and /metrics read `snapshot`.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class ReplicationTracker:
         self.lag_max_s = lag_max_s
         self._clock = clock
         self._progress: dict[tuple[int, str], ReplicaProgress] = {}
+        # Told the vbucket whose replicas' progress moved or whose stream closed (the
+        # durable-write monitor subscribes: sync_writes.py).
+        self.listeners: list[Callable[[int], None]] = []
 
     def progress(self, vb: int, replica: str) -> ReplicaProgress:
         key = (vb, replica)
@@ -107,6 +111,11 @@ class ReplicationTracker:
         p = self._progress.get((vb, replica))
         if p is not None:
             p.connected = False
+        self._tell(vb)
+
+    def _tell(self, vb: int) -> None:
+        for listener in self.listeners:
+            listener(vb)
 
     def acknowledged(self, vb: int, replica: str, received: int, persisted: int) -> None:
         """DCP_SEQNO_ACKNOWLEDGED from `replica` (seqnos never move back: a stale ack is kept
@@ -117,6 +126,7 @@ class ReplicationTracker:
             p.received_seqno = received
         p.persisted_seqno = max(p.persisted_seqno, min(persisted, p.received_seqno))
         self._observe(vb, p, p.received_seqno)
+        self._tell(vb)
 
     def rolled_back(self, vb: int, replica: str, seqno: int) -> None:
         """The replica truncated to `seqno` (a stream it requested got ROLLBACK)."""

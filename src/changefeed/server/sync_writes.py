@@ -100,6 +100,8 @@ class SyncWriteMonitor:
         self._pending: dict[int, dict[bytes, _Pending]] = {}
         self.stats = SyncWriteStats()
         bucket.persisted_listeners.append(self.on_persisted)
+        if replication is not None:
+            replication.listeners.append(self.on_progress)
 
     @property
     def pending_count(self) -> int:
