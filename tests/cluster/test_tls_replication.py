@@ -11,7 +11,10 @@ while durable (majority) writes go on.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from cryptography import x509
 
 from changefeed.cli.main import cli
 from changefeed.cli.node_process import HOST, NodeProcess
-from changefeed.cluster.etcd_server import EtcdServer
+from changefeed.cluster.etcd_server import EtcdServer, stop_pid
 from changefeed.consumer import KvClient
 from changefeed.consumer.connection import client_tls_context
 from changefeed.server.users import Users
@@ -199,3 +202,33 @@ def test_a_certificate_rotated_under_durable_writes_loses_none(
     assert asyncio.run(assert_copies_equal(cluster)) >= written
     for node in cluster:
         assert "reloaded: new connections use it" in node.log_path.read_text()
+
+
+def test_cluster_start_tls_makes_certificates_and_replicates_over_tls(tmp_path: Path) -> None:
+    """`changefeed cluster start --tls`: certificates in DIR/certs, every node with a TLS port,
+    its replicas streaming over TLS by certificate; `cluster stop` stops it."""
+    directory = tmp_path / "cluster"
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "changefeed", "cluster", "start", "--nodes", "2",
+             "--replicas", "1", "--vbuckets", "8", "--tls", "--dir", str(directory)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        record = json.loads((directory / "cluster.json").read_text())
+        for name in ("ca.pem", "crl.pem", "node0.pem", "node1.key"):
+            assert (directory / "certs" / name).exists(), name
+        deadline = time.monotonic() + 30
+        logs = [Path(node["log"]) for node in record["nodes"]]
+        while not all("authenticated as node" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline, [log.read_text()[-2000:] for log in logs]
+            time.sleep(0.2)
+        for node in record["nodes"]:
+            assert "--tls-port" in node["args"] and "--tls-ca" in node["args"], node["args"]
+    finally:
+        if (directory / "cluster.json").exists():
+            record = json.loads((directory / "cluster.json").read_text())
+            for node in record["nodes"]:
+                stop_pid(node["pid"], node["data_dir"], timeout_s=30)
+            if record.get("etcd_pid"):
+                stop_pid(record["etcd_pid"], record["etcd_data_dir"])
