@@ -257,8 +257,12 @@ class StreamReader:
             # What memory freed was flushed first (persistence cursor), so the store has it.
             assert stored_high >= registration.backfill_end, (stored_high, registration)
             backfill_end = stored_high
+            if self._kind is CursorKind.REPLICA:
+                # Memory holds every pending SyncWrite prepare (`retain_from`) and the store
+                # none: a replica reads from where memory begins, else it skips them.
+                backfill_end = registration.backfill_end
             if self._end_seqno is not None:
-                backfill_end = max(self._position + 1, min(stored_high, self._end_seqno))
+                backfill_end = max(self._position + 1, min(backfill_end, self._end_seqno))
             self._backfill = Backfill(
                 self._store,
                 self._manager.vb,

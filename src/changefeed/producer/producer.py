@@ -221,7 +221,9 @@ class DcpProducer:
             marker_version=self.marker_version,
             stream_id=request.stream_id,
         )
-        machine = StreamMachine(accepted.start_seqno, accepted.end_seqno)
+        machine = StreamMachine(
+            accepted.start_seqno, accepted.end_seqno, visible_only=not self.options.sync_writes
+        )
         return Stream(vb, reader=reader, machine=machine, encoder=encoder, purge_seqno=purge_seqno)
 
     def _cursor_name(self, vb: int) -> str:

@@ -72,9 +72,15 @@ class Stream:
     @property
     def ready(self) -> bool:
         """True when `fill` would produce something now."""
-        if self.machine.state is StreamState.ENDING:
+        machine = self.machine
+        if machine.state is StreamState.ENDING:
             return True
-        return self.machine.live and (self._next < len(self._ahead) or self.reader.has_next)
+        if not machine.live:
+            return False
+        # Read up to its end seqno but inside a snapshot: the next `fill` ends it if the reader
+        # has nothing more (`StreamMachine.caught_up`).
+        at_end = machine.last_sent_seqno >= machine.end_seqno
+        return at_end or self._next < len(self._ahead) or self.reader.has_next
 
     def end(self, reason: StreamEndReason) -> None:
         """Ask the stream to end; the STREAM_END is sent by the next `fill`."""
@@ -97,7 +103,10 @@ class Stream:
                 self._next = 0
                 self._sent = 0
                 if not self._ahead:
-                    break  # caught up
+                    # Caught up, all read was sent: the reader's position may be past the last
+                    # item (a disk snapshot ending at a prepare or an abort), maybe at the end.
+                    machine.caught_up(self.reader.last_seqno)
+                    break
             written += self._send_run(out, bytes_max - written)
         if machine.state is StreamState.ENDING:
             written += self.encoder.stream_end(out, machine.end_sent())
@@ -124,7 +133,7 @@ class Stream:
             self._next += 1
             marker = self.machine.marker(run)
             if marker is None:
-                return 0  # the stream is complete: the machine is ENDING
+                return 0  # the stream is complete (ENDING), or the snapshot has nothing visible
             return self.encoder.snapshot_marker(out, marker, self.purge_seqno)
         sent = self._sent
         if isinstance(run, StoredRun):

@@ -13,6 +13,19 @@ out and asks it what to send. It does not know where items come from or how they
 A stream ends with STREAM_END(OK) once the whole snapshot containing `end_seqno` was sent
 (dcp-wire.md §11), or at once when nothing lies between start and end (§6.2 step 11); other
 reasons come from the producer (CLOSED on CLOSE_STREAM, STATE_CHANGED, ...).
+
+Seqnos a stream reads but does not send still move it: an application stream skips SyncWrite
+PREPAREs and ABORTs (item_encoding.py frames them as 0 bytes), and some seqnos are in no place a
+reader gets them from at all — a disk snapshot's range may end at a prepare or an abort (the
+store keeps them out of `by_seqno`), a restarted vbucket holds its pending prepares in no
+checkpoint, a replica may hold only the front of its active's snapshot. So the machine's
+position (`last_sent_seqno`) is what the stream has *read*, and the reader says where it stands
+when it has nothing more (`caught_up`): a stream whose end seqno lies in such a stretch ends
+there instead of waiting for an item that never comes. For the consumer's sake a stream that
+does not send prepares (`visible_only`) announces each snapshot only up to its max visible
+seqno, and no snapshot at all when it holds nothing visible (kv_engine does the same for
+streams without SyncReplication): the consumer then holds a whole snapshot where the stream
+ends, never the front of one whose end it cannot receive.
 """
 
 from __future__ import annotations
@@ -63,15 +76,19 @@ class StreamMachine:
     Args:
         start_seqno: the last seqno the client has; the first marker starts there.
         end_seqno: the stream ends after the snapshot holding this seqno.
+        visible_only: the stream does not send SyncWrite prepares and aborts (an application
+            stream): markers end at the snapshot's max visible seqno (see the module doc).
     """
 
-    def __init__(self, start_seqno: int, end_seqno: int) -> None:
+    def __init__(self, start_seqno: int, end_seqno: int, *, visible_only: bool = False) -> None:
         assert start_seqno >= 0, start_seqno
         self.start_seqno = start_seqno
         self.end_seqno = end_seqno
+        self.visible_only = visible_only
         self.state = StreamState.SNAPSHOT_PENDING
+        # Seqno of the last item sent or passed over (read but not for this stream).
         self.last_sent_seqno = start_seqno
-        self.snap_end = start_seqno  # end of the snapshot being sent
+        self.snap_end = start_seqno  # end of the snapshot being read (not the one announced)
         self.end_reason: StreamEndReason | None = None
         self._first_marker = True
         if start_seqno >= end_seqno:
@@ -88,7 +105,9 @@ class StreamMachine:
         return self.state in _LIVE
 
     def marker(self, event: SnapshotStart) -> SnapshotStart | None:
-        """The marker to send for `event`, or None when the stream is complete before it.
+        """The marker to send for `event`, or None when there is none to send: the stream is
+        complete before it (the machine is ENDING), or it holds nothing this stream sends
+        (`visible_only` and no visible item: its items are still read, none is sent).
 
         The stream's first marker starts at its start seqno (snapshot-marker.md, "Memory/Disk
         snapshot start-seqno", case 1), clamped to the snapshot's end.
@@ -97,14 +116,21 @@ class StreamMachine:
         if event.snap_start > self.end_seqno and self.snap_end >= self.end_seqno:
             self.end(StreamEndReason.OK)
             return None
-        snap_start = self.start_seqno if self._first_marker else event.snap_start
-        self._first_marker = False
         self.snap_end = event.snap_end
         self._apply(StreamInput.DISK_MARKER if event.from_disk else StreamInput.MEMORY_MARKER)
-        snap_start = min(snap_start, event.snap_end)
-        if snap_start == event.snap_start:
+        snap_end = event.snap_end
+        if self.visible_only and event.max_visible_seqno < snap_end:
+            # The items after the max visible seqno are prepares and aborts (or not held at
+            # all): announced, they would leave the consumer inside a snapshot it cannot finish.
+            snap_end = event.max_visible_seqno
+            if snap_end < event.snap_start:
+                return None  # nothing visible: no marker, as kv_engine sends none
+        snap_start = self.start_seqno if self._first_marker else event.snap_start
+        self._first_marker = False
+        snap_start = min(snap_start, snap_end)
+        if (snap_start, snap_end) == (event.snap_start, event.snap_end):
             return event  # the usual case: no copy (a marker per vbucket run when streaming live)
-        return dataclasses.replace(event, snap_start=snap_start)
+        return dataclasses.replace(event, snap_start=snap_start, snap_end=snap_end)
 
     def item(self, seqno: int) -> None:
         """An item with `seqno` is being sent; the snapshot or the stream may be complete."""
@@ -122,9 +148,30 @@ class StreamMachine:
         self._apply(StreamInput.ITEM)
         self.last_sent_seqno = last_seqno
         if last_seqno == self.snap_end:
-            self._apply(StreamInput.SNAPSHOT_DONE)
-            if self.snap_end >= self.end_seqno:
-                self.end(StreamEndReason.OK)
+            self._snapshot_done()
+
+    def caught_up(self, seqno: int) -> None:
+        """The reader has nothing more now and stands at `seqno`: every seqno up to it was read.
+
+        Seqnos between the last item and `seqno` exist in no place a reader gets them from (a
+        disk snapshot's range ending at a prepare or an abort, which are not stored records).
+        A stream that read up to its end seqno ends now, even inside a snapshot: the rest of a
+        snapshot a replica holds only the front of (its marker's end past its high seqno) may
+        never come, and the end seqno, at most that high seqno, is behind the stream.
+        """
+        assert self.live, self.state
+        assert seqno <= max(self.snap_end, self.last_sent_seqno), (seqno, self.snap_end)
+        if seqno > self.last_sent_seqno:
+            self.last_sent_seqno = seqno
+            if seqno == self.snap_end and self.state is not StreamState.SNAPSHOT_PENDING:
+                self._snapshot_done()
+        if self.last_sent_seqno >= self.end_seqno:
+            self.end(StreamEndReason.OK)
+
+    def _snapshot_done(self) -> None:
+        self._apply(StreamInput.SNAPSHOT_DONE)
+        if self.snap_end >= self.end_seqno:
+            self.end(StreamEndReason.OK)
 
     def end(self, reason: StreamEndReason) -> None:
         """End the stream with `reason` (the first reason wins); STREAM_END is sent next."""
