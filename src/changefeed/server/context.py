@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from prometheus_client.metrics_core import Metric
+
 from changefeed.producer.backfill_slots import BackfillSlots
 from changefeed.protocol.dcp import StreamEndReason
 from changefeed.server.authenticator import AuthThrottle
@@ -75,6 +77,8 @@ class ServerContext:
         catchup_rate: the node's bound on replica catch-up from disk (shared by replica pumps).
         stat_providers: STAT groups added by layers above the server (the cluster agent's
             replica feeds), by group name.
+        metric_providers: /metrics families added by parts the node starts (the shared-memory
+            publisher's `changefeed_shm_*`).
         map_subscribers: connections that asked to be told of cluster map changes
             (`push_cluster_map`).
         sync_writes: the durable writes pending on this node's active vbuckets.
@@ -103,6 +107,7 @@ class ServerContext:
     stat_providers: dict[str, Callable[[], Iterable[tuple[str, str]]]] = dataclasses.field(
         default_factory=dict
     )
+    metric_providers: list[Callable[[], Iterable[Metric]]] = dataclasses.field(default_factory=list)
     map_subscribers: set[MapSubscriber] = dataclasses.field(default_factory=set)
     sync_writes: SyncWriteMonitor | None = None
     fence_check: Callable[[], None] | None = None

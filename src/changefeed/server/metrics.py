@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from changefeed.server.context import ServerContext
@@ -19,7 +20,7 @@ class NodeCollector(Collector):
     def __init__(self, context: ServerContext) -> None:
         self._context = context
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         context = self._context
         bucket = context.bucket
         yield _gauge("changefeed_connections", "Open client connections.", len(context.connections))
@@ -52,6 +53,8 @@ class NodeCollector(Collector):
         )
         yield from _background_gauges(context)
         yield from _replication_gauges(context)
+        for provider in context.metric_providers:
+            yield from provider()
         for name, help_text, read in _per_vb_gauges():
             family = GaugeMetricFamily(name, help_text, labels=["vbucket"])
             for vb in bucket.vbucket_ids():

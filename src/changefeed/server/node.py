@@ -363,6 +363,8 @@ class Node:
                 backfill_slots=context.backfill_slots,
             )
             self.shm.start()
+            self.shm.register_stats(self.context.stat_providers)  # STAT shm
+            self.context.metric_providers.append(self.shm.metric_families)  # /metrics
         if self.config.metrics_port:
             self._metrics = await serve_metrics(context, self.config.host, self.config.metrics_port)
         log.info(
