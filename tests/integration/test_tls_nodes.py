@@ -176,11 +176,21 @@ def test_a_certificate_of_another_ca_or_a_revoked_one_is_refused_with_one_line(
     assert "\n" not in message and message.startswith("TLS: "), message
     assert "refused this node's certificate" in message or "unknown ca" in message, message
 
-    # n2's certificate revoked: `certs revoke` writes the CRL, the node reloads it (SIGHUP).
-    assert asyncio.run(node_connection(tls_port, node_tls(certs, "n2"))) is not None
-    result = CliRunner().invoke(cli, ["certs", "revoke", "--dir", str(certs), "n2"])
-    assert result.exit_code == 0, result.output
-    reload(node, tls_port, certs, 0)
+    # n2's certificate revoked: `certs revoke` writes the CRL, the node reloads it (SIGHUP) and
+    # closes the connection n2's certificate opened before.
+    async def revoke_while_connected() -> None:
+        conn = await node_connection(tls_port, node_tls(certs, "n2"))
+        try:
+            result = CliRunner().invoke(cli, ["certs", "revoke", "--dir", str(certs), "n2"])
+            assert result.exit_code == 0, result.output
+            await asyncio.to_thread(reload, node, tls_port, certs, 0)
+            async with asyncio.timeout(5):
+                while conn.closed is None:  # bounded by the timeout
+                    await asyncio.sleep(0.05)
+        finally:
+            await conn.close()
+
+    asyncio.run(revoke_while_connected())
     message = asyncio.run(refused_with(node_tls(certs, "n2")))
     assert "\n" not in message and message.startswith("TLS: "), message
     assert "refused this node's certificate" in message or "revoked" in message, message
@@ -196,6 +206,7 @@ def test_a_certificate_of_another_ca_or_a_revoked_one_is_refused_with_one_line(
     lines = [x for x in node.log_path.read_text().splitlines() if "client certificate" in x]
     assert any("not signed by this node's --tls-ca" in x for x in lines), lines
     assert any("not accepted: certificate revoked" in x for x in lines), lines
+    assert "closing ('127.0.0.1'" in node.log_path.read_text()  # "... n2's certificate ... revoked"
     assert "Traceback" not in node.log_path.read_text()
 
 

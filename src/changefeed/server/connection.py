@@ -187,6 +187,7 @@ class ClientConnection(asyncio.Protocol):
         self.map_version_seen = (0, 0)  # newest cluster map (epoch, rev) fetched or pushed
         self.dcp: DcpPump | None = None
         self.peer_node: str | None = None  # the node whose certificate authenticated the peer
+        self.peer_serial: int | None = None  # that certificate's serial (revocation)
         self.peer = "?"
         self.writable = asyncio.Event()
         self.writable.set()
@@ -302,6 +303,8 @@ class ClientConnection(asyncio.Protocol):
             self.close()
             return
         self.peer_node = node
+        serial = peercert.get("serialNumber")
+        self.peer_serial = int(serial, 16) if isinstance(serial, str) else None
         self.sasl.authenticate_node(node)
         refusal = _after_sasl(self)
         if refusal is not None:

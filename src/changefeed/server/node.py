@@ -104,9 +104,12 @@ class NodeTls:
     def __init__(self, cert: Path, key: Path, ca: Path | None, crl: Path | None) -> None:
         self.files = (cert, key, ca, crl)
         self.reloads = 0  # successful reloads since start (STAT, tests)
+        # Called after each successful reload (the node closes revoked peers' connections).
+        self.reloaded: list[Callable[[], None]] = []
         self._seen = self._fingerprint()
         self.server = server_tls_context(cert, key, ca=ca, crl=crl)
         self._client = self._client_context()
+        self.revoked = _revoked_serials(crl)
 
     @property
     def authenticates_nodes(self) -> bool:
@@ -146,12 +149,16 @@ class NodeTls:
         try:
             server = server_tls_context(cert, key, ca=ca, crl=crl)
             client = self._client_context()
+            revoked = _revoked_serials(crl)
         except ConfigError as error:
             log.error("TLS files not reloaded (the node keeps its current ones): %s", error)
             return False
         self.server, self._client, self._seen = server, client, seen
+        self.revoked = revoked
         self.reloads += 1
         log.info("TLS certificate %s reloaded: new connections use it", cert)
+        for listener in self.reloaded:
+            listener()
         return True
 
     def changed(self) -> bool:
@@ -164,6 +171,24 @@ class NodeTls:
             await asyncio.sleep(interval_s)
             if self.changed() and not self.reload():
                 self._seen = self._fingerprint()  # one error line per change, not per check
+
+
+def _revoked_serials(crl: Path | None) -> frozenset[int]:
+    """The serials the CRL lists (the handshake checks new connections itself; these close
+    the connections a certificate opened before it was revoked).
+
+    Raises:
+        ConfigError: the file is not a PEM CRL.
+    """
+    if crl is None:
+        return frozenset()
+    from cryptography import x509
+
+    try:
+        revoked = x509.load_pem_x509_crl(crl.read_bytes())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot load TLS CRL {crl}: {error}") from None
+    return frozenset(entry.serial_number for entry in revoked)
 
 
 def _warn_if_expiring(cert: Path) -> None:
@@ -285,6 +310,7 @@ class Node:
         if config.tls_port:
             assert config.tls_cert is not None and config.tls_key is not None  # validate()
             self.tls = NodeTls(config.tls_cert, config.tls_key, config.tls_ca, config.tls_crl)
+            self.tls.reloaded.append(self._close_revoked)
         self._tls_watch: asyncio.Task[None] | None = None
         self.tls_port = 0  # the bound TLS port once listening; 0: no TLS listener
         self.context.stat_providers["connections"] = self._connection_stats
@@ -321,6 +347,19 @@ class Node:
             ("closed_idle_total", str(admission.closed_idle)),
             ("refused_authentications_total", str(admission.refused)),
         ]
+
+    def _close_revoked(self) -> None:
+        """After a reload: close the connections of node certificates the CRL now lists."""
+        assert self.tls is not None
+        revoked = self.tls.revoked
+        for conn in list(self.context.connections):
+            serial = getattr(conn, "peer_serial", None)
+            if serial is not None and serial in revoked:
+                log.warning(
+                    "closing %s: node %s's certificate (serial %x) is revoked",
+                    getattr(conn, "peer", "?"), getattr(conn, "peer_node", "?"), serial,
+                )  # fmt: skip
+                conn.close()
 
     @property
     def port(self) -> int:
