@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,35 @@ def test_stats_and_metrics(nodes: NodeFactory) -> None:
 
     asyncio.run(scenario())
     assert node.errors_in_log() == []
+
+
+def test_shared_memory_figures_in_stat_shm_and_metrics(nodes: NodeFactory, tmp_path: Path) -> None:
+    """Issue 27 item 4: a node with --shm serves its services' figures as STAT ``shm`` and as
+    ``changefeed_shm_*`` families on /metrics (they were built but not served)."""
+    metrics_port = free_port()
+    node = nodes(
+        vbuckets=4,
+        args=[
+            "--shm",
+            "1",
+            "--shm-dir",
+            str(tmp_path / "shm"),
+            "--metrics-port",
+            str(metrics_port),
+        ],
+    )
+
+    async def scenario() -> None:
+        conn = await raw_connection(node)
+        try:
+            figures = await stats(conn, "shm")
+        finally:
+            await conn.close()
+        services = {key.split(":")[0] for key in figures}
+        assert len(services) == 1, figures
+        assert any(key.endswith(":rows_published") or "published" in key for key in figures)
+        status, body = await http_get(metrics_port, "/metrics")
+        assert status == 200
+        assert "changefeed_shm_" in body
+
+    asyncio.run(scenario())
