@@ -129,9 +129,7 @@ class ExpiryPager:
         """One bounded pass (see the module docstring), logged with its counts."""
         started = self._monotonic()
         active = [
-            vb
-            for vb, vbucket in sorted(self._bucket.vbuckets.items())
-            if vbucket.state.is_active
+            vb for vb, vbucket in sorted(self._bucket.vbuckets.items()) if vbucket.state.is_active
         ]
         later = [vb for vb in active if vb >= self._next_vb]
         order = later + [vb for vb in active if vb < self._next_vb]
