@@ -56,6 +56,7 @@ from rich.table import Table
 
 from changefeed import limits
 from changefeed.cli.cluster import (
+    admin_credentials,
     node_record,
     run,
     start_nodes,
@@ -379,7 +380,8 @@ class Loader:
         before: Callable[[RecordingKvClient, int], Any] | None = None,
     ) -> RecordingKvClient:
         """Ops ``first`` to ``stop``; ``before(kv, i)`` is awaited before each op if given."""
-        kv = await RecordingKvClient.connect(HOST, port)
+        user, password = admin_credentials()  # CHANGEFEED_PASSWORD, as the nodes have it
+        kv = await RecordingKvClient.connect(HOST, port, user=user, password=password)
         assert isinstance(kv, RecordingKvClient)  # connect builds ``cls``
         started = time.perf_counter()
         try:
