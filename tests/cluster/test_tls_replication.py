@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
 
+from changefeed.cli.certs import load_or_create_ca, revocation_list, write_file
 from changefeed.cli.main import cli
 from changefeed.cli.node_process import HOST, NodeProcess
 from changefeed.cluster.etcd_server import EtcdServer, stop_pid
@@ -157,7 +159,7 @@ def test_a_node_whose_certificate_is_revoked_is_refused_by_its_actives(
     assert all(v == "0" for k, v in counted.items() if k.endswith(":items")), counted
 
 
-def test_a_certificate_rotated_under_durable_writes_loses_none(
+def test_a_certificate_rotated_under_durable_writes_loses_none_and_the_old_one_revoked(
     nodes: NodeFactory, etcd: EtcdServer, cluster_name: str, tmp_path: Path
 ) -> None:
     certs = tmp_path / "certs"
@@ -165,6 +167,10 @@ def test_a_certificate_rotated_under_durable_writes_loses_none(
     cluster = start_tls_cluster(nodes, etcd, cluster_name, certs)
     n1 = cluster[0]
     asyncio.run(wait_in_sync_published(etcd.endpoint, cluster_name))  # every replica streams
+    serials_before = [
+        x509.load_pem_x509_certificate((certs / f"n{i}.pem").read_bytes()).serial_number
+        for i in (1, 2, 3)
+    ]
 
     async def scenario() -> tuple[int, int]:
         tls_port = int(n1.args[n1.args.index("--tls-port") + 1])
@@ -202,6 +208,25 @@ def test_a_certificate_rotated_under_durable_writes_loses_none(
     assert asyncio.run(assert_copies_equal(cluster)) >= written
     for node in cluster:
         assert "reloaded: new connections use it" in node.log_path.read_text()
+
+    # The old certificates revoked: every feed still open on one is closed, and the feeds come
+    # back with the rotated certificates (which the CRL does not list); majority writes go on.
+    old_serials = set(serials_before)  # `certs revoke NODE` lists a node's current one only
+    ca, _ = load_or_create_ca(certs, days=1)
+    write_file(certs / "crl.pem", revocation_list(ca, old_serials).public_bytes(Encoding.PEM))
+    deadline = time.monotonic() + 15
+    while not all("is revoked" in node.log_path.read_text() for node in cluster):
+        assert time.monotonic() < deadline, "the old certificates' feeds were not closed"
+        time.sleep(0.2)
+
+    async def write_majority() -> None:
+        async with await KvClient.connect(HOST, n1.port) as kv:
+            for index in range(200):
+                await kv.upsert(b"after-revoke:%04d" % index, b"v", durability="majority")
+
+    asyncio.run(write_majority())
+    asyncio.run(wait_replicated(cluster))
+    assert asyncio.run(assert_copies_equal(cluster)) >= written + 200
 
 
 def test_cluster_start_tls_makes_certificates_and_replicates_over_tls(tmp_path: Path) -> None:
