@@ -22,7 +22,7 @@ whose replica is on the victim's side first), through ``KvClient`` (which follow
 attempt has ``ATTEMPT_S`` seconds, after which the client is dropped and a new one bootstraps
 from a random node (so a client stuck on a dead connection costs at most that). The probes run
 from ``WARM_S`` before the fault to its end (``--fault-s`` seconds); then the fault is healed
-and the cluster converges before the next one. Per fault, over the probed vbuckets:
+and the cluster converges; each fault gets a fresh cluster. Per fault, over the probed vbuckets:
 
 * **served again**: seconds from the fault's start to the end of the first gap longer than
   ``GAP_S`` between acknowledgements (0: no such gap), the worst vbucket;
@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_node import log, machine  # noqa: E402
+from bench_node import log, machine, source_tree  # noqa: E402
 
 from changefeed.cluster.metadata import ClusterMetadata  # noqa: E402
 from changefeed.consumer import KvClient  # noqa: E402
@@ -232,6 +232,7 @@ def plan(cluster: HostCluster, fault: str, probes: int) -> Plan:
         victim = leader_index
     else:
         pool = [h for h in led if index_of[h] != leader_index and led[h]]
+        pool = pool or [h for h in led if led[h]]
         victim = index_of[max(pool, key=lambda h: len(led[h]))]
     host = cluster.nodes[victim].host
     vbs = list(led[host])
@@ -326,6 +327,7 @@ def one_fault(
             heal()
         cluster.network.heal()
     result.summarise(started)
+    settle(cluster)  # healed: the run ends on a converged cluster (or says why not)
     for probe in result.probes:
         if probe.errors:
             result.notes.append(f"vb {probe.vb}: {probe.errors}, {probe.reconnects} new clients")
@@ -387,25 +389,27 @@ def main() -> None:
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="bench_partition_") as work:
         for size in args.size_list:
-            root = Path(work) / f"n{size}"
-            with HostCluster(
-                root, nodes=size, replicas=REPLICAS, vbuckets=VBUCKETS,
-                failover_timeout_s=args.lease,
-            ) as cluster:  # fmt: skip
-                for fault in args.fault_list:
+            for fault in args.fault_list:
+                # A fresh cluster per fault: a failover leaves the vbuckets unbalanced (no
+                # automatic rebalance), and a healed node may still be registering again.
+                root = Path(work) / f"n{size}-{fault}"
+                with HostCluster(
+                    root, nodes=size, replicas=REPLICAS, vbuckets=VBUCKETS,
+                    failover_timeout_s=args.lease,
+                ) as cluster:  # fmt: skip
                     result = one_fault(cluster, fault, args, rng)
-                    results.append(result)
-                    log(
-                        f"{size} nodes, {fault} of {result.victim}: promoted "
-                        f"{_f(result.promoted_s)} s, served again "
-                        f"{result.served_again_s:.2f} s, available "
-                        f"{100 * statistics.mean(result.available):.0f} %, longest gap "
-                        f"{result.longest_gap_s:.2f} s; {'; '.join(result.notes)}"
-                    )
-                settle(cluster)
+                results.append(result)
+                log(
+                    f"{size} nodes, {fault} of {result.victim}: promoted "
+                    f"{_f(result.promoted_s)} s, served again {result.served_again_s:.2f} s, "
+                    f"available {100 * statistics.mean(result.available):.0f} %, longest gap "
+                    f"{result.longest_gap_s:.2f} s; {'; '.join(result.notes)}"
+                )
     print("\n".join([
         f"command: {shlex.join([Path(sys.executable).name, *sys.argv])}",
         *machine(),
+        source_tree(),
+        f"node code: {os.environ.get('PYTHONPATH') or 'the working tree'}",
         f"test hosts: 3 etcd members, replicas {REPLICAS}, {VBUCKETS} vbuckets, "
         f"lease {args.lease} s",
         "",
