@@ -326,15 +326,12 @@ class Node:
         admission = self.admission
         shares = admission.shares
         tls = sum(1 for conn in self.context.connections if getattr(conn, "tls", False))
+        # Connections a node certificate authenticated (server/connection.py, --tls-ca).
+        by_certificate = sum(1 for c in self.context.connections if getattr(c, "peer_node", None))
         return [
             ("curr_connections", str(len(self.context.connections))),
             ("tls_connections", str(tls)),
-            (
-                "node_certificate_connections",
-                str(
-                    sum(1 for conn in self.context.connections if getattr(conn, "peer_node", None))
-                ),
-            ),
+            ("node_certificate_connections", str(by_certificate)),
             ("tls_reloads_total", str(0 if self.tls is None else self.tls.reloads)),
             ("unauthenticated", str(admission.unauthenticated)),
             ("authenticated", str(admission.authenticated)),
