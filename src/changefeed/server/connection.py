@@ -171,6 +171,7 @@ class ClientConnection(asyncio.Protocol):
         self.tls = tls is not None
         self._tls_context = tls
         self._handshake: asyncio.Task[None] | None = None  # the TLS handshake, while it runs
+        self._secure: Any = None  # the TLS protocol until this connection serves through it
         self._lost = False  # connection_lost ran (a failed TLS handshake may run it twice)
         self._answers_pending = 0  # requests answered later (durable writes, waits)
         # Until SASL succeeds a peer may only send small frames (limits.py explains why).
@@ -255,6 +256,7 @@ class ClientConnection(asyncio.Protocol):
             ssl_handshake_timeout=limits.TLS_HANDSHAKE_DEADLINE_S,
         )
         raw.set_protocol(secure)
+        self._secure = secure
         secure.connection_made(raw)
         self._handshake = loop.create_task(self._secured(raw, secure, waiter))
 
@@ -282,10 +284,19 @@ class ClientConnection(asyncio.Protocol):
             self.connection_lost(None)
             return
         self._handshake = None
-        secured = secure._get_app_transport()
         if self._lost:
-            secured.close()
+            secure._get_app_transport().close()
             return
+        self._use_secured()
+
+    def _use_secured(self) -> None:
+        """Serve over the TLS transport from now on, as the peer its certificate names if it
+        presented one. Once, from whichever runs first: the handshake's task, or the first
+        request's bytes (the SSL protocol may hand them over before that task resumes)."""
+        secure, self._secure = self._secure, None
+        if secure is None:
+            return
+        secured = secure._get_app_transport()
         self.transport = secured
         secured.set_write_buffer_limits(high=limits.WRITE_BUFFER_HIGH_BYTES)
         self._authenticate_certificate(secured.get_extra_info("peercert"))
@@ -349,6 +360,10 @@ class ClientConnection(asyncio.Protocol):
         asyncio.get_running_loop().call_soon(self._process)  # requests held while paused
 
     def data_received(self, data: bytes) -> None:
+        if self._secure is not None:  # TLS application data: the handshake is done
+            self._use_secured()
+            if self.transport is None or self.transport.is_closing():
+                return  # its certificate was refused a slot (_authenticate_certificate)
         if self._refused:
             return
         try:
