@@ -27,6 +27,10 @@ Rules (seed follower-catch-up.md, dcp-rollback.md, replication-anchors.md §1.3)
 
 The feed runs until cancelled, reconnecting with backoff when the connection drops; a refused
 stream (the active has not applied the new map yet) is requested again after a pause.
+
+Nodes with a cluster CA (`FeedOptions.tls`) dial the active's TLS port and authenticate by this
+node's certificate, with no SASL; otherwise the plain port and the shared password
+(docs/operations.md, "Nodes authenticate to each other by certificate").
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ trusted to stay in sync (a decodable frame with bad contents), else the connecti
 `DcpPump` that writes stream frames while the transport is not paused (backpressure). Handlers
 reach the node's state only through the `ServerContext` the connection was built with; an
 operating error is a `StatusError` whose status is the reply (one hierarchy, protocol/errors.py).
+
+On the TLS listener the connection runs its own handshake; with the cluster CA (``--tls-ca``)
+a client certificate the CA signed authenticates the connection as the node it names
+(``authenticator.node_identity``), without SASL, and a refused one is logged in one line.
 """
 
 from __future__ import annotations
