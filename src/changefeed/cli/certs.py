@@ -234,7 +234,7 @@ def _names(value: str, what: str) -> tuple[str, ...]:
 
 @click.group()
 def certs() -> None:
-    """TLS certificates for the client/DCP port (serve --tls-port)."""
+    """TLS certificates: a CA, node certificates (serve --tls-port, --tls-ca), revocations."""
 
 
 @certs.command("create")
