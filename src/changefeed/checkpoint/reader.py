@@ -5,9 +5,13 @@ yields every change after its start seqno as snapshot starts and items: seqnos s
 each item lies inside the snapshot announced before it, and after reading to the end the reader's
 view of every key equals the vbucket's latest state. It hides where items come from: when memory
 no longer holds what it needs (at start, or after memory recovery dropped its cursor) it runs a
-disk backfill to the store's high seqno, then re-registers in memory after that seqno; it repeats
-this until it reads from memory. Disk snapshots carry MARKER_FLAG_DISK, memory ones
-MARKER_FLAG_MEMORY (| MARKER_FLAG_CHECKPOINT for whole checkpoints).
+disk backfill to the store's high seqno (a replica's reader: to where memory begins, since
+memory and not the store holds pending SyncWrite prepares), then re-registers in memory after
+that seqno; it repeats this until it reads from memory. Disk snapshots carry MARKER_FLAG_DISK,
+memory ones MARKER_FLAG_MEMORY (| MARKER_FLAG_CHECKPOINT for whole checkpoints).
+
+A disk snapshot's range may end past its last record: prepares and aborts are not records. Once
+such a backfill is read, `last_seqno` is the range's end, though no item carried it.
 
 Markers start at the first seqno that can follow (a DCP producer puts the requested start seqno
 in the first marker of a stream itself, dcp-wire.md §7.2).
@@ -245,7 +249,7 @@ class StreamReader:
         self._cursor.droppable = True
 
     def _register(self) -> Cursor:
-        """Register at the position; start a backfill to the store's high seqno if needed."""
+        """Register at the position; start a backfill if needed (see the module doc)."""
         self.stats["registrations"] += 1
         registration = self._manager.register_cursor(
             self._name, self._position, kind=self._kind, droppable=self._droppable
