@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from changefeed.checkpoint import CheckpointMemoryFullError, CursorKind, Item, StreamReader
+from changefeed.cluster import rules as cluster_rules
 from changefeed.producer.stream_request import VbucketView
 from changefeed.protocol.dcp import StreamEndReason
 from changefeed.protocol.errors import (
@@ -131,6 +132,10 @@ class SimNode:
         self.applied = None
         self.agent = Agent(self)
         self.candidate = Candidate(self)
+        if self.rules.recovered_pending:  # `NodeAgent.__init__`: no active before a map
+            for vb in sorted(self.vbuckets):
+                recovered = cluster_rules.recovered_state(self.vbuckets[vb].state)
+                self.set_vbucket_state(vb, recovered)
         self.sched.record("start", self.name)
         self.agent.start()
         self.candidate.start()

@@ -31,6 +31,7 @@ class TodayRules:
 
     name = "today"
     fencing = False
+    recovered_pending = False  # a restarted node's recovered actives serve at once
 
     def may_serve(self, node: SimNode, vb: int) -> bool:
         """An active serves until it applies a newer map (node_agent.py): always."""
@@ -62,6 +63,7 @@ class FencedRules(TodayRules):
 
     name = "fenced"
     fencing = True
+    recovered_pending = True  # `cluster.rules.recovered_state` (416253a)
 
     def may_serve(self, node: SimNode, vb: int) -> bool:
         """The fence is checked before a request is served (a node back from a pause checks
@@ -72,6 +74,14 @@ class FencedRules(TodayRules):
     def required_replicas(self, node: SimNode, vb: int) -> frozenset[str] | None:
         keeper = node.agent.keepers.get(vb)
         return keeper.required if keeper is not None else frozenset()
+
+
+class FencedRulesFirstCut(FencedRules):
+    """The fencing rules as first committed (fae8c28), before `recovered_state`: a restarted
+    node served the actives its store kept before it read a map (the simulator's seed 611)."""
+
+    name = "fenced-fae8c28"
+    recovered_pending = False
 
 
 def new_rules_available() -> bool:
