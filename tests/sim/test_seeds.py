@@ -20,7 +20,7 @@ import pytest
 from .cluster import RunResult, run
 from .test_scenarios import ON_TODAYS_RULES
 
-CI_SEEDS = int(os.environ.get("SIM_CI_SEEDS", "2000"))  # SIM_WORKERS=2 halves the wall time
+CI_SEEDS = int(os.environ.get("SIM_CI_SEEDS", "2000"))
 SLOW_SEEDS = int(os.environ.get("SIM_SLOW_SEEDS", "50000"))
 
 # Known causes of losses on the fencing rules (fae8c28), noted by the run when they happen: a
@@ -35,8 +35,9 @@ def _only_losses(result: RunResult) -> bool:
 
 
 def _results(seeds: range) -> list[RunResult]:
-    """Every seed's run, in `SIM_WORKERS` processes (default 1: the machine is shared)."""
-    workers = int(os.environ.get("SIM_WORKERS", "1"))
+    """Every seed's run, in `SIM_WORKERS` processes (default: one per core, at most 4 — the
+    suite itself runs in one process, so the other cores are free meanwhile)."""
+    workers = int(os.environ.get("SIM_WORKERS", str(min(4, os.cpu_count() or 1))))
     if workers <= 1:
         return [run(seed) for seed in seeds]
     with concurrent.futures.ProcessPoolExecutor(workers) as pool:
