@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from .checker import ChaosReport, Copy, check_monotonic, check_replicas, check_s
 from .consumer import ChaosConsumer
 from .harness import CONSUMER_CATCH_UP_S, MIRROR_CATCH_UP_S, DurabilityUnsupportedError
 from .history import Version
-from .loader import Loader
+from .loader import DURABLE_LEVELS, Loader
 from .mirror import MirrorJob
 from .network import (
     DOWN_S,
@@ -83,8 +84,6 @@ class HostMirrorJob(MirrorJob):
         self.command = cluster.client_command(*self.command)
 
     def start(self) -> HostMirrorJob:
-        import subprocess
-
         with open(self.log, "ab") as handle:
             self.process = subprocess.Popen(
                 self.command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -138,8 +137,15 @@ def run_host_chaos(
     truth: dict[bytes, Version] = {}
     sdk_records: list[dict[str, Any]] = []
     playing = threading.Thread(target=nemesis.run, args=(steps,), daemon=True)
+    level = config.durability if config.durability in DURABLE_LEVELS else "majority"
     writer = (
-        SdkWriter(cluster, workdir, seed=config.seed % 10**6, workers=config.sdk_workers)
+        SdkWriter(
+            cluster,
+            workdir,
+            seed=config.seed % 10**6,
+            workers=config.sdk_workers,
+            durability=level,
+        )
         if config.sdk
         else None
     )
