@@ -93,6 +93,7 @@ class Orchestrator:
         self.crash_failover = crash_failover
         self.crashes = CrashConfirmer()
         self.confirmed_crashed: set[str] = set()  # leases revoked on a confirmed crash
+        self._seen_this_term: set[str] = set()  # nodes live at some point of this term
         self._last_map: ClusterMap | None = None
 
     @property
@@ -116,6 +117,7 @@ class Orchestrator:
                     await asyncio.wait({prober})
             self.leadership = leadership
             self._term_started = time.monotonic()
+            self._seen_this_term = set()
             self.terms += 1
             log.info("%s is the orchestrator (token %d)", self.candidate, leadership.token)
             try:
@@ -153,6 +155,7 @@ class Orchestrator:
             async with contextlib.aclosing(self.metadata.watch_nodes()) as changes:
                 async for live in changes:  # never ends; it retries through outages itself
                     latest = live
+                    self._seen_this_term |= set(live)
                     changed.set()
 
         follower = asyncio.create_task(follow(), name=f"live nodes for {self.candidate}")
@@ -280,7 +283,8 @@ class Orchestrator:
         restarting, or cut in two, must not fail its own majority over — Couchbase likewise
         refuses to auto-fail-over when several nodes are down at once), and not in the first
         lease TTL of a term: a new orchestrator lets nodes that are restarting register again
-        before it calls them dead."""
+        before it calls them dead — unless each absent node's crash was confirmed or this term
+        saw it live and then gone (its lease lapsed under this orchestrator's eyes)."""
         up = sum(1 for n in names if n in live)
         if up * 2 <= len(names):
             if not self._quorum_logged:
@@ -291,8 +295,12 @@ class Orchestrator:
                 self._quorum_logged = True
             return False
         self._quorum_logged = False
-        if all(n in live or n in self.confirmed_crashed for n in names):
-            return True  # the only absent nodes crashed for sure: no one to wait for
+        if all(
+            n in live or n in self.confirmed_crashed or n in self._seen_this_term for n in names
+        ):
+            # Every absent node crashed for sure, or this term saw its lease lapse (it was
+            # live, then gone): no restarting node to wait for.
+            return True
         return time.monotonic() - self._term_started >= self.lease_ttl_s
 
     async def _probe_nodes(
