@@ -326,9 +326,17 @@ def test_status_leads_with_a_summary_and_drops_a_removed_node(cluster_dir: Path)
     text = invoke("status", "--dir", str(cluster_dir)).output.splitlines()
     first = text.index(next(line for line in text if line.startswith("vb ")))
     assert first < 15 and any(line.startswith("nodes: 3 up, 0 down") for line in text[:first])
-    assert all(len(line) < 100 for line in text)
+    # The summary fits a screen's width (the per-vbucket details may run wider with seqnos and
+    # flags such as "NOT IN SYNC, disconnected").
+    assert all(len(line) < 100 for line in text[:first]), [
+        line for line in text[:first] if len(line) >= 100
+    ]
     brief = invoke("status", "--dir", str(cluster_dir), "--brief").output.splitlines()
-    assert brief == text[: first - 1]
+    # The summary alone (another call: its figures may have moved, its shape may not).
+    assert len(brief) == first - 1 and brief[0] == text[0]
+    assert [line.split(":")[0] for line in brief] == [
+        line.split(":")[0] for line in text[: first - 1]
+    ]
 
     removed = invoke("remove", "node2", "--dir", str(cluster_dir), "--json")
     assert removed.exit_code == 0, removed.output

@@ -29,6 +29,7 @@ from changefeed.cli.node_process import HOST, NodeProcess
 from changefeed.cluster.etcd_server import EtcdServer, stop_pid
 from changefeed.consumer import KvClient
 from changefeed.consumer.connection import client_tls_context
+from changefeed.protocol.errors import DurabilityImpossibleError
 from changefeed.server.users import Users
 from support.clients import PASSWORD, USER, free_port, node_stats
 from support.cluster import (
@@ -222,7 +223,7 @@ def test_a_certificate_rotated_under_durable_writes_loses_none_and_the_old_one_r
     async def write_majority() -> None:
         async with await KvClient.connect(HOST, n1.port) as kv:
             for index in range(200):
-                await kv.upsert(b"after-revoke:%04d" % index, b"v", durability="majority")
+                await _durable_when_possible(kv, b"after-revoke:%04d" % index)
 
     asyncio.run(write_majority())
     asyncio.run(wait_replicated(cluster))
@@ -257,3 +258,17 @@ def test_cluster_start_tls_makes_certificates_and_replicates_over_tls(tmp_path: 
                 stop_pid(node["pid"], node["data_dir"], timeout_s=30)
             if record.get("etcd_pid"):
                 stop_pid(record["etcd_pid"], record["etcd_data_dir"])
+
+
+async def _durable_when_possible(kv: KvClient, key: bytes, timeout_s: float = 30.0) -> None:
+    """A majority write, retried while a majority is not reachable: replicas whose old
+    certificates were revoked reconnect with their new ones after a backoff, and until then
+    the node answers DURABILITY_IMPOSSIBLE (nothing written), as it should."""
+    deadline = time.monotonic() + timeout_s
+    while True:  # bounded by the deadline
+        try:
+            await kv.upsert(key, b"v", durability="majority")
+            return
+        except DurabilityImpossibleError:
+            assert time.monotonic() < deadline, "replicas never came back after the revocation"
+            await asyncio.sleep(0.1)
