@@ -135,7 +135,7 @@ class SimCluster:
 
     def note(self, cause: str) -> None:
         """Something a known bug needs happened (not a failure by itself: the checker decides);
-        a failed run that noted it is attributed to that bug (test_seeds.py `KNOWN_CAUSES`)."""
+        a failed run that noted it says so in its report."""
         if cause not in self.notes:
             self.notes.add(cause)
             self.sched.record("note", cause)

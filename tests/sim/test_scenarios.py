@@ -4,9 +4,9 @@ on the fencing rules that fixed them.
 Recorded 2026-11-28 (docs/simulator.md): on the rules as they were before the partition
 fixes (`TodayRules`), the `split` and `etcd_cut` scenarios lose acknowledged durable writes
 or CAS updates with the seeds below; on the fencing rules of fae8c28 (`FencedRules`) they
-lose nothing. `restart_before_map` (random seed 611's one short crash) loses durable
-writes on the fencing rules: a restarted active serves its recovered vbuckets before it has
-read a map. It is an expected failure until the node is fixed (docs/simulator.md).
+lose nothing. `restart_before_map` (random seed 611's one short crash) lost durable writes
+on those first fencing rules (`FencedRulesFirstCut`: a restarted active served its recovered
+vbuckets before it had read a map) and loses nothing since `cluster.rules.recovered_state`.
 """
 
 from __future__ import annotations
@@ -14,22 +14,14 @@ from __future__ import annotations
 import pytest
 
 from .cluster import run
-from .rules import FencedRules, FencedRulesFirstCut, TodayRules, rules_for_tree
+from .rules import FencedRulesFirstCut, TodayRules
 from .scenarios import SCENARIOS
 
 # Seeds whose run lost acknowledged writes on the rules named.
 LOST_ON_TODAYS_RULES = {"split": (1, 5, 6, 8, 9, 10), "etcd_cut": (1, 3, 4, 8)}
 LOST_ON_FENCED_RULES = {"restart_before_map": (3, 8, 9, 611)}
-ON_TODAYS_RULES = not isinstance(rules_for_tree(), FencedRules)
-ISSUE_25 = pytest.mark.xfail(
-    ON_TODAYS_RULES,
-    strict=False,
-    reason="issue 25: an active keeps serving while cut off, and a replica is promoted from a "
-    "stale in-sync record; passes on the fencing rules",
-)
 
 
-@ISSUE_25
 @pytest.mark.parametrize("seed", LOST_ON_TODAYS_RULES["split"])
 def test_split_of_an_active_and_a_replica_loses_nothing(seed: int) -> None:
     config, faults = SCENARIOS["split"]()
@@ -37,7 +29,6 @@ def test_split_of_an_active_and_a_replica_loses_nothing(seed: int) -> None:
     assert result.ok, result.report()
 
 
-@ISSUE_25
 @pytest.mark.parametrize("seed", LOST_ON_TODAYS_RULES["etcd_cut"])
 def test_an_active_cut_from_etcd_loses_nothing(seed: int) -> None:
     config, faults = SCENARIOS["etcd_cut"]()

@@ -3,10 +3,8 @@
 A seed draws its cluster shape, workload, network and faults (faults.py: swarm schedules
 aimed at one vbucket's chain, and a fifth of them instances of known-dangerous patterns).
 A failure prints its replay line (``.venv/bin/python -m tests.sim.run --seed N ...``, which
-also shrinks it). A lost write in a run that noted a known cause (`KNOWN_CAUSES`) makes the
-chunk an expected failure until the node is fixed; any other loss, or anything else (an
-exception, an assert in production code, copies that do not converge, a consumer seeing
-seqnos go backwards), fails it.
+also shrinks it). Any failure fails the chunk: a lost write, an exception, an assert in
+production code, copies that do not converge, a consumer seeing seqnos go backwards.
 """
 
 from __future__ import annotations
@@ -18,20 +16,9 @@ import time
 import pytest
 
 from .cluster import RunResult, run
-from .test_scenarios import ON_TODAYS_RULES
 
 CI_SEEDS = int(os.environ.get("SIM_CI_SEEDS", "2000"))
 SLOW_SEEDS = int(os.environ.get("SIM_SLOW_SEEDS", "50000"))
-
-# Known causes of losses on the fencing rules (fae8c28), noted by the run when they happen: a
-# failed run that noted one is attributed to it (an expected failure until the node is fixed).
-# restart_before_map ("served_before_map", fixed by `cluster.rules.recovered_state`) was one;
-# none is known now, so every loss fails its chunk.
-KNOWN_CAUSES: dict[str, str] = {}
-
-
-def _only_losses(result: RunResult) -> bool:
-    return all(" lost" in line for line in result.failures)
 
 
 def _results(seeds: range) -> list[RunResult]:
@@ -54,18 +41,7 @@ def _run_seeds(seeds: range) -> None:
     wall = time.perf_counter() - began
     rate = len(seeds) / wall
     print(f"{len(seeds)} seeds in {wall:.0f} s ({rate:.1f} seeds/s), {len(failed)} failed")
-    hard = [r for r in failed if not _only_losses(r)]
-    assert not hard, "\n".join(r.report() for r in hard[:5])
-    if not failed:
-        return
-    summary = f"{len(failed)} of {len(seeds)} seeds lost acknowledged writes, e.g.\n" + (
-        failed[0].report()
-    )
-    if ON_TODAYS_RULES:
-        pytest.xfail("issue 25 on today's rules: " + summary)
-    unknown = [r for r in failed if not r.notes & KNOWN_CAUSES.keys()]
-    assert not unknown, "\n".join(r.report() for r in unknown[:5])
-    pytest.xfail(f"known causes at seeds {sorted(r.seed for r in failed)}: " + summary)
+    assert not failed, "\n".join(r.report() for r in failed[:5])
 
 
 CHUNK_SEEDS = 250  # one test per chunk: each well inside the suite's 600 s timeout
