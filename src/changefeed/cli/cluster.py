@@ -930,6 +930,9 @@ def _render(report: Mapping[str, Any], *, details: bool = True) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_WIDTH = 100  # a summary line is cut to this (the whole reason is in --json)
+
+
 def _render_summary(report: Mapping[str, Any]) -> list[str]:
     summary = report.get("summary") or summarize(report)
     lines = [f"nodes: {summary['nodes_up']} up, {summary['nodes_down']} down"]
@@ -948,8 +951,8 @@ def _render_summary(report: Mapping[str, Any]) -> list[str]:
             error = addresses[node["name"]]["error"]  # whole in --json
             line += f"  {node['down_because']}" + (f" ({error.split(':')[0]})" if error else "")
         elif node["replicas_unknown"]:
-            line += f"  ({node['replicas_unknown']} not reported by their active)"
-        lines.append(line)
+            line += f"  ({node['replicas_unknown']} unreported)"  # by their actives, yet
+        lines.append(line if len(line) < SUMMARY_WIDTH else line[: SUMMARY_WIDTH - 2] + "…")
     for stale in report.get("stale_registrations", []):
         lines.append(f"  {stale:10} not in the map; registered but not answering (stopped)")
     outside = sorted(set(report["live_nodes"]) - set(addresses))
