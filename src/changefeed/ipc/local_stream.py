@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from typing import Final, Literal
 
 import numpy as np
@@ -58,6 +58,9 @@ from changefeed.protocol.status import Status
 
 DCP_ROWS_PER_BATCH: Final = 4096
 DCP_RETRY_S: Final = 0.2  # a fallback that cannot reach the node tries again after this long
+# A bounded read whose stream brought no row for this long reads the rest over DCP (an end
+# seqno may be a SyncWrite prepare or abort, which no published row ever reaches).
+BOUNDED_STALL_S: Final = 0.5
 LocalStart = Literal["now", "beginning"] | SessionState
 
 
@@ -97,7 +100,7 @@ class LocalStream:
         self.vbuckets = tuple(vb for vb in self.group if vb in wanted)
         self._watched = np.array([i for i, vb in enumerate(self.group) if vb in wanted], np.intp)
         self._held: Sample | None = None
-        self._catch_up: AsyncIterator[pa.RecordBatch] | None = None
+        self._catch_up: AsyncGenerator[pa.RecordBatch, None] | None = None
         self.session: SessionState | None
         if start == "now":
             positions = self._sub.positions
@@ -284,7 +287,9 @@ class LocalStream:
         target = self._sub.positions_of(head) if head else None
         self._catch_up = self._dcp_rows(target)
 
-    async def _dcp_rows(self, target: NDArray[np.uint64] | None) -> AsyncIterator[pa.RecordBatch]:
+    async def _dcp_rows(
+        self, target: NDArray[np.uint64] | None
+    ) -> AsyncGenerator[pa.RecordBatch, None]:
         """Rows from the node over DCP, from the reader's position to `target` (the ring's
         newest positions; None: the node's high seqnos)."""
         assert self._dcp is not None and self.session is not None
@@ -301,10 +306,47 @@ class LocalStream:
                     continue  # nothing to fetch (a branch change still goes over DCP)
                 ends[vb] = max(end, mine.seqno)
             vbs.append(vb)
+        async for batch in self._over_dcp(vbs, ends or None, set()):
+            yield batch
+
+    async def read_to(
+        self, ends: Mapping[int, int], ended: set[int]
+    ) -> AsyncIterator[pa.RecordBatch]:
+        """Rows over DCP from the reader's position up to `ends` (vbuckets of this reader),
+        adding to `ended` each vbucket whose stream ended: its end seqno was read, even when
+        the seqno itself is one no application stream sends (a SyncWrite prepare or abort, so
+        the reader's position stays below it). The reader rejoins the ring after it.
+
+        A vbucket the reader already holds to its end is added at once. Nothing is added for a
+        node that cannot be reached (the caller tries again later).
+        """
+        self._release()
+        if self._catch_up is not None:
+            await self._catch_up.aclose()
+            self._catch_up = None
+        self._joined = False
+        assert self._dcp is not None and self.session is not None
+        vbs = []
+        for vb, end in ends.items():
+            assert vb in self.vbuckets, (vb, self.vbuckets)
+            if self.session.get(vb).seqno >= end:
+                ended.add(vb)
+            else:
+                vbs.append(vb)
+        async for batch in self._over_dcp(vbs, {vb: ends[vb] for vb in vbs}, ended):
+            yield batch
+
+    async def _over_dcp(
+        self, vbs: list[int], ends: dict[int, int] | None, ended: set[int]
+    ) -> AsyncIterator[pa.RecordBatch]:
+        """Rows of `vbs` from the reader's position over DCP, to `ends` (None: to the node's
+        high seqnos), until every stream ended (each added to `ended`)."""
+        assert self._dcp is not None and self.session is not None
+        session = self.session
         if not vbs:
             return
         config = dataclasses.replace(
-            self._dcp, to_latest=target is None, name=f"changefeed:local:{uuid.uuid4().hex[:12]}"
+            self._dcp, to_latest=ends is None, name=f"changefeed:local:{uuid.uuid4().hex[:12]}"
         )
         snaps = {vb: (session.get(vb).snap_start, session.get(vb).snap_end) for vb in vbs}
         client = DcpClient(config)
@@ -315,7 +357,7 @@ class LocalStream:
             await asyncio.sleep(DCP_RETRY_S)
             return
         try:
-            await client.stream(vbs, session, end_seqnos=ends or None)
+            await client.stream(vbs, session, end_seqnos=ends)
             unfinished = set(vbs)
             rows = ChangeRows()
             async for event in client.events():
@@ -327,6 +369,7 @@ class LocalStream:
                     rows.append_rollback(event.vbucket, event.seqno)
                 elif isinstance(event, StreamEnded):
                     unfinished.discard(event.vbucket)
+                    ended.add(event.vbucket)
                 elif isinstance(event, StreamRefused):
                     raise IpcError(
                         f"the node refused the DCP stream of vbucket {event.vbucket}: "
@@ -495,7 +538,10 @@ async def read_bounded(
     shared-memory services (over DCP what the ring no longer holds): a bounded read, as a Spark
     micro-batch makes. Rows past a vbucket's end are left out and ``snap_end`` is cut to it, as
     ``ChangeRows.append_changes`` does for a bounded DCP read; rollback rows are kept. Returns
-    once every vbucket reached its end. The batches are copies (valid after the next one).
+    once every vbucket reached its end: a stream that brought no row for ``BOUNDED_STALL_S``
+    reads the rest over DCP and a vbucket is done when that stream ended, as a TCP read is
+    (an end seqno that is a SyncWrite prepare or abort is never reached by a row: before,
+    the read waited for it forever). The batches are copies (valid after the next one).
 
     Raises:
         UnpublishedError: a vbucket is not published over shared memory in `directory`.
@@ -508,19 +554,35 @@ async def read_bounded(
     try:
         limit = np.zeros(max(ends) + 1, np.int64)
         limit[list(ends)] = [min(end, 2**63 - 1) for end in ends.values()]
-        pending = list(streams)
+        ended: set[int] = set()  # vbuckets read to their end over DCP (StreamEnded)
+        loop = asyncio.get_running_loop()
+        pending = {local: loop.time() for local in streams}  # -> when it last moved on
         while pending:  # until every vbucket reached its end
             for local in list(pending):
                 batch = await local.next_batch(0.05 / len(pending))
                 if batch is not None and batch.num_rows:
+                    pending[local] = loop.time()
                     bounded = _bounded(batch, wanted, limit)
                     if bounded.num_rows:
                         yield bounded
                 session = local.session
-                if session is not None and all(
-                    session.get(vb).seqno >= ends[vb] for vb in local.vbuckets
-                ):
-                    pending.remove(local)
+                left = {
+                    vb
+                    for vb in local.vbuckets
+                    if vb not in ended and (session is None or session.get(vb).seqno < ends[vb])
+                }
+                if left and loop.time() - pending[local] >= BOUNDED_STALL_S:
+                    # No row for a while: an end the ring may never reach (a prepare or an
+                    # abort: no row carries its seqno), or the ring lags. Read to the ends
+                    # over DCP, which finishes on StreamEnded whatever the last seqno is.
+                    async for batch in local.read_to({vb: ends[vb] for vb in left}, ended):
+                        bounded = _bounded(batch, wanted, limit)
+                        if bounded.num_rows:
+                            yield bounded
+                    pending[local] = loop.time()
+                    left -= ended
+                if not left:
+                    del pending[local]
     finally:
         for local in streams:
             local.close()
