@@ -18,7 +18,7 @@ from typing import Protocol
 from changefeed import limits
 from changefeed.checkpoint import CursorKind, StreamReader
 from changefeed.producer.backfill_slots import BackfillSlots
-from changefeed.producer.encoder import DcpEncoder
+from changefeed.producer.encoder import DcpEncoder, StreamEncoder
 from changefeed.producer.flow_control import FlowControl
 from changefeed.producer.item_encoding import ItemOptions
 from changefeed.producer.stream import Stream
@@ -110,6 +110,8 @@ class DcpProducer:
         streams_max: streams this connection may hold at once.
         backfill_slots: the node's running-backfill slots (a private set if None).
         backfills_max: backfills this connection may run at once.
+        encoder_factory: the encoder of each accepted stream (None: DCP frames, `DcpEncoder`);
+            the shared-memory publisher builds change rows instead (server/shm_rows.py).
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class DcpProducer:
         streams_max: int = limits.STREAMS_PER_CONNECTION_MAX,
         backfill_slots: BackfillSlots | None = None,
         backfills_max: int = limits.BACKFILLS_PER_CONNECTION_MAX,
+        encoder_factory: Callable[[StreamRequest], StreamEncoder] | None = None,
     ) -> None:
         assert flags & OpenFlag.PRODUCER, flags
         assert streams_max > 0, streams_max
@@ -137,6 +140,7 @@ class DcpProducer:
         self.backfill_slots = backfill_slots if backfill_slots is not None else BackfillSlots()
         self._backfills_max = backfills_max
         self._backfills_running = 0
+        self._encoder_factory = encoder_factory
         self.streams: dict[int, Stream] = {}
         self.flow = FlowControl()
         self.options = ItemOptions(
@@ -214,13 +218,17 @@ class DcpProducer:
             droppable=self.cursor_dropping,
             end_seqno=accepted.end_seqno,
         )
-        encoder = DcpEncoder(
-            vb,
-            request.opaque,
-            self.options,
-            marker_version=self.marker_version,
-            stream_id=request.stream_id,
-        )
+        encoder: StreamEncoder
+        if self._encoder_factory is not None:
+            encoder = self._encoder_factory(request)
+        else:
+            encoder = DcpEncoder(
+                vb,
+                request.opaque,
+                self.options,
+                marker_version=self.marker_version,
+                stream_id=request.stream_id,
+            )
         machine = StreamMachine(
             accepted.start_seqno, accepted.end_seqno, visible_only=not self.options.sync_writes
         )
