@@ -11,6 +11,12 @@ Contract: the named databases are keyed so that LMDB's byte order is the order w
     vbmeta key     0 vb u16                                    (2 bytes) -> JSON (see vbmeta.py)
     meta key       ASCII name                                  -> small ASCII value
 
+A stored document key names its collection (`stored_key`): a default-collection key is stored
+as is, as before collections existed, so a bucket that never had one reads and streams
+unchanged; any other is COLLECTION_MARKER | LEB128 collection id | key. 0xff never begins a
+UTF-8 key; a default-collection key that does begin with it is stored with the marker and id 0,
+so the mapping stays one-to-one for any bytes.
+
 Big-endian integers make byte order equal numeric order, so one `set_range` on (vb, start)
 starts a seqno-ordered scan of one vbucket.
 
@@ -22,6 +28,8 @@ from __future__ import annotations
 import struct
 from typing import Final
 
+from changefeed.protocol.collections import decode_leb128, encode_leb128
+from changefeed.protocol.errors import ProtocolError
 from changefeed.storage.errors import CorruptRecordError
 
 SEQNO_KEY: Final = struct.Struct(">HQ")  # vb, seqno
@@ -31,6 +39,9 @@ BY_KEY_VALUE: Final = struct.Struct(">QB")  # seqno, op of the key's newest vers
 assert SEQNO_KEY.size == 10
 assert VB_KEY.size == 2
 assert BY_KEY_VALUE.size == 9
+
+COLLECTION_MARKER: Final = 0xFF
+_MARKER_BYTE: Final = b"\xff"
 
 # Keys of the `meta` database.
 META_SHUTDOWN: Final = b"shutdown"
@@ -58,3 +69,32 @@ def decode_by_key_value(vb: int, data: bytes | memoryview) -> tuple[int, int]:
         raise CorruptRecordError(vb, None, f"by_key value has {len(data)} bytes, expected 9")
     seqno, op = BY_KEY_VALUE.unpack(data)
     return int(seqno), int(op)
+
+
+def stored_key(collection_id: int, key: bytes) -> bytes:
+    """The stored form of `key` in collection `collection_id` (module docstring)."""
+    if collection_id == 0 and key[:1] != _MARKER_BYTE:
+        return key
+    return _MARKER_BYTE + encode_leb128(collection_id) + key
+
+
+def split_stored_key(stored: bytes, vb: int = -1) -> tuple[int, bytes]:
+    """(collection id, key) of a stored key; the inverse of `stored_key`.
+
+    Raises:
+        CorruptRecordError: a marked key whose collection id prefix is malformed.
+    """
+    if stored[:1] != _MARKER_BYTE:
+        return 0, stored
+    try:
+        cid, used = decode_leb128(memoryview(stored)[1:])
+    except ProtocolError as error:
+        raise CorruptRecordError(vb, None, f"stored key {stored[:16].hex()}: {error}") from None
+    return cid, stored[1 + used :]
+
+
+def collection_of(stored: bytes) -> int:
+    """The collection id of a stored key (0 unless it is marked)."""
+    if stored[:1] != _MARKER_BYTE:
+        return 0
+    return split_stored_key(stored)[0]
