@@ -18,6 +18,7 @@ from changefeed.protocol.errors import StatusError
 from changefeed.protocol.kv import MutationResult
 from changefeed.storage import Op, Store
 from changefeed.vbucket import VBucket, VBucketState
+from changefeed.vbucket.active import ActiveRole
 
 VB = 5
 NOW = 1_700_000_000.0
@@ -217,7 +218,7 @@ def test_a_run_writing_a_key_twice_takes_no_step_per_write(
 ) -> None:
     vbucket, store = plain_twin(tmp_path, 1000)
     try:
-        monkeypatch.setattr(VBucket, "_set_one_by_one", None)  # called: a TypeError
+        monkeypatch.setattr(ActiveRole, "_set_one_by_one", None)  # called: a TypeError
         keys = [b"a", b"new", b"a", b"new", b"a"]
         answers = vbucket.set_many(keys, [b"v"] * 5, [0] * 5, [0] * 5, [0] * 5)
         assert not answers.errors
@@ -234,7 +235,7 @@ def test_a_clean_run_takes_no_step_per_write(
     never the write-by-write one; seqnos and CASes rise by one per write."""
     vbucket, store = plain_twin(tmp_path, 1000)
     try:
-        monkeypatch.setattr(VBucket, "_set_one_by_one", None)  # called: a TypeError
+        monkeypatch.setattr(ActiveRole, "_set_one_by_one", None)  # called: a TypeError
         keys = [b"a", b"b", b"c", b"gone", b"new"]
         high = vbucket.high_seqno
         answers = vbucket.set_many(keys, [b"v"] * 5, [1] * 5, [0] * 5, [0] * 5)
@@ -252,7 +253,7 @@ def test_a_clean_run_stops_where_memory_runs_out(
 ) -> None:
     vbucket, store = plain_twin(tmp_path, 8)
     try:
-        monkeypatch.setattr(VBucket, "_set_one_by_one", None)
+        monkeypatch.setattr(ActiveRole, "_set_one_by_one", None)
         high = vbucket.high_seqno
         keys = [b"n%d" % i for i in range(9)]
         answers = vbucket.set_many(keys, [b"v"] * 9, [0] * 9, [0] * 9, [0] * 9)

@@ -1,0 +1,472 @@
+"""The active role: writes, GET_LOCKED locks, lazy expiry and the active side of durability.
+
+Writes (`set`, `add`, `replace`, `delete`, `touch`) each get the core's next seqno and CAS
+(`VBucketCore.next_cas`, recorded with `advanced` once queued); a write with a durability
+`level` queues a PREPARE (`SyncItem`) that reads and application streams do not see, and the
+key is refused to other writers (SYNC_WRITE_IN_PROGRESS) until `commit` queues the committed
+document at a new seqno (same CAS) or `abort` ends it. When to commit is the server's decision
+(server/sync_writes.py). Locks live here only: a state change retires this role and its locks
+with it (`Effect.LOCKS_DROPPED`). Entering the role commits the prepares the copy holds
+(`Effect.PREPARES_COMMITTED`): any may have been acknowledged as durable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from changefeed import limits
+from changefeed.checkpoint import CheckpointMemoryFullError, Item, SyncItem
+from changefeed.protocol.errors import (
+    KeyExistsError,
+    KeyNotFoundError,
+    LockedError,
+    NotLockedError,
+    StatusError,
+    SyncWriteInProgressError,
+    TemporaryFailureError,
+)
+from changefeed.protocol.kv import MutationResult
+from changefeed.protocol.kv_ops import LOCKED_CAS
+from changefeed.storage import Op, Record
+from changefeed.vbucket.port import VBucketCore, retain_pending
+from changefeed.vbucket.role import Role
+from changefeed.vbucket.values import (
+    DATATYPE_MASK,
+    KEY_SIZE_MAX,
+    NS_PER_S,
+    U32_MAX,
+    VALUE_SIZE_MAX,
+    Document,
+    RunLookup,
+    SetColumns,
+    SetManyResult,
+    check_fields,
+    fields_in_range,
+)
+
+_MUTATION: Final = Op.MUTATION
+
+
+@dataclasses.dataclass(slots=True)
+class _Lock:
+    """A GET_LOCKED lock on the current version of a key (memory only, as kv_engine's).
+
+    Attributes:
+        cas: the CAS the holder got. While locked, a write needs it; once unlocked (or timed
+            out) the document shows it as its CAS until rewritten, as kv_engine's does.
+        until: wall-clock seconds (the vbucket's clock) when the lock ends; 0 once unlocked.
+    """
+
+    cas: int
+    until: float
+
+
+class ActiveRole(Role):
+    """The one copy that takes writes (see the module docstring)."""
+
+    def __init__(self, core: VBucketCore, pending: dict[bytes, SyncItem]) -> None:
+        super().__init__(core, pending)
+        self.locks: dict[bytes, _Lock] = {}  # GET_LOCKED; any write of the key drops its entry
+
+    @property
+    def locks_held(self) -> int:
+        return len(self.locks)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def check_readable(self) -> None:
+        return None
+
+    def visible_cas(self, key: bytes, cas: int) -> int:
+        """LOCKED_CAS while locked, the lock's once unlocked, else `cas`."""
+        lock = self.locks.get(key) if self.locks else None
+        if lock is None:
+            return cas
+        return LOCKED_CAS if lock.until > self.core.now() else lock.cas
+
+    def on_expired(self, found: Item | Record) -> None:
+        # Memory full: it still reads as missing, and the next access queues the expiration.
+        with contextlib.suppress(CheckpointMemoryFullError, SyncWriteInProgressError):
+            self._queue_write(found.key, Op.EXPIRATION, b"", rev_seqno=found.rev_seqno + 1)
+
+    def expire_if_due(self, key: bytes) -> bool:
+        core = self.core
+        high_seqno = core.high_seqno
+        core.current(key)  # queues the expiration when the key is due
+        assert core.high_seqno - high_seqno in (0, 1), (core.high_seqno, high_seqno)
+        return core.high_seqno > high_seqno
+
+    # -- SyncWrites -----------------------------------------------------------------------------
+
+    def commit(self, key: bytes) -> MutationResult:
+        core = self.core
+        prepare = self.pending.get(key)
+        if prepare is None:
+            raise KeyNotFoundError(f"vb {core.vb}: no durable write of {key[:64]!r} pending")
+        seqno = core.high_seqno + 1
+        core.manager.queue(prepare.committed(seqno))
+        del self.pending[key]
+        core.advanced(seqno, prepare.cas)
+        if self.locks:
+            self.locks.pop(key, None)
+        retain_pending(core.manager, self.pending)
+        return MutationResult(vbucket=core.vb, seqno=seqno, cas=prepare.cas, vb_uuid=core.vb_uuid)
+
+    def abort(self, key: bytes) -> int:
+        core = self.core
+        prepare = self.pending.get(key)
+        if prepare is None:
+            return 0
+        seqno = core.high_seqno + 1
+        abort = SyncItem(
+            seqno, key, Op.ABORT, Op.DELETION, b"", prepare.cas, prepared_seqno=prepare.seqno
+        )
+        core.manager.queue(abort)
+        del self.pending[key]
+        core.advanced(seqno, prepare.cas)
+        retain_pending(core.manager, self.pending)
+        return seqno
+
+    def commit_all_pending(self) -> int:
+        core = self.core
+        committed = 0
+        for key, prepare in list(self.pending.items()):
+            newest = core.manager.find(key) or core.store.get(core.vb, key)
+            try:
+                if newest is not None and newest.seqno > prepare.seqno:
+                    self.abort(key)
+                    continue
+                self.commit(key)
+            except CheckpointMemoryFullError:
+                break
+            committed += 1
+        return committed
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def set(
+        self, key: bytes, value: bytes, *, flags: int = 0, expiry: int = 0, datatype: int = 0,
+        cas: int = 0, level: int = 0,
+    ) -> MutationResult:  # fmt: skip
+        current = self.core.current(key)
+        self._check_lock(key, current, cas)
+        if cas:
+            self._check_cas(key, current, cas)
+        rev_seqno = current.rev_seqno + 1 if current is not None else 1
+        return self._queue_write(
+            key, Op.MUTATION, value, flags=flags, expiry=expiry, datatype=datatype,
+            rev_seqno=rev_seqno, level=level,
+        )  # fmt: skip
+
+    def add(
+        self, key: bytes, value: bytes, *, flags: int = 0, expiry: int = 0, datatype: int = 0,
+        level: int = 0,
+    ) -> MutationResult:  # fmt: skip
+        if self.core.current(key) is not None:
+            raise KeyExistsError(f"vb {self.core.vb}: key {key[:64]!r} exists")
+        return self.set(key, value, flags=flags, expiry=expiry, datatype=datatype, level=level)
+
+    def replace(
+        self, key: bytes, value: bytes, *, flags: int = 0, expiry: int = 0, datatype: int = 0,
+        cas: int = 0, level: int = 0,
+    ) -> MutationResult:  # fmt: skip
+        if self.core.current(key) is None:
+            raise KeyNotFoundError(f"vb {self.core.vb}: key {key[:64]!r} not found")
+        return self.set(
+            key, value, flags=flags, expiry=expiry, datatype=datatype, cas=cas, level=level
+        )
+
+    def delete(self, key: bytes, *, cas: int = 0, level: int = 0) -> MutationResult:
+        current = self.core.current(key)
+        if current is None:
+            raise KeyNotFoundError(f"vb {self.core.vb}: key {key[:64]!r} not found")
+        self._check_lock(key, current, cas)
+        if cas:
+            self._check_cas(key, current, cas)
+        return self._queue_write(
+            key, Op.DELETION, b"", rev_seqno=current.rev_seqno + 1, level=level
+        )
+
+    def touch(self, key: bytes, expiry: int, *, cas: int = 0) -> MutationResult:
+        current = self.core.current(key)
+        if current is None:
+            raise KeyNotFoundError(f"vb {self.core.vb}: key {key[:64]!r} not found")
+        self._check_lock(key, current, cas)
+        if cas:
+            self._check_cas(key, current, cas)
+        return self._queue_write(
+            key, Op.MUTATION, current.value, flags=current.flags, expiry=expiry,
+            datatype=current.datatype, rev_seqno=current.rev_seqno + 1,
+        )  # fmt: skip
+
+    def check_write(self, key: bytes, cas: int) -> None:
+        current = self.core.current(key)
+        self._check_lock(key, current, cas)
+        if cas:
+            self._check_cas(key, current, cas)
+
+    # -- locks ----------------------------------------------------------------------------------
+
+    def get_locked(self, key: bytes, lock_s: float) -> Document:
+        core = self.core
+        current = core.current(key)
+        if current is None:
+            raise KeyNotFoundError(f"vb {core.vb}: key {key[:64]!r} not found")
+        now = core.now()
+        lock = self.locks.get(key)
+        if lock is not None and lock.until > now:
+            raise LockedError(f"vb {core.vb}: key {key[:64]!r} is locked")
+        if lock is None and len(self.locks) >= limits.ITEM_LOCKS_PER_VBUCKET_MAX:
+            self._forget_unlocked(now)
+            if len(self.locks) >= limits.ITEM_LOCKS_PER_VBUCKET_MAX:
+                raise TemporaryFailureError(f"vb {core.vb}: too many documents locked")
+        cas = core.next_cas()
+        core.advanced(core.high_seqno, cas)  # a lock takes a CAS, not a seqno
+        self.locks[key] = _Lock(cas, now + lock_s)
+        return Document(
+            key, current.value, cas, current.flags, current.expiry, current.datatype,
+            current.seqno, current.rev_seqno,
+        )  # fmt: skip
+
+    def unlock(self, key: bytes, cas: int) -> None:
+        core = self.core
+        if core.current(key) is None:
+            raise KeyNotFoundError(f"vb {core.vb}: key {key[:64]!r} not found")
+        lock = self.locks.get(key)
+        if lock is None or lock.until <= core.now():
+            raise NotLockedError(f"vb {core.vb}: key {key[:64]!r} is not locked")
+        if lock.cas != cas:
+            raise LockedError(f"vb {core.vb}: key {key[:64]!r} is locked with another CAS")
+        lock.until = 0.0
+
+    def _check_cas(self, key: bytes, current: Item | Record | None, cas: int) -> None:
+        if current is None:
+            raise KeyNotFoundError(f"vb {self.core.vb}: key {key[:64]!r} not found")
+        lock = self.locks.get(key) if self.locks else None
+        if (current.cas if lock is None else lock.cas) != cas:
+            raise KeyExistsError(f"vb {self.core.vb}: key {key[:64]!r} has another CAS")
+
+    def _check_lock(self, key: bytes, current: Item | Record | None, cas: int) -> None:
+        """LockedError if `key` is locked and `cas` is not the lock's."""
+        lock = self.locks.get(key) if self.locks else None
+        if lock is None or current is None:
+            return
+        if lock.until > self.core.now() and cas != lock.cas:
+            raise LockedError(f"vb {self.core.vb}: key {key[:64]!r} is locked")
+
+    def _forget_unlocked(self, now: float) -> None:
+        """Drop the entries of unlocked documents (their CAS reverts to the stored one)."""
+        for key in [k for k, lock in self.locks.items() if lock.until <= now]:
+            del self.locks[key]
+
+    # -- one write ------------------------------------------------------------------------------
+
+    def _queue_write(
+        self, key: bytes, op: Op, value: bytes, *, rev_seqno: int, flags: int = 0,
+        expiry: int = 0, datatype: int = 0, level: int = 0,
+    ) -> MutationResult:  # fmt: skip
+        core = self.core
+        if self.pending and key in self.pending:
+            raise SyncWriteInProgressError(
+                f"vb {core.vb}: key {key[:64]!r} has a durable write pending"
+            )
+        check_fields(key, value, flags, expiry, datatype)
+        seqno = core.high_seqno + 1
+        cas = core.next_cas()
+        delete_time = 0 if op is Op.MUTATION else min(int(core.now()), U32_MAX)
+        item: Item
+        if level:
+            item = SyncItem(
+                seqno, key, Op.PREPARE, Op.DELETION if op is Op.EXPIRATION else op, value, cas,
+                flags, expiry, datatype, rev_seqno, delete_time, level=level,
+            )  # fmt: skip
+        else:
+            item = Item(seqno, key, op, value, cas, flags, expiry, datatype, rev_seqno, delete_time)
+        manager = core.manager
+        manager.queue(item)
+        if level:
+            assert isinstance(item, SyncItem), item
+            self.pending[key] = item
+            retain_pending(manager, self.pending)
+        core.advanced(seqno, cas)
+        if self.locks:
+            self.locks.pop(key, None)  # a new version is never locked
+        return MutationResult(vbucket=core.vb, seqno=seqno, cas=cas, vb_uuid=core.vb_uuid)
+
+    # -- a run of writes ------------------------------------------------------------------------
+
+    def set_many(
+        self, keys: Sequence[bytes], values: Sequence[bytes], flags: Sequence[int],
+        expiries: Sequence[int], datatypes: Sequence[int], *, lookup: RunLookup | None = None,
+        fields_checked: bool = False,
+    ) -> SetManyResult:  # fmt: skip
+        """See `VBucket.set_many`."""
+        core = self.core
+        count = len(keys)
+        if lookup is None:
+            in_memory = core.manager.find_many(keys)
+            missing = [key for key, item in zip(keys, in_memory, strict=True) if item is None]
+            stored: Mapping[bytes, Record | None] = (
+                core.store.get_many(core.vb, missing) if missing else {}
+            )
+        else:
+            in_memory, stored = lookup.in_memory, lookup.stored
+        now = core.now()
+        writes = (keys, values, flags, expiries, datatypes)
+        revs = self._clean_run_revs(writes, in_memory, stored, now, fields_checked)
+        if revs is None:
+            found = dict(zip(keys, in_memory, strict=True))
+            return self._set_one_by_one(writes, found, stored, now)
+        first_seqno = core.high_seqno + 1
+        first_cas = max(int(now * NS_PER_S), core.last_cas + 1)  # then one up per write
+        seqnos = range(first_seqno, first_seqno + count)
+        cases = range(first_cas, first_cas + count)
+        items = list(
+            map(Item, seqnos, keys, itertools.repeat(_MUTATION), values, cases, flags, expiries,
+                datatypes, revs)
+        )  # fmt: skip
+        errors: dict[int, StatusError] = {}
+        self._queue_answered(items, range(count), errors)
+        return SetManyResult(core.vb, core.vb_uuid, seqnos, cases, errors)
+
+    def _clean_run_revs(
+        self,
+        writes: SetColumns,
+        in_memory: list[Item | None],
+        stored: Mapping[bytes, Record | None],
+        now: float,
+        fields_checked: bool,
+    ) -> list[int] | None:
+        """The new rev_seqno of each write if the run is clean (see `VBucket.set_many`), else
+        None. A key written twice in the run finds its earlier write, as `set` one at a time
+        would (unless that write expires at once: its expiration comes first, one by one)."""
+        keys, expiries = writes[0], writes[3]
+        if not keys or self.locks:
+            return None
+        if self.pending and not self.pending.keys().isdisjoint(keys):
+            return None
+        if not fields_checked and not fields_in_range(writes):
+            return None
+        distinct = len(set(keys)) == len(keys)
+        if (
+            distinct
+            and in_memory.count(None) == len(keys)
+            and list(stored.values()).count(None) == len(keys)
+        ):
+            return [1] * len(keys)  # every key is new: the common case of an ingest
+        revs = []
+        earlier: dict[bytes, tuple[int, int]] = {}  # key -> (rev, expiry) of its last write here
+        for key, current, expiry in zip(keys, in_memory, expiries, strict=True):  # bounded
+            before = None if distinct else earlier.get(key)
+            if before is not None:
+                rev, earlier_expiry = before
+                if earlier_expiry and earlier_expiry <= now:
+                    return None  # the earlier write is found expired: one by one
+                rev += 1
+            else:
+                found = current if current is not None else stored[key]
+                if found is None or found.op is not _MUTATION:
+                    rev = 1
+                elif found.expiry and found.expiry <= now:
+                    return None  # its expiration is queued first: one by one
+                else:
+                    rev = found.rev_seqno + 1
+            revs.append(rev)
+            if not distinct:
+                earlier[key] = (rev, expiry)
+        return revs
+
+    def _set_one_by_one(
+        self,
+        writes: SetColumns,
+        found_in_memory: dict[bytes, Item | None],
+        stored: Mapping[bytes, Record | None],
+        now: float,
+    ) -> SetManyResult:
+        """`set_many` write by write, each checked in `set`'s order."""
+        keys, values, flags, expiries, datatypes = writes
+        core = self.core
+        vb, store = core.vb, core.store
+        now_cas = int(now * NS_PER_S)
+        seqno, cas = core.high_seqno, core.last_cas
+        pending, locks = self.pending, self.locks
+        seqnos = [0] * len(keys)
+        cases = [0] * len(keys)
+        errors: dict[int, StatusError] = {}
+        items: list[Item] = []
+        answers: list[int] = []  # per item, the index of its write (-1: an expiration)
+        for index, (key, value, flag, expiry, datatype) in enumerate(
+            zip(keys, values, flags, expiries, datatypes, strict=True)
+        ):
+            try:  # in the order `set` checks: the lookup (which may expire), lock, pending, fields
+                current: Item | Record | None = found_in_memory[key]
+                if current is None:
+                    current = stored[key] if key in stored else store.get(vb, key)
+                if current is not None and current.op is not Op.MUTATION:
+                    current = None
+                elif current is not None and current.expiry and current.expiry <= now:
+                    seqno, cas = seqno + 1, max(now_cas, cas + 1)
+                    expired = Item(
+                        seqno, key, Op.EXPIRATION, b"", cas,
+                        rev_seqno=current.rev_seqno + 1, delete_time=min(int(now), U32_MAX),
+                    )  # fmt: skip
+                    items.append(expired)
+                    answers.append(-1)
+                    found_in_memory[key] = expired
+                    current = None
+                if locks:
+                    self._check_lock(key, current, 0)
+                if pending and key in pending:
+                    raise SyncWriteInProgressError(
+                        f"vb {vb}: key {key[:64]!r} has a durable write pending"
+                    )
+                if (
+                    not 0 < len(key) <= KEY_SIZE_MAX
+                    or len(value) > VALUE_SIZE_MAX
+                    or not (0 <= flag <= U32_MAX and 0 <= expiry <= U32_MAX)
+                    or datatype & ~DATATYPE_MASK
+                    or datatype < 0
+                ):
+                    check_fields(key, value, flag, expiry, datatype)
+            except StatusError as error:
+                errors[index] = error
+                continue
+            seqno, cas = seqno + 1, max(now_cas, cas + 1)
+            rev_seqno = current.rev_seqno + 1 if current is not None else 1
+            item = Item(seqno, key, Op.MUTATION, value, cas, flag, expiry, datatype, rev_seqno)
+            items.append(item)
+            answers.append(index)
+            found_in_memory[key] = item  # the next write of the key in this run follows it
+            seqnos[index], cases[index] = seqno, cas
+        self._queue_answered(items, answers, errors)
+        return SetManyResult(vb, core.vb_uuid, seqnos, cases, errors)
+
+    def _queue_answered(
+        self, items: list[Item], answers: Sequence[int], errors: dict[int, StatusError]
+    ) -> None:
+        """Queue `items` as one run; the writes memory had no room for (`answers[i]` is the
+        index of item i's write, -1 for an expiration) get CheckpointMemoryFullError in
+        `errors` (the run stops there: later seqnos are never used)."""
+        if not items:
+            return
+        core = self.core
+        full: CheckpointMemoryFullError | None = None
+        try:
+            queued = core.manager.queue_run(items)
+        except CheckpointMemoryFullError as error:
+            queued, full = 0, error
+        if queued < len(items):
+            if full is None:
+                full = CheckpointMemoryFullError(f"vb {core.vb}: checkpoint memory is full")
+            for index in answers[queued:]:
+                if index >= 0:
+                    errors[index] = full
+        if queued:
+            core.advanced(items[queued - 1].seqno, items[queued - 1].cas)
+            if self.locks:
+                for item in items[:queued]:  # a new version is never locked
+                    self.locks.pop(item.key, None)

@@ -1,0 +1,133 @@
+"""The replica role (replica and pending copies): runs replicated from the active, snapshots,
+rollback, the failover log adopted, and the passive side of durability.
+
+Items keep the seqno and CAS the active gave them and must lie inside the snapshot being
+received (`replica_snapshot` opened it). A replica keeps the prepares it receives; a later
+committed change or an abort of the key ends one (`Effect.PREPARES_COMMITTED` on promotion
+is the active role's). A rollback truncates before anything past the point is taken
+(KAFKA-14704: truncate first) and keeps only the prepares at or below the point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from changefeed import limits
+from changefeed.checkpoint import Item, SyncItem
+from changefeed.protocol.errors import InvalidArgumentsError
+from changefeed.storage import Op
+from changefeed.vbucket.port import retain_pending
+from changefeed.vbucket.role import Role
+from changefeed.vbucket.values import (
+    DATATYPE_MASK,
+    EXTRAS_SIZE,
+    KEY_SIZE_MAX,
+    U64_MAX,
+    VALUE_SIZE_MAX,
+    check_fields,
+)
+
+
+class ReplicaRole(Role):
+    """A copy fed by its active (see the module docstring); serves reads."""
+
+    def check_readable(self) -> None:
+        return None
+
+    def queue_replicated(self, item: Item) -> None:
+        core = self.core
+        manager = core.manager
+        if not core.high_seqno < item.seqno <= manager.snapshot_end:
+            raise InvalidArgumentsError(
+                f"vb {core.vb}: replicated seqno {item.seqno} outside the snapshot being "
+                f"received ({core.high_seqno}, {manager.snapshot_end}]"
+            )
+        check_fields(item.key, item.value, item.flags, item.expiry, item.datatype)
+        if not 0 < item.cas <= limits.SEQNO_MAX:
+            raise InvalidArgumentsError(f"vb {core.vb}: cas {item.cas} is not a non-zero u64")
+        manager.queue(item)
+        core.advanced(item.seqno, item.cas)
+        pending = self.pending
+        if item.op is Op.PREPARE:
+            assert isinstance(item, SyncItem), item
+            pending.pop(item.key, None)  # an older one, its end deduplicated away
+            pending[item.key] = item
+            retain_pending(manager, pending)
+        elif pending and item.key in pending:
+            # An abort, a commit, or a committed change of the key after them (a commit
+            # deduplicated away, or sent as the document by a disk backfill): the prepare ends.
+            del pending[item.key]
+            retain_pending(manager, pending)
+
+    def queue_replicated_run(self, items: Sequence[Item]) -> int:
+        if not items:
+            return 0
+        core = self.core
+        manager = core.manager
+        high = core.high_seqno
+        if not high < items[0].seqno or not items[-1].seqno <= manager.snapshot_end:
+            raise InvalidArgumentsError(
+                f"vb {core.vb}: replicated seqnos {items[0].seqno}..{items[-1].seqno} outside "
+                f"the snapshot being received ({high}, {manager.snapshot_end}]"
+            )
+        previous = high
+        for item in items:  # the replica's hot loop: each check inline, check_fields explains
+            seqno = item.seqno
+            if (
+                seqno <= previous
+                or not 0 < item.cas <= U64_MAX
+                or not 0 < len(item.key) <= KEY_SIZE_MAX
+                or len(item.body) - len(item.key) - EXTRAS_SIZE[item.op] > VALUE_SIZE_MAX
+                or item.datatype & ~DATATYPE_MASK
+            ):
+                self._refuse_replicated(item, previous)
+            previous = seqno
+        queued = manager.queue_run(items)
+        core.advanced(items[queued - 1].seqno, max(item.cas for item in items[:queued]))
+        pending = self.pending
+        if pending:
+            for item in items[:queued]:  # a committed change of a pending key ends the prepare
+                if item.key in pending:
+                    del pending[item.key]
+                    retain_pending(manager, pending)
+        return queued
+
+    def _refuse_replicated(self, item: Item, previous: int) -> None:
+        """Raise the error `queue_replicated_run` found in `item` (after `previous`)."""
+        vb = self.core.vb
+        if item.seqno <= previous:
+            raise InvalidArgumentsError(
+                f"vb {vb}: replicated seqno {item.seqno} does not follow {previous}"
+            )
+        if not 0 < item.cas <= limits.SEQNO_MAX:
+            raise InvalidArgumentsError(f"vb {vb}: cas {item.cas} is not a non-zero u64")
+        check_fields(item.key, item.value, item.flags, item.expiry, item.datatype)
+        raise AssertionError(f"the run's checks refused {item!r}, check_fields did not")
+
+    def replica_commit(self, key: bytes, prepared_seqno: int, commit_seqno: int) -> None:
+        prepare = self.pending.get(key)
+        if prepare is None or prepare.seqno != prepared_seqno:
+            held = None if prepare is None else prepare.seqno
+            raise InvalidArgumentsError(
+                f"vb {self.core.vb}: DCP_COMMIT of {key[:64]!r} prepared at {prepared_seqno}, "
+                f"pending here: {held}"
+            )
+        self.queue_replicated(prepare.committed(commit_seqno))
+
+    def replica_snapshot(self, snap_start: int, snap_end: int) -> None:
+        if not 0 <= snap_start <= snap_end <= limits.SEQNO_MAX:
+            raise InvalidArgumentsError(f"vb {self.core.vb}: snapshot [{snap_start}, {snap_end}]")
+        self.core.manager.start_snapshot(snap_start, snap_end)
+
+    def adopt_failover_log(self, entries: list[tuple[int, int]]) -> None:
+        if entries != self.core.failover_log.entries:
+            self.core.replace_failover_log(entries)
+
+    def rollback(self, seqno: int) -> int:
+        core = self.core
+        if seqno >= core.high_seqno:
+            return core.high_seqno
+        point = core.truncate_to(seqno)
+        self.pending = {k: p for k, p in self.pending.items() if p.seqno <= point}
+        retain_pending(core.manager, self.pending)
+        return point
