@@ -44,6 +44,12 @@ class VBucketState(enum.StrEnum):
         return self in (VBucketState.ACTIVE, VBucketState.REPLICA)
 
 
+def initial_state(*, clustered: bool) -> VBucketState:
+    """The state of a vbucket a node's store does not know yet: alone, a node owns every
+    vbucket (ACTIVE); in a cluster a vbucket waits, DEAD, for the map to give it a state."""
+    return VBucketState.DEAD if clustered else VBucketState.ACTIVE
+
+
 # The wire's vbucket_state_t values (GET_ALL_VB_SEQNOS filter, SET_VBUCKET_STATE): 1 active ..
 STATE_BY_WIRE_VALUE = {int(wire): VBucketState(wire.name.lower()) for wire in WireVbucketState}
 assert set(STATE_BY_WIRE_VALUE.values()) == set(VBucketState), STATE_BY_WIRE_VALUE

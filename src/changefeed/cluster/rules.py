@@ -56,7 +56,7 @@ def serving_state(wanted: VBucketState, *, fenced: bool) -> VBucketState:
     PENDING (writes refused NOT_MY_VBUCKET, durable waiters answered AMBIGUOUS, streams go
     on so replicas still receive all it acknowledged) until the membership is renewed and
     the map re-read."""
-    if fenced and wanted is VBucketState.ACTIVE:
+    if fenced and wanted.is_active:
         return VBucketState.PENDING
     return wanted
 
@@ -66,7 +66,7 @@ def recovered_state(state: VBucketState) -> VBucketState:
     membership and a map: a copy that was active waits PENDING until a map read after
     registering says it still is (it may have been failed over while it was down, and with no
     map its durable writes would count a chain of one). Other states stay as they were."""
-    return VBucketState.PENDING if state is VBucketState.ACTIVE else state
+    return VBucketState.PENDING if state.is_active else state
 
 
 # -- the confirmed in-sync set ------------------------------------------------------------------

@@ -31,7 +31,7 @@ from changefeed.server.persistence import PersistenceHealth
 from changefeed.server.persistence_waits import PersistenceWaits, VbucketMark
 from changefeed.storage import StorageError, Store
 from changefeed.vbucket import Document, RunLookup, VBucket, fields_in_range
-from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState
+from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState, initial_state
 
 log = logging.getLogger("changefeed.bucket")
 
@@ -101,8 +101,7 @@ class Bucket:
         if store.set_aside_to is not None:
             log.warning("damaged store files moved to %s; starting empty", store.set_aside_to)
         budget = MemoryBudget(config.checkpoint_quota_bytes)
-        # Alone, a node owns every vbucket; in a cluster a vbucket waits, dead, for the map.
-        initial = VBucketState.DEAD if config.etcd else VBucketState.ACTIVE
+        initial = initial_state(clustered=bool(config.etcd))
         vbuckets = {
             vb: VBucket(
                 store,
