@@ -47,7 +47,6 @@ from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.snapshot_marker import decode_snapshot_marker
 from changefeed.server.bucket import Bucket
 from changefeed.server.config import NodeConfig
-from changefeed.vbucket_state import VBucketState
 
 log = logging.getLogger("changefeed.shm")
 
@@ -259,7 +258,7 @@ class GroupPublisher:
         moved = False
         for i, vb in enumerate(self.group):
             view = self.bucket.vbucket_view(vb)
-            if view is None or view.state is not VBucketState.ACTIVE:
+            if view is None or not view.state.is_active:
                 continue
             target = view.persisted_seqno if self.persisted_only else view.high_seqno
             if view.failover_log.latest[0] != int(positions[i, UUID]):
