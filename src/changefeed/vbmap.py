@@ -17,8 +17,8 @@ REPLICAS_MAX: Final = 3  # Couchbase's bound on replicas per vbucket
 # writes need "durableWrite"; the C++ core: lookup_in_any_replica needs "subdoc.ReplicaRead").
 # Left out on purpose: "couchapi" (no views: an SDK would send view queries to port 8092),
 # "xattr" (only virtual attributes are served; a user xattr cannot be written, and SDKs read
-# "xattr" as "user xattrs work", e.g. for transactions), "collections" (HELLO Collections is
-# not negotiated), "xdcrCheckpointing", "rangeScan" and the other subdoc extensions.
+# "xattr" as "user xattrs work", e.g. for transactions), "xdcrCheckpointing", "rangeScan" and
+# the other subdoc extensions.
 BUCKET_CAPABILITIES: Final = (
     "durableWrite",  # durability frames: SyncWrites (server/sync_writes.py)
     "subdoc.ReplicaRead",  # sub-document lookups sent to replicas (lookup_in_*_replica)
@@ -27,6 +27,7 @@ BUCKET_CAPABILITIES: Final = (
     "cccp",  # the map from GET_CLUSTER_CONFIG and NOT_MY_VBUCKET bodies
     "dcp",  # the DCP family
     "nodesExt",  # the config carries nodesExt
+    "collections",  # HELLO Collections, named collections (server/collection_commands.py)
 )
 
 

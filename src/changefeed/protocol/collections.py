@@ -15,7 +15,7 @@ import json
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Final
+from typing import Any, Final
 
 from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import Frame, encode_frame
@@ -195,6 +195,11 @@ def decode_stream_filter(value: bytes) -> StreamFilter:
         raise ProtocolError(f"stream request value {value[:100]!r} is not JSON") from None
     if not isinstance(data, dict):
         raise ProtocolError(f"stream request value {value[:100]!r} is not a JSON object")
+    return stream_filter_of(data)
+
+
+def stream_filter_of(data: dict[str, Any]) -> StreamFilter:
+    """The filter of an already parsed stream-request value (`decode_stream_filter`)."""
     collections = data.get("collections")
     scope = data.get("scope")
     if collections is not None and scope is not None:

@@ -81,6 +81,10 @@ class Opcode(IntEnum):
     GET_FAILOVER_LOG = 0x96
     GET_META = 0xA0
     GET_CLUSTER_CONFIG = 0xB5
+    SET_COLLECTIONS_MANIFEST = 0xB9  # collections (server/collection_commands.py)
+    GET_COLLECTIONS_MANIFEST = 0xBA
+    GET_COLLECTION_ID = 0xBB
+    GET_SCOPE_ID = 0xBC
     SEQNO_PERSISTENCE = 0xB6  # answered once the vbucket persisted the seqno in the extras
     # Sub-document: single-path opcodes (also the operation codes inside a multi-path request,
     # where GET 0x00, SET 0x01 and DELETE 0x04 are the whole-document operations).

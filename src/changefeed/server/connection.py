@@ -66,7 +66,7 @@ from changefeed.protocol.set_run import (
     pack_set_successes,
 )
 from changefeed.protocol.status import Status
-from changefeed.server import kv_commands, subdoc
+from changefeed.server import collection_commands, kv_commands, subdoc
 from changefeed.server.admission import Admission
 from changefeed.server.authenticator import SaslAuthenticator, node_identity
 from changefeed.server.compactor import answer_compact_db
@@ -95,6 +95,7 @@ SUPPORTED_FEATURES = frozenset(
         Feature.SYNC_REPLICATION,  # durability frames: SyncWrites (server/sync_writes.py)
         Feature.PRESERVE_TTL,
         Feature.SUBDOC_REPLICA_READ,  # lookups on a replica copy (server/subdoc.py)
+        Feature.COLLECTIONS,  # keys carry a collection id (server/collection_commands.py)
     }
 )
 UNAUTHENTICATED_OPCODES = frozenset(
@@ -188,6 +189,7 @@ class ClientConnection(asyncio.Protocol):
         self._sasl_task: asyncio.Task[None] | None = None
         self.peer_host = ""
         self.features: set[int] = set()
+        self.collections = False  # HELLO Collections: keys carry a collection id
         self.bucket_selected = False
         self.map_version_seen = (0, 0)  # newest cluster map (epoch, rev) fetched or pushed
         self.dcp: DcpPump | None = None
@@ -591,6 +593,9 @@ class ClientConnection(asyncio.Protocol):
             self._refuse_unpermitted(frame)
             return
         try:
+            if self.collections and frame.opcode in collection_commands.KEYED_OPCODES:
+                context = self.context
+                frame = collection_commands.qualify(context.manifests, frame, context.bucket.now())
             handler(self, frame)
         except (ProtocolError, StatusError) as error:
             self._reply_error(frame, error)
@@ -640,6 +645,14 @@ class ClientConnection(asyncio.Protocol):
         """Apply a run of plain SETs and queue their replies in order: successes packed
         together (column by column when the whole run succeeded), a refused write answered
         as `_dispatch` would answer it."""
+        if self.collections:  # keys carry collection ids (collection_commands.py)
+            context = self.context
+            if not collection_commands.qualify_set_run(
+                run, context.manifests, context.bucket.now()
+            ):
+                for frame in collection_commands.run_frames(run):
+                    self._dispatch(frame)
+                return
         answers = self.context.bucket.set_run(run)
         token = Feature.MUTATION_SEQNO in self.features
         if not answers.errors:
@@ -707,6 +720,7 @@ def _hello(c: ClientConnection, f: Frame) -> None:
     requested = decode_hello(f).features
     enabled = kv_commands.negotiate(requested, SUPPORTED_FEATURES)
     c.features = set(enabled)
+    c.collections = Feature.COLLECTIONS in c.features
     if c.features & kv_commands.MAP_NOTIFICATIONS:
         c.context.map_subscribers.add(c)
     else:
@@ -1021,4 +1035,8 @@ HANDLERS: dict[int, Handler] = {
     Opcode.PREPEND: kv_commands.concat,
     Opcode.SUBDOC_MULTI_LOOKUP: subdoc.multi_lookup,
     Opcode.SUBDOC_MULTI_MUTATION: subdoc.multi_mutation,
+    Opcode.GET_COLLECTIONS_MANIFEST: collection_commands.get_collections_manifest,
+    Opcode.GET_COLLECTION_ID: collection_commands.get_collection_id,
+    Opcode.GET_SCOPE_ID: collection_commands.get_scope_id,
+    Opcode.SET_COLLECTIONS_MANIFEST: collection_commands.set_collections_manifest,
 }

@@ -23,6 +23,7 @@ from changefeed.server.budget import PartialBytesBudget
 from changefeed.server.compactor import Compactor
 from changefeed.server.config import NodeConfig
 from changefeed.server.expiry_pager import ExpiryPager
+from changefeed.server.manifest import ManifestStore
 from changefeed.server.rate_limit import ByteRate
 from changefeed.server.registry import DcpRegistry
 from changefeed.server.replication import ReplicationTracker
@@ -85,6 +86,7 @@ class ServerContext:
         fence_check: called before a connection serves what it received: the cluster agent
             fences this node's actives there if its membership may have lapsed (a node
             resumed from a pause must not act on a lease it may have lost).
+        manifests: the bucket's collections manifest (server/manifest.py).
     """
 
     config: NodeConfig
@@ -111,6 +113,7 @@ class ServerContext:
     map_subscribers: set[MapSubscriber] = dataclasses.field(default_factory=set)
     sync_writes: SyncWriteMonitor | None = None
     fence_check: Callable[[], None] | None = None
+    manifests: ManifestStore = dataclasses.field(default_factory=lambda: ManifestStore(None))
 
     def set_vbucket_state(self, vb: int, state: VBucketState) -> Transition | None:
         """The node's one entry to change a vbucket's state: the vbucket performs its own

@@ -30,6 +30,7 @@ from changefeed.server.config import ConfigError, NodeConfig
 from changefeed.server.connection import ClientConnection
 from changefeed.server.context import ServerContext
 from changefeed.server.expiry_pager import ExpiryPager
+from changefeed.server.manifest import ManifestStore
 from changefeed.server.metrics import serve_metrics
 from changefeed.server.rate_limit import ByteRate
 from changefeed.server.replication import ReplicationTracker
@@ -260,6 +261,7 @@ class Node:
         config.data_dir.mkdir(parents=True, exist_ok=True)
         users = load_or_create_users(config)
         bucket = Bucket.open(config, clock=clock, rng=rng)
+        manifests = ManifestStore.open(config.data_dir / config.bucket)  # after a fresh start
         # Background work on the bucket's clock (the one delete and expiry times are taken on).
         self.compactor = Compactor(
             bucket,
@@ -280,6 +282,7 @@ class Node:
             expiry_pager=self.expiry_pager,
             node_secret=load_or_create_node_secret(config.data_dir),
             auth_throttle=AuthThrottle(clock=monotonic),
+            manifests=manifests,
             catchup_rate=ByteRate(config.replication_catchup_bytes_per_s, clock=monotonic),
             replication=ReplicationTracker(
                 lambda vb: bucket.vbucket(vb).high_seqno,

@@ -80,6 +80,12 @@ OPCODE_PRIVILEGES: dict[int, Privilege | None] = {
     Opcode.PREPEND: Privilege.WRITE,
     Opcode.SUBDOC_MULTI_LOOKUP: Privilege.READ,
     Opcode.SUBDOC_MULTI_MUTATION: Privilege.WRITE,
+    # Collections: reading the manifest is open to anyone (kv_engine: empty); changing it is
+    # ns_server's (here the operator's `changefeed collection`), so ADMIN.
+    Opcode.GET_COLLECTIONS_MANIFEST: None,
+    Opcode.GET_COLLECTION_ID: None,
+    Opcode.GET_SCOPE_ID: None,
+    Opcode.SET_COLLECTIONS_MANIFEST: Privilege.ADMIN,
     # kv_engine checks DcpProducer when DCP_OPEN opens a producer (the only kind served here),
     # and lets NOOP, CONTROL and BUFFER_ACK through; here every DCP command needs DCP_STREAM,
     # so a connection whose identity changed after DCP_OPEN cannot go on streaming.
