@@ -4,8 +4,9 @@ With ``shm_groups = N`` the bucket's vbuckets are split into N contiguous groups
 gets a service ``<bucket>-<port>-g<i>`` (docs/ipc.md). A group is fed the way a DCP stream is:
 an in-process `DcpProducer` (sans-IO) holds one stream per vbucket, each reading the checkpoint
 manager through a cursor (a `StreamReader`: memory, or disk after its cursor was dropped); its
-frames are decoded as a DCP client decodes them (`decode_batch`, snapshot markers) and turned
-into change rows (`ChangeRows`), so the rows equal what a DCP reader of the same vbuckets gets.
+streams' encoder is a `RowEncoder` (server/shm_rows.py), which builds change rows straight from
+the items (no DCP frame is encoded or decoded), once per batch for every reader, so the rows
+equal what a DCP reader of the same vbuckets gets.
 
 Published rows are persisted rows (``shm_persisted_only``, the default): a row is held until the
 flusher has written its seqno, so a node killed with -9 never takes back what readers saw, and
@@ -40,13 +41,10 @@ from changefeed.ipc.provider import Provider
 from changefeed.producer.backfill_slots import BackfillSlots
 from changefeed.producer.producer import DcpProducer
 from changefeed.producer.stream_request import Accepted, Refused, RollbackTo
-from changefeed.protocol.batch import decode_batch
 from changefeed.protocol.dcp import OpenFlag, StreamRequest
-from changefeed.protocol.frame import Frame
-from changefeed.protocol.opcode import Opcode
-from changefeed.protocol.snapshot_marker import decode_snapshot_marker
 from changefeed.server.bucket import Bucket
 from changefeed.server.config import NodeConfig
+from changefeed.server.shm_rows import RowCollector
 
 log = logging.getLogger("changefeed.shm")
 
@@ -99,7 +97,6 @@ class GroupPublisher:
         self._index = np.full(limits.VBUCKETS_MAX, -1, np.int64)
         self._index[list(self.group)] = np.arange(len(self.group))
         self._positions = self._start_positions()
-        self._snapshots: dict[int, tuple[int, int]] = {}
         self._streaming: set[int] = set()
         self._retry_at: dict[int, float] = {}
         self._pending: list[pa.RecordBatch] = []
@@ -126,11 +123,13 @@ class GroupPublisher:
         }
 
     def _new_producer(self) -> DcpProducer:
+        self._rows = RowCollector()
         return DcpProducer(
             f"shm:{self.provider.service}",
             OpenFlag.PRODUCER | OpenFlag.INCLUDE_DELETE_TIMES,
             source=self.bucket,
             backfill_slots=self._backfill_slots,
+            encoder_factory=self._rows.encoder,
         )
 
     def _start_positions(self) -> NDArray[np.uint64]:
@@ -230,7 +229,6 @@ class GroupPublisher:
         self.producer.close()
         self.producer = self._new_producer()
         self._streaming.clear()
-        self._snapshots.clear()
         self._retry_at.clear()
         self._pending = []
         self._pending_rows = 0
@@ -327,51 +325,24 @@ class GroupPublisher:
         self._pending = [b for b in kept if b.num_rows]
         self._pending_rows = sum(b.num_rows for b in self._pending)
 
-    # -- frames -> rows -------------------------------------------------------------------------
+    # -- items -> rows --------------------------------------------------------------------------
 
     def _pump(self) -> int:
-        """Take what the producer has and turn it into pending rows; returns frames' bytes."""
-        out: list[bytes] = []
-        written = self.producer.pump(out, limits.PUMP_BYTES_MAX)
-        if not out:
-            return 0
-        data = b"".join(out)
-        batch = decode_batch(data)
-        assert batch.consumed == len(data), (batch.consumed, len(data))
-        rows = ChangeRows()
-        changes = batch.changes
-        vbuckets = changes.array("vbucket") if len(changes) else None
-        done = 0
-        for position, frame in batch.controls:
-            # The rows since `done` take one snapshot per vbucket: they go out before a marker
-            # of a vbucket that has some of them (rows after it belong to its new snapshot).
-            # Splitting at every control instead cost ~1 ms of Arrow work per marker, and with
-            # 16 vbuckets written at once nearly every run of rows is between two markers.
-            if (
-                position > done
-                and frame.opcode == Opcode.DCP_SNAPSHOT_MARKER
-                and vbuckets is not None
-                and bool(np.any(vbuckets[done:position] == frame.vbucket))
-            ):
-                rows.append_changes(changes.slice(done, position), self._snapshots)
-                done = position
-            self._on_control(frame)
-        if len(changes) > done:
-            rows.append_changes(changes.slice(done, len(changes)), self._snapshots)
-        if len(rows):
-            self._pending.append(rows.to_batch())
-            self._pending_rows += len(rows)
+        """Take what the streams have as pending rows (`RowCollector`: built straight from the
+        items, once for every reader); returns the producer's units (0: nothing)."""
+        written = self.producer.pump([], limits.PUMP_BYTES_MAX)
+        collector = self._rows
+        for vb, reason in collector.ended:
+            log.info("%s vb %d: stream ended (%s); asking again", self.provider.service, vb, reason)
+            self._streaming.discard(vb)
+            self._retry_at[vb] = self._loop_time() + RETRY_S
+        collector.ended.clear()
+        batch = collector.take()
+        if batch is not None:
+            self._pending.append(batch)
+            self._pending_rows += batch.num_rows
             self._checked = None
-        return max(written, 1)
-
-    def _on_control(self, frame: Frame) -> None:
-        if frame.opcode == Opcode.DCP_SNAPSHOT_MARKER:
-            marker = decode_snapshot_marker(frame)
-            self._snapshots[frame.vbucket] = (marker.snap_start, marker.snap_end)
-        elif frame.opcode == Opcode.DCP_STREAM_END:
-            log.info("%s vb %d: stream ended; asking again", self.provider.service, frame.vbucket)
-            self._streaming.discard(frame.vbucket)
-            self._retry_at[frame.vbucket] = self._loop_time() + RETRY_S
+        return written
 
     # -- rows -> batches -------------------------------------------------------------------------
 
