@@ -117,9 +117,24 @@ def _common(f: Any) -> Any:
 )
 @click.option(
     "--master",
-    default="local[2]",
-    show_default=True,
-    help="Spark master: local[N] or spark://host:port.",
+    default=None,
+    help="Spark master: local[N], spark://host:port, yarn, k8s://... [default: spark.master "
+    "of spark-submit or spark-defaults.conf, else local[2]].",
+)
+@click.option(
+    "--conf",
+    "spark_conf",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A Spark setting (repeatable), over SPARK_CONF_DIR's spark-defaults.conf and "
+    "changefeed's defaults.",
+)
+@click.option(
+    "--partitions",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Read tasks per micro-batch (vbuckets are grouped) [default: Spark's default "
+    "parallelism: the executors' cores, N for local[N]].",
 )
 @click.option("--once", is_flag=True, help="Mirror what is there now, then exit.")
 @click.option(
@@ -132,13 +147,19 @@ def _common(f: Any) -> Any:
 def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: str,
            tables: Path | None, checkpoint: Path | None, as_json: bool, schema: str,
            infer_schema: bool, doc_format: str, mode: str, merge_schema: bool, trigger: str,
-           max_offsets_per_trigger: int, master: str, once: bool,
-           fail_on_data_loss: bool) -> None:  # fmt: skip
+           max_offsets_per_trigger: int, master: str | None, spark_conf: tuple[str, ...],
+           partitions: int | None, once: bool, fail_on_data_loss: bool) -> None:  # fmt: skip
     """Mirror a bucket into Delta tables with Spark, exactly once (status: see below)."""
     if ctx.invoked_subcommand is not None:
         return
     if tables is None:
         raise click.UsageError("--tables is required")
+    # Everything a user can get wrong is checked before Spark starts and before any directory
+    # is made, so a refused start costs seconds and leaves nothing behind.
+    settings = spark_settings(spark_conf)
+    checkpoint = checkpoint or tables / "_checkpoint"
+    check_directory(tables, "--tables")
+    check_directory(checkpoint, "--checkpoint")
     options = _node_options(cluster, bucket, user, password)
     options |= {
         "format": doc_format,
@@ -148,10 +169,61 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
     }
     if max_offsets_per_trigger:
         options["maxOffsetsPerTrigger"] = str(max_offsets_per_trigger)
-    job = MirrorJob(options, tables, checkpoint or tables / "_checkpoint", as_json)
+    if partitions is not None:
+        options["partitions"] = str(partitions)
+    check_cluster(options)
+    job = MirrorJob(options, tables, checkpoint, as_json)
     if doc_format == "json":
         options["schema"] = job.document_schema(schema, infer_schema)
-    sys.exit(job.run(master, trigger, once))
+    sys.exit(job.run(master, settings, trigger, once, given_schema=schema))
+
+
+def spark_settings(pairs: tuple[str, ...]) -> dict[str, str]:
+    """``--conf KEY=VALUE`` pairs as a dict (a bad one is a usage error naming it)."""
+    settings = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--conf")
+        settings[key.strip()] = value
+    return settings
+
+
+def check_directory(path: Path, flag: str) -> None:
+    """``path`` is a directory or can be made one: it, and its nearest existing ancestor, are
+    directories (a file there would fail only once Spark has started)."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"is under {existing}, a file"
+        raise click.BadParameter(f"{path} {what}, not a directory", param_hint=flag)
+
+
+def check_cluster(options: dict[str, str]) -> None:
+    """One connection to a seed with the credentials (HELLO, auth, bucket): a wrong password, a
+    missing bucket or no reachable seed is one line before Spark starts."""
+    import asyncio
+
+    from changefeed.protocol.errors import StatusError
+    from changefeed.spark.cluster import dial_seed
+    from changefeed.spark.options import SourceOptions
+
+    parsed = SourceOptions.parse(options)
+
+    async def dial() -> None:
+        conn, _ = await dial_seed(parsed, "changefeed-mirror")
+        await conn.close()
+
+    try:
+        asyncio.run(dial())
+    except StatusError as error:
+        raise click.ClickException(
+            f"the cluster at {parsed.cluster_text} refused user {parsed.user!r} on bucket "
+            f"{parsed.bucket!r}: {error}"
+        ) from None
+    except (OSError, TimeoutError) as error:
+        raise click.ClickException(f"cannot reach the cluster: {error}") from None
 
 
 class MirrorJob:
@@ -188,13 +260,28 @@ class MirrorJob:
         _say(f"schema ({time.perf_counter() - started:.1f} s to infer): {ddl or '(no fields)'}")
         return ddl
 
-    def run(self, master: str, trigger: str, once: bool) -> int:
+    def run(self, master: str | None, settings: dict[str, str], trigger: str, once: bool,
+            given_schema: str = "") -> int:  # fmt: skip
         from changefeed.spark import MirrorWriter
-        from changefeed.spark.session import local_session
+        from changefeed.spark.session import spark_session
 
-        self.checkpoint.mkdir(parents=True, exist_ok=True)
-        spark = local_session("changefeed-mirror", master=master)
-        writer = MirrorWriter(self.tables, self.options)
+        spark = spark_session("changefeed-mirror", master, settings)
+        if given_schema and not given_schema.startswith("{"):
+            check_schema(given_schema)
+        if "partitions" not in self.options:  # the read follows the cluster's cores
+            self.options["partitions"] = str(spark.sparkContext.defaultParallelism)
+        made = [p for p in (self.tables, self.checkpoint) if not p.exists()]
+        try:
+            self.checkpoint.mkdir(parents=True, exist_ok=True)
+            writer = MirrorWriter(self.tables, self.options)
+            query = self._start(spark, writer, trigger, once)
+        except Exception as error:
+            _remove_new(made)
+            _say(f"Error: the mirror query did not start: {_first_line(str(error))}")
+            return 1
+        return self._finish(spark, query, once, made)
+
+    def _start(self, spark: Any, writer: Any, trigger: str, once: bool) -> Any:
         stream = (
             spark.readStream.format("changefeed").options(**self.options).load()
             .writeStream.foreachBatch(writer)
@@ -205,7 +292,10 @@ class MirrorJob:
         )
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
-        query = stream.start()
+        return stream.start()
+
+    def _finish(self, spark: Any, query: Any, once: bool, made: list[Path]) -> int:
+        """Watch ``query`` to its end; say how it ended."""
         _say(f"mirroring {self.options['cluster']} into {self.tables} (checkpoint "
              f"{self.checkpoint}); {'once' if once else 'SIGTERM or Ctrl-C stops it'}")  # fmt: skip
         try:
@@ -217,6 +307,8 @@ class MirrorJob:
             print(file=sys.stderr)
         error = query.exception()
         if error is not None:
+            if _last_batch(query) is None:  # nothing committed: a refused start
+                _remove_new(made)
             _say(f"Error: the mirror query failed: {_first_line(str(error))}")
             return 1
         batches = [p for p in query.recentProgress if p["numInputRows"]]
@@ -339,7 +431,9 @@ def status(cluster: str, bucket: str, user: str, password: str, tables: Path | N
     table = DeltaTable(str(mirror_path))
     batch = table.transaction_version(APP_ID)
     committed = _committed_offsets(checkpoint or tables / "_checkpoint", batch)
-    options = SourceOptions.parse(_node_options(cluster, bucket, user, password))
+    node_options = _node_options(cluster, bucket, user, password)
+    check_cluster(node_options)
+    options = SourceOptions.parse(node_options)
     latest, _ = _run(lambda: fetch_latest_sync(options), options.cluster_text)
     lag = measure_lag_sync(options, committed, latest)
     actions = pa.table(table.get_add_actions(flatten=True))
@@ -404,6 +498,28 @@ def _run(call: Any, address: str) -> Any:
         return call()
     except (OSError, TimeoutError) as error:
         raise click.ClickException(f"cannot reach the cluster at {address}: {error}") from None
+
+
+def check_schema(ddl: str) -> None:
+    """Spark parses ``--schema`` alone, so an error points at the user's text, not at the
+    metadata columns the source puts before it."""
+    from pyspark.errors import PySparkException
+    from pyspark.sql.types import StructType
+
+    try:
+        StructType.fromDDL(ddl)
+    except PySparkException as error:
+        raise click.BadParameter(
+            f"Spark cannot parse {ddl!r}: {_first_line(str(error))}", param_hint="--schema"
+        ) from None
+
+
+def _remove_new(paths: list[Path]) -> None:
+    """Remove the directories this run made (a refused start leaves nothing behind)."""
+    import shutil
+
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _first_line(text: str) -> str:

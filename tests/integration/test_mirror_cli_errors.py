@@ -1,0 +1,94 @@
+"""``changefeed mirror`` mistakes are one line, found before Spark starts where they can be, and a
+refused start leaves no directory behind (issue 30 item 5).
+
+Each case runs the real command in a child process against a real node; the checks are the
+ones of ``test_cli_errors.py`` (exit code, one ``Error:`` line, no traceback). Only the bad
+``--schema`` case starts Spark (Spark's own parser decides what DDL is valid).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from changefeed.cli.node_process import NodeProcess
+from support.clients import free_port
+from support.nodes import node_factory
+
+from .test_cli_errors import RUNTIME_FAILURE, USAGE_ERROR, assert_error, changefeed
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    with node_factory(tmp_path_factory.mktemp("mirror-errors")) as factory:
+        yield factory(vbuckets=4, args=["--no-durable"])
+
+
+def mirror(node: NodeProcess, tables: Path, *extra: str) -> list[str]:
+    return ["mirror", "--cluster", node.address, "--tables", str(tables), "--once", *extra]
+
+
+def test_wrong_password_is_one_line_and_makes_nothing(node: NodeProcess, tmp_path: Path) -> None:
+    tables = tmp_path / "tables"
+    result = changefeed(*mirror(node, tables, "--password", "wrong"))
+    line = assert_error(result, RUNTIME_FAILURE, node.address, "'Administrator'", "AUTH_ERROR")
+    assert "refused" in line, line
+    assert not tables.exists()
+
+
+def test_status_wrong_password_is_one_line(node: NodeProcess, tmp_path: Path) -> None:
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    write_deltalake(str(tmp_path / "mirror"), pa.table({"key": pa.array([], pa.binary())}))
+    result = changefeed("mirror", "status", "--cluster", node.address, "--tables",
+                        str(tmp_path), "--password", "wrong")  # fmt: skip
+    assert_error(result, RUNTIME_FAILURE, node.address, "AUTH_ERROR")
+
+
+def test_no_such_bucket_is_one_line(node: NodeProcess, tmp_path: Path) -> None:
+    result = changefeed(*mirror(node, tmp_path / "tables", "--bucket", "nosuch"))
+    assert_error(result, RUNTIME_FAILURE, "'nosuch'")
+    assert not (tmp_path / "tables").exists()
+
+
+def test_unreachable_cluster_is_one_line(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    result = changefeed("mirror", "--cluster", address, "--tables", str(tmp_path / "t"), "--once")
+    assert_error(result, RUNTIME_FAILURE, "cannot reach the cluster", address)
+    assert not (tmp_path / "t").exists()
+
+
+def test_tables_naming_a_file(node: NodeProcess, tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("mine\n")
+    assert_error(changefeed(*mirror(node, afile)), USAGE_ERROR, "--tables", str(afile), "a file")
+    assert afile.read_text() == "mine\n"
+    under = afile / "tables"
+    assert_error(changefeed(*mirror(node, under)), USAGE_ERROR, "--tables", str(under), "a file")
+
+
+def test_checkpoint_naming_a_file(node: NodeProcess, tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    result = changefeed(*mirror(node, tmp_path / "tables", "--checkpoint", str(afile)))
+    assert_error(result, USAGE_ERROR, "--checkpoint", str(afile))
+    assert not (tmp_path / "tables").exists()
+
+
+@pytest.mark.parametrize("pair", ["spark.ui.enabled", "=x"])
+def test_conf_not_key_value(node: NodeProcess, tmp_path: Path, pair: str) -> None:
+    result = changefeed(*mirror(node, tmp_path / "tables", "--conf", pair))
+    assert_error(result, USAGE_ERROR, "--conf", repr(pair))
+
+
+def test_bad_schema_names_the_typo_and_leaves_nothing(node: NodeProcess, tmp_path: Path) -> None:
+    tables = tmp_path / "tables"
+    result = changefeed(*mirror(node, tables, "--schema", "name strin, age int"))
+    line = assert_error(result, USAGE_ERROR, "--schema", "STRIN")
+    assert "vbucket" not in line, line  # the error is about the user's text, not ours
+    assert not tables.exists(), sorted(tables.rglob("*"))
