@@ -82,6 +82,8 @@ from changefeed.consumer.change_rows import (
 )
 from changefeed.consumer.current_state import Document, read_current_state
 from changefeed.spark.cluster import client_config, reachable_config
+from changefeed.spark.delta_files import GROUP_COLUMN, table_uri
+from changefeed.spark.dist_mirror import DistributedMirrorWriter
 from changefeed.spark.documents import DocumentReader
 from changefeed.spark.key_index import KeyIndex, key_hashes
 from changefeed.spark.merge_source import (
@@ -99,6 +101,8 @@ from changefeed.spark.options import SourceOptions
 log = logging.getLogger("changefeed.mirror")
 
 APP_ID: Final = "changefeed-mirror"
+WRITER_DISTRIBUTED: Final = "distributed"  # dist_mirror.py: Spark's tasks write the files
+WRITER_LOCAL: Final = "local"  # this module's writer: the batch collected to the driver
 PARTITION_COLUMNS: Final = ["vbucket"]
 
 # Compaction. A batch adds one file to each partition it touches: 64 files for a 500k-row batch
@@ -149,9 +153,22 @@ class MirrorWriter:
         options: dict[str, str],
         app_id: str = APP_ID,
         merge_schema: bool | None = None,
+        writer: str | None = None,
+        storage_options: dict[str, str] | None = None,
     ) -> None:
+        self.tables = str(path)
         self.path = Path(path)
         self.options = dict(options)
+        self.storage_options = storage_options
+        given_writer = writer or {k.lower(): v for k, v in options.items()}.get("mirrorwriter")
+        if given_writer not in (None, WRITER_DISTRIBUTED, WRITER_LOCAL):
+            raise ValueError(
+                f"mirror writer {given_writer!r}: give {WRITER_DISTRIBUTED!r} or {WRITER_LOCAL!r}"
+            )
+        if given_writer == WRITER_LOCAL and "://" in self.tables:
+            raise ValueError(f"tables {self.tables}: the local writer writes local paths only")
+        self.writer = given_writer
+        self._distributed: DistributedMirrorWriter | None = None
         self.app_id = app_id
         if merge_schema is None:
             given = {k.lower(): v for k, v in self.options.items()}.get("mergeschema", "false")
@@ -164,7 +181,32 @@ class MirrorWriter:
         self._warned_unpartitioned = False
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
+        if self._use_distributed():
+            if self._distributed is None:
+                self._distributed = DistributedMirrorWriter(
+                    self.tables, self.options, self.app_id, self.merge_schema, self.storage_options
+                )
+            self._distributed(batch_df, batch_id)
+            return
         self.write(batch_df.toArrow(), batch_id)
+
+    def _use_distributed(self) -> bool:
+        """The distributed writer unless asked for the local one or the tables are the local
+        writer's (a mirror partitioned by vbucket, or an unpartitioned one)."""
+        if self.writer is not None:
+            return self.writer == WRITER_DISTRIBUTED
+        if "://" in self.tables:
+            return True
+        for name in ("mirror", "changelog"):
+            path = str(self.path / name)
+            if DeltaTable.is_deltatable(path):
+                return GROUP_COLUMN in DeltaTable(path).metadata().partition_columns
+        return True
+
+    def close(self) -> None:
+        """Release what the writer holds (the distributed writer's lease on the tables)."""
+        if self._distributed is not None:
+            self._distributed.close()
 
     def write(self, changes: pa.Table, batch_id: int) -> None:
         """Apply one micro-batch (Arrow table of change rows in stream order)."""
@@ -358,38 +400,45 @@ class MirrorWriter:
         return pa.concat_tables(parts)
 
     def _refetch(self, keys: dict[str, int], schema: pa.Schema) -> pa.Table:
-        """The node's current version of each key (``key -> vbucket``) as merge source rows
-        for change rows of ``schema``: the document, or a tombstone if it is gone. Typed
-        documents are parsed as the source parses them (malformed ones: null fields and, if
-        the schema has the column, the corrupt record)."""
-        if not keys:
-            return source_schema(mirror_schema(schema)).empty_table()
-        options = SourceOptions.parse(self.options)
-        config = client_config(options, "changefeed-mirror")
-        raw = {key.encode("utf-8", "surrogateescape"): key for key in keys}
+        return refetch_source(keys, schema, self.options)
 
-        async def current() -> dict[bytes, Document]:
-            # Through whichever seed answers: the first may be the node that just failed.
-            reachable = await reachable_config(options, config)
-            return await read_current_state(reachable, set(keys.values()), raw.keys())
 
-        docs = asyncio.run(current())
-        rows: list[dict[str, Any]] = []
-        for raw_key, key in raw.items():
-            doc = docs.get(raw_key)
-            if doc is None or doc.deleted:  # purged or never there: gone, like a tombstone
-                rows.append(_tombstone(key, keys[key]))
-                continue
-            assert doc.vbucket == keys[key], (key, doc.vbucket, keys[key])
-            rows.append(_document_row(key, doc))
-        assert len(rows) == len(keys), (len(rows), len(keys))
-        live = sum(row["op"] == OP_MUTATION for row in rows)
-        log.info("re-read %d keys: %d live", len(rows), live)
-        changes = pa.Table.from_pylist(rows, schema=CHANGE_ROW_SCHEMA)
-        if "value" not in schema.names:
-            reader = DocumentReader(schema, "PERMISSIVE", options.corrupt_column)
-            changes = pa.Table.from_batches([reader.convert(changes)])
-        return latest_changes(changes)
+def refetch_source(
+    keys: dict[str, int], schema: pa.Schema, source_options: dict[str, str]
+) -> pa.Table:
+    """The node's current version of each key (``key -> vbucket``) as merge source rows
+    for change rows of ``schema``: the document, or a tombstone if it is gone. Typed
+    documents are parsed as the source parses them (malformed ones: null fields and, if
+    the schema has the column, the corrupt record). The distributed writer's tasks call it too.
+    """
+    if not keys:
+        return source_schema(mirror_schema(schema)).empty_table()
+    options = SourceOptions.parse(source_options)
+    config = client_config(options, "changefeed-mirror")
+    raw = {key.encode("utf-8", "surrogateescape"): key for key in keys}
+
+    async def current() -> dict[bytes, Document]:
+        # Through whichever seed answers: the first may be the node that just failed.
+        reachable = await reachable_config(options, config)
+        return await read_current_state(reachable, set(keys.values()), raw.keys())
+
+    docs = asyncio.run(current())
+    rows: list[dict[str, Any]] = []
+    for raw_key, key in raw.items():
+        doc = docs.get(raw_key)
+        if doc is None or doc.deleted:  # purged or never there: gone, like a tombstone
+            rows.append(_tombstone(key, keys[key]))
+            continue
+        assert doc.vbucket == keys[key], (key, doc.vbucket, keys[key])
+        rows.append(_document_row(key, doc))
+    assert len(rows) == len(keys), (len(rows), len(keys))
+    live = sum(row["op"] == OP_MUTATION for row in rows)
+    log.info("re-read %d keys: %d live", len(rows), live)
+    changes = pa.Table.from_pylist(rows, schema=CHANGE_ROW_SCHEMA)
+    if "value" not in schema.names:
+        reader = DocumentReader(schema, "PERMISSIVE", options.corrupt_column)
+        changes = pa.Table.from_batches([reader.convert(changes)])
+    return latest_changes(changes)
 
 
 def _merge(
@@ -465,9 +514,12 @@ def _done(table: DeltaTable | None, app_id: str, batch_id: int) -> bool:
     return version is not None and version >= batch_id
 
 
-def read_mirror(path: str | Path) -> pa.Table:
-    """The mirror table as Arrow (key, vbucket, seqno, value, ...)."""
-    return DeltaTable(str(Path(path) / "mirror")).to_pyarrow_table()
+def read_mirror(path: str | Path, storage_options: dict[str, str] | None = None) -> pa.Table:
+    """The mirror table as Arrow (key, vbucket, seqno, value, ...), without the distributed
+    writer's partition column."""
+    table = DeltaTable(table_uri(path, "mirror"), storage_options=storage_options)
+    rows = table.to_pyarrow_table()
+    return rows.drop_columns([GROUP_COLUMN]) if GROUP_COLUMN in rows.column_names else rows
 
 
 def repartition_mirror(path: str | Path) -> bool:

@@ -1,0 +1,325 @@
+"""The distributed mirror writer: Spark's tasks write the files, the driver commits file actions.
+
+``MirrorWriter`` (``mirror.py``) uses it for ``foreachBatch`` unless the tables were written by
+the single-process writer. For micro-batch b:
+
+1. the driver reads the two tables' versions and whether they hold b already (the Delta app
+   transaction ``changefeed-mirror``: a replayed batch is skipped, table by table), and the
+   mirror's file list per vbucket group (O(files): no per-key state);
+2. one Spark stage: each row gets its stream position and its group (``vbucket % groups``,
+   ``groups`` fixed when the tables are created), the batch is repartitioned by group into
+   ``tasks`` tasks and each group goes to ``mirror_tasks.run_group`` (``applyInArrow``), which
+   writes the group's Parquet files and returns their actions and the vbuckets' positions;
+3. the driver collects those rows (a few per group) and commits the changelog's adds, then the
+   mirror's adds and removes, each in one Delta transaction carrying b (delta-rs
+   ``create_write_transaction`` with ``app_transactions``); the mirror's commit also records
+   every vbucket's position and the resolved watermark (``watermark.py``).
+
+A crash anywhere leaves either nothing or whole commits: files written by tasks of a batch that
+did not commit are in no table (orphans for a vacuum), and the replay writes new ones. The
+changelog commits first, so a replay finds one of: neither committed, the changelog only (the
+tasks then write the mirror only), or both (nothing to do).
+
+Both tables are partitioned by ``_vb_group``; readers see it as a column (``read_mirror``
+drops it). The changelog follows the change-feed convention (``_change_type``,
+``_commit_version``, ``_commit_timestamp``; ``mirror_tasks.py``).
+
+Parallelism: ``tasks`` per batch is the ``mirrorTasks`` option, else Spark's
+``spark.default.parallelism`` (the executors' cores), at most ``groups``. ``groups`` is the
+``mirrorGroups`` option when the tables are created (default ``DEFAULT_GROUPS``), stored in the
+mirror table's description; more groups than tasks lets a larger cluster use more tasks later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any, Final
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.schema import Schema as DeltaSchema
+from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
+
+from changefeed.spark import watermark
+from changefeed.spark.delta_files import (
+    ACTION_DDL,
+    GROUP_COLUMN,
+    KIND_ADD,
+    KIND_POSITION,
+    KIND_REMOVE,
+    now_ms,
+    table_uri,
+)
+from changefeed.spark.merge_source import mirror_schema
+from changefeed.spark.mirror_tasks import CHANGEFEED_FIELDS, POSITION, FileRef, GroupPlan, run_group
+from changefeed.spark.table_lease import TablesLease
+
+log = logging.getLogger("changefeed.mirror")
+
+DEFAULT_GROUPS: Final = 16
+GROUPS_MAX: Final = 1024
+
+
+class SchemaMismatchError(RuntimeError):
+    """A batch's columns do not fit a table's; the message names the column."""
+
+
+class MirrorOwnerError(RuntimeError):
+    """The tables hold batches of another query (another checkpoint); the message says which."""
+
+
+class DistributedMirrorWriter:
+    """``foreachBatch`` callable: see the module docstring.
+
+    Args:
+        tables: a directory or an object-store URL (``s3://bucket/prefix``) holding both tables.
+        options: the source's options (the node to re-read rolled-back keys from), and the
+            writer's: ``mirrorTasks``, ``mirrorGroups``.
+        storage_options: deltalake storage options (None: from the environment, e.g. ``AWS_*``).
+    """
+
+    def __init__(
+        self,
+        tables: str,
+        options: dict[str, str],
+        app_id: str,
+        merge_schema: bool,
+        storage_options: dict[str, str] | None = None,
+    ) -> None:
+        self.tables = tables
+        self.options = dict(options)
+        self.app_id = app_id
+        self.merge_schema = merge_schema
+        self.storage_options = storage_options
+        self.mirror_uri = table_uri(tables, "mirror")
+        self.changelog_uri = table_uri(tables, "changelog")
+        lowered = {k.lower(): v for k, v in self.options.items()}
+        self.tasks = _positive(lowered, "mirrortasks")
+        self.groups_wanted = _positive(lowered, "mirrorgroups") or DEFAULT_GROUPS
+        if self.groups_wanted > GROUPS_MAX:
+            raise ValueError(f"mirrorGroups {self.groups_wanted} is above {GROUPS_MAX}")
+        self.lease = TablesLease(table_uri(tables, ""), storage_options)
+        self._first_batch = True
+
+    def __call__(self, batch_df: Any, batch_id: int) -> None:
+        self.lease.hold()
+        changelog = self._load(self.changelog_uri)
+        mirror = self._load(self.mirror_uri)
+        if self._first_batch:
+            self._check_owner(mirror, batch_id)
+            self._first_batch = False
+        write_changelog = not _done(changelog, self.app_id, batch_id)
+        if _done(mirror, self.app_id, batch_id):
+            return
+        from pyspark.sql import functions as F
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        batch_schema = to_arrow_schema(batch_df.schema)
+        if GROUP_COLUMN in batch_schema.names:  # a document field of that name: ours wins
+            batch_schema = batch_schema.remove(batch_schema.get_field_index(GROUP_COLUMN))
+        groups = self._groups(mirror)
+        mirror_target = self._target(mirror, mirror_schema(batch_schema))
+        changelog_fields = [*batch_schema, pa.field("batch_id", pa.int64())]
+        changelog_target = self._target(
+            changelog, pa.schema(changelog_fields + list(CHANGEFEED_FIELDS))
+        )
+        plan = GroupPlan(
+            mirror_uri=self.mirror_uri, changelog_uri=self.changelog_uri,
+            storage_options=self.storage_options, options=self.options, batch_id=batch_id,
+            write_changelog=write_changelog, write_mirror=True,
+            changelog_version=None if changelog is None else changelog.version(),
+            commit_timestamp_ms=now_ms(), mirror_schema=mirror_target,
+            changelog_schema=changelog_target, mirror_files=_files_by_group(mirror),
+        )  # fmt: skip
+        tasks = min(groups, self.tasks or _default_parallelism(batch_df))
+        keyed = batch_df.withColumn(POSITION, F.monotonically_increasing_id()).withColumn(
+            GROUP_COLUMN, F.pmod(F.col("vbucket"), F.lit(groups)).cast("int")
+        )
+        actions = (
+            keyed.repartition(tasks, GROUP_COLUMN)
+            .groupBy(GROUP_COLUMN)
+            .applyInArrow(_group_function(plan), ACTION_DDL)
+            .toArrow()
+        )
+        if write_changelog:
+            self._commit(changelog, self.changelog_uri, "changelog", actions, changelog_target,
+                         batch_id, None, groups)  # fmt: skip
+            committed = self._load(self.changelog_uri)
+            expected = 0 if plan.changelog_version is None else plan.changelog_version + 1
+            assert committed is not None and committed.version() == expected, (
+                "another writer committed to the changelog", expected,
+            )  # fmt: skip
+        before = self._positions(mirror)
+        batch_positions = actions.filter(pc.equal(actions.column("kind"), KIND_POSITION))
+        after = watermark.advance(
+            before,
+            zip(*(batch_positions.column(n).to_pylist() for n in ("vbucket", "seqno", "cas")),
+                strict=True),
+        )  # fmt: skip
+        record = watermark.to_metadata(after, batch_id, groups)
+        self._commit(mirror, self.mirror_uri, "mirror", actions, mirror_target, batch_id, record,
+                     groups)  # fmt: skip
+
+    def _commit(
+        self, table: DeltaTable | None, uri: str, name: str, actions: pa.Table,
+        schema: pa.Schema, batch_id: int, record: dict[str, Any] | None, groups: int,
+    ) -> None:  # fmt: skip
+        mine = actions.filter(pc.equal(actions.column("table_name"), name)).to_pylist()
+        adds = [AddAction(a["path"], a["size"], {GROUP_COLUMN: str(a["grp"])}, now_ms(), True,
+                          a["stats"]) for a in mine if a["kind"] == KIND_ADD]  # fmt: skip
+        removes = [RemoveAction(a["path"], True, now_ms(), a["size"], {GROUP_COLUMN: str(a["grp"])})
+                   for a in mine if a["kind"] == KIND_REMOVE]  # fmt: skip
+        props = CommitProperties(
+            app_transactions=[Transaction(self.app_id, batch_id)],
+            custom_metadata={watermark.METADATA_KEY: record} if record is not None else None,
+        )
+        full = schema.append(pa.field(GROUP_COLUMN, pa.int32()))
+        if table is None:
+            assert not removes, removes
+            description = json.dumps({"changefeed": {"vbucketGroups": groups}})
+            create_table_with_add_actions(
+                uri, DeltaSchema.from_arrow(full), adds, mode="append",
+                partition_by=[GROUP_COLUMN], description=description,
+                storage_options=self.storage_options, commit_properties=props,
+            )  # fmt: skip
+            return
+        have = pa.schema(table.schema().to_arrow())
+        new = [f for f in full if f.name not in have.names]
+        if new:  # checked in _target: only with mergeSchema
+            from deltalake.schema import Field
+
+            table.alter.add_columns([Field.from_arrow(f) for f in new])
+        table.create_write_transaction(
+            [*adds, *removes], "append", full, partition_by=[GROUP_COLUMN],
+            commit_properties=props,
+        )  # fmt: skip
+        log.info("%s: batch %d committed (%d files added, %d removed)", name, batch_id,
+                 len(adds), len(removes))  # fmt: skip
+
+    def _target(self, table: DeltaTable | None, wanted: pa.Schema) -> pa.Schema:
+        """The columns of ``table``'s files for a batch of ``wanted`` columns: the table's (a
+        column the batch lacks is written null), then new ones if ``mergeSchema``.
+
+        Raises:
+            SchemaMismatchError: a new column without ``mergeSchema``, or a type with no cast.
+        """
+        if table is None:
+            return wanted
+        have = pa.schema(table.schema().to_arrow())
+        have = have.remove(have.get_field_index(GROUP_COLUMN))
+        new = [f for f in wanted if f.name not in have.names]
+        if new and not self.merge_schema:
+            raise SchemaMismatchError(
+                f"{table.table_uri}: the batch has columns the table lacks: "
+                f"{', '.join(repr(f.name) for f in new)} (a field new in the query's schema). "
+                "Set option mergeSchema=true (changefeed mirror --merge-schema) to add them, or "
+                "leave them out of the schema."
+            )
+        fields = list(have)
+        for target in have:
+            if target.name not in wanted.names:
+                continue
+            given = wanted.field(target.name).type
+            if given != target.type and not _castable(given, target.type):
+                raise SchemaMismatchError(
+                    f"{table.table_uri}: column {target.name!r} is {given} in the batch but "
+                    f"{target.type} in the table; declare it as {target.type} in the schema, "
+                    "or write to new tables"
+                )
+        return pa.schema(fields + new)
+
+    def _groups(self, mirror: DeltaTable | None) -> int:
+        if mirror is None:
+            return self.groups_wanted
+        try:
+            described = json.loads(mirror.metadata().description or "{}")
+            return int(described["changefeed"]["vbucketGroups"])
+        except (ValueError, KeyError, TypeError):
+            raise MirrorOwnerError(
+                f"mirror table {self.mirror_uri} was not written by the distributed writer "
+                "(no vbucket groups in its description)"
+            ) from None
+
+    def _positions(self, mirror: DeltaTable | None) -> dict[int, watermark.Position]:
+        if mirror is None:
+            return {}
+        record = watermark.latest_record(mirror.history(watermark.HISTORY_SCAN_MAX))
+        return {} if record is None else watermark.from_metadata(record)
+
+    def _check_owner(self, mirror: DeltaTable | None, batch_id: int) -> None:
+        """A query's first batch continues the tables' batches (or replays the last one)."""
+        if mirror is None:
+            return
+        committed = mirror.transaction_version(self.app_id)
+        if committed is not None and batch_id < committed:
+            raise MirrorOwnerError(
+                f"tables {self.tables} hold micro-batch {committed} of another query, and this "
+                f"query is at batch {batch_id}: give that query's --checkpoint, or other --tables"
+            )
+
+    def _load(self, uri: str) -> DeltaTable | None:
+        if not DeltaTable.is_deltatable(uri, self.storage_options):
+            return None
+        return DeltaTable(uri, storage_options=self.storage_options)
+
+    def close(self) -> None:
+        """Release the tables' lease (the next job need not wait for it to expire)."""
+        self.lease.release()
+
+
+def _group_function(plan: GroupPlan) -> Callable[[tuple[pa.Scalar, ...], pa.Table], pa.Table]:
+    """The ``applyInArrow`` function of a batch's groups (runs in the Python workers); typed,
+    as pyspark tells the Arrow grouped-map forms apart by the hints."""
+
+    def run(key: tuple[pa.Scalar, ...], rows: pa.Table) -> pa.Table:
+        return run_group(plan, int(key[0].as_py()), rows)
+
+    return run
+
+
+def _files_by_group(mirror: DeltaTable | None) -> dict[int, list[FileRef]]:
+    if mirror is None:
+        return {}
+    files = pa.table(mirror.get_add_actions(flatten=True))
+    by_group: dict[int, list[FileRef]] = {}
+    for path, size, group in zip(
+        files.column("path").to_pylist(), files.column("size_bytes").to_pylist(),
+        files.column(f"partition.{GROUP_COLUMN}").to_pylist(), strict=True,
+    ):  # fmt: skip
+        by_group.setdefault(int(group), []).append(FileRef(path, int(size)))
+    return by_group
+
+
+def _done(table: DeltaTable | None, app_id: str, batch_id: int) -> bool:
+    if table is None:
+        return False
+    version = table.transaction_version(app_id)
+    return version is not None and version >= batch_id
+
+
+def _castable(given: pa.DataType, target: pa.DataType) -> bool:
+    try:
+        pa.array([], given).cast(target)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return False
+    return True
+
+
+def _positive(options: dict[str, str], name: str) -> int | None:
+    text = options.get(name)
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"option {name}: {text!r} is not a positive integer")
+    return value
+
+
+def _default_parallelism(batch_df: Any) -> int:
+    return max(1, int(batch_df.sparkSession.sparkContext.defaultParallelism))
