@@ -8,6 +8,7 @@ from changefeed import __version__
 from changefeed.cli.certs import certs
 from changefeed.cli.client_commands import load, stats, stream
 from changefeed.cli.cluster import cluster
+from changefeed.cli.collections import collection
 from changefeed.cli.compact import compact
 from changefeed.cli.demo_command import demo
 from changefeed.cli.mirror import mirror
@@ -36,6 +37,7 @@ cli.add_command(compact)
 cli.add_command(mirror)
 cli.add_command(cluster)
 cli.add_command(certs)
+cli.add_command(collection)
 
 
 def main() -> None:
