@@ -188,7 +188,8 @@ def test_status_shows_the_map_and_unreachable_nodes(etcd: EtcdServer, cluster_na
         (["status"], 2, "give --dir DIR or --etcd URL"),
         (["status", "--dir", "D"], 1, "no cluster in"),
         (["stop", "--dir", "D"], 1, "no cluster in"),
-        (["status", "--etcd", "https://x:1"], 1, "is not http://HOST:PORT"),
+        (["status", "--etcd", "ftp://x:1"], 1, "is not http://HOST:PORT"),
+        (["status", "--etcd", "https://x:1"], 1, "CHANGEFEED_ETCD_CERTS"),
     ],
 )
 def test_usage_and_missing_cluster_errors(

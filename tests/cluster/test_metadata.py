@@ -21,6 +21,7 @@ from changefeed.cluster.metadata import (
     Leadership,
     MetadataUnavailableError,
     parse_endpoint,
+    parse_endpoints,
 )
 from changefeed.cluster.placement import initial_map
 from changefeed.vbmap import ClusterMap, NodeAddress
@@ -71,10 +72,30 @@ def test_unreachable_etcd_is_a_fast_one_line_error() -> None:
     assert endpoint in message and "\n" not in message
 
 
-@pytest.mark.parametrize("endpoint", ["https://127.0.0.1:2379", "127.0.0.1", "http://h:1/x"])
+@pytest.mark.parametrize(
+    "endpoint", ["ftp://127.0.0.1:2379", "127.0.0.1", "http://h:1/x", "http://h:1,h"]
+)
 def test_malformed_endpoint_is_named(endpoint: str) -> None:
     with pytest.raises(ValueError, match="is not http://HOST:PORT"):
         run(ClusterMetadata.connect(endpoint, "c"))
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "message"),
+    [
+        ("https://127.0.0.1:2379", "is https: give its CA and a certificate"),
+        ("http://a:1,https://b:2", "mix http and https"),
+        (" , ", "is not http"),
+    ],
+)
+def test_endpoints_refused_before_connecting(endpoints: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        run(ClusterMetadata.connect(endpoints, "c"))
+
+
+def test_parse_endpoints_keeps_order_and_drops_repeats() -> None:
+    given = "http://10.0.0.1:2379, 10.0.0.2:2379,http://10.0.0.1:2379/"
+    assert parse_endpoints(given) == ["http://10.0.0.1:2379", "http://10.0.0.2:2379"]
 
 
 def test_bad_cluster_name_is_refused(etcd: EtcdServer) -> None:
@@ -387,7 +408,7 @@ def test_parse_endpoint_fuzz(text: str) -> None:
     )
 )
 def test_stored_map_and_member_decoders_fuzz(value: bytes) -> None:
-    md = ClusterMetadata(None, "http://127.0.0.1:1", "fuzz", 1.0)
+    md = ClusterMetadata([None], ["http://127.0.0.1:1"], "fuzz", 1.0)
     try:
         md._parse_map(value)
     except ValueError as error:
@@ -403,6 +424,6 @@ def test_stored_map_and_member_decoders_fuzz(value: bytes) -> None:
 
 
 def test_a_deeply_nested_map_is_refused_not_a_crash() -> None:
-    md = ClusterMetadata(None, "http://127.0.0.1:1", "fuzz", 1.0)
+    md = ClusterMetadata([None], ["http://127.0.0.1:1"], "fuzz", 1.0)
     with pytest.raises(ValueError, match="cluster map at"):
         md._parse_map(b"[" * 100_000)

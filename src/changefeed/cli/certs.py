@@ -22,6 +22,12 @@ Nodes authenticate to each other by these certificates (``serve --tls-ca ca.pem`
 certificate the CA signs is a node certificate, so issue no client certificates for
 applications from it (they authenticate with a password).
 
+The cluster's etcd uses the same CA (``cluster start --tls``; ``cluster/etcd_server.py``):
+``etcd.pem``/``etcd.key`` is the certificate it serves with (``--hosts`` must name its
+addresses), and it accepts clients that present a certificate the CA signed: nodes present
+their own, the CLI ``admin.pem`` (``--nodes etcd,admin`` issues both). Like any certificate of
+this CA, these two are node identities too: keep them with the operator and the etcd members.
+
 What it does not do: distribute files or touch a running node (a node reloads its
 certificate, key, CA and CRL when the files change or on SIGHUP).
 """
@@ -47,6 +53,8 @@ CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
 CRL = "crl.pem"
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
+ETCD_NAME = "etcd"  # the certificate the cluster's etcd serves (and its members peer) with
+ADMIN_NAME = "admin"  # the certificate the CLI presents to the cluster's etcd
 # A certificate is valid from a little before it is made: clocks of a cluster differ a bit.
 CLOCK_SKEW_S = 300
 # Node certificates serve clients and will authenticate nodes to each other (issue 26).

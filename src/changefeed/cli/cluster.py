@@ -36,11 +36,17 @@ from typing import Any, TypeVar
 import click
 
 from changefeed import limits
-from changefeed.cli.certs import CA_CERT, CRL, ensure_node_certificates
+from changefeed.cli.certs import ADMIN_NAME, CA_CERT, CRL, ETCD_NAME, ensure_node_certificates
 from changefeed.cli.node_process import NodeProcess
-from changefeed.cluster.etcd_server import EtcdServer, free_port, process_runs, stop_pid
+from changefeed.cluster.etcd_server import (
+    EtcdServer,
+    EtcdServerTls,
+    free_port,
+    process_runs,
+    stop_pid,
+)
 from changefeed.cluster.failover import plan_failover
-from changefeed.cluster.metadata import ClusterMetadata, MetadataUnavailableError
+from changefeed.cluster.metadata import ClusterMetadata, EtcdTls, MetadataUnavailableError
 from changefeed.cluster.rebalance import read_request, read_status, request_rebalance
 from changefeed.consumer.handshake import connect
 from changefeed.protocol.errors import AuthError, StatusError
@@ -52,6 +58,7 @@ from changefeed.vbmap import REPLICAS_MAX, ClusterMap, NodeAddress
 T = TypeVar("T")
 RECORD = "cluster.json"
 NODES_MAX = 64  # a local cluster on one machine
+ETCD_CERTS_ENV = "CHANGEFEED_ETCD_CERTS"
 START_TIMEOUT_S = 120.0  # etcd, N nodes, the first map
 NODE_STOP_TIMEOUT_S = 60.0  # a clean stop flushes every vbucket first
 STAT_TIMEOUT_S = 5.0
@@ -104,16 +111,43 @@ def _running(record: Mapping[str, Any]) -> list[str]:
     return alive
 
 
-def _where(directory: Path | None, etcd_url: str | None, name: str | None) -> tuple[str, str]:
-    """The etcd endpoint and cluster name, from --etcd/--cluster or a directory's cluster.json."""
+def _where(
+    directory: Path | None, etcd_url: str | None, name: str | None
+) -> tuple[str, str, EtcdTls | None]:
+    """The etcd endpoint, cluster name and what to present to etcd: from --etcd/--cluster or
+    a directory's cluster.json (the CLI's certificate in its certs directory when etcd is
+    https, or in $CHANGEFEED_ETCD_CERTS)."""
     if directory is None and etcd_url is None:
         raise click.UsageError("give --dir DIR or --etcd URL")
-    if etcd_url is None:
-        assert directory is not None
+    certs: str | None = None
+    if directory is not None:
         record = _read_record(directory)
-        etcd_url = str(record["etcd"])
+        etcd_url = etcd_url or str(record["etcd"])
         name = name or str(record.get("cluster", "default"))
-    return etcd_url, name or "default"
+        certs = record.get("certs") if record.get("tls") else None
+    assert etcd_url is not None
+    return etcd_url, name or "default", etcd_tls(etcd_url, certs)
+
+
+def etcd_tls(endpoint: str, certs: str | Path | None) -> EtcdTls | None:
+    """What the CLI presents to an https etcd: the ``admin`` certificate of the cluster's certs
+    directory (``cluster start --tls`` makes it; ``changefeed certs create --nodes admin``
+    too), from cluster.json or $CHANGEFEED_ETCD_CERTS. None for a plain-http etcd.
+
+    Raises:
+        click.ClickException: etcd is https and no certs directory is known.
+    """
+    if not endpoint.lstrip().startswith("https://"):
+        return None
+    where = certs or os.environ.get(ETCD_CERTS_ENV)
+    if not where:
+        raise click.ClickException(
+            f"etcd {endpoint} is https: give --dir of a `cluster start --tls`, or set "
+            f"{ETCD_CERTS_ENV} to a directory with {CA_CERT}, {ADMIN_NAME}.pem and "
+            f"{ADMIN_NAME}.key (changefeed certs create --nodes {ADMIN_NAME})"
+        )
+    folder = Path(where)
+    return EtcdTls(folder / CA_CERT, folder / f"{ADMIN_NAME}.pem", folder / f"{ADMIN_NAME}.key")
 
 
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
@@ -176,8 +210,9 @@ def cluster() -> None:
     "--tls",
     is_flag=True,
     help="Nodes serve TLS too (ports after the plain ones), with certificates made in "
-    "DIR/certs (a CA, a CRL, one per node); replicas stream over TLS, each node "
-    "authenticated by its certificate.",
+    "DIR/certs (a CA, a CRL, one per node, etcd's, the CLI's 'admin'); replicas stream over "
+    "TLS, each node authenticated by its certificate; the etcd started here serves only "
+    "TLS and asks every client for a certificate.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the record (cluster.json) as JSON.")
 def start(
@@ -213,12 +248,18 @@ def start(
         "vbuckets": vbuckets,
         "replicas": replicas,
         "failover_timeout_s": failover_timeout_s,
+        "tls": tls,
+        "certs": str(directory / "certs"),
         "nodes": [],
         "started_at": time.time(),
     }
     server: EtcdServer | None = None
     nodes: list[NodeProcess] = []
+    certs = directory / "certs"
     try:
+        if tls:
+            names = [f"node{i}" for i in range(node_count)]
+            ensure_node_certificates(certs, [*names, ETCD_NAME, ADMIN_NAME])
         if etcd_url is None:
             server = EtcdServer(
                 directory / "etcd",
@@ -226,6 +267,7 @@ def start(
                 # a restart keeps the ports: etcd's member record and the map name them
                 client_port=int(previous.get("etcd_client_port", 0)),
                 peer_port=int(previous.get("etcd_peer_port", 0)),
+                tls=etcd_server_tls(certs) if tls else None,
             )
             try:
                 server.start(timeout_s=min(limits.ETCD_START_TIMEOUT_S, timeout_s))
@@ -241,7 +283,7 @@ def start(
             write_record(directory, record)
             _say(f"etcd {server.endpoint} (pid {server.pid}, log {server.log_path})")
         else:
-            stored = run(_read_map(etcd_url, name))
+            stored = run(_read_map(etcd_url, name, etcd_tls(etcd_url, certs if tls else None)))
             if stored is not None and not previous:
                 raise click.ClickException(
                     f"cluster {name!r} already has a map (rev {stored.rev}) in etcd {etcd_url}: "
@@ -249,8 +291,6 @@ def start(
                 )
             _say(f"etcd {etcd_url} (given)")
         endpoint = str(record["etcd"])
-        if tls:
-            ensure_node_certificates(directory / "certs", [f"node{i}" for i in range(node_count)])
         for i in range(node_count):
             node_name = f"node{i}"
             args = node_args(
@@ -276,7 +316,11 @@ def start(
         for node in nodes:
             _say(f"{node.root.name} {node.address} (pid {node.pid}, log {node.log_path})")
         _say("waiting for the first map and every node")
-        cluster_map = run(wait_until_up(endpoint, name, nodes, deadline))
+        cluster_map = run(
+            wait_until_up(
+                endpoint, name, nodes, deadline, etcd_tls(endpoint, certs if tls else None)
+            )
+        )
     except BaseException:
         _say("start failed: stopping what was started")
         stop_nodes(nodes)
@@ -338,6 +382,11 @@ def tls_args(
         *("--tls-key", str(certs / f"{node_name}.key"), "--tls-ca", str(certs / CA_CERT)),
         *("--tls-crl", str(certs / CRL)),
     ]
+
+
+def etcd_server_tls(certs: Path) -> EtcdServerTls:
+    """The files the etcd of a ``cluster start --tls`` serves with."""
+    return EtcdServerTls(certs / f"{ETCD_NAME}.pem", certs / f"{ETCD_NAME}.key", certs / CA_CERT)
 
 
 def node_record(node: NodeProcess) -> dict[str, Any]:
@@ -430,8 +479,8 @@ def _previous_run(
     return old
 
 
-async def _read_map(endpoint: str, name: str) -> ClusterMap | None:
-    md = await ClusterMetadata.connect(endpoint, name)
+async def _read_map(endpoint: str, name: str, tls: EtcdTls | None) -> ClusterMap | None:
+    md = await ClusterMetadata.connect(endpoint, name, tls=tls)
     try:
         stored = await md.read_map()
         return None if stored is None else stored[0]
@@ -440,14 +489,18 @@ async def _read_map(endpoint: str, name: str) -> ClusterMap | None:
 
 
 async def wait_until_up(
-    endpoint: str, name: str, nodes: list[NodeProcess], deadline: float
+    endpoint: str,
+    name: str,
+    nodes: list[NodeProcess],
+    deadline: float,
+    tls: EtcdTls | None = None,
 ) -> ClusterMap:
     """Wait for the first map, every node registered, and every node answering STAT.
 
     Raises:
         click.ClickException: not so by ``deadline`` (naming what is missing).
     """
-    md = await ClusterMetadata.connect(endpoint, name)
+    md = await ClusterMetadata.connect(endpoint, name, tls=tls)
     try:
         names = {node.root.name for node in nodes}
         stored = None
@@ -520,7 +573,7 @@ def restart(
     deadline = time.monotonic() + timeout_s
     record = _read_record(directory)
     known = _recorded_node(record, directory, node)
-    endpoint, name = str(record["etcd"]), str(record.get("cluster", "default"))
+    endpoint, name, tls = _where(directory, None, None)
     if record.get("etcd_pid") and not process_runs(
         int(record["etcd_pid"]), str(record["etcd_data_dir"])
     ):
@@ -528,7 +581,7 @@ def restart(
             f"the etcd of {directory} is not running: changefeed cluster start --dir {directory} "
             "starts the whole cluster again"
         )
-    stored = run(_read_map(endpoint, name))
+    stored = run(_read_map(endpoint, name, tls))
     if stored is not None and stored.node_index(node) is None:
         raise click.ClickException(
             f"{node} is not in map rev {stored.rev} (removed?): changefeed cluster add {node} "
@@ -550,7 +603,7 @@ def restart(
     write_record(directory, record)  # at once: `cluster stop` must know the new pid
     _say(f"{node} {process.address} (pid {process.pid}, log {process.log_path})")
     _say(f"waiting for {node} to register and serve")
-    cluster_map = run(wait_until_up(endpoint, name, [process], deadline))
+    cluster_map = run(wait_until_up(endpoint, name, [process], deadline, tls))
     roles = _roles_of(cluster_map, node)
     outcome = {"node": node, "was": was, "pid": process.pid, "port": process.port,
                "rev": cluster_map.rev, **roles}  # fmt: skip
@@ -642,8 +695,8 @@ def status(
     the worst lag), then the map (with its rev) and per vbucket each copy's high and persisted
     seqnos, replica lag in items, and what the active reports of its replicas. --json has the
     summary under "summary"."""
-    etcd_url, name = _where(directory, etcd_url, name)
-    report = run(_status(etcd_url, name, user, password, bucket))
+    etcd_url, name, tls = _where(directory, etcd_url, name)
+    report = run(_status(etcd_url, name, tls, user, password, bucket))
     report["summary"] = summarize(report)
     if as_json:
         click.echo(json.dumps(report, indent=1))
@@ -652,9 +705,9 @@ def status(
 
 
 async def _status(
-    endpoint: str, name: str, user: str, password: str, bucket: str
+    endpoint: str, name: str, tls: EtcdTls | None, user: str, password: str, bucket: str
 ) -> dict[str, Any]:
-    md = await ClusterMetadata.connect(endpoint, name)
+    md = await ClusterMetadata.connect(endpoint, name, tls=tls)
     try:
         stored = await md.read_map()
         live = await md.live_nodes()
@@ -1072,8 +1125,8 @@ def failover(
     """Fail NODE over by hand: its active vbuckets move to their in-sync replicas (the highest
     seqno wins) and it stays a replica. Refused for a vbucket with no live in-sync replica
     unless --force."""
-    etcd_url, name = _where(directory, etcd_url, name)
-    outcome = run(_failover(etcd_url, name, node, force, timeout_s))
+    etcd_url, name, tls = _where(directory, etcd_url, name)
+    outcome = run(_failover(etcd_url, name, tls, node, force, timeout_s))
     if as_json:
         click.echo(json.dumps(outcome))
     else:
@@ -1087,11 +1140,11 @@ def failover(
 
 
 async def _failover(
-    endpoint: str, name: str, node: str, force: bool, timeout_s: float
+    endpoint: str, name: str, tls: EtcdTls | None, node: str, force: bool, timeout_s: float
 ) -> dict[str, Any]:
     """Plan it here first (the same rule the orchestrator applies) so a refusal is reported
     before anything changes, then hand the request to the orchestrator and wait for the map."""
-    md = await ClusterMetadata.connect(endpoint, name)
+    md = await ClusterMetadata.connect(endpoint, name, tls=tls)
     try:
         stored = await md.read_map()
         if stored is None:
@@ -1180,10 +1233,10 @@ def add(
     """Add NODE and rebalance: with --dir, start it there (like `start`; again if it stopped);
     with --etcd, NODE must be running already (`changefeed serve --etcd ... --node-name NODE`).
     Vbuckets move to it with a replica stream then a takeover; clients follow the map."""
-    etcd_url, name = _where(directory, etcd_url, name)
+    etcd_url, name, tls = _where(directory, etcd_url, name)
     if directory is not None:
         _start_added(directory.resolve(), node, log_level)
-    outcome = run(_rebalance(etcd_url, name, node, True, timeout_s))
+    outcome = run(_rebalance(etcd_url, name, tls, node, True, timeout_s))
     _report(outcome, as_json)
 
 
@@ -1201,8 +1254,8 @@ def remove(
     """Move everything off NODE (replica stream, then takeover, for each vbucket), drop it from
     the map, and stop it (it stops by itself once out of the map; with --dir this waits for
     its process and updates cluster.json)."""
-    etcd_url, name = _where(directory, etcd_url, name)
-    outcome = run(_rebalance(etcd_url, name, node, False, timeout_s))
+    etcd_url, name, tls = _where(directory, etcd_url, name)
+    outcome = run(_rebalance(etcd_url, name, tls, node, False, timeout_s))
     outcome["stopped"] = None
     if directory is not None:
         outcome["stopped"] = _stop_removed(directory.resolve(), node)
@@ -1237,19 +1290,20 @@ def _start_added(directory: Path, node: str, log_level: str) -> None:
     ):
         _say(f"{node} runs already (pid {known['pid']})")
         return
-    process = NodeProcess(
-        directory / node,
-        vbuckets=int(record.get("vbuckets", 64)),
-        args=node_args(
-            str(record["etcd"]),
-            str(record.get("cluster", "default")),
-            node,
-            max(1, len(record["nodes"])),
-            int(record.get("replicas", 1)),
-            log_level,
-            record.get("failover_timeout_s"),
-        ),
+    args = node_args(
+        str(record["etcd"]),
+        str(record.get("cluster", "default")),
+        node,
+        max(1, len(record["nodes"])),
+        int(record.get("replicas", 1)),
+        log_level,
+        record.get("failover_timeout_s"),
     )
+    if record.get("tls"):  # the new node gets its certificate from the cluster's CA
+        certs = Path(str(record.get("certs") or directory / "certs"))
+        ensure_node_certificates(certs, [node])
+        args += tls_args(certs, node, 0, 0, 0, {"nodes": [known] if known else []})
+    process = NodeProcess(directory / node, vbuckets=int(record.get("vbuckets", 64)), args=args)
     if known is not None:
         process.port = int(known["port"])  # a restart: the port the map names
     try:
@@ -1282,7 +1336,7 @@ def _stop_removed(directory: Path, node: str) -> bool:
 
 
 async def _rebalance(
-    endpoint: str, name: str, node: str, adding: bool, timeout_s: float
+    endpoint: str, name: str, tls: EtcdTls | None, node: str, adding: bool, timeout_s: float
 ) -> dict[str, Any]:
     """Request the map over the nodes there are (or a rebalance in progress asks for) plus or
     minus NODE, then follow ``rebalance/status`` until it is done.
@@ -1292,7 +1346,7 @@ async def _rebalance(
             refusal by the orchestrator, or not done within `timeout_s` (one line each).
     """
     begun = time.monotonic()
-    md = await ClusterMetadata.connect(endpoint, name)
+    md = await ClusterMetadata.connect(endpoint, name, tls=tls)
     try:
         stored = await md.read_map()
         if stored is None:

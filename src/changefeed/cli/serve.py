@@ -73,7 +73,10 @@ def run_loop(coroutine: object) -> None:
     "(consumers roll back to 0). Without it such a node refuses to start.",
 )
 @click.option(
-    "--etcd", help="Join the cluster whose metadata lives in this etcd (http://host:port)."
+    "--etcd",
+    help="Join the cluster whose metadata lives in this etcd (http://host:port; several "
+    "members comma-separated, tried in turn; https: the node presents --tls-cert/--tls-key "
+    "and trusts --tls-ca).",
 )
 @click.option("--cluster", help="Cluster name (its etcd key prefix). Default 'default'.")
 @click.option("--node-name", help="This node's unique name in the cluster. Default 'n0'.")

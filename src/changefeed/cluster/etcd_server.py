@@ -12,7 +12,13 @@ a multi-member etcd, each in a network namespace of its own: ``host``, ``netns``
 ``start(wait=False)`` launches a member without waiting for it (a member of a 3-member cluster is
 healthy only once a quorum runs).
 
-What it does not do: create namespaces, or enable TLS and authentication.
+With ``tls`` (``EtcdServerTls``: the etcd certificate and key ``changefeed certs`` issues, and
+the cluster CA) the member serves clients and peers over TLS only and asks every client for a
+certificate the CA signed (``--client-cert-auth``, ``--peer-client-cert-auth``): nodes, the
+orchestrator and the CLI present theirs (``cluster/metadata.py`` ``EtcdTls``). Without it, plain
+http on loopback, as before (the single-node default).
+
+What it does not do: create namespaces, or enable etcd's own users and roles.
 Every wait has a deadline; ``stop`` sends SIGTERM, then SIGKILL to the member's process group.
 ``stop_pid`` stops a member started by another process (``changefeed cluster stop``), after
 checking that the pid still runs etcd on that data directory (pids are reused).
@@ -26,11 +32,13 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -78,10 +86,41 @@ def free_port() -> int:
         return port
 
 
-def healthy(endpoint: str, timeout_s: float = 1.0) -> bool:
-    """Whether the etcd at ``endpoint`` (``http://host:port``) answers ``/health`` as healthy."""
+@dataclass(frozen=True, slots=True)
+class EtcdServerTls:
+    """The files of a member that serves TLS: its certificate chain and key (server and client
+    use: peers dial each other with it, and the health probe presents it) and the CA whose
+    certificates it accepts from clients and peers."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def client_context(self) -> ssl.SSLContext:
+        """Settings to ask a member over https (its CA trusted, this certificate presented)."""
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(str(self.cert), str(self.key))
+        return context
+
+    def flags(self) -> list[str]:
+        """etcd's flags for TLS to clients and peers, certificates required on both."""
+        cert, key, ca = str(self.cert), str(self.key), str(self.ca)
+        return [
+            *("--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca),
+            "--client-cert-auth",
+            *("--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca),
+            "--peer-client-cert-auth",
+        ]
+
+
+def healthy(endpoint: str, timeout_s: float = 1.0, tls: EtcdServerTls | None = None) -> bool:
+    """Whether the etcd at ``endpoint`` (``http(s)://host:port``) answers ``/health`` as
+    healthy (over https with ``tls``'s CA and certificate)."""
     try:
-        with urllib.request.urlopen(f"{endpoint}/health", timeout=timeout_s) as reply:
+        context = tls.client_context() if tls is not None else None
+        with urllib.request.urlopen(
+            f"{endpoint}/health", timeout=timeout_s, context=context
+        ) as reply:
             body = json.loads(reply.read() or b"{}")
     except (OSError, ValueError):  # refused, timed out, HTTP error, not JSON
         return False
@@ -104,6 +143,8 @@ class EtcdServer:
         initial_cluster: ``--initial-cluster`` of a multi-member etcd (``name=peer-url,...``,
             this member included). Default: this member alone.
         cluster_token: ``--initial-cluster-token`` (members of one cluster share it).
+        tls: serve clients and peers over TLS with these files, client certificates
+            required (``https://`` URLs). Default plain http.
     """
 
     def __init__(
@@ -117,6 +158,7 @@ class EtcdServer:
         netns: str | None = None,
         initial_cluster: str | None = None,
         cluster_token: str | None = None,
+        tls: EtcdServerTls | None = None,
     ) -> None:
         assert netns is not None or host == HOST, f"host {host!r} needs a netns of its own"
         if netns is not None:  # a namespace of its own: the well-known ports are free there
@@ -125,6 +167,7 @@ class EtcdServer:
         self.netns = netns
         self.initial_cluster = initial_cluster
         self.cluster_token = cluster_token
+        self.tls = tls
         self.data_dir = data_dir
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self.name = name
@@ -138,13 +181,18 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        """The client URL, ``http://HOST:PORT`` (``http://127.0.0.1:PORT`` by default)."""
-        return f"http://{self.host}:{self.client_port}"
+        """The client URL, ``http://HOST:PORT`` (``http://127.0.0.1:PORT`` by default;
+        ``https`` with TLS)."""
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        """The peer URL, ``http://HOST:PORT``."""
-        return f"http://{self.host}:{self.peer_port}"
+        """The peer URL, ``http(s)://HOST:PORT``."""
+        return f"{self.scheme}://{self.host}:{self.peer_port}"
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
 
     @property
     def alive(self) -> bool:
@@ -173,6 +221,7 @@ class EtcdServer:
             "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
             "--initial-cluster-state", "new",
             *token,
+            *(self.tls.flags() if self.tls is not None else []),
             "--listen-metrics-urls", "",  # no extra listener
             "--log-level", "warn",
         ]  # fmt: skip
@@ -236,10 +285,22 @@ class EtcdServer:
 
     def _healthy(self, timeout_s: float) -> bool:
         if self.netns is None:
-            return healthy(self.endpoint, timeout_s=timeout_s)
+            return healthy(self.endpoint, timeout_s=timeout_s, tls=self.tls)
         # The member's address exists only in its namespace: ask from in there.
-        probe = f"import sys; from {__name__} import healthy; sys.exit(not healthy(sys.argv[1]))"
-        command = ["ip", "netns", "exec", self.netns, sys.executable, "-c", probe, self.endpoint]
+        probe = (
+            "import sys; from pathlib import Path as P; "
+            f"from {__name__} import healthy, EtcdServerTls as T; "
+            "t = T(*map(P, sys.argv[2:5])) if len(sys.argv) > 2 else None; "
+            "sys.exit(not healthy(sys.argv[1], tls=t))"
+        )
+        files = (
+            [] if self.tls is None else [str(self.tls.cert), str(self.tls.key), str(self.tls.ca)]
+        )
+        command = [
+            *("ip", "netns", "exec", self.netns, sys.executable, "-c", probe),
+            self.endpoint,
+            *files,
+        ]
         try:
             return (
                 subprocess.run(command, capture_output=True, timeout=timeout_s + 5).returncode == 0

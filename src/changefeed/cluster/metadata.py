@@ -20,6 +20,20 @@ Every request has a deadline (``limits.ETCD_REQUEST_TIMEOUT_S``) and an unreacha
 ``MetadataUnavailableError`` naming the endpoint. Watches (``watch_map``, ``watch_nodes``)
 never give up: they re-read and re-watch after a disconnect or a compaction, with backoff, so a
 node keeps its last map while etcd is away.
+
+Several endpoints (``http://a:2379,http://b:2379``: the members of one etcd) are tried in turn:
+a request that fails on one makes the next request go to the next, and the watches on the one
+that failed are closed so they start again there. Each request asks the member to have a raft
+leader (gRPC metadata ``hasleader``, as etcd's own client does for watches): a member cut off
+from its quorum refuses at once instead of serving a watch that never fires, so the client moves
+on to a member that can answer. A lease is the cluster's, not a member's: its keep-alive goes on
+through whichever member answers.
+
+TLS (``https://`` endpoints, ``EtcdTls``): the gRPC channel is a secure one that trusts the
+cluster CA and presents this process's certificate (a node's own, or the CLI's ``admin``
+certificate from ``changefeed certs``): the etcd ``cluster/etcd_server.py`` starts with TLS
+refuses clients without a certificate its CA signed. aetcd 1.0 opens only insecure channels,
+so ``_Client`` opens the channel itself.
 """
 
 from __future__ import annotations
@@ -30,7 +44,9 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -38,6 +54,10 @@ import aetcd
 import aetcd.exceptions
 import aetcd.rtypes
 import aetcd.utils
+import aetcd.watcher
+import grpc  # type: ignore[import-untyped]  # no stubs installed
+import grpc.aio  # type: ignore[import-untyped]
+from aetcd import rpc
 
 from changefeed import limits
 from changefeed.cluster.failover import InSyncRecord
@@ -86,20 +106,125 @@ def _check_name(kind: str, name: str) -> str:
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``http://host:port`` (or ``host:port``) as (host, port).
+    """``http://host:port``, ``https://host:port`` (or ``host:port``) as (host, port).
 
     Raises:
-        ValueError: not such a URL (https and paths are not supported), naming it.
+        ValueError: not such a URL (paths are not supported), naming it.
     """
-    refused = ValueError(f"etcd endpoint {endpoint!r} is not http://HOST:PORT")
+    return _split_endpoint(endpoint)[1:]
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, str, int]:
+    refused = ValueError(f"etcd endpoint {endpoint!r} is not http://HOST:PORT or https://HOST:PORT")
     try:
         url = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
         port, host = url.port, url.hostname
     except ValueError:  # a bad port or a bad IPv6 literal
         raise refused from None
-    if url.scheme != "http" or not host or port is None or url.path not in ("", "/"):
+    if url.scheme not in ("http", "https") or not host or port is None:
         raise refused
-    return host, port
+    if url.path not in ("", "/") or url.query or url.fragment:
+        raise refused
+    return url.scheme, host, port
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
+    """The endpoints of one etcd (a comma-separated string, or a list), each checked, as
+    ``scheme://host:port`` in the order given, without repeats.
+
+    Raises:
+        ValueError: none given, a malformed one, or http and https mixed (naming them).
+    """
+    given = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    urls: list[str] = []
+    for endpoint in (part.strip() for part in given):
+        scheme, host, port = _split_endpoint(endpoint)
+        url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+        if url not in urls:
+            urls.append(url)
+    if not urls:
+        raise ValueError(f"no etcd endpoint in {endpoints!r}")
+    if len({url.partition(":")[0] for url in urls}) > 1:
+        raise ValueError(f"etcd endpoints {','.join(urls)} mix http and https")
+    return urls
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdTls:
+    """What a client of an etcd that serves TLS presents and trusts (PEM files): the cluster
+    CA, and a certificate (with its chain) and key the CA signed, which etcd asks for.
+
+    Args:
+        server_name: the name to check the member's certificate for; default the endpoint's
+            host (an IP address is checked against the certificate's IP addresses).
+    """
+
+    ca: Path
+    cert: Path
+    key: Path
+    server_name: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials from the files (read now).
+
+        Raises:
+            ValueError: a file cannot be read (naming it).
+        """
+        contents = []
+        for path in (self.ca, self.key, self.cert):
+            try:
+                contents.append(path.read_bytes())
+            except OSError as error:
+                raise ValueError(f"cannot read etcd TLS file {path}: {error.strerror}") from None
+        ca, key, chain = contents
+        return grpc.ssl_channel_credentials(ca, key, chain)
+
+
+# Every request asks the member to have a raft leader (etcd's rpctypes.MetadataRequireLeaderKey):
+# one cut from its quorum answers "no leader" at once instead of leaving a watch silent.
+REQUIRE_LEADER = (("hasleader", "true"),)
+
+
+class _Client(aetcd.Client):  # type: ignore[misc]  # aetcd has no type hints
+    """aetcd's client on a channel we open: a secure one with ``credentials`` (aetcd 1.0 opens
+    only insecure ones), and requests that require a leader. Its RPC methods are aetcd's."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout_s: float,
+        credentials: grpc.ChannelCredentials | None,
+        server_name: str | None,
+    ) -> None:
+        options: dict[str, Any] = dict(GRPC_OPTIONS)
+        if server_name is not None:
+            options["grpc.ssl_target_name_override"] = server_name
+        super().__init__(host, port, timeout=timeout_s, options=options)
+        self._target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        # No await in here: channels connect lazily, so no other task can interleave (aetcd's
+        # own connect guards that with a flag because it may authenticate first).
+        if self._connected.is_set():
+            return
+        options = list(self._options.items())
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(self._target, options=options)
+        else:
+            channel = grpc.aio.secure_channel(self._target, self._credentials, options=options)
+        self.channel = channel
+        self.metadata = REQUIRE_LEADER
+        self.kvstub = rpc.KVStub(channel)
+        self.clusterstub = rpc.ClusterStub(channel)
+        self.leasestub = rpc.LeaseStub(channel)
+        self.maintenancestub = rpc.MaintenanceStub(channel)
+        self._watcher = aetcd.watcher.Watcher(
+            rpc.WatchStub(channel), timeout=self._timeout, metadata=self.metadata
+        )
+        self._connected.set()
 
 
 class _KeptLease:
@@ -138,9 +263,10 @@ class _KeptLease:
         interval = self.ttl_s / 3
         timeout = min(limits.ETCD_REQUEST_TIMEOUT_S, interval)
         failing = False
+        delay = interval
         while not (self.lost.is_set() or self._closed):
             _stop_if_cancelled()
-            await asyncio.sleep(interval)
+            await asyncio.sleep(delay)
             sent = time.monotonic()
             try:
                 reply = await self.metadata._call(
@@ -151,6 +277,7 @@ class _KeptLease:
                     return
                 self._expires_at = sent + reply.TTL
                 self.renewal_sent_s = sent
+                delay = interval
                 if failing:
                     log.info("%s: lease keep-alive works again", self.what)
                     failing = False
@@ -163,6 +290,10 @@ class _KeptLease:
                 if time.monotonic() >= self._expires_at:
                     self._lose(f"no keep-alive for a whole TTL ({self.ttl_s} s): {error}")
                     return
+                # Try again soon, backing off, not a third of the TTL later: the next
+                # endpoint may answer, and a keep-alive that timed out took a third already
+                # (another third's wait would pass the fence, rules.membership_valid_until).
+                delay = limits.ETCD_RETRY_BACKOFF_MIN_S if not failing else min(interval, delay * 2)
                 if not failing:
                     log.warning("%s: lease keep-alive failed, retrying: %s", self.what, error)
                     failing = True
@@ -296,33 +427,84 @@ class Leadership:
 class ClusterMetadata:
     """One etcd client for cluster ``cluster``. Create with ``connect``; ``close`` when done.
 
-    Memberships and leaderships made through it are revoked by ``close``.
+    Memberships and leaderships made through it are revoked by ``close``. ``client`` is the
+    aetcd client of the endpoint in use; ``endpoint`` names it.
     """
 
-    def __init__(self, client: Any, endpoint: str, cluster: str, timeout_s: float) -> None:
-        self.client = client
-        self.endpoint = endpoint
+    def __init__(
+        self,
+        clients: Sequence[Any],
+        endpoints: Sequence[str],
+        cluster: str,
+        timeout_s: float,
+    ) -> None:
+        assert len(clients) == len(endpoints) >= 1, (len(clients), endpoints)
+        self.clients = list(clients)
+        self.endpoints = list(endpoints)
         self.cluster = cluster
         self.timeout_s = timeout_s
         self.prefix = f"/changefeed/{cluster}/"
+        self.switches = 0  # moves to another endpoint (logs, tests)
+        self._current = 0
         self._leases: list[_KeptLease] = []
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @property
+    def client(self) -> Any:
+        return self.clients[self._current]
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints[self._current]
 
     @classmethod
     async def connect(
-        cls, endpoint: str, cluster: str, *, timeout_s: float = limits.ETCD_REQUEST_TIMEOUT_S
+        cls,
+        endpoint: str | Sequence[str],
+        cluster: str,
+        *,
+        timeout_s: float = limits.ETCD_REQUEST_TIMEOUT_S,
+        tls: EtcdTls | None = None,
     ) -> ClusterMetadata:
-        """Connect to the etcd at ``endpoint`` (``http://127.0.0.1:PORT``) and check it answers.
+        """Connect to the etcd at ``endpoint`` (``http://127.0.0.1:PORT``; several, of one
+        etcd, comma-separated or as a list; ``https://`` with ``tls``) and check it answers
+        (trying each endpoint in turn).
 
         Raises:
-            ValueError: a malformed endpoint or cluster name.
-            MetadataUnavailableError: etcd did not answer within ``timeout_s``.
+            ValueError: a malformed endpoint or cluster name, https without ``tls`` or http
+                with it, or a TLS file that cannot be read.
+            MetadataUnavailableError: no endpoint answered within ``timeout_s``.
         """
-        host, port = parse_endpoint(endpoint)
+        endpoints = parse_endpoints(endpoint)
         _check_name("cluster", cluster)
-        client = aetcd.Client(host, port, timeout=timeout_s, options=dict(GRPC_OPTIONS))
-        metadata = cls(client, endpoint, cluster, timeout_s)
+        secure = endpoints[0].startswith("https:")
+        if secure and tls is None:
+            raise ValueError(f"etcd {','.join(endpoints)} is https: give its CA and a certificate")
+        if tls is not None and not secure:
+            raise ValueError(f"etcd {','.join(endpoints)} is not https, yet TLS files were given")
+        credentials = tls.credentials() if tls is not None else None
+        clients = []
+        for url in endpoints:
+            _scheme, host, port = _split_endpoint(url)
+            server_name = tls.server_name if tls is not None else None
+            clients.append(
+                _Client(
+                    host,
+                    port,
+                    timeout_s=timeout_s,
+                    credentials=credentials,
+                    server_name=server_name,
+                )
+            )
+        metadata = cls(clients, endpoints, cluster, timeout_s)
         try:
-            await metadata._call(client.get(metadata.key("map")), "connect")
+            for attempt in range(len(endpoints)):
+                try:
+                    await metadata._call(metadata.client.get(metadata.key("map")), "connect")
+                    break
+                except MetadataUnavailableError:
+                    if attempt + 1 == len(endpoints):
+                        raise
         except BaseException:
             await metadata.close()
             raise
@@ -330,14 +512,20 @@ class ClusterMetadata:
 
     async def close(self) -> None:
         """Revoke this client's leases (memberships, leaderships) still kept, and close the
-        connection. (A lease closed without revoking stays until its TTL.)"""
+        connections. (A lease closed without revoking stays until its TTL.)"""
         for lease in self._leases:
             if not lease.lost.is_set():
                 await lease.close()
         self._leases.clear()
+        if self._closing:
+            await asyncio.wait(self._closing)
+        for client in self.clients:
+            await self._close_client(client)
+
+    async def _close_client(self, client: Any) -> None:
         with contextlib.suppress(Exception):  # closing a dead channel may complain
             async with asyncio.timeout(self.timeout_s):
-                await self.client.close()
+                await client.close()
 
     async def __aenter__(self) -> ClusterMetadata:
         return self
@@ -348,24 +536,43 @@ class ClusterMetadata:
     def key(self, suffix: str) -> bytes:
         return (self.prefix + suffix).encode()
 
+    def _fail_over(self, failed: int) -> None:
+        """After a request to endpoint ``failed`` failed: use the next endpoint from now on
+        (unless another failure already moved on), and close the failed one's channel so its
+        watches end and start again on the next (a watch on a cut-off member stays silent)."""
+        if len(self.clients) == 1 or self._current != failed:
+            return
+        self._current = (failed + 1) % len(self.clients)
+        self.switches += 1
+        log.warning(
+            "etcd at %s failed: using %s", self.endpoints[failed], self.endpoints[self._current]
+        )
+        task = asyncio.get_running_loop().create_task(
+            self._close_client(self.clients[failed]), name="etcd channel close"
+        )
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def _call(self, awaitable: Awaitable[T], what: str, timeout_s: float | None = None) -> T:
-        """Await one etcd request with a deadline; any failure becomes one line naming etcd."""
+        """Await one etcd request with a deadline; any failure becomes one line naming etcd,
+        and the next request goes to the next endpoint."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        used, endpoint = self._current, self.endpoint
         try:
             # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a cancellation that
             # races with the result, and a loop around it would then never stop
             async with asyncio.timeout(timeout_s):
                 return await awaitable
         except TimeoutError:
+            self._fail_over(used)
             raise MetadataUnavailableError(
-                f"etcd at {self.endpoint} did not answer {what} in {timeout_s:g} s"
+                f"etcd at {endpoint} did not answer {what} in {timeout_s:g} s"
             ) from None
         except aetcd.exceptions.ClientError as error:
             _stop_if_cancelled()  # gRPC turns our cancellation into an RPC error
+            self._fail_over(used)
             detail = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise MetadataUnavailableError(
-                f"etcd at {self.endpoint}: {what} failed: {detail}"
-            ) from None
+            raise MetadataUnavailableError(f"etcd at {endpoint}: {what} failed: {detail}") from None
 
     async def _grant(self, ttl_s: int, what: str) -> int:
         if ttl_s < limits.ETCD_LEASE_TTL_S_MIN:
@@ -751,6 +958,7 @@ class ClusterMetadata:
         outage = False
         while True:
             _stop_if_cancelled()
+            used = self._current
             try:
                 got = await self._call(self.client.get_range(key, range_end), "read")
                 state = {kv.key: kv for kv in got}
@@ -777,6 +985,7 @@ class ClusterMetadata:
                         async with asyncio.timeout(self.timeout_s):
                             await watch.cancel()
             except (MetadataUnavailableError, aetcd.exceptions.ClientError) as error:
+                self._fail_over(used)  # a watch that broke: the next member may answer
                 if not outage:
                     log.warning("watching %r: %s; retrying", key, str(error).splitlines()[0])
                     outage = True

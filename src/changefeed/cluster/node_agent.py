@@ -32,7 +32,7 @@ import os
 import time
 from collections.abc import Iterator
 
-from changefeed.cluster.metadata import ClusterMetadata, Membership
+from changefeed.cluster.metadata import ClusterMetadata, EtcdTls, Membership
 from changefeed.cluster.orchestrator import Orchestrator
 from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
 from changefeed.cluster.rules import (
@@ -43,6 +43,7 @@ from changefeed.cluster.rules import (
     serving_state,
     wanted_state,
 )
+from changefeed.server.config import NodeConfig
 from changefeed.server.node import Node
 from changefeed.vbmap import ClusterMap, NodeAddress
 
@@ -58,6 +59,15 @@ def replication_password() -> str:
     """The password replicas authenticate with at their actives: every node of a cluster has
     the user (created from ``CHANGEFEED_PASSWORD`` on first start, see server/node.py)."""
     return os.environ.get("CHANGEFEED_PASSWORD", "password")
+
+
+def etcd_tls(config: NodeConfig) -> EtcdTls | None:
+    """What the node presents to an https etcd: its own certificate and key, the cluster CA
+    trusted (config checked they are all given); None for a plain-http etcd."""
+    if not config.etcd.lstrip().startswith("https://"):
+        return None
+    assert config.tls_ca and config.tls_cert and config.tls_key, "NodeConfig.validate checks"
+    return EtcdTls(config.tls_ca, config.tls_cert, config.tls_key)
 
 
 class NodeAgent:
@@ -97,7 +107,7 @@ class NodeAgent:
             MetadataUnavailableError: etcd did not answer (the node does not serve without it).
         """
         cfg = self.config
-        self.metadata = await ClusterMetadata.connect(cfg.etcd, cfg.cluster)
+        self.metadata = await ClusterMetadata.connect(cfg.etcd, cfg.cluster, tls=etcd_tls(cfg))
         self.membership = await self.metadata.register_node(self.me, cfg.failover_timeout_s)
         orchestrator = Orchestrator(
             self.metadata,

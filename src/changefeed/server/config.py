@@ -53,7 +53,9 @@ class NodeConfig:
     # active, the map kept in memory. With it, vbuckets the map has not given this node yet
     # start dead, and the orchestrator (one per cluster, elected) places them.
     node_name: str = "n0"  # unique in the cluster; names the node in the map and etcd
-    etcd: str = ""  # e.g. http://127.0.0.1:2379
+    # e.g. http://127.0.0.1:2379; several members of one etcd comma-separated (the node moves
+    # to the next when one fails); https: the node's tls_cert/tls_key/tls_ca are used there
+    etcd: str = ""
     cluster: str = "default"  # the cluster's name (its etcd key prefix)
     replicas: int = 0  # replica copies per vbucket the orchestrator places (0..3)
     expected_nodes: int = 1  # the orchestrator writes the first map once this many are up
@@ -138,8 +140,8 @@ class NodeConfig:
             raise ConfigError(f"replicas {self.replicas} must be 0..{REPLICAS_MAX}")
         if self.expected_nodes < 1:
             raise ConfigError(f"expected_nodes {self.expected_nodes} must be at least 1")
-        if self.etcd and not self.etcd.startswith(("http://", "https://")):
-            raise ConfigError(f"etcd {self.etcd!r} must be a URL like http://127.0.0.1:2379")
+        if self.etcd:
+            self._validate_etcd()
         if not 2 <= self.failover_timeout_s <= 3600:
             raise ConfigError(f"failover_timeout_s {self.failover_timeout_s} must be 2..3600")
         if not 0 < self.replica_lag_max_s < float("inf"):
@@ -156,6 +158,24 @@ class NodeConfig:
             if not 0 <= value < float("inf"):
                 raise ConfigError(f"{key} {value} must be a number of seconds >= 0")
         return self
+
+    def _validate_etcd(self) -> None:
+        # cluster/metadata.py parses each endpoint; here only what a node needs to use them.
+        endpoints = [part.strip() for part in self.etcd.split(",")]
+        for endpoint in endpoints:
+            if not endpoint.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"etcd endpoint {endpoint!r} must be a URL like http://127.0.0.1:2379 "
+                    "(several: comma-separated)"
+                )
+        secure = {endpoint.startswith("https://") for endpoint in endpoints}
+        if len(secure) > 1:
+            raise ConfigError(f"etcd {self.etcd!r} mixes http and https endpoints")
+        if True in secure and None in (self.tls_cert, self.tls_key, self.tls_ca):
+            raise ConfigError(
+                f"etcd {self.etcd!r} is https: the node presents its tls_cert and tls_key and "
+                "trusts tls_ca there (give all three)"
+            )
 
     def _validate_tls(self) -> None:
         if not 0 <= self.tls_port <= 65535:
