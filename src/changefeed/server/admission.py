@@ -81,6 +81,24 @@ class Refused:
     message: str
 
 
+COUNTER_HELP = {
+    "authenticating": "Connections still authenticating (TLS handshake included).",
+    "authenticated": "Authenticated connections (admins included).",
+    "admin": "Authenticated connections of users with the admin privilege (replica streams too).",
+    "users": "Users holding at least one connection.",
+    "busiest_user": "Connections of the user that holds the most.",
+    "authenticating_max": "Slots connections still authenticating share (one more closes the "
+    "oldest).",
+    "authenticated_max": "Slots every authenticated user may take together.",
+    "admin_max": "Slots admins may fill (the authenticated share plus the reserved ones).",
+    "per_user_max": "Connections one user may hold.",
+    "closed_authenticating_total": "Connections closed still authenticating to make room for a "
+    "new one.",
+    "closed_idle_total": "Idle authenticated connections closed to make room for a new one.",
+    "refused_total": "Authentications refused because every slot of their share was busy.",
+}
+
+
 class Admission:
     """The node's connection budgets (one per node, shared by its connections).
 
@@ -120,6 +138,26 @@ class Admission:
 
     def connections_of(self, user: str) -> int:
         return len(self._by_user.get(user, ()))
+
+    def counters(self) -> dict[str, int]:
+        """What the budgets hold and did, by name (``STAT connections`` and ``/metrics``
+        ``changefeed_connections_<name>``, described in ``COUNTER_HELP``): in use per class,
+        the busiest user's count, the shares, and the totals of each rule."""
+        shares = self.shares
+        return {
+            "authenticating": len(self._unauthenticated),
+            "authenticated": len(self._user_of),
+            "admin": len(self._admins),
+            "users": len(self._by_user),
+            "busiest_user": max((len(mine) for mine in self._by_user.values()), default=0),
+            "authenticating_max": shares.unauthenticated_max,
+            "authenticated_max": shares.authenticated_max,
+            "admin_max": shares.admin_max,
+            "per_user_max": shares.per_user_max,
+            "closed_authenticating_total": self.closed_unauthenticated,
+            "closed_idle_total": self.closed_idle,
+            "refused_total": self.refused,
+        }
 
     def arrived(self, member: Member) -> Member | None:
         """A new connection (not authenticated yet). Returns the oldest unauthenticated one to

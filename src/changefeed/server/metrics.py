@@ -13,6 +13,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from changefeed.server.admission import COUNTER_HELP as ADMISSION_HELP
+from changefeed.server.admission import Admission
 from changefeed.server.context import ServerContext
 
 
@@ -68,6 +70,13 @@ class NodeCollector(Collector):
         for name, vb, behind in context.dcp.lags():
             lag.add_metric([name, str(vb)], behind)
         yield lag
+
+
+def admission_gauges(admission: Admission) -> Iterator[GaugeMetricFamily]:
+    """The connection budgets (server/admission.py): ``changefeed_connections_<name>`` for
+    each of ``Admission.counters`` (the node adds this to ``ServerContext.metric_providers``)."""
+    for key, value in admission.counters().items():
+        yield _gauge(f"changefeed_connections_{key}", ADMISSION_HELP[key], value)
 
 
 def _background_gauges(context: ServerContext) -> Iterator[GaugeMetricFamily]:

@@ -18,6 +18,7 @@ import ssl
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -31,7 +32,7 @@ from changefeed.server.connection import ClientConnection
 from changefeed.server.context import ServerContext
 from changefeed.server.expiry_pager import ExpiryPager
 from changefeed.server.manifest import ManifestStore
-from changefeed.server.metrics import serve_metrics
+from changefeed.server.metrics import admission_gauges, serve_metrics
 from changefeed.server.rate_limit import ByteRate
 from changefeed.server.replication import ReplicationTracker
 from changefeed.server.shm_publisher import ShmPublisher
@@ -319,6 +320,7 @@ class Node:
         self.context.stat_providers["connections"] = self._connection_stats
         self._server: asyncio.Server | None = None
         self._tls_server: asyncio.Server | None = None
+        self.context.metric_providers.append(partial(admission_gauges, self.admission))
         self._metrics: asyncio.Server | None = None
         self._deadlines: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
@@ -330,6 +332,7 @@ class Node:
         shares = admission.shares
         tls = sum(1 for conn in self.context.connections if getattr(conn, "tls", False))
         # Connections a node certificate authenticated (server/connection.py, --tls-ca).
+        counters = admission.counters()  # also on /metrics: changefeed_connections_<name>
         by_certificate = sum(1 for c in self.context.connections if getattr(c, "peer_node", None))
         return [
             ("curr_connections", str(len(self.context.connections))),
@@ -348,6 +351,7 @@ class Node:
             ("refused_authentications_total", str(admission.refused)),
         ]
 
+            *((key, str(counters[key])) for key in ("admin", "users", "busiest_user")),
     def _close_revoked(self) -> None:
         """After a reload: close the connections of node certificates the CRL now lists."""
         assert self.tls is not None

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from changefeed.server.admission import Admission, Refused, Shares
 
 
@@ -117,3 +122,65 @@ def test_a_failed_reauthentication_makes_a_connection_unauthenticated_again() ->
     admission.unauthenticated_again(conn)  # already: keeps its place
     assert admission.unauthenticated == 1
     admission._check_invariants()
+
+
+class _Model:
+    """What the budgets should hold: each connection's kind, nothing more."""
+
+    def __init__(self) -> None:
+        self.kind: dict[int, tuple[str, bool] | None] = {}  # None: authenticating
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["arrive", "auth", "leave", "fail"]),
+            st.integers(0, 11),
+            st.sampled_from(["app", "etl", "Administrator"]),
+        ),
+        max_size=60,
+    )
+)
+def test_counters_match_a_model_of_who_holds_what(
+    steps: list[tuple[str, int, str]],
+) -> None:
+    """Every connection is idle enough to be closed for room, so no authentication is refused;
+    the counters then equal what a plain model of the connections' kinds says."""
+    clock = Clock()
+    admission = Admission(Shares.of(12, 3, 2, 2), clock=clock, idle_min_s=0.0)
+    conns = [Fake(clock) for _ in range(12)]
+    model = _Model()
+    for action, index, user in steps:
+        conn, admin = conns[index], user == "Administrator"
+        if action == "arrive" and index not in model.kind:
+            oldest = admission.arrived(conn)
+            if oldest is not None:
+                del model.kind[conns.index(oldest)]
+            model.kind[index] = None
+        elif action == "auth" and index in model.kind:
+            refusal, victims = admission.authenticated_as(conn, user, admin=admin)
+            for victim in victims:
+                del model.kind[conns.index(victim)]
+            if refusal is None:
+                model.kind[index] = (user, admin)
+            else:
+                del model.kind[index]
+        elif action == "fail" and index in model.kind:
+            admission.unauthenticated_again(conn)
+            model.kind[index] = None
+        elif action == "leave" and index in model.kind:
+            admission.left(conn)
+            del model.kind[index]
+        admission._check_invariants()
+        counters = admission.counters()
+        kinds = list(model.kind.values())
+        held = [kind for kind in kinds if kind is not None]
+        per_user = Counter(user for user, _admin in held)
+        assert counters["authenticating"] == kinds.count(None), (counters, model.kind)
+        assert counters["authenticated"] == len(held)
+        assert counters["admin"] == sum(1 for _user, admin in held if admin)
+        assert counters["users"] == len(per_user)
+        assert counters["busiest_user"] == max(per_user.values(), default=0)
+        assert counters["busiest_user"] <= counters["per_user_max"] == 2
+        assert counters["authenticating"] <= counters["authenticating_max"] == 3
