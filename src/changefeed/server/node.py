@@ -318,9 +318,9 @@ class Node:
         self._tls_watch: asyncio.Task[None] | None = None
         self.tls_port = 0  # the bound TLS port once listening; 0: no TLS listener
         self.context.stat_providers["connections"] = self._connection_stats
+        self.context.metric_providers.append(partial(admission_gauges, self.admission))
         self._server: asyncio.Server | None = None
         self._tls_server: asyncio.Server | None = None
-        self.context.metric_providers.append(partial(admission_gauges, self.admission))
         self._metrics: asyncio.Server | None = None
         self._deadlines: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
@@ -330,9 +330,9 @@ class Node:
         """STAT connections: the budgets' state and what they closed or refused (admission.py)."""
         admission = self.admission
         shares = admission.shares
+        counters = admission.counters()  # also on /metrics: changefeed_connections_<name>
         tls = sum(1 for conn in self.context.connections if getattr(conn, "tls", False))
         # Connections a node certificate authenticated (server/connection.py, --tls-ca).
-        counters = admission.counters()  # also on /metrics: changefeed_connections_<name>
         by_certificate = sum(1 for c in self.context.connections if getattr(c, "peer_node", None))
         return [
             ("curr_connections", str(len(self.context.connections))),
@@ -349,9 +349,9 @@ class Node:
             ("closed_unauthenticated_total", str(admission.closed_unauthenticated)),
             ("closed_idle_total", str(admission.closed_idle)),
             ("refused_authentications_total", str(admission.refused)),
+            *((key, str(counters[key])) for key in ("admin", "users", "busiest_user")),
         ]
 
-            *((key, str(counters[key])) for key in ("admin", "users", "busiest_user")),
     def _close_revoked(self) -> None:
         """After a reload: close the connections of node certificates the CRL now lists."""
         assert self.tls is not None
