@@ -426,12 +426,13 @@ def main() -> None:
     parser.add_argument("--no-durable", action="store_true", help="node without fsync")
     parser.add_argument("--no-redis", action="store_true")
     parser.add_argument("--only", choices=["all", "raw", "sdk"], default="all")
-    parser.add_argument("--shape", help="only shapes whose name contains this")
+    parser.add_argument("--shape", help="only shapes whose name contains one of these (a,b)")
     parser.add_argument("--profile", action="store_true", help="py-spy the node for each row")
     args = parser.parse_args()
     count = 20_000 if args.quick else args.items
     work = Path(tempfile.mkdtemp(prefix="bench-raw-"))
-    chosen = [s for s in shapes(args.only) if not args.shape or args.shape in s.name]
+    wanted = args.shape.split(",") if args.shape else [""]
+    chosen = [s for s in shapes(args.only) if any(w in s.name for w in wanted)]
     print(f"# bench_raw_clients: {count:,} items a row, {VBUCKETS} vbuckets, 15-byte keys, "
           f"100-byte values; node {'--no-durable' if args.no_durable else 'durable'}")  # fmt: skip
     print(f"# load average at start: {load_average()}")

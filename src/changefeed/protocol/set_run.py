@@ -69,6 +69,31 @@ class SetRun:
     def __len__(self) -> int:
         return len(self.opaques)
 
+    def extend(self, other: SetRun) -> None:
+        """Append `other`'s writes (it follows this run on the wire)."""
+        self.vbuckets += other.vbuckets
+        self.opaques += other.opaques
+        self.keys += other.keys
+        self.values += other.values
+        self.flags += other.flags
+        self.expiries += other.expiries
+        self.datatypes += other.datatypes
+        self.consumed += other.consumed
+        self.checked = self.checked and other.checked
+
+    def select(self, indexes: Sequence[int]) -> SetRun:
+        """The writes at `indexes`, in that order, as a run of their own (checked as this one)."""
+        return SetRun(
+            [self.vbuckets[i] for i in indexes],
+            [self.opaques[i] for i in indexes],
+            [self.keys[i] for i in indexes],
+            [self.values[i] for i in indexes],
+            [self.flags[i] for i in indexes],
+            [self.expiries[i] for i in indexes],
+            [self.datatypes[i] for i in indexes],
+            checked=self.checked,
+        )
+
 
 def take_set_run(
     buffer: bytes | bytearray, start: int, frame_size_max: int, items_max: int

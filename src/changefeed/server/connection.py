@@ -20,6 +20,7 @@ import asyncio
 import logging
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -73,6 +74,7 @@ from changefeed.server.compactor import answer_compact_db
 from changefeed.server.context import ServerContext
 from changefeed.server.dcp_pump import DcpPump
 from changefeed.server.privileges import Privilege, required_privilege
+from changefeed.server.request_window import RequestWindow
 from changefeed.server.stats import stat_group
 
 T = TypeVar("T")
@@ -208,6 +210,8 @@ class ClientConnection(asyncio.Protocol):
         self._out: list[bytes] | None = None  # replies of the batch being dispatched
         self.permitted: frozenset[int] = UNAUTHENTICATED_OPCODES  # see update_permitted
         self._out_bytes = 0
+        self._capturing = False  # replies collect for a later place in order (_captured)
+        self._held: deque[bytes | Frame] = deque()  # a window's replies/GETs not yet sent
         self.persistence_waits: set[asyncio.Future[None]] = set()  # SEQNO_PERSISTENCE pending
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
@@ -399,25 +403,59 @@ class ClientConnection(asyncio.Protocol):
         reader = self.reader
         next_frame = reader.next_frame
         runs = self._takes_set_runs()
+        # Plain SETs, GETs and DELETEs gather in a window (request_window.py); a collections
+        # connection's keys are qualified at dispatch, so its runs are applied as they come.
+        windows = runs and not self.collections
+        window: RequestWindow | None = None
+        window_max = limits.SET_RUN_ITEMS_MAX
         try:
-            while self.writable.is_set() and self._sasl_task is None:  # bounded by the bytes
-                if runs:
-                    run = reader.take_set_run(limits.SET_RUN_ITEMS_MAX)
+            if self._held:
+                self._emit_held()  # a window's replies that backpressure stopped
+            while self.writable.is_set() and self._sasl_task is None and not self._held:
+                if runs:  # bounded by the bytes
+                    run = reader.take_set_run(window_max - (len(window) if window else 0))
                     if run:
                         dispatched += len(run)
-                        self._store_run(run)
+                        if not windows:
+                            self._store_run(run)
+                            continue
+                        window = window or RequestWindow()
+                        rest = window.add_run(run)
+                        if rest is not None:  # a write to a key the window's GETs read
+                            self._run_window(window)
+                            window = RequestWindow()
+                            window.add_run(rest)
+                        if len(window) >= window_max:
+                            self._run_window(window)
+                            window = None
                         continue
                 frame = next_frame()
                 if frame is NEED_DATA or frame is CLOSED:
                     break
                 dispatched += 1
+                if windows and isinstance(frame, Frame):
+                    window = window or RequestWindow()
+                    if window.joins(frame):
+                        window.add_frame(frame)
+                        if len(window) >= window_max:
+                            self._run_window(window)
+                            window = None
+                        continue
+                if window is not None:
+                    self._run_window(window)
+                    window = None
                 if isinstance(frame, OversizedFrame):
                     self._reply_oversized(frame)
                     continue
                 assert isinstance(frame, Frame), frame
                 self._dispatch(frame)
                 runs = self._takes_set_runs()  # the frame may have been SELECT_BUCKET, SASL...
+                windows = runs and not self.collections
+            if window is not None:
+                self._run_window(window)
         except ProtocolError as error:
+            if window is not None:
+                self._run_window(window)  # the requests before the broken frame
             self._flush_replies()
             self._out = None
             self._close_for(error)
@@ -533,7 +571,7 @@ class ClientConnection(asyncio.Protocol):
         if out is not None:
             out.append(data)
             self._out_bytes += len(data)
-            if self._out_bytes >= limits.REPLY_BATCH_BYTES_MAX:
+            if self._out_bytes >= limits.REPLY_BATCH_BYTES_MAX and not self._capturing:
                 self._flush_replies()
             return
         if self.transport is not None and not self.transport.is_closing():
@@ -681,6 +719,84 @@ class ClientConnection(asyncio.Protocol):
             self._reply_error(Frame(Magic.REQUEST, Opcode.SET, vbucket=vb, opaque=opaque), error)
         if out:
             self.send(b"".join(out))
+
+    def _run_window(self, window: RequestWindow) -> None:
+        """Apply a window of plain SETs, GETs and DELETEs in its layers (request_window.py) and
+        answer every request in order: SETs packed as `_store_run` packs them, each DELETE's
+        reply as it was made, each GET after every write of the window, in its place."""
+        if window.only_sets:
+            self._store_run(window.run)
+            return
+        run, frames = window.run, window.frames
+        count = len(run)
+        cases, seqnos, vb_uuids = [0] * count, [0] * count, [0] * count
+        errors: dict[int, StatusError] = {}
+        deleted: dict[int, bytes] = {}
+        bucket = self.context.bucket
+        for layer in window.layers():
+            if layer.sets:
+                part = run if len(layer.sets) == count else run.select(layer.sets)
+                answers = bucket.set_run(part)
+                for at, index in enumerate(layer.sets):
+                    cases[index] = answers.cases[at]
+                    seqnos[index] = answers.seqnos[at]
+                    vb_uuids[index] = answers.vb_uuids[at]
+                for at, refused in answers.errors.items():
+                    errors[layer.sets[at]] = refused
+            for index in layer.deletes:
+                deleted[index] = self._captured(self._dispatch, frames[index])
+        token = Feature.MUTATION_SEQNO in self.features
+        held = self._held
+        packed: list[int] = []  # successes not yet packed, in order
+
+        def pack() -> None:
+            if not packed:
+                return
+            opaques = [run.opaques[i] for i in packed]
+            run_cases = [cases[i] for i in packed]
+            if token:
+                uuids, numbers = [vb_uuids[i] for i in packed], [seqnos[i] for i in packed]
+                held.append(pack_set_successes(opaques, run_cases, uuids, numbers))
+            else:
+                held.append(pack_set_successes(opaques, run_cases))
+            packed.clear()
+
+        for op in window.order:
+            if op >= 0:
+                error = errors.get(op)
+                if error is None:
+                    packed.append(op)
+                    continue
+                pack()
+                request = Frame(Magic.REQUEST, Opcode.SET, vbucket=run.vbuckets[op],
+                                opaque=run.opaques[op])  # fmt: skip
+                held.append(self._captured(self._reply_error, request, error))
+                continue
+            pack()
+            held.append(deleted[~op] if ~op in deleted else frames[~op])  # a GET: in its turn
+        pack()
+        self._emit_held()
+
+    def _emit_held(self) -> None:
+        """Send a window's replies in order and answer its GETs in their turn, until replies
+        back up (`resume_writing` processes the rest before any later request)."""
+        held = self._held
+        while held and self.writable.is_set():
+            item = held.popleft()
+            if isinstance(item, Frame):
+                self._dispatch(item)
+            else:
+                self.send(item)
+
+    def _captured(self, answer: Callable[..., None], *args: Any) -> bytes:
+        """The replies `answer(*args)` sends, collected to be sent later in their place."""
+        out, out_bytes = self._out, self._out_bytes
+        self._out, self._capturing = [], True
+        try:
+            answer(*args)
+            return b"".join(self._out)
+        finally:
+            self._out, self._out_bytes, self._capturing = out, out_bytes, False
 
     def _refuse_unpermitted(self, frame: Frame) -> None:
         if self.sasl.user is None:
@@ -911,6 +1027,8 @@ def _dcp_open(c: ClientConnection, f: Frame) -> None:
         consumer_name=message.consumer_name,
         clock=context.monotonic,
         backfill_slots=context.backfill_slots,
+        collections=c.collections,
+        manifest=context.manifests,
     )
     replica = None  # the node whose replica vbuckets this feeds, and who tracks it
     if message.role is StreamRole.REPLICA and message.consumer_name and context.replication:

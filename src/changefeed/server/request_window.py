@@ -1,0 +1,130 @@
+"""A window of pipelined plain SETs, GETs and DELETEs, planned so its SETs go through the
+batched path in a few runs instead of one run per gap between other requests. No I/O.
+
+A client that mixes GETs and DELETEs into its SETs (an application's working set, the
+Couchbase SDKs' mixed batches) used to cut the received buffer into runs of a few SETs each,
+and a run costs the node a fixed amount per call and per vbucket it touches (one store read
+transaction, one checkpoint step per vbucket): a mix of 2 SETs : 1 GET : 1 DELETE cost ~4x a
+pure SET pipeline per request. Requests on different vbuckets do not see each other (each
+vbucket has its own seqnos and keys), so only each vbucket's own order must hold:
+
+* a DELETE is a write: on its vbucket it comes after the SETs before it and before the SETs
+  after it. SET number i of a vbucket goes in *layer* d, the number of DELETEs on that vbucket
+  before it; the window applies layer 0's SETs of every vbucket as one run, then the DELETEs
+  that end layer 0 on their vbuckets, then layer 1's SETs, and so on. The number of runs is
+  one more than the most DELETEs any one vbucket has in the window, not the number of gaps;
+* a GET is answered after every write of the window, in its place among the replies: it sees
+  what it would have seen in order as long as no later write of the window touches its key,
+  so a write to a key an earlier GET of the window read ends the window before that write
+  (`add_run` returns the rest, `joins` refuses the DELETE; both start the next window).
+
+Replies still go out in request order (the connection holds the window's SET and DELETE
+replies until each one's turn). Anything but a classic-magic GET or DELETE (a CAS SET, a
+framing extra, a durability level, any other opcode) is not part of a window: the connection
+applies the window and then dispatches it alone, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+from changefeed.protocol.frame import Frame
+from changefeed.protocol.opcode import Magic, Opcode
+from changefeed.protocol.set_run import SetRun
+
+# GETs one window may answer: their replies (up to VALUE_SIZE_MAX each) are written at the end
+# of the window, and the connection stops at the first that backs its replies up (the rest wait
+# for resume_writing), so this bounds only the work of one step.
+GETS_PER_WINDOW_MAX: Final = 256
+_GET: Final = int(Opcode.GET)
+_DELETE: Final = int(Opcode.DELETE)
+_CLASSIC: Final = int(Magic.REQUEST)
+
+
+@dataclass(slots=True)
+class Layer:
+    """Writes of a window applied together: `sets` (indexes into the window's run) as one run,
+    then `deletes` (indexes into the window's frames) one by one, in request order."""
+
+    sets: list[int] = field(default_factory=list)
+    deletes: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestWindow:
+    """Requests in arrival order: SETs as columns (`run`), GETs and DELETEs as frames.
+    `order` lists them as they arrived: `i >= 0` is SET `i` of `run`, `~j` frame `j`."""
+
+    run: SetRun = field(default_factory=SetRun)
+    frames: list[Frame] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)
+    _reads: set[tuple[int, bytes]] = field(default_factory=set)  # (vbucket, key) of the GETs
+    _gets: int = 0
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    @property
+    def only_sets(self) -> bool:
+        return not self.frames
+
+    def add_run(self, run: SetRun) -> SetRun | None:
+        """Take `run`'s SETs up to the first that writes a key an earlier GET of this window
+        read; return the SETs from that one on (the next window's), or None."""
+        cut = len(run)
+        reads = self._reads
+        if reads:
+            for index, read in enumerate(zip(run.vbuckets, run.keys, strict=True)):
+                if read in reads:
+                    cut = index
+                    break
+        rest = None
+        if cut < len(run):
+            rest = run.select(range(cut, len(run)))
+            run = run.select(range(cut))
+        first = len(self.run)
+        if first == 0 and not self.frames:
+            self.run = run
+        else:
+            self.run.extend(run)
+        self.order.extend(range(first, first + len(run)))
+        return rest
+
+    def joins(self, frame: Frame) -> bool:
+        """Whether `frame` may join: a classic-magic GET (while the window has room for GETs) or
+        DELETE of a key no earlier GET of the window read."""
+        if frame.magic != _CLASSIC:
+            return False
+        if frame.opcode == _GET:
+            return self._gets < GETS_PER_WINDOW_MAX
+        return frame.opcode == _DELETE and (frame.vbucket, frame.key) not in self._reads
+
+    def add_frame(self, frame: Frame) -> None:
+        assert self.joins(frame), frame
+        if frame.opcode == _GET:
+            self._reads.add((frame.vbucket, frame.key))
+            self._gets += 1
+        self.order.append(~len(self.frames))
+        self.frames.append(frame)
+
+    def layers(self) -> list[Layer]:
+        """The window's writes in the order to apply them (see the module docstring)."""
+        deletes_seen: dict[int, int] = {}  # vbucket -> DELETEs of the window on it so far
+        layers = [Layer()]
+        vbuckets = self.run.vbuckets
+        frames = self.frames
+        for op in self.order:
+            if op >= 0:
+                layer = deletes_seen.get(vbuckets[op], 0)
+                layers[layer].sets.append(op)
+                continue
+            frame = frames[~op]
+            if frame.opcode != _DELETE:
+                continue  # a GET: answered after every write
+            layer = deletes_seen.get(frame.vbucket, 0)
+            layers[layer].deletes.append(~op)
+            deletes_seen[frame.vbucket] = layer + 1
+            if layer + 1 == len(layers):
+                layers.append(Layer())
+        return layers
