@@ -1,0 +1,253 @@
+"""The distributed mirror writer (``dist_mirror.py``) on ``local[2]``, with hand-built batches.
+
+Batches of a random stream go through ``MirrorWriter(...)(df, batch_id)`` as Spark DataFrames,
+each run twice (a replay must change nothing), and the tables are compared with a model: the
+mirror's rows, the changelog's ``_change_type``/``_commit_version``, each vbucket's committed
+position and the watermark. A crash between the two commits is finished by the replay; a second
+job on the same tables is refused in one line; and the same round trip runs on S3 (a
+``moto_server`` on loopback). Rollbacks with a real node: ``test_pipeline.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+
+from changefeed.spark import ARROW_SCHEMA, MirrorWriter, read_mirror
+from changefeed.spark.delta_files import GROUP_COLUMN
+from changefeed.spark.dist_mirror import DistributedMirrorWriter, MirrorOwnerError
+from changefeed.spark.mirror import APP_ID
+from changefeed.spark.mirror_status import changes, mirror_status
+from changefeed.spark.table_lease import MirrorBusyError
+from changefeed.spark.watermark import hlc_ns
+from changefeed.vbmap import vbucket_for_key
+
+VBUCKETS = 16
+OPTIONS = {"cluster": "127.0.0.1:1", "mirrorGroups": "4", "mirrorTasks": "2"}  # no rollbacks
+
+
+class Stream:
+    """A random change stream and its model: each key's live value, each vbucket's last
+    (seqno, cas), and the change type each row must get."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.seqno = dict.fromkeys(range(VBUCKETS), 0)
+        self.clock = 1_700_000_000_000_000_000
+        self.live: dict[str, bytes] = {}
+        self.last: dict[int, tuple[int, int]] = {}
+
+    def batch(self, count: int) -> tuple[pa.Table, list[str]]:
+        rows, types = [], []
+        for _ in range(count):
+            key = f"k{self.rng.randrange(40)}"
+            vb = vbucket_for_key(key.encode(), VBUCKETS)
+            self.seqno[vb] += 1
+            self.clock += self.rng.randrange(1, 1000) << 16
+            deleting = key in self.live and self.rng.random() < 0.25
+            value = b"" if deleting else f"{key}-{self.seqno[vb]}".encode()
+            rows.append({
+                "vbucket": vb, "seqno": self.seqno[vb], "key": key, "value": value,
+                "op": "deletion" if deleting else "mutation", "cas": self.clock, "expiry": 0,
+                "flags": 0, "rev_seqno": 1, "snap_start": self.seqno[vb],
+                "snap_end": self.seqno[vb],
+            })  # fmt: skip
+            types.append(
+                "delete" if deleting else "update_postimage" if key in self.live else "insert"
+            )
+            if deleting:
+                del self.live[key]
+            else:
+                self.live[key] = value
+            self.last[vb] = (self.seqno[vb], self.clock)
+        return pa.Table.from_pylist(rows, schema=ARROW_SCHEMA), types
+
+
+def mirror_values(tables: str, storage_options: dict[str, str] | None = None) -> dict[str, bytes]:
+    table = read_mirror(tables, storage_options)
+    assert GROUP_COLUMN not in table.column_names
+    keys, values = table.column("key").to_pylist(), table.column("value").to_pylist()
+    assert len(set(keys)) == len(keys), "a key twice in the mirror"
+    return dict(zip(keys, values, strict=True))
+
+
+def run_stream(spark: Any, tables: str, rng: random.Random, batches: int,
+               storage_options: dict[str, str] | None = None) -> Stream:  # fmt: skip
+    stream = Stream(rng)
+    writer = MirrorWriter(tables, OPTIONS, storage_options=storage_options)
+    for batch_id in range(batches):
+        rows, types = stream.batch(rng.randrange(0, 60))
+        df = spark.createDataFrame(rows)
+        writer(df, batch_id)
+        writer(df, batch_id)  # a replay: skipped
+        assert mirror_values(tables, storage_options) == stream.live
+        logged = changes(tables, batch_id, batch_id, storage_options)
+        assert sorted(zip(logged.column("seqno").to_pylist(), logged.column("key").to_pylist(),
+                          logged.column("_change_type").to_pylist(), strict=True)) == sorted(
+            zip(rows.column("seqno").to_pylist(), rows.column("key").to_pylist(), types,
+                strict=True)
+        ), batch_id  # fmt: skip
+        assert set(logged.column("batch_id").to_pylist()) <= {batch_id}
+    writer.close()
+    return stream
+
+
+def test_batches_replays_change_types_and_watermark(
+    spark: Any, tmp_path: Path, rng: random.Random
+) -> None:
+    tables = str(tmp_path / "tables")
+    stream = run_stream(spark, tables, rng, batches=3)
+    status = mirror_status(tables)
+    assert status.writer == "distributed"
+    assert status.batch == 2
+    assert status.rows == len(stream.live)
+    assert status.positions == stream.last
+    assert status.resolved_hlc_ns == min(hlc_ns(cas) for _, cas in stream.last.values())
+    mirror = DeltaTable(tables + "/mirror")
+    assert mirror.metadata().partition_columns == [GROUP_COLUMN]
+    assert status.changelog_version is not None
+    versions = changes(tables).column("_commit_version").to_pylist()
+    assert versions == sorted(versions) and set(versions) <= set(
+        range(status.changelog_version + 1)
+    )
+
+
+def test_a_crash_between_the_commits_is_finished_by_the_replay(
+    spark: Any, tmp_path: Path, rng: random.Random, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tables = str(tmp_path / "tables")
+    stream = Stream(rng)
+    rows, _ = stream.batch(30)
+    commit = DistributedMirrorWriter._commit
+
+    def crash_at_the_mirror(self: DistributedMirrorWriter, table: Any, uri: str, name: str,
+                            *args: Any) -> None:  # fmt: skip
+        if name == "mirror":
+            raise RuntimeError("driver died")
+        commit(self, table, uri, name, *args)
+
+    monkeypatch.setattr(DistributedMirrorWriter, "_commit", crash_at_the_mirror)
+    with pytest.raises(RuntimeError, match="driver died"):
+        MirrorWriter(tables, OPTIONS)(spark.createDataFrame(rows), 0)
+    monkeypatch.setattr(DistributedMirrorWriter, "_commit", commit)
+    assert DeltaTable(tables + "/changelog").transaction_version(APP_ID) == 0
+    MirrorWriter(tables, OPTIONS)(spark.createDataFrame(rows), 0)
+    assert mirror_values(tables) == stream.live
+    assert len(changes(tables)) == rows.num_rows  # logged once
+    MirrorWriter(tables, OPTIONS)(spark.createDataFrame(stream.batch(3)[0]), 1)
+    with pytest.raises(MirrorOwnerError, match="hold micro-batch 1 of another query"):
+        MirrorWriter(tables, OPTIONS)(spark.createDataFrame(rows), 0)  # another checkpoint
+
+
+def hold_lease(root: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Another job: a process holding the tables' lease until it is killed."""
+    code = (
+        "import sys, time\n"
+        "from changefeed.spark.table_lease import TablesLease\n"
+        "TablesLease(sys.argv[1], None).hold()\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, root], stdout=subprocess.PIPE,
+                            env={**os.environ, **(env or {})})  # fmt: skip
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == b"held\n", "the lease holder did not start"
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_second_job_on_the_same_tables_is_refused(
+    spark: Any, tmp_path: Path, rng: random.Random
+) -> None:
+    tables = str(tmp_path / "tables")
+    rows, _ = Stream(rng).batch(10)
+    other = hold_lease(tables)
+    try:
+        with pytest.raises(MirrorBusyError) as refused:
+            MirrorWriter(tables, OPTIONS)(spark.createDataFrame(rows), 0)
+        message = str(refused.value)
+        assert "\n" not in message and f"{socket.gethostname()}:{other.pid}" in message, message
+        assert not os.path.exists(tables + "/mirror")
+    finally:
+        stop(other)
+    writer = MirrorWriter(tables, OPTIONS)  # the holder is gone: taken over at once
+    writer(spark.createDataFrame(rows), 0)
+    writer.close()
+    assert mirror_status(tables).batch == 0
+
+
+# -- S3 ----------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A moto S3 server on loopback with a bucket ``mirror``; its storage options."""
+    port = free_port()
+    log = (tmp_path / "moto.log").open("wb")
+    server = Path(sys.executable).parent / "moto_server"
+    proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=log,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # bounded by the deadline
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "moto.log").read_text()
+                assert time.monotonic() < deadline, "moto_server did not start"
+                time.sleep(0.2)
+        options = {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+            "AWS_ALLOW_HTTP": "true", "AWS_S3_ALLOW_UNSAFE_RENAME": "true",
+        }  # fmt: skip
+        import pyarrow.fs as pafs
+
+        bucket_maker = pafs.S3FileSystem(
+            access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
+            endpoint_override=f"127.0.0.1:{port}", allow_bucket_creation=True,
+        )  # fmt: skip
+        bucket_maker.create_dir("mirror")
+        yield options
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_tables_on_s3(spark: Any, s3: dict[str, str], rng: random.Random) -> None:
+    tables = "s3://mirror/prod/tables"
+    stream = run_stream(spark, tables, rng, batches=2, storage_options=s3)
+    status = mirror_status(tables, s3)
+    assert (status.batch, status.rows, status.positions) == (1, len(stream.live), stream.last)
+    other = hold_lease(tables, s3)  # the lease holder reads the options from its environment
+    try:
+        rows, _ = stream.batch(5)
+        with pytest.raises(MirrorBusyError, match="written by another mirror job"):
+            MirrorWriter(tables, OPTIONS, storage_options=s3)(spark.createDataFrame(rows), 2)
+    finally:
+        stop(other)
