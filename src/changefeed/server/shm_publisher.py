@@ -31,6 +31,7 @@ from typing import Final
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from numpy.typing import NDArray
 from prometheus_client.core import GaugeMetricFamily
 
@@ -58,6 +59,10 @@ TICK_S: Final = 0.1  # an idle group looks for refused streams and persistence t
 IDLE_AFTER_S: Final = 1.0
 REFRESH_S: Final = 1.0
 RETRY_S: Final = 1.0  # a refused (not active) vbucket is asked for again after this long
+# Rows wait up to COALESCE_S to go out together (unless a batch's worth is ready): under a
+# steady writer a flush round persists a few dozen rows every few ms, and each batch costs
+# every reader a wakeup, a reference, an Arrow read and a position check whatever its size.
+COALESCE_S: Final = 0.005
 UUID, SEQNO, SNAP_START, SNAP_END, BEFORE = range(POSITION_FIELDS)
 
 
@@ -101,6 +106,7 @@ class GroupPublisher:
         self._retry_at: dict[int, float] = {}
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
+        self._pending_since = 0.0  # when the oldest pending row came (COALESCE_S)
         # Persisted seqnos at the last look at the pending rows (None: pending rows came since):
         # while neither changes, the look is skipped (it polls every SHM_PERSIST_POLL_S).
         self._checked: NDArray[np.int64] | None = None
@@ -172,7 +178,7 @@ class GroupPublisher:
                     self.bucket.wakeup(vb).remove_callback(self._work.set)
             # What is persisted by now goes out; the rest is read again after a restart.
             with contextlib.suppress(Exception):
-                self._publish_ready()
+                self._publish_ready(now=True)
         self.producer.close()
         self.provider.stop_offer()
 
@@ -190,7 +196,7 @@ class GroupPublisher:
                 if produced or published:
                     await asyncio.sleep(0)
                     continue
-                wait = limits.SHM_PERSIST_POLL_S if self._pending_rows else TICK_S
+                wait = min(limits.SHM_PERSIST_POLL_S, COALESCE_S) if self._pending_rows else TICK_S
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._work.wait(), wait)
         except asyncio.CancelledError:
@@ -222,7 +228,7 @@ class GroupPublisher:
         """No reader: publish what is ready, close the streams (their cursors go), stop being
         woken per change. The ring ends at the positions of its newest batch."""
         with contextlib.suppress(Exception):
-            self._publish_ready()
+            self._publish_ready(now=True)
         for vb in self.group:
             with contextlib.suppress(ValueError):
                 self.bucket.wakeup(vb).remove_callback(self._work.set)
@@ -339,6 +345,8 @@ class GroupPublisher:
         collector.ended.clear()
         batch = collector.take()
         if batch is not None:
+            if not self._pending:
+                self._pending_since = self._loop_time()
             self._pending.append(batch)
             self._pending_rows += batch.num_rows
             self._checked = None
@@ -346,9 +354,16 @@ class GroupPublisher:
 
     # -- rows -> batches -------------------------------------------------------------------------
 
-    def _publish_ready(self) -> int:
-        """Publish the pending rows that may go (persisted ones, or all); returns rows sent."""
+    def _publish_ready(self, *, now: bool = False) -> int:
+        """Publish the pending rows that may go (persisted ones, or all) once a batch's worth is
+        pending or the oldest waited COALESCE_S (`now`: at once); returns rows sent."""
         if not self._pending:
+            return 0
+        if (
+            not now
+            and self._pending_rows < self.rows_per_batch
+            and self._loop_time() - self._pending_since < COALESCE_S
+        ):
             return 0
         persisted = None
         if self.persisted_only:
@@ -362,12 +377,13 @@ class GroupPublisher:
             vbs = batch.column("vbucket").to_numpy()
             seqnos = batch.column("seqno").to_numpy()
             ready = seqnos <= persisted[self._index[vbs]]
-            ready |= np.asarray(batch.column("op").to_numpy(zero_copy_only=False) == OP_ROLLBACK)
+            ready |= pc.equal(batch.column("op"), OP_ROLLBACK).to_numpy(zero_copy_only=False)
             if not ready.all():
                 rest = batch.filter(pa.array(~ready))
                 batch = batch.filter(pa.array(ready))
         self._pending = [rest] if rest is not None and rest.num_rows else []
         self._pending_rows = 0 if rest is None else int(rest.num_rows)
+        self._pending_since = self._loop_time()  # the rest waits for persistence, not this
         rows = int(batch.num_rows)
         for start in range(0, rows, self.rows_per_batch):
             self._publish(batch.slice(start, self.rows_per_batch))
