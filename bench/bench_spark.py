@@ -226,14 +226,22 @@ class TimedWriter:
         if self.done_at is not None:
             return  # past the target (a rate run before its stop): not timed, not written
         started = time.perf_counter()
-        table = batch_df.toArrow()  # runs the batch: reading the source happens here
-        collected = time.perf_counter()
-        self.writer.write(table, batch_id)
+        if self.writer.writer == "distributed":  # the read runs in the writer's tasks
+            assert self.on_batch is None, "the latency probe needs the batch in the driver"
+            collected = started
+            self.writer(batch_df, batch_id)
+            count = self.writer.rows_written
+        else:
+            table = batch_df.toArrow()  # runs the batch: reading the source happens here
+            collected = time.perf_counter()
+            self.writer.write(table, batch_id)
+            count = table.num_rows
         finished = time.perf_counter()
-        self.collect_s.append(collected - started)
+        if collected > started:
+            self.collect_s.append(collected - started)
         self.writer_s.append(finished - collected)
-        self.batch_rows.append(table.num_rows)
-        self.rows += table.num_rows
+        self.batch_rows.append(count)
+        self.rows += count
         self.batches += 1
         if self.on_batch is not None:
             self.on_batch(table, time.time())
@@ -322,9 +330,12 @@ def run_to_mirror(
     rows: int,
     available_now: bool,
     cpu: CpuMeter,
+    writer_kind: str = "local",
 ) -> Run:
-    """Run ``df -> foreachBatch(MirrorWriter)``: availableNow to the end, or until ``rows``."""
-    writer = TimedWriter(MirrorWriter(tables, options), None)
+    """Run ``df -> foreachBatch(MirrorWriter)``: availableNow to the end, or until ``rows``.
+    ``writer_kind``: the local writer (the batch collected with ``toArrow``, written by the
+    driver) or the distributed one (Spark's tasks write the files)."""
+    writer = TimedWriter(MirrorWriter(tables, options, writer=writer_kind), None)
     writer.target_rows = rows
     stream = df.writeStream.foreachBatch(writer).option("checkpointLocation", str(checkpoint))
     if available_now:
@@ -420,6 +431,11 @@ def warm_up(spark: Any, work: Path) -> None:
             "warm-up", rate_df(spark, 10_000), root / "t2", root / "c2",
             node.source_options(), rows=20_000, available_now=False, cpu=cpu,
         )  # fmt: skip
+        run_to_mirror(
+            "warm-up", changefeed_df(spark, node, 10_000), root / "t3", root / "c3",
+            node.source_options(), rows=20_000, available_now=True, cpu=cpu,
+            writer_kind="distributed",
+        )  # fmt: skip
     finally:
         node.stop(check=False)
         shutil.rmtree(root, ignore_errors=True)
@@ -441,39 +457,42 @@ def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: li
             f"node idle {settle_s:.1f} s later)",
         )
 
-        cf = run_to_mirror(
-            "changefeed -> mirror",
-            changefeed_df(spark, node, args.max_offsets),
-            root / "cf-tables",
-            root / "cf-ck",
-            node.source_options(),
-            rows=n,
-            available_now=True,
-            cpu=cpu,
-        )
-        mirror = read_mirror(root / "cf-tables")
-        bad = asyncio.run(_sample_matches(node.port, mirror, random.Random(n)))
-        assert mirror.num_rows == n, (mirror.num_rows, n)
-        assert bad == 0, f"{bad} of {SAMPLE_KEYS} sampled keys differ from the node"
-        cf.note = f"mirror rows {mirror.num_rows:,}, {SAMPLE_KEYS} sampled keys equal the node"
-        del mirror
-        shutil.rmtree(root / "cf-tables")
+        pairs = []
+        for kind in args.mirror_writers.split(","):
+            cf = run_to_mirror(
+                f"changefeed -> mirror [{kind}]",
+                changefeed_df(spark, node, args.max_offsets),
+                root / f"cf-tables-{kind}",
+                root / f"cf-ck-{kind}",
+                node.source_options(),
+                rows=n,
+                available_now=True,
+                cpu=cpu,
+                writer_kind=kind,
+            )
+            mirror = read_mirror(root / f"cf-tables-{kind}")
+            bad = asyncio.run(_sample_matches(node.port, mirror, random.Random(n)))
+            assert mirror.num_rows == n, (mirror.num_rows, n)
+            assert bad == 0, f"{bad} of {SAMPLE_KEYS} sampled keys differ from the node"
+            cf.note = f"mirror rows {mirror.num_rows:,}, {SAMPLE_KEYS} sampled keys equal the node"
+            del mirror
+            shutil.rmtree(root / f"cf-tables-{kind}")
 
-        rate = run_to_mirror(
-            "rate-micro-batch -> mirror",
-            rate_df(spark, args.max_offsets),
-            root / "rate-tables",
-            root / "rate-ck",
-            node.source_options(),
-            rows=n,
-            available_now=False,
-            cpu=cpu,
-        )
-        rate_rows = read_mirror(root / "rate-tables").num_rows
-        rate.note = f"mirror rows {rate_rows:,}"
-        shutil.rmtree(root / "rate-tables")
-
-        pairs = [(cf, rate)]
+            rate = run_to_mirror(
+                f"rate-micro-batch -> mirror [{kind}]",
+                rate_df(spark, args.max_offsets),
+                root / f"rate-tables-{kind}",
+                root / f"rate-ck-{kind}",
+                node.source_options(),
+                rows=n,
+                available_now=False,
+                cpu=cpu,
+                writer_kind=kind,
+            )
+            rate_rows = read_mirror(root / f"rate-tables-{kind}").num_rows
+            rate.note = f"mirror rows {rate_rows:,}"
+            shutil.rmtree(root / f"rate-tables-{kind}")
+            pairs.append((cf, rate))
         if not args.no_noop:
             cf_noop = run_to_noop(
                 "changefeed -> noop",
@@ -493,6 +512,7 @@ def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: li
             )
             pairs.append((cf_noop, rate_noop))
         table(out, pairs)
+        say(out, f"  load average after the runs: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     finally:
         node.stop(check=False)
         shutil.rmtree(root, ignore_errors=True)
@@ -502,7 +522,7 @@ def table(out: list[str], pairs: list[tuple[Run, Run]]) -> None:
     """One row per run; ``vs rate`` = changefeed changes/s over rate rows/s into the same sink."""
     say(out, "")
     head = (
-        f"{'run':<28}{'rows':>11}{'batches':>8}{'seconds':>9}{'changes/s':>12}"
+        f"{'run':<42}{'rows':>11}{'batches':>8}{'seconds':>9}{'changes/s':>12}"
         f"{'vs rate':>9}{'trigger p50':>13}{'p95 (ms)':>10}{'read':>7}{'write':>7}"
         f"{'cpu µs/item: spark':>20}{'node':>7}"
     )
@@ -515,7 +535,7 @@ def table(out: list[str], pairs: list[tuple[Run, Run]]) -> None:
             write = f"{sum(run.writer_s) / run.seconds:.0%}" if run.writer_s else "-"
             say(
                 out,
-                f"{run.name:<28}{run.rows:>11,}{run.batches:>8}{run.seconds:>9.1f}"
+                f"{run.name:<42}{run.rows:>11,}{run.batches:>8}{run.seconds:>9.1f}"
                 f"{run.rate:>12,.0f}{ratio:>9.2f}{percentile(run.trigger_ms, 50):>13,.0f}"
                 f"{percentile(run.trigger_ms, 95):>10,.0f}{read:>7}{write:>7}"
                 f"{run.cpu_us(run.spark_cpu_s):>20.1f}{run.cpu_us(run.node_cpu_s):>7.1f}",
@@ -899,6 +919,11 @@ def parse_args() -> argparse.Namespace:
         "--latency-trigger", default="0 seconds", help="processingTime of the latency queries"
     )
     parser.add_argument("--no-noop", action="store_true", help="skip the noop-sink rows")
+    parser.add_argument(
+        "--mirror-writers", default="local,distributed",
+        help="the mirror writers measured, comma list: local (toArrow + driver write), "
+        "distributed (Spark's tasks write the files)",
+    )  # fmt: skip
     parser.add_argument("--no-latency", action="store_true")
     parser.add_argument(
         "--writer-only", type=int, default=0, help="only MirrorWriter.write, up to N rows"

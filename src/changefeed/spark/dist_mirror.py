@@ -103,6 +103,7 @@ class DistributedMirrorWriter:
             raise ValueError(f"mirrorGroups {self.groups_wanted} is above {GROUPS_MAX}")
         self.lease = TablesLease(table_uri(tables, ""), storage_options)
         self._first_batch = True
+        self.rows_written = 0  # change rows the last batch logged (0 when it was skipped)
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
         self.lease.hold()
@@ -112,6 +113,7 @@ class DistributedMirrorWriter:
             self._check_owner(mirror, batch_id)
             self._first_batch = False
         write_changelog = not _done(changelog, self.app_id, batch_id)
+        self.rows_written = 0
         if _done(mirror, self.app_id, batch_id):
             return
         from pyspark.sql import functions as F
@@ -145,6 +147,8 @@ class DistributedMirrorWriter:
             .toArrow()
         )
         if write_changelog:
+            logged = actions.filter(pc.equal(actions.column("table_name"), "changelog"))
+            self.rows_written = int(pc.sum(logged.column("num_records")).as_py() or 0)
             self._commit(changelog, self.changelog_uri, "changelog", actions, changelog_target,
                          batch_id, None, groups)  # fmt: skip
             committed = self._load(self.changelog_uri)

@@ -169,6 +169,7 @@ class MirrorWriter:
             raise ValueError(f"tables {self.tables}: the local writer writes local paths only")
         self.writer = given_writer
         self._distributed: DistributedMirrorWriter | None = None
+        self.rows_written = 0  # change rows of the last batch logged (0 when it was skipped)
         self.app_id = app_id
         if merge_schema is None:
             given = {k.lower(): v for k, v in self.options.items()}.get("mergeschema", "false")
@@ -187,6 +188,7 @@ class MirrorWriter:
                     self.tables, self.options, self.app_id, self.merge_schema, self.storage_options
                 )
             self._distributed(batch_df, batch_id)
+            self.rows_written = self._distributed.rows_written
             return
         self.write(batch_df.toArrow(), batch_id)
 
@@ -212,7 +214,9 @@ class MirrorWriter:
         """Apply one micro-batch (Arrow table of change rows in stream order)."""
         self.path.mkdir(parents=True, exist_ok=True)
         changelog = self._table(self.changelog_path)
+        self.rows_written = 0
         if not _done(changelog, self.app_id, batch_id):
+            self.rows_written = changes.num_rows
             batch_ids = pa.array(np.full(changes.num_rows, batch_id, np.int64))
             rows, evolve = self._conform(changes.append_column("batch_id", batch_ids), changelog)
             write_deltalake(
