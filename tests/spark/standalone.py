@@ -103,7 +103,7 @@ class Standalone:
         """Workers the master lists ALIVE; -1 while the master does not answer."""
         try:
             status = self.status()
-        except OSError:
+        except (OSError, ValueError):  # not listening yet, or an empty answer while it starts
             return -1
         return sum(1 for w in status.get("workers", []) if w.get("state") == "ALIVE")
 
