@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -54,8 +55,11 @@ _STATS_COLUMNS: Final = ("key", "vbucket", "seqno", "cas", "batch_id", "_commit_
 
 
 def table_uri(tables: str | Path, name: str) -> str:
-    """The URI of table ``name`` under ``tables`` (a local directory or an object-store URL)."""
+    """The URI of table ``name`` under ``tables`` (a local directory or an object-store URL;
+    a ``Path`` made of a URL, which lost a slash, ``s3:/b/t``, is read as the URL)."""
     text = str(tables)
+    if isinstance(tables, Path):
+        text = re.sub(r"^([a-z][a-z0-9+.-]*):/(?=[^/])", r"\1://", text)
     if "://" in text:
         return text.rstrip("/") + "/" + name
     return str(Path(text).absolute() / name)

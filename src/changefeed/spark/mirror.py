@@ -156,7 +156,7 @@ class MirrorWriter:
         writer: str | None = None,
         storage_options: dict[str, str] | None = None,
     ) -> None:
-        self.tables = str(path)
+        self.tables = table_uri(path, "").rstrip("/")  # a URL given as a Path is mended
         self.path = Path(path)
         self.options = dict(options)
         self.storage_options = storage_options
