@@ -6,6 +6,13 @@ Used from ``foreachBatch``::
     writer = MirrorWriter("/data/tables", options)            # options: the source's options
     query = df.writeStream.foreachBatch(writer).option("checkpointLocation", ck).start()
 
+Two writers stand behind ``MirrorWriter``. ``foreachBatch`` uses the distributed one
+(``dist_mirror.py``: Spark's tasks write the files, the driver commits the file actions; tables
+partitioned by vbucket group, also on S3) unless the option ``mirrorWriter=local`` asks for this
+module's, or the tables were written by it. The rest of this docstring is about this module's
+writer, the *local* one, which ``write(arrow_table, batch_id)`` always uses: the batch is
+collected to the driver and written from there.
+
 Exactly once: Spark may run a batch again after a crash (at-least-once ``foreachBatch``). Each
 table records the batch id as a Delta app transaction in the same commit as the data, and a
 batch whose id is not newer than the recorded one is skipped (spark-python-datasource.md §5).
@@ -145,6 +152,10 @@ class MirrorWriter:
         app_id: the Delta app-transaction id; one per query writing these tables.
         merge_schema: add a batch's new columns to the tables (default: option ``mergeSchema``
             of ``options``, else false: a new column is refused).
+        writer: ``"distributed"`` or ``"local"`` for ``foreachBatch`` (default: option
+            ``mirrorWriter``, else from the tables' layout, distributed for new tables).
+        storage_options: deltalake storage options for ``s3://`` tables (default: the
+            environment's ``AWS_*``).
     """
 
     def __init__(
