@@ -65,6 +65,7 @@ from changefeed.consumer.events import (
 from changefeed.consumer.handshake import call, connect
 from changefeed.consumer.session import SessionState, VbSession
 from changefeed.failover import FailoverLog
+from changefeed.protocol.collections import StreamFilter, decode_id_extras
 from changefeed.protocol.dcp import (
     StreamEndReason,
     StreamFlag,
@@ -74,7 +75,7 @@ from changefeed.protocol.dcp import (
 )
 from changefeed.protocol.errors import StatusError
 from changefeed.protocol.frame import Frame
-from changefeed.protocol.opcode import Feature
+from changefeed.protocol.opcode import Feature, Opcode
 from changefeed.protocol.status import Status
 from changefeed.vbmap import ClusterMap
 
@@ -115,6 +116,18 @@ class ClientConfig:
     # Other nodes of a map are dialled at the map's addresses: TLS across a cluster needs
     # their TLS ports in the map (kvSSL; docs/operations.md, "TLS and connection budgets").
     tls_ca: str | None = None
+    # Collections (issue 28). Any of these negotiates HELLO Collections: keys then arrive with
+    # their LEB128 collection id in front (protocol.collections.split_key), and system events
+    # (`CollectionEvent`) and `SeqnoAdvanced` come too. `collections` ("scope.collection", ...)
+    # or `scope` narrow the streams to those (the node then streams nothing else); neither:
+    # every collection. Without any, the default collection only, as before collections.
+    collections: tuple[str, ...] = ()
+    scope: str | None = None
+    collections_aware: bool = False
+
+    @property
+    def negotiates_collections(self) -> bool:
+        return self.collections_aware or bool(self.collections) or self.scope is not None
 
 
 class DcpClient:
@@ -145,6 +158,7 @@ class DcpClient:
         self._placing = asyncio.Lock()
         self._placer: asyncio.Task[None] | None = None
         self._tls = None if config.tls_ca is None else client_tls_context(config.tls_ca)
+        self.stream_filter: StreamFilter | None = None  # resolved on connect (collections)
 
     @property
     def cluster_map(self) -> ClusterMap | None:
@@ -163,6 +177,9 @@ class DcpClient:
         (``follow_map``), then DCP_OPEN it as the stream connection of its node."""
         conn = await self._dial(self.config.host, self.config.port)
         try:
+            if self.config.negotiates_collections:
+                self.stream_filter = await resolve_filter(conn, self.config)
+                self.session.stream_filter = self.stream_filter
             if self.config.follow_map:
                 await self._map.read(conn)
         except BaseException:
@@ -212,6 +229,11 @@ class DcpClient:
         if end_seqnos:
             self._end_seqnos.update(end_seqnos)
         if isinstance(start, SessionState):
+            if start.stream_filter != self.stream_filter and start.vbuckets:
+                raise ValueError(
+                    f"the session state was recorded with the filter {start.stream_filter}, "
+                    f"not {self.stream_filter}: its positions skip what that one left out"
+                )
             for vb in vbuckets:
                 self.session.vbuckets[vb] = start.get(vb).copy()
         for vb in vbuckets:
@@ -290,7 +312,7 @@ class DcpClient:
         if self.config.to_latest:
             flags |= StreamFlag.TO_LATEST
         end = self._end_seqnos.get(vb, self.config.end_seqno)
-        node.request(session, flags=flags, end_seqno=end)
+        node.request(session, flags=flags, end_seqno=end, stream_filter=self.stream_filter)
         self._where[vb] = node
 
     async def _node(self, server: str) -> NodeStream:
@@ -306,10 +328,12 @@ class DcpClient:
 
     async def _dial(self, host: str, port: int) -> Connection:
         cfg = self.config
+        features = [Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON]
+        if cfg.negotiates_collections:
+            features.append(Feature.COLLECTIONS)
         return await connect(
             host, port, agent=cfg.name, user=cfg.user, password=cfg.password,
-            bucket=cfg.bucket, features=[Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON],
-            tls=self._tls,
+            bucket=cfg.bucket, features=features, tls=self._tls,
         )  # fmt: skip
 
     async def _open_node(self, server: str, conn: Connection) -> NodeStream:
@@ -434,6 +458,31 @@ class DcpClient:
         if len(self._events) >= limits.EVENT_QUEUE_MAX:
             for node in self._nodes.values():
                 node.pause_reading()  # resumed by events() once the app catches up
+
+
+async def resolve_filter(conn: Connection, config: ClientConfig) -> StreamFilter:
+    """The stream filter of ``config``'s collection names, as ids the node resolves now
+    (GET_COLLECTION_ID, GET_SCOPE_ID).
+
+    Raises:
+        StatusError: UNKNOWN_COLLECTION / UNKNOWN_SCOPE naming the path, or EINVAL.
+    """
+    if config.collections:
+        ids = set()
+        for path in config.collections:
+            try:
+                response = await call(conn, Opcode.GET_COLLECTION_ID, value=path.encode())
+            except StatusError as error:
+                raise type(error)(f"collection {path!r}: {error}", status=error.code) from None
+            ids.add(decode_id_extras(response.extras)[1])
+        return StreamFilter(collections=frozenset(ids))
+    if config.scope is not None:
+        try:
+            response = await call(conn, Opcode.GET_SCOPE_ID, value=config.scope.encode())
+        except StatusError as error:
+            raise type(error)(f"scope {config.scope!r}: {error}", status=error.code) from None
+        return StreamFilter(scope=decode_id_extras(response.extras)[1])
+    return StreamFilter()
 
 
 def _retriable(error: Exception) -> bool:

@@ -11,19 +11,22 @@ stream request's answer, a stream's end, the loss of the connection — to its `
 
 from __future__ import annotations
 
-from typing import Protocol
+import json
+from typing import Any, Protocol
 
 from changefeed.consumer.connection import Connection, ConnectionClosedError
 from changefeed.consumer.dcp_session import (
     DcpSession,
     MarkerReceived,
+    PositionMoved,
     Run,
     StreamAnswered,
     StreamEnded,
 )
-from changefeed.consumer.events import Changes, Event, Snapshot
+from changefeed.consumer.events import Changes, CollectionEvent, Event, SeqnoAdvanced, Snapshot
 from changefeed.consumer.session import VbSession
 from changefeed.protocol.batch import Batch
+from changefeed.protocol.collections import StreamFilter
 from changefeed.protocol.dcp import StreamEndReason, StreamRequest, StreamRole
 from changefeed.protocol.errors import error_for_status
 from changefeed.protocol.frame import Frame
@@ -91,7 +94,14 @@ class NodeStream:
     def closed(self) -> bool:
         return self._conn.closed is not None
 
-    def request(self, session: VbSession, *, flags: int, end_seqno: int) -> None:
+    def request(
+        self,
+        session: VbSession,
+        *,
+        flags: int,
+        end_seqno: int,
+        stream_filter: StreamFilter | None = None,
+    ) -> None:
         """Ask for ``session.vbucket`` from where ``session`` is (its failover log's newest
         uuid, its snapshot range); the answer comes to ``StreamOwner.stream_answered``.
 
@@ -99,7 +109,11 @@ class NodeStream:
             ConnectionClosedError: the connection is gone.
         """
         start, snap_start, snap_end = session.request_range()
-        value = {"purge_seqno": str(session.purge_seqno)} if session.purge_seqno else {}
+        value: dict[str, Any] = {}
+        if session.purge_seqno:
+            value["purge_seqno"] = str(session.purge_seqno)
+        if stream_filter is not None and not stream_filter.everything:
+            value.update(json.loads(stream_filter.to_json()))  # dcp-wire.md §6.1
         request = StreamRequest(
             session.vbucket, self._conn.next_opaque(), flags, start, end_seqno,
             session.vb_uuid, snap_start, snap_end, value,
@@ -133,6 +147,8 @@ class NodeStream:
                     owner.stream_answered(self, vb, frame)
                 case StreamEnded(vb, reason):
                     owner.stream_ended(self, vb, reason)
+                case PositionMoved(vb, seqno, message):
+                    owner.put(CollectionEvent(vb, message) if message else SeqnoAdvanced(vb, seqno))
                 case _:
                     pass  # SyncFrame: application streams never carry them
         owed = self.session.data_to_send()

@@ -17,7 +17,15 @@ from enum import Enum
 
 import numpy as np
 
-from changefeed.consumer.events import Changes, Event, Rollback, Snapshot, StreamOpened
+from changefeed.consumer.events import (
+    Changes,
+    CollectionEvent,
+    Event,
+    Rollback,
+    SeqnoAdvanced,
+    Snapshot,
+    StreamOpened,
+)
 from changefeed.consumer.session import SessionState, VbSession
 from changefeed.failover import FailoverLog
 from changefeed.vbmap import ClusterMap
@@ -37,6 +45,10 @@ def apply_event(state: SessionState, event: Event) -> None:
         state.get(event.vbucket).rollback_to(event.seqno)
     elif isinstance(event, StreamOpened):
         state.get(event.vbucket).failover_log = FailoverLog(event.failover_log)
+    elif isinstance(event, CollectionEvent):
+        state.get(event.vbucket).on_item(event.message.seqno)
+    elif isinstance(event, SeqnoAdvanced):
+        state.get(event.vbucket).on_seqno_advanced(event.seqno)
 
 
 def positions(
@@ -59,7 +71,7 @@ def positions(
             if mine.any():
                 state.on_items(vbs[mine], cols.array("seqno")[mine])
         elif (
-            isinstance(event, Snapshot | Rollback | StreamOpened)
+            isinstance(event, Snapshot | Rollback | StreamOpened | CollectionEvent | SeqnoAdvanced)
             and event.vbucket in state.vbuckets
         ):
             apply_event(state, event)

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 from changefeed import limits
 from changefeed.protocol.batch import Batch
+from changefeed.protocol.collections import SystemEventMessage, decode_system_event
 from changefeed.protocol.dcp import (
     DcpControl,
     DcpOpen,
@@ -37,6 +38,7 @@ from changefeed.protocol.dcp import (
     encode_dcp_open,
     encode_stream_request,
 )
+from changefeed.protocol.dcp_items import decode_seqno_advanced
 from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import Frame, encode_response
 from changefeed.protocol.opcode import Magic, Opcode
@@ -94,7 +96,16 @@ class SyncFrame:
     frame: Frame
 
 
-Event = Run | StreamAnswered | StreamEnded | MarkerReceived | SyncFrame
+@dataclasses.dataclass(frozen=True, slots=True)
+class PositionMoved:
+    """A DCP_SYSTEM_EVENT (``event`` set) or DCP_SEQNO_ADVANCED for ``vb`` at ``seqno``."""
+
+    vb: int
+    seqno: int
+    event: SystemEventMessage | None = None
+
+
+Event = Run | StreamAnswered | StreamEnded | MarkerReceived | SyncFrame | PositionMoved
 
 _SYNC_OPCODES = frozenset({Opcode.DCP_PREPARE, Opcode.DCP_COMMIT, Opcode.DCP_ABORT})
 
@@ -226,7 +237,12 @@ class DcpSession:
             return None
         if opcode in _SYNC_OPCODES:
             return SyncFrame(vb, frame)
-        return None  # what a consumer may ignore (system events, OSO markers, ...)
+        if opcode == Opcode.DCP_SYSTEM_EVENT:
+            message = decode_system_event(frame)
+            return PositionMoved(vb, message.seqno, message)
+        if opcode == Opcode.DCP_SEQNO_ADVANCED:
+            return PositionMoved(vb, decode_seqno_advanced(frame).seqno)
+        return None  # what a consumer may ignore (OSO markers, ...)
 
     def _consumed(self, nbytes: int) -> None:
         self.received_bytes += nbytes

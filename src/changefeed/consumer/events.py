@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from changefeed.protocol.batch import ChangeColumns
+from changefeed.protocol.collections import SystemEventMessage
 from changefeed.protocol.dcp import StreamEndReason
 
 
@@ -79,4 +80,33 @@ class Disconnected:
     reason: str
 
 
-Event = StreamOpened | Rollback | Snapshot | Changes | StreamEnded | StreamRefused | Disconnected
+@dataclass(frozen=True, slots=True)
+class CollectionEvent:
+    """A collection or scope was created or dropped at ``message.seqno`` of ``vbucket`` (a
+    DCP system event; only on a client that negotiated collections). Its seqno is part of the
+    stream: changes of a dropped collection stop before it, a created one's start after."""
+
+    vbucket: int
+    message: SystemEventMessage
+
+
+@dataclass(frozen=True, slots=True)
+class SeqnoAdvanced:
+    """``vbucket``'s stream moved to ``seqno`` over changes it does not carry (other
+    collections): the position to resume from, and the end of a snapshot seen whole."""
+
+    vbucket: int
+    seqno: int
+
+
+Event = (
+    StreamOpened
+    | Rollback
+    | Snapshot
+    | Changes
+    | StreamEnded
+    | StreamRefused
+    | Disconnected
+    | CollectionEvent
+    | SeqnoAdvanced
+)

@@ -31,6 +31,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from changefeed.failover import FailoverLog
+from changefeed.protocol.collections import StreamFilter, decode_stream_filter
+from changefeed.protocol.errors import ProtocolError
+
+FILTER_KEY = "filter"  # the collection filter the streams were requested with (issue 28)
 
 # Recent snapshot ends kept per vbucket; older ones are thinned, not dropped. 64 points x ~20
 # bytes of JSON is ~1.3 KB per vbucket: a 1024-vbucket state stays under ~1.5 MB however long the
@@ -108,6 +112,13 @@ class VbSession:
         self.seqno = seqno
         if seqno == self.snap_end:
             self.add_consistent_point(seqno)
+
+    def on_seqno_advanced(self, seqno: int) -> None:
+        """DCP_SEQNO_ADVANCED: the stream moved to ``seqno`` over changes it does not carry
+        (other collections); at the snapshot's end that is a consistent point. A seqno not
+        past the current one changes nothing."""
+        if seqno > self.seqno:
+            self.on_item(seqno)
 
     def on_items(self, seqnos: NDArray[np.uint64]) -> None:
         """Record a run of received items of this vbucket at once: what ``on_item`` on each
@@ -203,9 +214,16 @@ class VbSession:
 
 @dataclass(slots=True)
 class SessionState:
-    """Resume state of every streamed vbucket; JSON-serializable."""
+    """Resume state of every streamed vbucket; JSON-serializable.
+
+    Attributes:
+        stream_filter: the collections the streams carry (None: a client that did not
+            negotiate collections, the default collection). Positions are only valid for the
+            same filter: a resume with another one would skip what the first one filtered out.
+    """
 
     vbuckets: dict[int, VbSession] = field(default_factory=dict)
+    stream_filter: StreamFilter | None = None
 
     def get(self, vbucket: int) -> VbSession:
         session = self.vbuckets.get(vbucket)
@@ -224,7 +242,10 @@ class SessionState:
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready form (vbucket as a string -> its session), for embedding in a larger
         document (``changefeed stream`` saves it beside where its output was synced)."""
-        return {str(vb): s.to_dict() for vb, s in sorted(self.vbuckets.items())}
+        out: dict[str, Any] = {str(vb): s.to_dict() for vb, s in sorted(self.vbuckets.items())}
+        if self.stream_filter is not None:
+            out[FILTER_KEY] = json.loads(self.stream_filter.to_json() or b"{}")
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -245,6 +266,12 @@ class SessionState:
             raise ValueError("session state must be a JSON object of vbucket -> state")
         state = cls()
         for key, value in raw.items():
+            if key == FILTER_KEY and isinstance(value, dict):
+                try:
+                    state.stream_filter = decode_stream_filter(json.dumps(value).encode())
+                except (ValueError, ProtocolError) as error:
+                    raise ValueError(f"session state filter {value!r}: {error}") from None
+                continue
             if not str(key).isdigit() or not isinstance(value, dict):
                 raise ValueError(f"session state entry {key!r} is invalid")
             state.vbuckets[int(key)] = VbSession.from_dict(int(key), value)

@@ -18,6 +18,7 @@ from typing import Protocol
 from changefeed import limits
 from changefeed.checkpoint import CursorKind, StreamReader
 from changefeed.producer.backfill_slots import BackfillSlots
+from changefeed.producer.collection_stream import CollectionEncoder, CollectionView
 from changefeed.producer.encoder import DcpEncoder, StreamEncoder
 from changefeed.producer.flow_control import FlowControl
 from changefeed.producer.item_encoding import ItemOptions
@@ -30,6 +31,11 @@ from changefeed.producer.stream_request import (
     VbucketView,
     decide_stream_request,
 )
+from changefeed.protocol.collections import (
+    StreamFilter,
+    stream_filter_of,
+    unknown_collection_body,
+)
 from changefeed.protocol.dcp import (
     OpenFlag,
     StreamEndReason,
@@ -37,6 +43,7 @@ from changefeed.protocol.dcp import (
     StreamRole,
     encode_dcp_noop,
 )
+from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.snapshot_marker import MarkerVersion
 from changefeed.protocol.status import Status
 
@@ -94,6 +101,17 @@ class VbucketSource(Protocol):
         ...
 
 
+class ManifestView(CollectionView, Protocol):
+    """What the producer needs of the bucket's manifest (server/manifest.py)."""
+
+    @property
+    def uid(self) -> int: ...
+
+    def collection_ids(self) -> frozenset[int]: ...
+
+    def scope_uids(self) -> frozenset[int]: ...
+
+
 _CURSOR_KIND = {StreamRole.APPLICATION: CursorKind.STREAM, StreamRole.REPLICA: CursorKind.REPLICA}
 
 
@@ -112,6 +130,9 @@ class DcpProducer:
         backfills_max: backfills this connection may run at once.
         encoder_factory: the encoder of each accepted stream (None: DCP frames, `DcpEncoder`);
             the shared-memory publisher builds change rows instead (server/shm_rows.py).
+        collections: the connection negotiated HELLO Collections (its application streams
+            carry collection ids, system events and take filters: collection_stream.py).
+        manifest: the bucket's collections (what a filter may name).
     """
 
     def __init__(
@@ -127,6 +148,8 @@ class DcpProducer:
         backfill_slots: BackfillSlots | None = None,
         backfills_max: int = limits.BACKFILLS_PER_CONNECTION_MAX,
         encoder_factory: Callable[[StreamRequest], StreamEncoder] | None = None,
+        collections: bool = False,
+        manifest: ManifestView | None = None,
     ) -> None:
         assert flags & OpenFlag.PRODUCER, flags
         assert streams_max > 0, streams_max
@@ -141,6 +164,9 @@ class DcpProducer:
         self._backfills_max = backfills_max
         self._backfills_running = 0
         self._encoder_factory = encoder_factory
+        self.collections = collections
+        self.manifest = manifest
+        self._filters: dict[int, StreamFilter] = {}  # per vb, of the last accepted request
         self.streams: dict[int, Stream] = {}
         self.flow = FlowControl()
         self.options = ItemOptions(
@@ -196,6 +222,9 @@ class DcpProducer:
             return Refused(
                 Status.ENOMEM, f"connection holds {live} streams, the most allowed (streams_max)"
             )
+        stream_filter = self._stream_filter(request)
+        if isinstance(stream_filter, Refused):
+            return stream_filter
         view = self._source.vbucket_view(vb)
         outcome = decide_stream_request(
             request,
@@ -205,8 +234,32 @@ class DcpProducer:
         )
         if isinstance(outcome, Accepted):
             assert view is not None, vb
+            self._filters[vb] = stream_filter
             self._add_stream(self._new_stream(request, outcome, view.purge_seqno))
         return outcome
+
+    def _stream_filter(self, request: StreamRequest) -> StreamFilter | Refused:
+        """The request's collection filter (dcp-wire.md §6.1): only a collections connection
+        may send one; an id the manifest does not hold is UNKNOWN_COLLECTION (UNKNOWN_SCOPE)
+        with the manifest uid, as kv_engine answers."""
+        value = request.value
+        if not ("collections" in value or "scope" in value):
+            return StreamFilter()
+        if not self.collections:
+            return Refused(Status.EINVAL, "a stream filter needs HELLO Collections")
+        try:
+            stream_filter = stream_filter_of(value)
+        except ProtocolError as error:
+            return Refused(Status.EINVAL, str(error))
+        manifest = self.manifest
+        if manifest is not None:
+            body = unknown_collection_body(manifest.uid).decode()
+            wanted = stream_filter.collections
+            if wanted is not None and not wanted <= manifest.collection_ids():
+                return Refused(Status.UNKNOWN_COLLECTION, body)
+            if stream_filter.scope is not None and stream_filter.scope not in manifest.scope_uids():
+                return Refused(Status.UNKNOWN_SCOPE, body)
+        return stream_filter
 
     def _new_stream(self, request: StreamRequest, accepted: Accepted, purge_seqno: int) -> Stream:
         vb = request.vbucket
@@ -229,6 +282,13 @@ class DcpProducer:
                 marker_version=self.marker_version,
                 stream_id=request.stream_id,
             )
+            if self.role is StreamRole.APPLICATION:  # a replica takes everything as stored
+                encoder = CollectionEncoder(
+                    encoder,
+                    aware=self.collections,
+                    stream_filter=self._filters.get(vb, StreamFilter()),
+                    manifest=self.manifest,
+                )
         machine = StreamMachine(
             accepted.start_seqno, accepted.end_seqno, visible_only=not self.options.sync_writes
         )

@@ -24,6 +24,11 @@ from changefeed.protocol.opcode import Magic, Opcode
 from changefeed.protocol.status import Status
 
 LEB128_BYTES_MAX: Final = 5  # ceil(32 / 7): a u32
+# Where a vbucket keeps its system events: kv_engine reserves collection ids 1..7; here id 1
+# holds one document per event (`system_event_key`), written to every vbucket like any change,
+# so an event has a seqno, sits in the checkpoint, is persisted, backfilled and replicated in
+# seqno order with the documents. No client can address it (no manifest names it).
+SYSTEM_COLLECTION: Final = 1
 COLLECTION_ID_MAX: Final = 0xFFFF_FFFF
 DEFAULT_COLLECTION: Final = 0
 
@@ -327,3 +332,52 @@ def _dcp_frame(
 def unknown_status_of(scope_known: bool) -> Status:
     """UNKNOWN_SCOPE when the scope of a path is missing, else UNKNOWN_COLLECTION."""
     return Status.UNKNOWN_COLLECTION if scope_known else Status.UNKNOWN_SCOPE
+
+
+# -- system events as stored documents -------------------------------------------------------
+
+
+def system_event_key(event: SystemEvent, ident: int) -> bytes:
+    """The document key (inside SYSTEM_COLLECTION) of `event` for collection or scope `ident`:
+    unique, since an id is created and dropped once (collections_manifest.py)."""
+    return f"_event:{int(event)}:{ident:x}".encode()
+
+
+def encode_system_event_doc(message: SystemEventMessage) -> bytes:
+    """The stored value of a system event (its seqno, vbucket and opaque are the stream's)."""
+    doc: dict[str, Any] = {
+        "event": int(message.event),
+        "uid": message.manifest_uid,
+        "scope": message.scope_id,
+        "name": message.name.decode(),
+    }
+    if message.collection_id is not None:
+        doc["collection"] = message.collection_id
+    if message.max_ttl is not None:
+        doc["maxTTL"] = message.max_ttl
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_system_event_doc(
+    value: bytes, *, vbucket: int, opaque: int, seqno: int
+) -> SystemEventMessage:
+    """The system event a stored document holds, as the message of a stream.
+
+    Raises:
+        ValueError: the document is not one `encode_system_event_doc` wrote (a damaged store).
+    """
+    try:
+        doc = json.loads(value)
+        return SystemEventMessage(
+            vbucket,
+            opaque,
+            seqno,
+            SystemEvent(doc["event"]),
+            int(doc["uid"]),
+            int(doc["scope"]),
+            None if doc.get("collection") is None else int(doc["collection"]),
+            str(doc.get("name", "")).encode(),
+            None if doc.get("maxTTL") is None else int(doc["maxTTL"]),
+        )
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"system event document {value[:100]!r}: {error}") from None

@@ -79,6 +79,18 @@ class NotLockedError(StatusError):
     status = Status.NOT_LOCKED
 
 
+class UnknownCollectionError(StatusError):
+    """A collection the node's manifest does not hold (the body names its manifest uid)."""
+
+    status = Status.UNKNOWN_COLLECTION
+
+
+class UnknownScopeError(StatusError):
+    """A scope the node's manifest does not hold (the body names its manifest uid)."""
+
+    status = Status.UNKNOWN_SCOPE
+
+
 class NotMyVbucketError(StatusError):
     status = Status.NOT_MY_VBUCKET
     retriable = True  # the cluster map may have moved the vbucket; refresh and retry

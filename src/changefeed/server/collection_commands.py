@@ -30,7 +30,7 @@ from changefeed.protocol.collections import (
     unknown_collection_body,
 )
 from changefeed.protocol.collections_manifest import Manifest, ManifestError
-from changefeed.protocol.errors import ProtocolError, StatusError
+from changefeed.protocol.errors import ProtocolError, UnknownCollectionError, UnknownScopeError
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.opcode import Datatype, Magic, Opcode
 from changefeed.protocol.set_run import SetRun
@@ -78,14 +78,23 @@ _EXPIRY_OFFSETS: Final[dict[int, dict[int, int]]] = {
 }
 
 
-class UnknownCollectionError(StatusError):
-    """A collection (or scope) the manifest does not hold. Its text is the JSON body the SDK
-    reads the manifest uid from, so the connection answers it like any StatusError."""
+class UnknownCollectionAnswer(UnknownCollectionError):
+    """UNKNOWN_COLLECTION whose text is the JSON body the SDK reads the manifest uid from, so
+    the connection answers it like any StatusError."""
 
-    status = Status.UNKNOWN_COLLECTION
+    def __init__(self, manifest_uid: int) -> None:
+        super().__init__()
+        self.body = unknown_collection_body(manifest_uid)
 
-    def __init__(self, manifest_uid: int, *, status: int | None = None) -> None:
-        super().__init__(status=status)
+    def __str__(self) -> str:
+        return self.body.decode()
+
+
+class UnknownScopeAnswer(UnknownScopeError):
+    """UNKNOWN_SCOPE with the manifest uid, as `UnknownCollectionAnswer`."""
+
+    def __init__(self, manifest_uid: int) -> None:
+        super().__init__()
         self.body = unknown_collection_body(manifest_uid)
 
     def __str__(self) -> str:
@@ -108,11 +117,11 @@ def qualify(manifests: ManifestStore, f: Frame, now: float) -> Frame:
 
     Raises:
         ProtocolError: a malformed collection id prefix.
-        UnknownCollectionError: a collection the manifest does not hold.
+        UnknownCollectionAnswer: a collection the manifest does not hold.
     """
     cid, key = split_key(f.key)
     if cid not in manifests.collection_ids():
-        raise UnknownCollectionError(manifests.uid)
+        raise UnknownCollectionAnswer(manifests.uid)
     extras = f.extras
     max_ttl = manifests.max_ttl(cid) if cid else None
     if max_ttl:
@@ -196,9 +205,9 @@ def get_collection_id(c: Requester, f: Frame) -> None:
     except ManifestError as error:
         raise ProtocolError(str(error)) from None
     if scope is None:
-        raise UnknownCollectionError(manifest.uid, status=Status.UNKNOWN_SCOPE)
+        raise UnknownScopeAnswer(manifest.uid)
     if collection is None:
-        raise UnknownCollectionError(manifest.uid)
+        raise UnknownCollectionAnswer(manifest.uid)
     c.reply(f, extras=encode_id_extras(manifest.uid, collection.uid))
 
 
@@ -211,7 +220,7 @@ def get_scope_id(c: Requester, f: Frame) -> None:
         raise ProtocolError(f"scope path {path!r} has more than one dot")
     scope = manifest.scope(name)
     if scope is None:
-        raise UnknownCollectionError(manifest.uid, status=Status.UNKNOWN_SCOPE)
+        raise UnknownScopeAnswer(manifest.uid)
     c.reply(f, extras=encode_id_extras(manifest.uid, scope.uid))
 
 

@@ -40,6 +40,7 @@ class ManifestStore:
         self.directory = directory
         self._manifest = manifest if manifest is not None else Manifest.default()
         self._listeners: list[Listener] = []
+        self._ever_scopes: dict[int, int] = {}  # every collection this process saw -> scope
         self._refresh_ids()
 
     @classmethod
@@ -77,7 +78,12 @@ class ManifestStore:
         return self._ttls.get(collection_id)
 
     def scope_of(self, collection_id: int) -> int | None:
-        return self._scopes.get(collection_id)
+        """The scope a collection is in, or was in when it was dropped (a stream filtered by
+        scope still sends the changes a dropped collection made before its drop event)."""
+        return self._ever_scopes.get(collection_id)
+
+    def scope_uids(self) -> frozenset[int]:
+        return self._scope_uids
 
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(old, new)` after every change (after it is durable)."""
@@ -103,7 +109,8 @@ class ManifestStore:
         by_id = self._manifest.by_id()
         self._ids = frozenset(by_id)
         self._ttls = {cid: c.max_ttl for cid, (_, c) in by_id.items() if c.max_ttl}
-        self._scopes = {cid: s.uid for cid, (s, _) in by_id.items()}
+        self._ever_scopes.update({cid: s.uid for cid, (s, _) in by_id.items()})
+        self._scope_uids = frozenset(self._manifest.scope_ids())
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

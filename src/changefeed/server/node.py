@@ -26,6 +26,7 @@ from changefeed import limits
 from changefeed.server.admission import Admission, Shares
 from changefeed.server.authenticator import AuthThrottle
 from changefeed.server.bucket import Bucket
+from changefeed.server.collection_events import SystemEventWriter
 from changefeed.server.compactor import Compactor
 from changefeed.server.config import ConfigError, NodeConfig
 from changefeed.server.connection import ClientConnection
@@ -263,6 +264,7 @@ class Node:
         users = load_or_create_users(config)
         bucket = Bucket.open(config, clock=clock, rng=rng)
         manifests = ManifestStore.open(config.data_dir / config.bucket)  # after a fresh start
+        manifests.add_listener(SystemEventWriter(bucket))
         # Background work on the bucket's clock (the one delete and expiry times are taken on).
         self.compactor = Compactor(
             bucket,

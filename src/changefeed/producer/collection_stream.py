@@ -1,0 +1,220 @@
+"""What one application stream carries of the collections: a `StreamEncoder` around the
+stream's `DcpEncoder` that filters, re-keys and turns system documents into system events.
+
+Rules (kv_engine's, dcp-wire.md §6.1, §7.3, §7.12, §7.13):
+- A connection that did not negotiate HELLO Collections gets the default collection only, its
+  keys as stored (no prefix), and no system events: exactly what it got before collections.
+- A collections connection gets every key with its LEB128 collection id in front (0x00 for
+  the default collection), the system events of the collections (and scopes) it streams, and,
+  when the changes at the end of what it was sent were all filtered out, a DCP_SEQNO_ADVANCED
+  to the last of them, so its position still moves (a snapshot it cannot see the end of is
+  completed).
+- A stream-request filter (`StreamFilter`) narrows a collections stream to a set of collection
+  ids or to one scope. A scope filter follows the collections of the scope as they come (the
+  manifest's `scope_of`).
+
+Replica streams are not wrapped: they carry everything as stored.
+
+The default-collection fast path: a run with no marked key (storage/keys.py) on a connection
+without collections goes to the inner encoder untouched, so a bucket without named collections
+streams exactly as before. Other runs are taken item by item; consecutive kept items still go to
+the inner encoder together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final, Protocol
+
+from changefeed.checkpoint import Item, SnapshotStart
+from changefeed.producer.encoder import DcpEncoder
+from changefeed.protocol.collections import (
+    SYSTEM_COLLECTION,
+    StreamFilter,
+    SystemEvent,
+    decode_system_event_doc,
+    encode_leb128,
+    encode_system_event,
+)
+from changefeed.protocol.dcp import StreamEndReason
+from changefeed.protocol.dcp_items import SeqnoAdvanced, encode_seqno_advanced
+from changefeed.storage.keys import COLLECTION_MARKER, split_stored_key
+from changefeed.storage.record import decode_record, stored_seqno
+
+_MARKER: Final = COLLECTION_MARKER
+_TAG_MUTATION: Final = 0x11  # storage/record.py: a mutation's tag; others are tombstones
+_KEY_OFFSET_MUTATION: Final = 12 + 31  # stored prefix + mutation extras
+_KEY_OFFSET_TOMBSTONE: Final = 12 + 21
+
+
+class CollectionView(Protocol):
+    """What a stream needs of the manifest (server/manifest.py `ManifestStore`)."""
+
+    def scope_of(self, collection_id: int) -> int | None:
+        """The scope a collection is (or was) in; None if never seen."""
+        ...
+
+
+class CollectionEncoder:
+    """The `StreamEncoder` of an application stream (module docstring).
+
+    Args:
+        inner: the stream's encoder (its vbucket, opaque, stream-id and options).
+        aware: the connection negotiated HELLO Collections.
+        stream_filter: what the stream asked for (only for `aware` connections).
+        manifest: resolves a scope filter.
+    """
+
+    def __init__(
+        self,
+        inner: DcpEncoder,
+        *,
+        aware: bool,
+        stream_filter: StreamFilter,
+        manifest: CollectionView | None,
+    ) -> None:
+        assert aware or stream_filter.everything, stream_filter
+        self.inner = inner
+        self.aware = aware
+        self.filter = stream_filter
+        self.manifest = manifest
+        self.event_bytes_min = inner.event_bytes_min
+        self.skipped = 0  # changes not sent (filtered out), for stats and tests
+
+    # -- what is wanted ---------------------------------------------------------------------
+
+    def _wants(self, cid: int) -> bool:
+        if not self.aware:
+            return cid == 0
+        flt = self.filter
+        if flt.collections is not None:
+            return cid in flt.collections
+        if flt.scope is not None:
+            return self.manifest is not None and self.manifest.scope_of(cid) == flt.scope
+        return True
+
+    def _wants_event(self, event: SystemEvent, scope_id: int, cid: int | None) -> bool:
+        flt = self.filter
+        if flt.collections is not None:
+            return cid is not None and cid in flt.collections
+        if flt.scope is not None:
+            return scope_id == flt.scope
+        return True
+
+    # -- StreamEncoder -----------------------------------------------------------------------
+
+    def snapshot_marker(self, out: list[bytes], marker: SnapshotStart, purge_seqno: int) -> int:
+        return self.inner.snapshot_marker(out, marker, purge_seqno)
+
+    def stream_end(self, out: list[bytes], reason: StreamEndReason) -> int:
+        return self.inner.stream_end(out, reason)
+
+    def items(self, out: list[bytes], items: Sequence[Item], bytes_max: int) -> tuple[int, int]:
+        if not self.aware and not any(item.key[:1] == b"\xff" for item in items):
+            return self.inner.items(out, items, bytes_max)
+        return self._filtered(out, items, bytes_max)
+
+    def stored(self, out: list[bytes], records: Sequence[bytes], bytes_max: int) -> tuple[int, int]:
+        if not self.aware and not any(_marked(record) for record in records):
+            return self.inner.stored(out, records, bytes_max)
+        vb = self.inner.vb
+        items = [Item.from_record(decode_record(vb, stored_seqno(r), r)) for r in records]
+        return self._filtered(out, items, bytes_max)
+
+    # -- inside ------------------------------------------------------------------------------
+
+    def _filtered(self, out: list[bytes], items: Sequence[Item], bytes_max: int) -> tuple[int, int]:
+        """Send what is wanted of `items`, within `bytes_max` (at least one item consumed).
+
+        Returns:
+            (items consumed, bytes appended).
+        """
+        inner = self.inner
+        written = 0
+        consumed = 0
+        kept: list[Item] = []  # wanted items not yet handed to the inner encoder
+        kept_at: list[int] = []  # their indexes in `items`
+        last_skipped: int | None = None  # seqno of a trailing run of skipped changes
+
+        def flush() -> bool:
+            """Hand `kept` over; False when the budget ended part-way."""
+            nonlocal written, consumed
+            if not kept:
+                return True
+            count, nbytes = inner.items(out, kept, max(1, bytes_max - written))
+            written += nbytes
+            consumed = kept_at[count - 1] + 1
+            done = count == len(kept)
+            kept.clear()
+            kept_at.clear()
+            return done
+
+        for index, item in enumerate(items):  # bounded by the run
+            cid, key = split_stored_key(item.key, inner.vb)
+            if cid == SYSTEM_COLLECTION:
+                if not flush():
+                    return consumed, written
+                frame = self._event_frame(item) if self.aware else None
+                if frame is None:
+                    last_skipped = item.seqno
+                    self.skipped += 1
+                else:
+                    out.append(frame)
+                    written += len(frame)
+                    last_skipped = None
+                consumed = index + 1
+            elif self._wants(cid):
+                wire_key = encode_leb128(cid) + key if self.aware else key
+                kept.append(item if wire_key == item.key else _rekeyed(item, wire_key))
+                kept_at.append(index)
+                last_skipped = None
+            else:
+                if not flush():
+                    return consumed, written
+                last_skipped = item.seqno
+                self.skipped += 1
+                consumed = index + 1
+            if written >= bytes_max:
+                break
+        if not flush():
+            return consumed, written
+        if last_skipped is not None and self.aware:
+            frame = encode_seqno_advanced(
+                SeqnoAdvanced(inner.vb, inner.opaque, last_skipped, inner.stream_id)
+            )
+            out.append(frame)
+            written += len(frame)
+        assert consumed > 0, consumed
+        return consumed, written
+
+    def _event_frame(self, item: Item) -> bytes | None:
+        if item.deleted:
+            return None
+        inner = self.inner
+        message = decode_system_event_doc(
+            item.value, vbucket=inner.vb, opaque=inner.opaque, seqno=item.seqno
+        )
+        if not self._wants_event(message.event, message.scope_id, message.collection_id):
+            return None
+        return encode_system_event(message, stream_id=inner.stream_id)
+
+
+def _marked(record: bytes) -> bool:
+    """True if a stored record's key names a collection (storage/keys.py), without decoding."""
+    offset = _KEY_OFFSET_MUTATION if record[0] == _TAG_MUTATION else _KEY_OFFSET_TOMBSTONE
+    return len(record) > offset and record[offset] == _MARKER
+
+
+def _rekeyed(item: Item, key: bytes) -> Item:
+    return Item(
+        item.seqno,
+        key,
+        item.op,
+        item.value,
+        item.cas,
+        flags=item.flags,
+        expiry=item.expiry,
+        datatype=item.datatype,
+        rev_seqno=item.rev_seqno,
+        delete_time=item.delete_time,
+    )
