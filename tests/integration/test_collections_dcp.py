@@ -7,10 +7,14 @@ sees the default collection only as before, and a resume from a state that recor
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from changefeed.cli.main import cli
 from changefeed.cli.node_process import HOST, NodeProcess
 from changefeed.consumer import DcpClient
 from changefeed.consumer.collections_admin import edit_manifest
@@ -92,10 +96,10 @@ def positions(events: list[Event]) -> dict[int, list[tuple[int, str]]]:
     return out
 
 
-def test_filtered_streams_events_and_legacy_clients(nodes: NodeFactory) -> None:
+def test_filtered_streams_events_and_legacy_clients(nodes: NodeFactory, tmp_path: Path) -> None:
     node = nodes(vbuckets=VBUCKETS)
 
-    async def scenario() -> None:
+    async def scenario() -> int:
         conn = await kv(node)
         try:
             manifest = await edit_manifest(
@@ -186,5 +190,27 @@ def test_filtered_streams_events_and_legacy_clients(nodes: NodeFactory) -> None:
         # A filter naming a dropped collection is refused UNKNOWN_COLLECTION.
         with pytest.raises(Exception, match="UNKNOWN_COLLECTION"):
             await collect(node, collections=("shop.carts",))
+        return orders.uid
 
-    asyncio.run(scenario())
+    orders_id = asyncio.run(scenario())
+
+    # The command: lines name their collection; a rerun from its state sends nothing again; a
+    # rerun with another filter is refused (the state's positions are the first filter's).
+    out, state = tmp_path / "out.jsonl", tmp_path / "state.json"
+    common = ["stream", "--to-latest", "--port", str(node.port), "--user", USER,
+              "--password", PASSWORD, "--output", str(out), "--state", str(state)]  # fmt: skip
+    first = CliRunner().invoke(cli, [*common, "--collections", "shop.orders"])
+    assert first.exit_code == 0, first.output
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    docs = [line for line in lines if line["op"] == "mutation"]
+    assert {line["collection"] for line in docs} == {orders_id}
+    assert len(docs) == 40 + VBUCKETS
+    assert {line["op"] for line in lines} == {"mutation", "collection_created"}
+    assert json.loads(state.read_text())["vbuckets"]["filter"] == {
+        "collections": [f"{orders_id:x}"]
+    }
+    again = CliRunner().invoke(cli, [*common, "--collections", "shop.orders"])
+    assert again.exit_code == 0, again.output
+    assert len(out.read_text().splitlines()) == len(lines)
+    other = CliRunner().invoke(cli, [*common, "--scope", "shop"])
+    assert other.exit_code == 1 and "filter" in other.output

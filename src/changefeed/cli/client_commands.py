@@ -53,9 +53,11 @@ from changefeed.consumer import (
     StreamRefused,
 )
 from changefeed.consumer.connection import ConnectionClosedError
+from changefeed.consumer.events import CollectionEvent
 from changefeed.consumer.handshake import connect
 from changefeed.consumer.kv_client import Durability
 from changefeed.protocol.batch import ChangeColumns
+from changefeed.protocol.collections import SystemEvent, split_key
 from changefeed.protocol.errors import AuthError, StatusError
 from changefeed.protocol.kv import MutationResult, encode_request
 from changefeed.protocol.opcode import Opcode
@@ -389,6 +391,15 @@ def _parse_vbuckets(ctx: click.Context, param: click.Parameter, spec: str) -> li
 )
 @click.option("--shm-dir", type=click.Path(path_type=Path), help="Where shm services live.")
 @click.option("--app-id", type=int, help="--local: the reader's application id (default uid).")
+@click.option(
+    "--collections",
+    "collection_list",
+    default="",
+    help="Stream only these collections: scope.collection,... (each line then names its "
+    "collection id; creations and drops are lines too). Without it or --scope: the default "
+    "collection, as before collections.",
+)
+@click.option("--scope", default=None, help="Stream only this scope's collections.")
 def stream(
     host: str,
     port: int,
@@ -404,6 +415,8 @@ def stream(
     local: bool,
     shm_dir: Path | None,
     app_id: int | None,
+    collection_list: str,
+    scope: str | None,
 ) -> None:
     """Stream changes as JSON lines (one object per change or rollback).
 
@@ -419,9 +432,15 @@ def stream(
     if not to_stdout:
         _check_output(output, resume, mark)
     target = Target(host, port, user)
+    collections = tuple(part.strip() for part in collection_list.split(",") if part.strip())
+    if collections and scope is not None:
+        raise click.BadParameter("give --collections or --scope, not both", param_hint="--scope")
+    if (collections or scope is not None) and local:
+        raise click.BadParameter("collections are streamed over DCP, not --local")
     config = ClientConfig(
-        host=host, port=port, bucket=bucket, user=user, password=password, to_latest=not follow
-    )
+        host=host, port=port, bucket=bucket, user=user, password=password, to_latest=not follow,
+        collections=collections, scope=scope,
+    )  # fmt: skip
     show_progress = not (to_stdout or as_json) and Console(stderr=True).is_terminal
 
     covered: dict[int, tuple[int, int]] = {}  # vb -> (seqno at the start, seqno at the end)
@@ -429,7 +448,11 @@ def stream(
     async def main(sink: _Sink) -> int:
         vbs = _check_vbuckets(vbucket_list, await _node_vbuckets(config), target)
         async with DcpClient(config) as client:
-            await client.stream(vbs, start=resume if resume is not None else start)  # type: ignore[arg-type]
+            sink.collections = config.negotiates_collections
+            try:
+                await client.stream(vbs, start=resume if resume is not None else start)  # type: ignore[arg-type]
+            except ValueError as error:  # a state recorded with another collection filter
+                raise click.ClickException(f"state file {state_file}: {error}") from None
             if start == "beginning" or resume is not None:  # from now: no start seqno known
                 begun = {vb: client.session.get(vb).seqno for vb in vbs}
             try:
@@ -716,6 +739,7 @@ class _Sink:
         self._output = output
         self._name = name
         self._path = path
+        self.collections = False  # keys carry collection ids (stream --collections/--scope)
         self._state_file = state_file
         self._carried = {} if carried is None else dict(carried.vbuckets)
         self._sync = _is_regular_file(output)
@@ -728,7 +752,8 @@ class _Sink:
         self.rollbacks = 0
 
     def write_changes(self, cols: ChangeColumns) -> None:
-        self._write("".join(json.dumps(_record(cols, i)) + "\n" for i in range(len(cols))))
+        record = _collection_record if self.collections else _record
+        self._write("".join(json.dumps(record(cols, i)) + "\n" for i in range(len(cols))))
         self.changes += len(cols)
         self._uncommitted += len(cols)
 
@@ -758,6 +783,15 @@ class _Sink:
             lines.append(json.dumps(record) + "\n")
         self._write("".join(lines))
         self._uncommitted += len(lines)
+
+    def write_collection_event(self, event: CollectionEvent) -> None:
+        """A collection or scope created or dropped (``stream --collections``), as a line."""
+        m = event.message
+        line = {"vb": event.vbucket, "seqno": m.seqno, "op": _EVENT_OPS[m.event],
+                "scope": m.scope_id, "collection": m.collection_id, "name": _text(m.name),
+                "manifest_uid": f"{m.manifest_uid:x}"}  # fmt: skip
+        self._write(json.dumps(line) + "\n")
+        self._uncommitted += 1
 
     def write_rollback(self, event: Rollback) -> None:
         line = json.dumps({"vb": event.vbucket, "op": "rollback", "seqno": event.seqno})
@@ -870,6 +904,24 @@ def _record(cols: ChangeColumns, i: int) -> dict[str, Any]:
     }
 
 
+_EVENT_OPS = {
+    SystemEvent.BEGIN_COLLECTION: "collection_created",
+    SystemEvent.END_COLLECTION: "collection_dropped",
+    SystemEvent.CREATE_SCOPE: "scope_created",
+    SystemEvent.DROP_SCOPE: "scope_dropped",
+}
+
+
+def _collection_record(cols: ChangeColumns, i: int) -> dict[str, Any]:
+    """``_record`` of a collections stream: the key without its collection id, which is a
+    field of its own."""
+    record = _record(cols, i)
+    cid, key = split_key(cols.key[i])
+    record["collection"] = cid
+    record["key"] = _text(key)
+    return record
+
+
 def _text(value: bytes) -> str:
     try:
         return value.decode()
@@ -939,6 +991,9 @@ async def _copy_events(
             progress.update(task, completed=sink.changes)
         elif isinstance(event, Rollback):
             sink.write_rollback(event)
+            sink.written(client.session)
+        elif isinstance(event, CollectionEvent):
+            sink.write_collection_event(event)
             sink.written(client.session)
         elif isinstance(event, StreamRefused):
             status = Status.name_of(event.status)
