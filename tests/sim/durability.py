@@ -1,40 +1,29 @@
-"""The active's durable writes (SyncWrites) in the simulator: the plumbing of
-`server.sync_writes.SyncWriteMonitor` without asyncio, the decision by its rule.
+"""The active's durable writes (SyncWrites) in the simulator: the production decisions
+(`server.sync_writes.DurableWrites`: which writes wait, when one commits, what a timeout or a
+state change answers) in a shell of simulated timers, as `SyncWriteMonitor` is their shell of
+futures and loop timers in the node.
 
-Which writes wait, their timers and their answers are kept here (the monitor's futures and
-`call_later` cannot run without an event loop); *whether* a prepare may commit is one call to
-`changefeed.server.sync_writes.durability_met` with the acks the monitor would pass (received
-seqnos for `majority`, persisted for `persistToMajority`, one per replica slot of the chain in
-the map), looked up through the module so a test can replace the rule. When the rules
-module grows a confirmed in-sync record (issue 25), `required_acks` is passed too.
+What only the shell does: it arms each waiter's timer on the node's incarnation, hurries the
+flush round a prepare waits for, wakes the node's producers after a commit or an abort, and
+turns an outcome into the client's reply. The commit rule is `sync_writes.durability_met`,
+looked up in its module at each call, so a mutant can replace it (mutations.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from changefeed.checkpoint import CheckpointMemoryFullError
 from changefeed.protocol.errors import StatusError
 from changefeed.protocol.frame_info import DurabilityLevel
-from changefeed.server import sync_writes
-from changefeed.vbucket_state import VBucketState
+from changefeed.protocol.kv import MutationResult
+from changefeed.server.sync_writes import DurableWrites, Waiter
 
 if TYPE_CHECKING:
     from .node import SimNode
 
 Answer = Callable[[str, object], None]
-
-
-@dataclasses.dataclass(slots=True)
-class Pending:
-    vb: int
-    key: bytes
-    seqno: int
-    level: DurabilityLevel
-    answer: Answer
-    deadline_s: float
+RETRY_ABORT_S = 0.05  # SyncWriteMonitor's: an abort that found memory full, tried again
 
 
 class Durability:
@@ -42,101 +31,53 @@ class Durability:
 
     def __init__(self, node: SimNode) -> None:
         self.node = node
-        self.pending: dict[int, dict[bytes, Pending]] = {}
-        self.committed = 0
-        self.ambiguous = 0
+        self.decisions = DurableWrites(
+            lambda vb: node.vbuckets[vb],
+            replicas_of=self._replicas_of,
+            replication=node.tracker,
+            required_of=self._required_of,
+        )
 
-    def replicas_of(self, vb: int) -> list[str]:
+    def _replicas_of(self, vb: int) -> list[str]:
         cluster_map = self.node.applied
         return [] if cluster_map is None else [n.name for n in cluster_map.replica_nodes(vb)]
 
-    def possible(self, vb: int) -> bool:
-        """`SyncWriteMonitor.check_possible`: a majority of the chain reachable."""
-        replicas = self.replicas_of(vb)
-        tracker = self.node.tracker
-        reachable = 1 + sum(1 for r in replicas if tracker.progress(vb, r).connected)
-        return reachable >= (1 + len(replicas)) // 2 + 1
+    def _required_of(self, vb: int) -> list[str]:
+        required = self.node.rules.required_replicas(self.node, vb)
+        return [] if required is None else sorted(required)
 
-    def track(self, pending: Pending, timeout_s: float) -> None:
-        self.pending.setdefault(pending.vb, {})[pending.key] = pending
-        self.node.timer(timeout_s, self._expire, pending)
+    def waiting_on(self, vb: int) -> int:
+        return self.decisions.waiting_on(vb)
+
+    def track(
+        self, vb: int, key: bytes, seqno: int, level: DurabilityLevel, timeout_s: float,
+        answer: Answer,
+    ) -> None:  # fmt: skip
+        """Follow the prepare just queued; `answer` gets ("ok", result) or ("ambiguous", why)."""
+        waiter = Waiter(vb, key, seqno, level, lambda outcome: self._answered(outcome, answer))
+        self.node.timer(timeout_s, self._expire, waiter)
         self.node.request_flush(hurry=True)
-        self.check(pending.vb)
+        self.decisions.add(waiter)
 
     def on_progress(self, vb: int) -> None:
-        if vb in self.pending:
-            self.check(vb)
+        self.decisions.on_progress(vb)
 
-    def on_persisted(self) -> None:
-        for vb in sorted(self.pending):
-            self.check(vb)
+    def on_persisted(self, vbs: list[int]) -> None:
+        self.decisions.on_persisted(vbs)
 
     def on_state_changed(self, vb: int) -> None:
         """`Effect.WAITERS_AMBIGUOUS`: the vbucket stopped being active here."""
-        for pending in list(self.pending.get(vb, {}).values()):
-            self._finish(pending, "ambiguous", "no longer active")
-        assert vb not in self.pending, vb
+        self.decisions.on_state_changed(vb)
 
-    def check(self, vb: int) -> None:
-        waiting = self.pending.get(vb)
-        if not waiting:
-            return
-        vbucket = self.node.vbuckets[vb]
-        if vbucket.state is not VBucketState.ACTIVE:
-            for pending in list(waiting.values()):
-                self._finish(pending, "ambiguous", "no longer active")
-            return
-        replicas = self.replicas_of(vb)
-        persisted_here = vbucket.persisted_seqno
-        for pending in list(waiting.values()):
-            if not self._met(vb, pending, replicas, persisted_here):
-                continue
-            try:
-                result = vbucket.commit(pending.key)
-            except CheckpointMemoryFullError:
-                return
-            except StatusError as error:
-                self._finish(pending, "ambiguous", str(error))
-                continue
-            self.committed += 1
-            self.node.request_pump()
-            self._finish(pending, "ok", result)
-
-    def _met(self, vb: int, pending: Pending, replicas: list[str], persisted_here: int) -> bool:
-        tracker = self.node.tracker
-        if pending.level is DurabilityLevel.PERSIST_TO_MAJORITY:
-            acked = [tracker.progress(vb, r).persisted_seqno for r in replicas]
+    def _expire(self, waiter: Waiter) -> None:
+        if self.decisions.expire(waiter):
+            self.node.request_pump()  # the abort, if one was queued
         else:
-            acked = [tracker.progress(vb, r).received_seqno for r in replicas]
-        required = self.node.rules.required_replicas(self.node, vb)
-        if required is None:
-            return sync_writes.durability_met(pending.seqno, persisted_here, acked)
-        if pending.level is DurabilityLevel.PERSIST_TO_MAJORITY:
-            needed = [tracker.progress(vb, r).persisted_seqno for r in sorted(required)]
+            self.node.timer(RETRY_ABORT_S, self._expire, waiter)
+
+    def _answered(self, outcome: MutationResult | StatusError, answer: Answer) -> None:
+        if isinstance(outcome, MutationResult):
+            self.node.request_pump()  # the commit streams to the replicas
+            answer("ok", outcome)
         else:
-            needed = [tracker.progress(vb, r).received_seqno for r in sorted(required)]
-        return sync_writes.durability_met(pending.seqno, persisted_here, acked, needed)
-
-    def _expire(self, pending: Pending) -> None:
-        waiting = self.pending.get(pending.vb)
-        if waiting is None or waiting.get(pending.key) is not pending:
-            return
-        vbucket = self.node.vbuckets[pending.vb]
-        if vbucket.state is VBucketState.ACTIVE:
-            try:
-                vbucket.abort(pending.key)
-                self.node.request_pump()
-            except CheckpointMemoryFullError:
-                self.node.timer(0.05, self._expire, pending)
-                return
-        self._finish(pending, "ambiguous", "timeout")
-
-    def _finish(self, pending: Pending, outcome: str, detail: object) -> None:
-        waiting = self.pending.get(pending.vb)
-        if waiting is not None and waiting.get(pending.key) is pending:
-            del waiting[pending.key]
-            if not waiting:
-                del self.pending[pending.vb]
-        if outcome != "ok":
-            self.ambiguous += 1
-        pending.answer(outcome, detail)
+            answer("ambiguous", str(outcome))

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from changefeed.checkpoint import CheckpointMemoryFullError, CursorKind, Item, StreamReader
+from changefeed.checkpoint import CheckpointMemoryFullError, CursorKind, StreamReader
+from changefeed.checkpoint.flusher import stage_round
 from changefeed.cluster import rules as cluster_rules
 from changefeed.producer.stream_request import VbucketView
 from changefeed.protocol.dcp import StreamEndReason
 from changefeed.protocol.errors import (
+    DurabilityImpossibleError,
     KeyExistsError,
     KeyNotFoundError,
     NotMyVbucketError,
@@ -38,6 +40,7 @@ from changefeed.protocol.errors import (
 )
 from changefeed.protocol.frame_info import DurabilityLevel
 from changefeed.server.bucket import ROUND_BYTES_MAX
+from changefeed.server.context import change_vbucket_state
 from changefeed.server.replication import ReplicationTracker
 from changefeed.storage import Store
 from changefeed.vbmap import ClusterMap
@@ -45,7 +48,7 @@ from changefeed.vbucket import VBucket
 from changefeed.vbucket_state import Effect, VBucketState
 
 from .agent import Agent
-from .durability import Durability, Pending
+from .durability import Durability
 from .network import Conn, Network
 from .orchestrator import Candidate
 from .replication import ProducerEnd, SimFeed
@@ -210,38 +213,22 @@ class SimNode:
             self.timer(gap + self.disk_delay_s, self.flush)
 
     def flush(self) -> None:
-        """One flush round as `server.bucket.Bucket._flush_round` does it: every vbucket with
-        queued items staged into one batch, committed in one transaction (here at once: the
-        simulated disk is the store's commit; a slow disk delays the round)."""
+        """One flush round, `checkpoint.flusher.stage_round` as `server.bucket.Bucket` runs it:
+        every vbucket with queued items staged into one batch, committed in one transaction
+        (here at once: the simulated disk is the store's commit; a slow disk delays the round),
+        then the persisted listeners (durable writes, the replica feeds' persisted acks)."""
         self._flush_due = False
         store = self.store
         assert store is not None
-        vbuckets = [self.vbuckets[vb] for vb in sorted(self.vbuckets)]
-        pending = [v for v in vbuckets if v.flusher.pending]
-        if not pending:
+        flushers = (self.vbuckets[vb].flusher for vb in sorted(self.vbuckets))
+        flush_round = stage_round(store, flushers, ROUND_BYTES_MAX)
+        if flush_round is None:
             return
-        batch = store.begin_batch()
-        runs: list[tuple[int, Sequence[Item]]] = []
-        staged = []
-        run_bytes = 0
-        try:
-            for v in pending:
-                if batch.stored_bytes + run_bytes >= ROUND_BYTES_MAX:
-                    self.request_flush()  # the rest go in the next round
-                    break
-                staged.append((v, v.flusher.stage(batch, runs)))
-                if runs and runs[-1][0] == v.vb:
-                    run_bytes += sum(len(item.body) for item in runs[-1][1])
-            batch.put_runs(runs)
-        except BaseException:
-            store.abort_batch(batch)
-            for v, stage in staged:
-                v.flusher.staged_failed(stage)
-            raise
-        store.commit_batch(batch)
-        written = sum(v.flusher.staged_committed(stage) for v, stage in staged)
-        moved = [v.vb for v, stage in staged if stage is not None]
-        self.durability.on_persisted()
+        if flush_round.cut_short:
+            self.request_flush()  # the rest go in the next round
+        store.commit_batch(flush_round.batch)
+        written, moved = flush_round.committed()
+        self.durability.on_persisted(moved)
         for source in sorted(self.feeds):
             feed = self.feeds[source]
             if hasattr(feed, "on_persisted"):  # the feed's persisted listener
@@ -309,25 +296,25 @@ class SimNode:
             self.request_pump()
 
     def set_vbucket_state(self, vb: int, state: VBucketState) -> None:
-        """`ServerContext.set_vbucket_state`: the vbucket's effects, then the node's."""
-        vbucket = self.vbuckets[vb]
-        edge = vbucket.set_state(state)
+        """`ServerContext.set_vbucket_state`: the same `change_vbucket_state`, with this
+        node's producers for the streams to end."""
+        edge = change_vbucket_state(
+            self.vbuckets[vb],
+            state,
+            waiters=self.durability,
+            end_streams=lambda: self._end_streams(vb),
+            replication=self.tracker,
+        )
         if edge is None:
             return
         self.sched.record("state", self.name, vb, state.value)
-        effects = edge.effects
-        if Effect.WAITERS_AMBIGUOUS in effects:
-            self.durability.on_state_changed(vb)
-        if Effect.STREAMS_ENDED in effects:
-            for conn_id in sorted(self.producers):
-                self.producers[conn_id].producer.end_stream(vb, StreamEndReason.STATE_CHANGED)
+        if Effect.PREPARES_COMMITTED in edge.effects:
             self.request_pump()
-        if Effect.REPLICA_PROGRESS_FORGOTTEN in effects:
-            self.tracker.forget(vb)
-        if Effect.PREPARES_COMMITTED in effects:
-            self.request_pump()
-        assert vbucket.state is state, (vb, state)
-        assert Effect.WAITERS_AMBIGUOUS not in effects or vb not in self.durability.pending, vb
+
+    def _end_streams(self, vb: int) -> None:
+        for conn_id in sorted(self.producers):
+            self.producers[conn_id].producer.end_stream(vb, StreamEndReason.STATE_CHANGED)
+        self.request_pump()
 
     def place_feeds(self, sources: dict[str, set[int]]) -> None:
         """`NodeAgent._place_feeds`: one feed per active copied from; restarted only when its
@@ -361,15 +348,17 @@ class SimNode:
                 return
             level = request.level
             active = vbucket.state is VBucketState.ACTIVE
-            if level and active and not self.durability.possible(request.vb):
-                answer("impossible", None)
-                return
+            if level and active:
+                self.durability.decisions.check_possible(request.vb)
             if request.op == "add":
                 result = vbucket.add(request.key, request.value, level=level)
             else:
                 result = vbucket.set(request.key, request.value, cas=request.cas, level=level)
         except NotMyVbucketError:
             answer("nmvb", self.applied)
+            return
+        except DurabilityImpossibleError:
+            answer("impossible", None)
             return
         except (KeyExistsError, KeyNotFoundError):
             answer("cas_mismatch", None)
@@ -387,15 +376,14 @@ class SimNode:
         if not level:
             answer("ok", (result.seqno, result.cas))
             return
-        pending = Pending(
+        self.durability.track(
             request.vb,
             request.key,
             result.seqno,
             DurabilityLevel(level),
+            request.timeout_s,
             lambda outcome, detail: self._durable_answer(answer, outcome, detail),
-            self.sched.now + request.timeout_s,
         )
-        self.durability.track(pending, request.timeout_s)
 
     def on_config(self, client_name: str) -> None:
         """GET_CLUSTER_CONFIG: the map this node applied."""

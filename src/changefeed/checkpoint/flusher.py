@@ -24,7 +24,8 @@ import asyncio
 import dataclasses
 import heapq
 import itertools
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 from changefeed import limits
@@ -39,6 +40,7 @@ from changefeed.storage import Op, Store, WriteBatch
 BACKUP_CURSOR_NAME: Final = "persistence-backup"
 _RUN_ITEMS_MAX: Final = 4096  # items taken from the persistence cursor per call
 _PLAIN: Final = {Item}  # a batch of only these is written by one put_bodies call
+_body_of: Final = operator.attrgetter("body")
 
 
 @dataclasses.dataclass(slots=True)
@@ -86,6 +88,11 @@ class Flusher:
         # Keys whose SyncWrite prepare the store keeps (put_prepare): the next committed
         # change, or an abort, of such a key ends it there.
         self.kept_prepares: set[bytes] = {record.key for _, record in store.prepares(manager.vb)}
+
+    @property
+    def vb(self) -> int:
+        """The vbucket this flusher writes."""
+        return self._manager.vb
 
     @property
     def persisted_seqno(self) -> int:
@@ -301,3 +308,67 @@ class Flusher:
             _, _, future = heapq.heappop(waiters)
             if not future.done():
                 future.set_result(None)
+
+
+@dataclasses.dataclass(slots=True)
+class FlushRound:
+    """One flush round staged into one write batch, not committed yet (`stage_round`).
+
+    Attributes:
+        batch: the write batch holding every staged vbucket's items; the caller commits it
+            (`Store.commit_batch`: the node on its writer thread, the simulator at once).
+        staged: each flusher with what it staged.
+        cut_short: the round reached its byte bound; flushers left out wait for the next one.
+    """
+
+    batch: WriteBatch
+    staged: list[tuple[Flusher, StagedFlush | None]]
+    cut_short: bool = False
+
+    def committed(self) -> tuple[int, list[int]]:
+        """The batch committed: the items written, and the vbuckets whose persisted seqno may
+        have moved (what the persisted listeners hear)."""
+        written = sum(flusher.staged_committed(staged) for flusher, staged in self.staged)
+        moved = [flusher.vb for flusher, staged in self.staged if staged is not None]
+        return written, moved
+
+    def failed(self) -> None:
+        """The batch did not commit: every flusher reads its items again next round."""
+        for flusher, staged in self.staged:
+            flusher.staged_failed(staged)
+
+
+def stage_round(store: Store, flushers: Iterable[Flusher], bytes_max: int) -> FlushRound | None:
+    """Stage one flush round: every flusher with items pending, in the order given, into one
+    write batch (one transaction, one fsync, instead of one per vbucket), until the round
+    holds `bytes_max` stored bytes. Runs of plain items go in with one `put_runs` call after
+    every flusher staged. Sans-IO: the caller commits the batch and then calls
+    `FlushRound.committed` (or `failed`).
+
+    Returns:
+        The round, or None when nothing is pending (no empty transaction).
+
+    Raises:
+        StorageError: staging failed; the batch is aborted and every flusher put back.
+    """
+    pending = [flusher for flusher in flushers if flusher.pending]
+    if not pending:
+        return None
+    batch = store.begin_batch()
+    flush_round = FlushRound(batch, [])
+    runs: list[tuple[int, Sequence[Item]]] = []  # put together, after every flusher staged
+    run_bytes = 0
+    try:
+        for flusher in pending:
+            if batch.stored_bytes + run_bytes >= bytes_max:
+                flush_round.cut_short = True  # the rest go in the next round
+                break
+            flush_round.staged.append((flusher, flusher.stage(batch, runs)))
+            if runs and runs[-1][0] == flusher.vb:
+                run_bytes += sum(map(len, map(_body_of, runs[-1][1])))
+        batch.put_runs(runs)
+    except BaseException:
+        store.abort_batch(batch)
+        flush_round.failed()
+        raise
+    return flush_round

@@ -11,15 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import operator
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from changefeed import limits
 from changefeed.checkpoint import CursorKind, Item, MemoryBudget, StreamReader, Wakeup
-from changefeed.checkpoint.flusher import StagedFlush
+from changefeed.checkpoint.flusher import stage_round
 from changefeed.producer.stream_request import VbucketView
 from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError, StatusError
 from changefeed.protocol.kv import MutationResult, ObserveSeqnoResult, StoreCommand
@@ -36,7 +35,6 @@ from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState, initial_
 log = logging.getLogger("changefeed.bucket")
 
 _U32_MAX = 0xFFFF_FFFF
-_body_of = operator.attrgetter("body")
 RELATIVE_EXPIRY_MAX_S = 30 * 24 * 3600  # memcached: up to 30 days is relative, above absolute
 # The flusher gathers a group commit this long before a round (unless a writer waits for
 # persistence: `hurry_flush`). After a round that wrote, too: back-to-back rounds under load
@@ -189,42 +187,24 @@ class Bucket:
         on the event loop and committed on the writer thread, so requests are served while
         LMDB commits and fsyncs (both release the GIL). A failed commit raises (every
         flusher keeps its batch queued) and is retried by the loop."""
-        staged: list[tuple[VBucket, StagedFlush | None]] = []
-        if not any(vb.flusher.pending for vb in self.vbuckets.values()):
+        flush_round = stage_round(
+            self.store, (vb.flusher for vb in self.vbuckets.values()), ROUND_BYTES_MAX
+        )
+        if flush_round is None:
             self.persistence.succeeded()
             return 0  # no empty transaction
-        batch = self.store.begin_batch()
-        runs: list[tuple[int, Sequence[Item]]] = []  # put together, after every vbucket staged
-        run_bytes = 0
-        try:
-            for vb in self.vbuckets.values():
-                if batch.stored_bytes + run_bytes >= ROUND_BYTES_MAX:
-                    break  # the rest go in the next round
-                if vb.flusher.pending:
-                    staged.append((vb, vb.flusher.stage(batch, runs)))
-                    if runs and runs[-1][0] == vb.vb:
-                        run_bytes += sum(map(len, map(_body_of, runs[-1][1])))
-            batch.put_runs(runs)
-        except BaseException:
-            self.store.abort_batch(batch)
-            for vb, pending in staged:
-                vb.flusher.staged_failed(pending)
-            raise
         commit = asyncio.get_running_loop().run_in_executor(
-            self._writer, self.store.commit_batch, batch
+            self._writer, self.store.commit_batch, flush_round.batch
         )
         cancelled = await _settle(commit)
         failure = commit.exception()
         if failure is not None:
-            for vb, pending in staged:
-                vb.flusher.staged_failed(pending)
+            flush_round.failed()
         else:
-            wrote = sum(vb.flusher.staged_committed(pending) for vb, pending in staged)
+            wrote, moved = flush_round.committed()
             self.persistence.succeeded()
-            if self.persisted_listeners:
-                moved = [vb.vb for vb, pending in staged if pending is not None]
-                for listener in self.persisted_listeners:
-                    listener(moved)
+            for listener in self.persisted_listeners:
+                listener(moved)
         if cancelled:
             raise asyncio.CancelledError  # close(): stop, with every staged item settled
         if failure is not None:

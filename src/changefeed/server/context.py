@@ -30,6 +30,7 @@ from changefeed.server.replication import ReplicationTracker
 from changefeed.server.sync_writes import SyncWriteMonitor
 from changefeed.server.users import Users
 from changefeed.vbmap import ClusterMap, NodeAddress
+from changefeed.vbucket import VBucket
 from changefeed.vbucket_state import Effect, Transition, VBucketState
 
 
@@ -125,25 +126,13 @@ class ServerContext:
         Returns:
             The edge taken, or None when the vbucket already was in `state`.
         """
-        edge = self.bucket.vbucket(vb).set_state(state)
-        if edge is None:
-            return None
-        effects = edge.effects
-        if Effect.WAITERS_AMBIGUOUS in effects and self.sync_writes is not None:
-            self.sync_writes.on_state_changed(vb)
-        if Effect.STREAMS_ENDED in effects:
-            self.dcp.end_streams(vb, StreamEndReason.STATE_CHANGED)
-        if Effect.REPLICA_PROGRESS_FORGOTTEN in effects and self.replication is not None:
-            self.replication.forget(vb)
-        # Paired with the effects above: what each one promises is now true.
-        assert self.bucket.vbucket(vb).state is state, (vb, state)
-        assert Effect.WAITERS_AMBIGUOUS not in effects or (
-            self.sync_writes is None or not self.sync_writes.waiting_on(vb)
-        ), vb
-        assert Effect.REPLICA_PROGRESS_FORGOTTEN not in effects or (
-            self.replication is None or not self.replication.in_sync_set(vb)
-        ), vb
-        return edge
+        return change_vbucket_state(
+            self.bucket.vbucket(vb),
+            state,
+            waiters=self.sync_writes,
+            end_streams=lambda: self.dcp.end_streams(vb, StreamEndReason.STATE_CHANGED),
+            replication=self.replication,
+        )
 
     def current_map(self) -> ClusterMap:
         """The map clients route by: the cluster's, or this node alone with every vbucket."""
@@ -175,3 +164,49 @@ class ServerContext:
         version = self.cluster_map_version()
         config = self.cluster_config_json()
         return sum(s.push_cluster_map(version, config) for s in list(self.map_subscribers))
+
+
+class StateWaiters(Protocol):
+    """The durable writes a state change answers (`SyncWriteMonitor`; the simulator's shell)."""
+
+    def on_state_changed(self, vb: int) -> object: ...
+
+    def waiting_on(self, vb: int) -> int: ...
+
+
+def change_vbucket_state(
+    vbucket: VBucket,
+    state: VBucketState,
+    *,
+    waiters: StateWaiters | None,
+    end_streams: Callable[[], object],
+    replication: ReplicationTracker | None,
+) -> Transition | None:
+    """`vbucket.set_state(state)`, then the node's effects of the edge fanned out in this call
+    (`ServerContext.set_vbucket_state` is the node's entry; the cluster simulator calls this
+    with its own streams): waiters answered AMBIGUOUS, streams ended (`end_streams`), the
+    replicas' progress forgotten. Paired asserts check each effect's promise after.
+
+    Returns:
+        The edge taken, or None when the vbucket already was in `state`.
+    """
+    vb = vbucket.vb
+    edge = vbucket.set_state(state)
+    if edge is None:
+        return None
+    effects = edge.effects
+    if Effect.WAITERS_AMBIGUOUS in effects and waiters is not None:
+        waiters.on_state_changed(vb)
+    if Effect.STREAMS_ENDED in effects:
+        end_streams()
+    if Effect.REPLICA_PROGRESS_FORGOTTEN in effects and replication is not None:
+        replication.forget(vb)
+    # Paired with the effects above: what each one promises is now true.
+    assert vbucket.state is state, (vb, state)
+    assert Effect.WAITERS_AMBIGUOUS not in effects or (
+        waiters is None or not waiters.waiting_on(vb)
+    ), vb
+    assert Effect.REPLICA_PROGRESS_FORGOTTEN not in effects or (
+        replication is None or not replication.in_sync_set(vb)
+    ), vb
+    return edge

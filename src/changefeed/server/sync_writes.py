@@ -21,8 +21,11 @@ no read and no application stream sees. This monitor decides its outcome:
   gets promoted and commits it. A vbucket that stops being active here answers its waiters
   AMBIGUOUS too; its prepares stay with it (a promoted copy commits the ones it holds).
 
-The monitor owns each pending write's life (commit, timer, abort); the connection only awaits
-the outcome, so a client that disconnects changes nothing.
+The decisions are sans-IO (`DurableWrites`: which writes wait, when one commits, what a
+timeout or a state change answers), so the node (`SyncWriteMonitor`: futures and loop timers)
+and the cluster simulator (tests/sim/durability.py: simulated timers) run the same code. The
+monitor owns each pending write's life (commit, timer, abort); the connection only awaits the
+outcome, so a client that disconnects changes nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final
+from typing import Final, Protocol
 
 from changefeed.checkpoint import CheckpointMemoryFullError
 from changefeed.protocol.errors import (
@@ -43,6 +46,7 @@ from changefeed.protocol.frame_info import DurabilityLevel, DurabilityRequiremen
 from changefeed.protocol.kv import MutationResult
 from changefeed.server.bucket import Bucket
 from changefeed.server.replication import ReplicationTracker
+from changefeed.vbucket_state import VBucketState
 
 log = logging.getLogger("changefeed.sync_writes")
 
@@ -50,14 +54,36 @@ DEFAULT_TIMEOUT_S: Final = 10.0  # the SDKs' durable-write timeout, when the fra
 TIMEOUT_MIN_S: Final = 0.001
 
 
+class DurableVBucket(Protocol):
+    """What the durable-write decisions need of a vbucket (`vbucket.VBucket` has it)."""
+
+    @property
+    def state(self) -> VBucketState: ...
+
+    @property
+    def persisted_seqno(self) -> int: ...
+
+    def commit(self, key: bytes) -> MutationResult: ...
+
+    def abort(self, key: bytes) -> int: ...
+
+
+Answer = Callable[[MutationResult | StatusError], None]
+
+
 @dataclasses.dataclass(slots=True)
-class _Pending:
+class Waiter:
+    """One durable write waiting for its outcome: the prepare of `key` at `seqno`.
+
+    `answer` gets the commit's result or SyncWriteAmbiguousError, once; the shell that
+    created the waiter owns its timer and calls `DurableWrites.expire` when it fires.
+    """
+
     vb: int
     key: bytes
     seqno: int
     level: DurabilityLevel
-    future: asyncio.Future[MutationResult]
-    timer: asyncio.TimerHandle | None = None
+    answer: Answer
 
 
 @dataclasses.dataclass(slots=True)
@@ -71,45 +97,40 @@ class SyncWriteStats:
     ambiguous_state: int = 0  # the vbucket stopped being active here
 
 
-class SyncWriteMonitor:
-    """Pending durable writes of this node's active vbuckets and their outcomes.
+class DurableWrites:
+    """The decisions on this node's waiting durable writes, sans-IO: no loop, no futures, no
+    timers (the node's `SyncWriteMonitor` and the cluster simulator are its two shells).
 
     Args:
-        bucket: the node's bucket.
+        vbucket_of: the node's vbucket of an id.
         replicas_of: the replica node names of a vbucket in the current map.
         replication: replica acks (None: a node alone, no replicas).
         required_of: the replicas of a vbucket every commit must hear from (its confirmed
             in-sync record, kept by the cluster agent; none for a node alone).
-        default_timeout_s: a write's timeout when its durability frame has none.
     """
 
     def __init__(
         self,
-        bucket: Bucket,
+        vbucket_of: Callable[[int], DurableVBucket],
         *,
         replicas_of: Callable[[int], Sequence[str]],
         replication: ReplicationTracker | None,
         required_of: Callable[[int], Iterable[str]] = lambda vb: (),
-        default_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self._bucket = bucket
+        self._vbucket_of = vbucket_of
         self._replicas_of = replicas_of
         self.required_of = required_of
         self._replication = replication
-        self._default_timeout_s = default_timeout_s
-        self._pending: dict[int, dict[bytes, _Pending]] = {}
+        self._waiting: dict[int, dict[bytes, Waiter]] = {}
         self.stats = SyncWriteStats()
-        bucket.persisted_listeners.append(self.on_persisted)
-        if replication is not None:
-            replication.listeners.append(self.on_progress)
 
     @property
     def pending_count(self) -> int:
-        return sum(len(waiting) for waiting in self._pending.values())
+        return sum(len(waiting) for waiting in self._waiting.values())
 
     def waiting_on(self, vb: int) -> int:
         """How many durable writes wait on `vb`."""
-        return len(self._pending.get(vb, ()))
+        return len(self._waiting.get(vb, ()))
 
     def check_possible(self, vb: int) -> None:
         """Raise DurabilityImpossibleError unless a majority of vb's chain is reachable."""
@@ -123,29 +144,23 @@ class SyncWriteMonitor:
                 f"a majority is {majority}; the write was not applied"
             )
 
-    def track(
-        self, vb: int, key: bytes, prepared: MutationResult, requirement: DurabilityRequirement
-    ) -> asyncio.Future[MutationResult]:
-        """Follow the prepare just queued for `key` (at `prepared.seqno`); the future gets the
-        commit's result, or SyncWriteAmbiguousError."""
-        loop = asyncio.get_running_loop()
-        pending = _Pending(vb, key, prepared.seqno, requirement.level, loop.create_future())
-        timeout_s = (
-            max(TIMEOUT_MIN_S, requirement.timeout_ms / 1000)
-            if requirement.timeout_ms
-            else self._default_timeout_s
-        )
-        pending.timer = loop.call_later(timeout_s, self._expire, pending)
-        self._pending.setdefault(vb, {})[key] = pending
+    def add(self, waiter: Waiter) -> None:
+        """Follow the prepare just queued (it may commit at once)."""
+        assert self._waiting.get(waiter.vb, {}).get(waiter.key) is None, waiter
+        self._waiting.setdefault(waiter.vb, {})[waiter.key] = waiter
         self.stats.prepared += 1
-        self._bucket.hurry_flush()  # every level waits for this node's persistence
-        self.check(vb)
-        return pending.future
+        self.check(waiter.vb)
 
     def on_progress(self, vb: int) -> None:
         """A replica of `vb` acknowledged more (or its stream closed)."""
-        if vb in self._pending:
+        if vb in self._waiting:
             self.check(vb)
+
+    def on_persisted(self, vbs: Sequence[int]) -> None:
+        """The flusher persisted more of `vbs` on this node."""
+        for vb in vbs:
+            if vb in self._waiting:
+                self.check(vb)
 
     def on_state_changed(self, vb: int) -> int:
         """`vb` stopped being active here (`Effect.WAITERS_AMBIGUOUS`): answer every write
@@ -155,102 +170,91 @@ class SyncWriteMonitor:
         Returns:
             How many waiters were answered.
         """
-        waiting = self._pending.get(vb)
+        waiting = self._waiting.get(vb)
         if not waiting:
             return 0
-        state = self._bucket.vbucket(vb).state
+        state = self._vbucket_of(vb).state
         assert not state.is_active, (vb, state)
-        answered = 0
-        for pending in list(waiting.values()):
-            self.stats.ambiguous_state += 1
-            self._finish(pending, SyncWriteAmbiguousError(f"vb {vb} is no longer active here"))
-            answered += 1
-        assert vb not in self._pending, vb
+        answered = self._answer_all_ambiguous(vb, waiting)
+        assert vb not in self._waiting, vb
         return answered
 
-    def on_persisted(self, vbs: Sequence[int]) -> None:
-        """The flusher persisted more of `vbs` on this node."""
-        for vb in vbs:
-            if vb in self._pending:
-                self.check(vb)
-
     def check(self, vb: int) -> None:
-        """Commit every pending write of `vb` whose level is met."""
-        waiting = self._pending.get(vb)
+        """Commit every waiting write of `vb` whose level is met."""
+        waiting = self._waiting.get(vb)
         if not waiting:
             return
-        vbucket = self._bucket.vbucket(vb)
+        vbucket = self._vbucket_of(vb)
         if not vbucket.state.is_active:
-            for pending in list(waiting.values()):
-                self.stats.ambiguous_state += 1
-                self._finish(pending, SyncWriteAmbiguousError(f"vb {vb} is no longer active here"))
+            self._answer_all_ambiguous(vb, waiting)
             return
         replicas = self._replicas_of(vb)
         persisted_here = vbucket.persisted_seqno
-        for pending in list(waiting.values()):
-            if not self._met(vb, pending, replicas, persisted_here):
+        for waiter in list(waiting.values()):
+            if not self._met(vb, waiter, replicas, persisted_here):
                 continue
             try:
-                result = vbucket.commit(pending.key)
+                result = vbucket.commit(waiter.key)
             except CheckpointMemoryFullError:
                 return  # the flusher frees memory; its next round checks again
             except StatusError as error:  # the prepare is gone (a rollback): outcome unknown
-                self._finish(pending, SyncWriteAmbiguousError(str(error)))
+                self._finish(waiter, SyncWriteAmbiguousError(str(error)))
                 continue
             self.stats.committed += 1
-            self._finish(pending, result)
+            self._finish(waiter, result)
 
-    def _met(
-        self,
-        vb: int,
-        pending: _Pending,
-        replicas: Sequence[str],
-        persisted_here: int,
-    ) -> bool:
+    def expire(self, waiter: Waiter) -> bool:
+        """The waiter's timeout passed: abort its prepare (an active copy) and answer it
+        SYNC_WRITE_AMBIGUOUS. Nothing happens to a waiter already answered.
+
+        Returns:
+            False if the abort found checkpoint memory full: call again a little later.
+        """
+        if self._waiting.get(waiter.vb, {}).get(waiter.key) is not waiter:
+            return True
+        vbucket = self._vbucket_of(waiter.vb)
+        if vbucket.state.is_active:
+            try:
+                vbucket.abort(waiter.key)
+                self.stats.aborted += 1
+            except CheckpointMemoryFullError:
+                log.warning("vb %d: abort of a timed-out durable write deferred", waiter.vb)
+                return False
+        self._finish(
+            waiter,
+            SyncWriteAmbiguousError(
+                f"vb {waiter.vb}: durability {waiter.level.name.lower()} not met in time"
+            ),
+        )
+        return True
+
+    def _answer_all_ambiguous(self, vb: int, waiting: dict[bytes, Waiter]) -> int:
+        answered = 0
+        for waiter in list(waiting.values()):
+            self.stats.ambiguous_state += 1
+            self._finish(waiter, SyncWriteAmbiguousError(f"vb {vb} is no longer active here"))
+            answered += 1
+        return answered
+
+    def _met(self, vb: int, waiter: Waiter, replicas: Sequence[str], persisted_here: int) -> bool:
         ack = (
             self._persisted
-            if pending.level is DurabilityLevel.PERSIST_TO_MAJORITY
+            if waiter.level is DurabilityLevel.PERSIST_TO_MAJORITY
             else self._received
         )
         required = [ack(vb, r) for r in self.required_of(vb)]
+        # Looked up in this module at each call: the simulator's mutants replace the rule.
         return durability_met(
-            pending.seqno, persisted_here, [ack(vb, r) for r in replicas], required
+            waiter.seqno, persisted_here, [ack(vb, r) for r in replicas], required
         )
 
-    def _expire(self, pending: _Pending) -> None:
-        if pending.future.done():
-            return
-        vbucket = self._bucket.vbucket(pending.vb)
-        if vbucket.state.is_active:
-            try:
-                vbucket.abort(pending.key)
-                self.stats.aborted += 1
-            except CheckpointMemoryFullError:
-                log.warning("vb %d: abort of a timed-out durable write deferred", pending.vb)
-                pending.timer = asyncio.get_running_loop().call_later(0.05, self._expire, pending)
-                return
-        self._finish(
-            pending,
-            SyncWriteAmbiguousError(
-                f"vb {pending.vb}: durability {pending.level.name.lower()} not met in time"
-            ),
-        )
-
-    def _finish(self, pending: _Pending, outcome: MutationResult | BaseException) -> None:
-        waiting = self._pending.get(pending.vb)
-        if waiting is not None and waiting.get(pending.key) is pending:
-            del waiting[pending.key]
+    def _finish(self, waiter: Waiter, outcome: MutationResult | StatusError) -> None:
+        waiting = self._waiting.get(waiter.vb)
+        if waiting is not None and waiting.get(waiter.key) is waiter:
+            del waiting[waiter.key]
             if not waiting:
-                del self._pending[pending.vb]
-        if pending.timer is not None:
-            pending.timer.cancel()
-        if pending.future.done():
-            return
-        if isinstance(outcome, BaseException):
-            pending.future.set_exception(outcome)
-            pending.future.exception()  # retrieved: a waiter that left must not warn
-        else:
-            pending.future.set_result(outcome)
+                del self._waiting[waiter.vb]
+        waiter.answer(outcome)
 
     def _connected(self, vb: int, replica: str) -> bool:
         return self._replication is not None and self._replication.progress(vb, replica).connected
@@ -264,6 +268,121 @@ class SyncWriteMonitor:
         if self._replication is None:
             return 0
         return self._replication.progress(vb, replica).persisted_seqno
+
+
+class SyncWriteMonitor:
+    """The node's shell of `DurableWrites`: each waiter a future the connection awaits and
+    a timer on the event loop; fed by the flusher's persisted listener and the replication
+    tracker's.
+
+    Args:
+        bucket: the node's bucket.
+        replicas_of, replication, required_of: see `DurableWrites`.
+        default_timeout_s: a write's timeout when its durability frame has none.
+    """
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        *,
+        replicas_of: Callable[[int], Sequence[str]],
+        replication: ReplicationTracker | None,
+        required_of: Callable[[int], Iterable[str]] = lambda vb: (),
+        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self._bucket = bucket
+        self.decisions = DurableWrites(
+            bucket.vbucket,
+            replicas_of=replicas_of,
+            replication=replication,
+            required_of=required_of,
+        )
+        self._default_timeout_s = default_timeout_s
+        self._timers: dict[int, asyncio.TimerHandle] = {}  # id(waiter) -> its timer
+        bucket.persisted_listeners.append(self.decisions.on_persisted)
+        if replication is not None:
+            replication.listeners.append(self.decisions.on_progress)
+
+    @property
+    def stats(self) -> SyncWriteStats:
+        return self.decisions.stats
+
+    @property
+    def required_of(self) -> Callable[[int], Iterable[str]]:
+        return self.decisions.required_of
+
+    @required_of.setter
+    def required_of(self, required_of: Callable[[int], Iterable[str]]) -> None:
+        self.decisions.required_of = required_of
+
+    @property
+    def pending_count(self) -> int:
+        return self.decisions.pending_count
+
+    def waiting_on(self, vb: int) -> int:
+        """How many durable writes wait on `vb`."""
+        return self.decisions.waiting_on(vb)
+
+    def check_possible(self, vb: int) -> None:
+        """Raise DurabilityImpossibleError unless a majority of vb's chain is reachable."""
+        self.decisions.check_possible(vb)
+
+    def track(
+        self, vb: int, key: bytes, prepared: MutationResult, requirement: DurabilityRequirement
+    ) -> asyncio.Future[MutationResult]:
+        """Follow the prepare just queued for `key` (at `prepared.seqno`); the future gets the
+        commit's result, or SyncWriteAmbiguousError."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[MutationResult] = loop.create_future()
+        waiter = Waiter(vb, key, prepared.seqno, requirement.level, answer=lambda _: None)
+        waiter.answer = lambda outcome: self._answered(waiter, future, outcome)
+        timeout_s = (
+            max(TIMEOUT_MIN_S, requirement.timeout_ms / 1000)
+            if requirement.timeout_ms
+            else self._default_timeout_s
+        )
+        self._timers[id(waiter)] = loop.call_later(timeout_s, self._expire, waiter)
+        self._bucket.hurry_flush()  # every level waits for this node's persistence
+        self.decisions.add(waiter)
+        return future
+
+    def on_progress(self, vb: int) -> None:
+        """A replica of `vb` acknowledged more (or its stream closed)."""
+        self.decisions.on_progress(vb)
+
+    def on_state_changed(self, vb: int) -> int:
+        """See `DurableWrites.on_state_changed`."""
+        return self.decisions.on_state_changed(vb)
+
+    def on_persisted(self, vbs: Sequence[int]) -> None:
+        """The flusher persisted more of `vbs` on this node."""
+        self.decisions.on_persisted(vbs)
+
+    def check(self, vb: int) -> None:
+        """Commit every pending write of `vb` whose level is met."""
+        self.decisions.check(vb)
+
+    def _expire(self, waiter: Waiter) -> None:
+        if not self.decisions.expire(waiter):
+            loop = asyncio.get_running_loop()
+            self._timers[id(waiter)] = loop.call_later(0.05, self._expire, waiter)
+
+    def _answered(
+        self,
+        waiter: Waiter,
+        future: asyncio.Future[MutationResult],
+        outcome: MutationResult | StatusError,
+    ) -> None:
+        timer = self._timers.pop(id(waiter), None)
+        if timer is not None:
+            timer.cancel()
+        if future.done():
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+            future.exception()  # retrieved: a waiter that left must not warn
+        else:
+            future.set_result(outcome)
 
 
 def durability_met(
