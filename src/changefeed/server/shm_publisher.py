@@ -107,6 +107,7 @@ class GroupPublisher:
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
         self._pending_since = 0.0  # when the oldest pending row came (COALESCE_S)
+        self._rollback_queued = False  # a rollback row is pending
         # Persisted seqnos at the last look at the pending rows (None: pending rows came since):
         # while neither changes, the look is skipped (it polls every SHM_PERSIST_POLL_S).
         self._checked: NDArray[np.int64] | None = None
@@ -316,6 +317,7 @@ class GroupPublisher:
         rows.append_rollback(vb, point)
         self._pending.append(rows.to_batch())
         self._pending_rows += 1
+        self._rollback_queued = True
         self._checked = None
         # Asked again from `point` on the same branch: common history up to there.
         self._positions[index, SEQNO:BEFORE] = point
@@ -371,19 +373,32 @@ class GroupPublisher:
             if self._checked is not None and np.array_equal(persisted, self._checked):
                 return 0  # nothing persisted and nothing pending since the last look
             self._checked = persisted
-        batch = self._pending[0] if len(self._pending) == 1 else pa.concat_batches(self._pending)
-        rest = None
-        if persisted is not None:
+        # Rows go out in the order they were read, up to the first one not persisted yet (per
+        # vbucket persistence is in seqno order, so that holds back only a flush round's worth
+        # of other vbuckets' rows): slices, no Arrow filter and no copy of what stays.
+        ready_parts: list[pa.RecordBatch] = []
+        kept: list[pa.RecordBatch] = []
+        for batch in self._pending:
+            if kept or persisted is None:
+                (kept if kept else ready_parts).append(batch)
+                continue
             vbs = batch.column("vbucket").to_numpy()
-            seqnos = batch.column("seqno").to_numpy()
-            ready = seqnos <= persisted[self._index[vbs]]
-            ready |= pc.equal(batch.column("op"), OP_ROLLBACK).to_numpy(zero_copy_only=False)
-            if not ready.all():
-                rest = batch.filter(pa.array(~ready))
-                batch = batch.filter(pa.array(ready))
-        self._pending = [rest] if rest is not None and rest.num_rows else []
-        self._pending_rows = 0 if rest is None else int(rest.num_rows)
-        self._pending_since = self._loop_time()  # the rest waits for persistence, not this
+            ready = batch.column("seqno").to_numpy() <= persisted[self._index[vbs]]
+            if self._rollback_queued:  # a rollback row goes at once (it is no change)
+                ready |= pc.equal(batch.column("op"), OP_ROLLBACK).to_numpy(zero_copy_only=False)
+            first = int(np.argmin(ready)) if not ready.all() else batch.num_rows
+            if first:
+                ready_parts.append(batch.slice(0, first))
+            if first < batch.num_rows:
+                kept.append(batch.slice(first))
+        self._pending = kept
+        self._pending_rows = sum(b.num_rows for b in kept)
+        if not kept:
+            self._rollback_queued = False
+        self._pending_since = self._loop_time()  # what stays waits for persistence, not this
+        if not ready_parts:
+            return 0
+        batch = ready_parts[0] if len(ready_parts) == 1 else pa.concat_batches(ready_parts)
         rows = int(batch.num_rows)
         for start in range(0, rows, self.rows_per_batch):
             self._publish(batch.slice(start, self.rows_per_batch))
