@@ -30,6 +30,7 @@ from changefeed.consumer.events import (
 from changefeed.consumer.handshake import call, connect
 from changefeed.protocol.collections import SystemEvent, encode_leb128, split_key
 from changefeed.protocol.errors import StatusError
+from changefeed.protocol.kv import CompactDb, encode_compact_db
 from changefeed.protocol.opcode import Feature, Opcode
 from changefeed.protocol.status import Status
 from support.clients import BUCKET, PASSWORD, USER, dcp_config
@@ -186,6 +187,24 @@ def test_filtered_streams_events_and_legacy_clients(nodes: NodeFactory, tmp_path
         assert [
             (e.vbucket, e.message) for e in everything_disk if isinstance(e, CollectionEvent)
         ] == [(e.vbucket, e.message) for e in everything if isinstance(e, CollectionEvent)]
+
+        # Compaction purges the dropped collection's documents (lazily: not at the drop); the
+        # drop event and everything else stay.
+        conn = await kv(node)
+        try:
+            for vb in range(VBUCKETS):
+                opaque = conn.next_opaque()
+                request = encode_compact_db(CompactDb(vb, opaque, 0, 0, drop_deletes=True))
+                assert (await conn.request(request, opaque)).status == Status.SUCCESS
+        finally:
+            await conn.close()
+        after = await collect(node, collections_aware=True)
+        assert sorted(
+            (v, s, k) for v, s, k in changes(everything) if split_key(k)[0] != carts.uid
+        ) == sorted(changes(after))
+        assert [e.message for e in after if isinstance(e, CollectionEvent)] == [
+            e.message for e in everything if isinstance(e, CollectionEvent)
+        ]
 
         # A filter naming a dropped collection is refused UNKNOWN_COLLECTION.
         with pytest.raises(Exception, match="UNKNOWN_COLLECTION"):

@@ -92,6 +92,7 @@ class Compactor:
         "requests": "COMPACT_DB requests completed.",
         "vbuckets": "Vbucket compactions completed (scheduled and requested).",
         "tombstones_purged": "Tombstones purged by compaction.",
+        "dropped_collection_records_purged": "Records of dropped collections purged.",
         "records_visited": "Records compaction looked at.",
         "failures": "Vbucket compactions that failed with a storage error.",
     }
@@ -120,6 +121,9 @@ class Compactor:
         self._requests: set[asyncio.Task[VbucketCompaction]] = set()
         self.counters = dict.fromkeys(self.COUNTER_HELP, 0)
         self.last_run_s = 0.0  # duration of the last scheduled run
+        # Which collection ids were dropped (server/manifest.py); their records go with the
+        # tombstones, a chunk at a time (storage/compaction.py). None: none are purged.
+        self.dropped_collections: Callable[[int], bool] | None = None
         self.started = False
 
     def start(self) -> None:
@@ -226,7 +230,9 @@ class Compactor:
                 start_seqno=start_seqno,
                 seqno_max=ceiling,
                 records_max=self._chunk_records,
+                dropped=self.dropped_collections,
             )
+            self.counters["dropped_collection_records_purged"] += chunk.dropped
             chunks += 1
             purged += chunk.purged
             visited += chunk.visited

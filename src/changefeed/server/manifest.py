@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from changefeed.protocol.collections_manifest import Manifest, ManifestError
+from changefeed.protocol.collections import SYSTEM_COLLECTION
+from changefeed.protocol.collections_manifest import RESERVED_IDS_MAX, Manifest, ManifestError
 
 log = logging.getLogger("changefeed.server")
 
@@ -81,6 +82,15 @@ class ManifestStore:
         """The scope a collection is in, or was in when it was dropped (a stream filtered by
         scope still sends the changes a dropped collection made before its drop event)."""
         return self._ever_scopes.get(collection_id)
+
+    def dropped(self, collection_id: int) -> bool:
+        """Whether documents of `collection_id` belong to a collection this manifest dropped
+        (compaction purges them). Ids above uid + 7 were never given by this manifest (a
+        collection another node created, not known here yet): kept. The system collection
+        (1, system events) is never dropped."""
+        if collection_id in self._ids or collection_id == SYSTEM_COLLECTION:
+            return False
+        return collection_id <= self._manifest.uid + RESERVED_IDS_MAX
 
     def scope_uids(self) -> frozenset[int]:
         return self._scope_uids

@@ -272,6 +272,7 @@ class Node:
             interval_s=config.compaction_interval_s,
             purge_age_s=config.tombstone_purge_age_s,
         )
+        self.compactor.dropped_collections = manifests.dropped
         self.expiry_pager = ExpiryPager(
             bucket, clock=clock, interval_s=config.expiry_pager_interval_s
         )

@@ -17,12 +17,28 @@ file space: LMDB reuses freed pages for later writes, and the file never shrinks
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final
 
 from changefeed import limits
 from changefeed.storage.errors import CorruptRecordError
-from changefeed.storage.keys import SEQNO_KEY, VB_KEY, decode_by_key_value
-from changefeed.storage.record import TAG_MUTATION, Record, decode_record
+from changefeed.storage.keys import (
+    COLLECTION_MARKER,
+    SEQNO_KEY,
+    VB_KEY,
+    collection_of,
+    decode_by_key_value,
+)
+from changefeed.storage.record import (
+    DELETION_EXTRAS_SIZE,
+    MUTATION_EXTRAS_SIZE,
+    TAG_MUTATION,
+    Op,
+    Record,
+    decode_record,
+)
+
+_STORED_PREFIX: Final = 12  # record.py: tag, datatype, key_len, cas before the body
 
 if TYPE_CHECKING:
     import lmdb
@@ -58,12 +74,17 @@ class PurgeChunk:
         visited: records looked at (mutations and tombstones).
         next_seqno: first seqno the next chunk must look at; None when this chunk reached the
             end of the vbucket or passed `seqno_max`.
+        dropped: records of dropped collections removed (not counted in `purged`; they do not
+            raise the purge seqno: a consumer learns of them from the collection's drop event).
+        dropped_live: of those, live documents (the vbucket's item count falls by this).
     """
 
     purged: int
     seqno_purged_max: int
     visited: int
     next_seqno: int | None
+    dropped: int = 0
+    dropped_live: int = 0
 
 
 def purge_tombstones_chunk(
@@ -76,9 +97,13 @@ def purge_tombstones_chunk(
     start_seqno: int = 0,
     seqno_max: int = limits.SEQNO_MAX,
     records_max: int | None = None,
+    dropped: Callable[[int], bool] | None = None,
 ) -> PurgeChunk:
     """Remove the tombstones of `vb` with delete_time <= `delete_time_max` and seqno in
     `start_seqno..seqno_max`, looking at no more than `records_max` records (None: no bound).
+    With `dropped`, also every record (document or tombstone) in that range whose collection
+    `dropped(collection id)` says was dropped (keys.py: a marked key): a dropped collection's
+    documents go lazily, a chunk at a time, like tombstones.
 
     Raises:
         CorruptRecordError: a tombstone does not decode, or its by_key entry disagrees.
@@ -92,14 +117,23 @@ def purge_tombstones_chunk(
     seqno_purged_max = 0
     purged = 0
     visited = 0
+    gone = gone_live = 0
     while (key := cursor.key()) and key[:2] == prefix:  # bounded by the vbucket's records
         seqno = SEQNO_KEY.unpack(key)[1]
         if seqno > seqno_max:
             break
         if visited == records_max:
-            return PurgeChunk(purged, seqno_purged_max, visited, seqno)
+            return PurgeChunk(purged, seqno_purged_max, visited, seqno, gone, gone_live)
         visited += 1
         data = cursor.value()
+        if dropped is not None and _in_dropped(data, dropped):
+            record = decode_record(vb, seqno, data)
+            _delete_by_key_entry(txn, by_key, record)
+            deleted = cursor.delete()  # and moves to the next record
+            assert deleted, (vb, seqno)
+            gone += 1
+            gone_live += record.op is Op.MUTATION
+            continue
         if data[:1] == bytes((TAG_MUTATION,)):
             cursor.next()
             continue
@@ -113,8 +147,19 @@ def purge_tombstones_chunk(
         assert seqno > seqno_purged_max, (seqno, seqno_purged_max)
         seqno_purged_max = seqno
         purged += 1
-    assert purged <= visited, (purged, visited)
-    return PurgeChunk(purged, seqno_purged_max, visited, None)
+    assert purged + gone <= visited, (purged, gone, visited)
+    return PurgeChunk(purged, seqno_purged_max, visited, None, gone, gone_live)
+
+
+def _in_dropped(data: bytes, dropped: Callable[[int], bool]) -> bool:
+    """Whether a stored record's key is in a collection `dropped` names (cheap: the key's
+    first byte says whether it names a collection at all)."""
+    extras = MUTATION_EXTRAS_SIZE if data[0] == TAG_MUTATION else DELETION_EXTRAS_SIZE
+    at = _STORED_PREFIX + extras
+    if len(data) <= at or data[at] != COLLECTION_MARKER:
+        return False
+    key_len = int.from_bytes(data[2:4], "big")
+    return dropped(collection_of(bytes(data[at : at + key_len])))
 
 
 def discard_after(

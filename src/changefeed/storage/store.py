@@ -30,7 +30,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Final, TypeAlias
@@ -383,6 +383,7 @@ class Store:
         start_seqno: int = 0,
         seqno_max: int = limits.SEQNO_MAX,
         records_max: int = limits.COMPACTION_CHUNK_RECORDS_MAX,
+        dropped: Callable[[int], bool] | None = None,
     ) -> PurgeChunk:
         """One bounded step of compacting `vb`, in one write transaction.
 
@@ -390,7 +391,9 @@ class Store:
         `start_seqno..seqno_max` among at most `records_max` records, and raises the
         vbucket's purge_seqno to the highest seqno purged in the same transaction: after a
         crash either both or neither are on disk. Durable like a batch once it returns. Call
-        again from `next_seqno` of the answer until it is None.
+        again from `next_seqno` of the answer until it is None. With `dropped`, the records of
+        the collections it names go too (compaction.py `purge_tombstones_chunk`), and the
+        item count falls by their live documents.
 
         Raises:
             ValueError: unknown vbucket, a seqno outside 0..SEQNO_MAX, records_max < 1.
@@ -405,7 +408,9 @@ class Store:
             raise ValueError(f"records_max {records_max} must be at least 1")
         with self._writing():  # the row as a commit in flight leaves it
             row = self._known_row(vb).copy()
-            chunk = self._purge_chunk(vb, row, delete_time_max, start_seqno, seqno_max, records_max)
+            chunk = self._purge_chunk(
+                vb, row, delete_time_max, start_seqno, seqno_max, records_max, dropped
+            )
             self._rows[vb] = row
         assert row.purge_seqno >= chunk.seqno_purged_max, (row, chunk)
         assert chunk.visited <= records_max, (chunk, records_max)
@@ -419,6 +424,7 @@ class Store:
         start_seqno: int,
         seqno_max: int,
         records_max: int,
+        dropped: Callable[[int], bool] | None = None,
     ) -> PurgeChunk:
         with _translated_errors(self._map_size_bytes), self._env.begin(write=True) as txn:
             chunk = purge_tombstones_chunk(
@@ -430,9 +436,11 @@ class Store:
                 start_seqno=start_seqno,
                 seqno_max=seqno_max,
                 records_max=records_max,
+                dropped=dropped,
             )
-            if chunk.purged:
+            if chunk.purged or chunk.dropped:
                 row.purge_seqno = max(row.purge_seqno, chunk.seqno_purged_max)
+                row.item_count -= chunk.dropped_live
                 txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=self._vbmeta)
         return chunk
 
