@@ -16,13 +16,14 @@ import couchbase.subdocument as SD
 import pytest
 from click.testing import CliRunner
 from couchbase.cluster import Cluster
+from couchbase.durability import DurabilityLevel, ServerDurability
 from couchbase.exceptions import (
     CollectionNotFoundException,
     CouchbaseException,
     DocumentExistsException,
     DocumentNotFoundException,
 )
-from couchbase.options import GetOptions, UpsertMultiOptions
+from couchbase.options import GetOptions, UpsertMultiOptions, UpsertOptions
 
 from changefeed.cli.main import cli
 from changefeed.cli.node_process import HOST, NodeProcess
@@ -88,6 +89,9 @@ def test_crud_and_subdoc_in_two_collections_of_two_scopes(
     assert users.lookup_in("k", [SD.get("tags")]).content_as[list](0) == ["admin"]
     counter = orders.binary().increment("counter")
     assert counter.content == 0  # created with the initial value
+    durable = ServerDurability(DurabilityLevel.MAJORITY)
+    users.upsert("durable", {"d": 1}, UpsertOptions(durability=durable))
+    assert users.get("durable").content_as[dict] == {"d": 1}
     users.remove("k")
     with pytest.raises(DocumentNotFoundException):
         users.get("k")
