@@ -484,6 +484,24 @@ def bench_ours(
     return out
 
 
+def persist_only(args: argparse.Namespace, items: list[tuple[bytes, bytes]], work: Path) -> None:
+    """The persist row alone: the node, then Redis with AOF always, same windows."""
+    persist_items = items[: args.persist_items] if args.persist_items else items
+    n = len(persist_items)
+    print("\n".join(header(args, n)))
+    print(f"load average at start: {os.getloadavg()}")
+    with node_process(work / "persist", vbuckets=VBUCKETS) as node:
+        ours = run_loop(ingest(node.port, node.pid, persist_items, "persist"))
+    print(f"persist, node:  {rate(n, ours)}; {ours.describe(n)}")
+    if not args.no_redis:
+        aof = ["--appendonly", "yes", "--appendfsync", "always"]
+        with RedisProcess(work / "redis-aof-always", extra=aof) as server:
+            theirs = redis_ingest(server.port, server.pid, persist_items, PERSIST_WINDOW)
+        print(f"persist, redis: {rate(n, theirs)}; {theirs.describe(n)}")
+        print(f"ratio {theirs.seconds / ours.seconds:.2f}x")
+    print(f"load average at end: {os.getloadavg()}")
+
+
 def bench_redis(items: list[tuple[bytes, bytes]], persist_n: int, work: Path) -> dict[str, Any]:
     import redis
 
@@ -729,6 +747,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--profile-top", type=int, default=10, help="functions per profile")
     parser.add_argument("--no-redis", action="store_true")
+    parser.add_argument(
+        "--persist-only",
+        action="store_true",
+        help="only the persist row (node and Redis AOF always), a line each",
+    )
     args = parser.parse_args()
     if args.quick:
         args.items = 50_000
@@ -754,6 +777,10 @@ def main() -> None:
     signal.signal(signal.SIGINT, abandon)
     started = time.perf_counter()
     try:
+        if args.persist_only:
+            persist_only(args, items, work)
+            shutil.rmtree(work, ignore_errors=True)
+            return
         if args.profile:
             profile = profile_ingest(args, items, work) + "\n" + profile_streams(args, items, work)
         else:

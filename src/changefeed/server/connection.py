@@ -398,7 +398,8 @@ class ClientConnection(asyncio.Protocol):
             return  # refused at authentication: nothing it sent after that is served
         if self.context.fence_check is not None:
             self.context.fence_check()  # after a pause: fenced before anything is served
-        self._out = []
+        if self._out is None:  # else replies deferred by send() are waiting: keep their place
+            self._out = []
         dispatched = 0
         reader = self.reader
         next_frame = reader.next_frame
@@ -566,16 +567,30 @@ class ClientConnection(asyncio.Protocol):
     def send(self, data: bytes) -> None:
         """Write a reply; while a received batch is dispatched, replies collect and go out in
         one write (one syscall per batch, not per request) — or sooner once they reach
-        REPLY_BATCH_BYTES_MAX, so backpressure still sees large replies."""
+        REPLY_BATCH_BYTES_MAX, so backpressure still sees large replies. A reply sent outside
+        a batch (a persistence wait or a durable write answered by a flush round, which ends
+        many at once) collects with the others sent in the same loop iteration."""
         out = self._out
-        if out is not None:
-            out.append(data)
-            self._out_bytes += len(data)
-            if self._out_bytes >= limits.REPLY_BATCH_BYTES_MAX and not self._capturing:
-                self._flush_replies()
-            return
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        if out is None:
+            if self.transport is None or self.transport.is_closing():
+                return
+            try:
+                asyncio.get_running_loop().call_soon(self._flush_deferred)
+            except RuntimeError:  # no loop runs (a caller outside the server): write now
+                self.transport.write(data)
+                return
+            self._out = out = []
+            self._out_bytes = 0
+        out.append(data)
+        self._out_bytes += len(data)
+        if self._out_bytes >= limits.REPLY_BATCH_BYTES_MAX and not self._capturing:
+            self._flush_replies()
+
+    def _flush_deferred(self) -> None:
+        """Write the replies `send` collected outside a batch (unless a batch took them)."""
+        if self._out is not None:
+            self._flush_replies()
+            self._out = None
 
     def _flush_replies(self) -> None:
         out = self._out
@@ -587,6 +602,7 @@ class ClientConnection(asyncio.Protocol):
 
     def write_frames(self, frames: list[bytes]) -> None:
         if self.transport is not None and not self.transport.is_closing():
+            self._flush_replies()  # replies sent before these frames go before them
             self.transport.writelines(frames)
 
     def reply(
@@ -611,6 +627,8 @@ class ClientConnection(asyncio.Protocol):
         once (a burst that closes hundreds of connections per loop iteration must not be
         refused for slots that are already being given back)."""
         if self.transport is not None:
+            if not self._capturing:
+                self._flush_replies()  # the replies collected so far go before the FIN
             self.transport.close()
         self.context.connections.discard(self)
         if self.admission is not None:

@@ -1,0 +1,115 @@
+"""Replies sent outside a received batch — persistence waits that one flush round ends — go
+out in one write per connection, in the order they were answered (they were one write each:
+64 a window for a client that waits on every vbucket it wrote)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from changefeed.protocol.frame import Frame
+from changefeed.protocol.kv import (
+    StoreCommand,
+    encode_request,
+    encode_seqno_persistence,
+    encode_store,
+)
+from changefeed.protocol.opcode import Opcode
+from changefeed.protocol.reader import NEED_DATA, FrameReader
+from changefeed.protocol.sasl import encode_plain
+from changefeed.protocol.status import Status
+from changefeed.server.bucket import Bucket
+from changefeed.server.config import NodeConfig
+from changefeed.server.connection import ClientConnection
+from changefeed.server.context import ServerContext
+from changefeed.server.users import Users
+
+VBUCKETS = 8
+
+
+class RecordingTransport:
+    """The transport side of a socket, recording each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def writelines(self, data: list[bytes]) -> None:
+        self.writes.append(b"".join(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str) -> object:
+        return ("127.0.0.1", 40000) if name == "peername" else None
+
+    def set_write_buffer_limits(self, high: int) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def frames(data: bytes) -> list[Frame]:
+    reader = FrameReader(1 << 20)
+    reader.feed(data)
+    out = []
+    while (frame := reader.next_frame()) is not NEED_DATA:
+        assert isinstance(frame, Frame)
+        out.append(frame)
+    return out
+
+
+def test_waits_ended_by_one_flush_round_are_answered_in_one_write(tmp_path: Path) -> None:
+    config = NodeConfig(data_dir=tmp_path, vbuckets=VBUCKETS, durable=False)
+    users = Users()
+    users.add("u", "p")
+
+    async def scenario() -> tuple[list[bytes], list[bytes]]:
+        bucket = Bucket.open(config)
+        conn = ClientConnection(ServerContext(config, users, bucket))
+        transport = RecordingTransport()
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        conn.data_received(
+            encode_request(Opcode.SASL_AUTH, opaque=1, key=b"PLAIN", value=encode_plain("u", "p"))
+        )
+        while not transport.writes:  # the password is checked off the loop
+            await asyncio.sleep(0.01)
+        conn.data_received(encode_request(Opcode.SELECT_BUCKET, opaque=2, key=b"default"))
+        # One write per vbucket, then a wait on each: nothing is flushed yet (no flush loop).
+        conn.data_received(
+            b"".join(
+                encode_store(StoreCommand(Opcode.SET, vb, 10 + vb, b"key-%d" % vb, b"v"))
+                for vb in range(VBUCKETS)
+            )
+        )
+        conn.data_received(
+            b"".join(encode_seqno_persistence(vb, 1, opaque=100 + vb) for vb in range(VBUCKETS))
+        )
+        await asyncio.sleep(0)
+        before = list(transport.writes)
+        bucket.start()  # the flusher: one round persists every vbucket
+        async with asyncio.timeout(30):
+            while sum(len(frames(w)) for w in transport.writes[len(before) :]) < VBUCKETS:
+                await asyncio.sleep(0.01)
+        after = transport.writes[len(before) :]
+        conn.close()
+        await bucket.close()
+        return before, after
+
+    before, after = asyncio.run(scenario())
+    answered = [f for f in frames(b"".join(before)) if f.opaque >= 100]
+    assert answered == []  # nothing was persisted before the flusher ran
+    assert len(after) == 1, [len(frames(w)) for w in after]
+    waits = frames(after[0])
+    assert [f.opaque for f in waits] == [100 + vb for vb in range(VBUCKETS)]
+    assert {(f.opcode, f.status) for f in waits} == {(Opcode.SEQNO_PERSISTENCE, Status.SUCCESS)}
