@@ -23,7 +23,7 @@ the inner encoder together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, Protocol
 
 from changefeed.checkpoint import Item, SnapshotStart
@@ -112,29 +112,45 @@ class CollectionEncoder:
     def items(self, out: list[bytes], items: Sequence[Item], bytes_max: int) -> tuple[int, int]:
         if not self.aware and not any(item.key[:1] == b"\xff" for item in items):
             return self.inner.items(out, items, bytes_max)
-        return self._filtered(out, items, bytes_max)
+        vb = self.inner.vb
+        cids = [_collection_of_key(item.key, vb) for item in items]
+        return self._filtered(out, cids, items.__getitem__, lambda i: items[i].seqno, bytes_max)
 
     def stored(self, out: list[bytes], records: Sequence[bytes], bytes_max: int) -> tuple[int, int]:
         if not self.aware and not any(_marked(record) for record in records):
             return self.inner.stored(out, records, bytes_max)
         vb = self.inner.vb
-        items = [Item.from_record(decode_record(vb, stored_seqno(r), r)) for r in records]
-        return self._filtered(out, items, bytes_max)
+
+        def item_of(index: int) -> Item:  # decoded only when it is sent
+            record = records[index]
+            return Item.from_record(decode_record(vb, stored_seqno(record), record))
+
+        cids = [_collection_of_stored(record, vb) for record in records]
+        return self._filtered(out, cids, item_of, lambda i: stored_seqno(records[i]), bytes_max)
 
     # -- inside ------------------------------------------------------------------------------
 
-    def _filtered(self, out: list[bytes], items: Sequence[Item], bytes_max: int) -> tuple[int, int]:
-        """Send what is wanted of `items`, within `bytes_max` (at least one item consumed).
+    def _filtered(
+        self,
+        out: list[bytes],
+        cids: list[int],
+        item_of: Callable[[int], Item],
+        seqno_of: Callable[[int], int],
+        bytes_max: int,
+    ) -> tuple[int, int]:
+        """Send what is wanted of a run whose changes are in collections `cids`, within
+        `bytes_max` (at least one change consumed). A change is built (`item_of`) only when it
+        is sent: a skipped one costs its collection id and, last in the run, its seqno.
 
         Returns:
-            (items consumed, bytes appended).
+            (changes consumed, bytes appended).
         """
         inner = self.inner
         written = 0
         consumed = 0
         kept: list[Item] = []  # wanted items not yet handed to the inner encoder
-        kept_at: list[int] = []  # their indexes in `items`
-        last_skipped: int | None = None  # seqno of a trailing run of skipped changes
+        kept_at: list[int] = []  # their indexes in the run
+        last_skipped: int | None = None  # index of a trailing run of skipped changes
 
         def flush() -> bool:
             """Hand `kept` over; False when the budget ended part-way."""
@@ -149,38 +165,41 @@ class CollectionEncoder:
             kept_at.clear()
             return done
 
-        for index, item in enumerate(items):  # bounded by the run
-            cid, key = split_stored_key(item.key, inner.vb)
+        wants = self._wants
+        aware = self.aware
+        for index, cid in enumerate(cids):  # bounded by the run
             if cid == SYSTEM_COLLECTION:
                 if not flush():
                     return consumed, written
-                frame = self._event_frame(item) if self.aware else None
+                frame = self._event_frame(item_of(index)) if aware else None
                 if frame is None:
-                    last_skipped = item.seqno
+                    last_skipped = index
                     self.skipped += 1
                 else:
                     out.append(frame)
                     written += len(frame)
                     last_skipped = None
                 consumed = index + 1
-            elif self._wants(cid):
-                wire_key = encode_leb128(cid) + key if self.aware else key
+            elif wants(cid):
+                item = item_of(index)
+                key = split_stored_key(item.key, inner.vb)[1]
+                wire_key = encode_leb128(cid) + key if aware else key
                 kept.append(item if wire_key == item.key else _rekeyed(item, wire_key))
                 kept_at.append(index)
                 last_skipped = None
             else:
-                if not flush():
+                if kept and not flush():
                     return consumed, written
-                last_skipped = item.seqno
+                last_skipped = index
                 self.skipped += 1
                 consumed = index + 1
             if written >= bytes_max:
                 break
         if not flush():
             return consumed, written
-        if last_skipped is not None and self.aware:
+        if last_skipped is not None and aware:
             frame = encode_seqno_advanced(
-                SeqnoAdvanced(inner.vb, inner.opaque, last_skipped, inner.stream_id)
+                SeqnoAdvanced(inner.vb, inner.opaque, seqno_of(last_skipped), inner.stream_id)
             )
             out.append(frame)
             written += len(frame)
@@ -197,6 +216,28 @@ class CollectionEncoder:
         if not self._wants_event(message.event, message.scope_id, message.collection_id):
             return None
         return encode_system_event(message, stream_id=inner.stream_id)
+
+
+def _collection_of_stored(record: bytes, vb: int) -> int:
+    """The collection id of a stored record's key, read in place (no record decoded); an id
+    below 128 is one byte after the marker (the common case, read without a decoder)."""
+    offset = _KEY_OFFSET_MUTATION if record[0] == _TAG_MUTATION else _KEY_OFFSET_TOMBSTONE
+    if len(record) <= offset + 1 or record[offset] != _MARKER:
+        return 0
+    first = record[offset + 1]
+    if first < 0x80:
+        return first
+    return split_stored_key(record[offset : offset + 6], vb)[0]
+
+
+def _collection_of_key(key: bytes, vb: int) -> int:
+    """`_collection_of_stored` for a key."""
+    if key[0] != _MARKER:
+        return 0
+    first = key[1]
+    if first < 0x80:
+        return first
+    return split_stored_key(key, vb)[0]
 
 
 def _marked(record: bytes) -> bool:

@@ -33,7 +33,7 @@ from changefeed.storage.keys import stored_key
 from changefeed.storage.record import encode_record
 
 VB, OPAQUE = 3, 77
-SCOPES = {0: 0, 8: 8, 9: 8, 10: 11}  # collection -> scope
+SCOPES = {0: 0, 8: 8, 9: 8, 10: 11, 300: 11}  # collection -> scope (300: a 2-byte id)
 
 
 class Manifest:
@@ -111,7 +111,9 @@ def sent(frames: bytes) -> list[tuple[str, int, bytes]]:
 
 FILTERS = st.one_of(
     st.just(StreamFilter()),
-    st.builds(StreamFilter, collections=st.frozensets(st.sampled_from([0, 8, 9, 10]), min_size=1)),
+    st.builds(
+        StreamFilter, collections=st.frozensets(st.sampled_from([0, 8, 9, 10, 300]), min_size=1)
+    ),
     st.builds(StreamFilter, scope=st.sampled_from([0, 8, 11])),
 )
 
@@ -119,7 +121,7 @@ FILTERS = st.one_of(
 @settings(deadline=None, max_examples=150)
 @given(
     spec=st.lists(
-        st.tuples(st.sampled_from([-1, 0, 0, 8, 9, 10]), st.integers(0, 20)),
+        st.tuples(st.sampled_from([-1, 0, 0, 8, 9, 10, 300]), st.integers(0, 20)),
         min_size=1,
         max_size=40,
     ),
