@@ -428,14 +428,21 @@ def _merge(
     batches a reader takes (one point per batch, before: unbounded, issue 27).
     """
     state = session if session is not None else SessionState()
+    vbuckets = state.vbuckets
     for vb, (vb_uuid, seqno, snap_start, snap_end, _before) in zip(
         group, positions.tolist(), strict=True
     ):
-        mine = state.vbuckets.get(vb)
-        if mine is not None and mine.seqno > seqno:
-            continue
+        mine = vbuckets.get(vb)
         if mine is None:
-            mine = state.vbuckets[vb] = VbSession(vb)
+            mine = vbuckets[vb] = VbSession(vb)
+        elif mine.seqno > seqno or (
+            # Unchanged (a vbucket with no row in the batch): nothing to look at.
+            seqno == mine.seqno
+            and snap_start == mine.snap_start
+            and snap_end == mine.snap_end
+            and (not vb_uuid or mine.vb_uuid == vb_uuid)
+        ):
+            continue
         if vb_uuid and mine.vb_uuid != vb_uuid:
             mine.failover_log = FailoverLog([(vb_uuid, 0)])
         if seqno != mine.seqno or (snap_start, snap_end) != (mine.snap_start, mine.snap_end):
