@@ -86,6 +86,7 @@ from changefeed.protocol.snapshot_marker import SnapshotMarker
 from changefeed.protocol.status import Status
 from changefeed.storage import Op
 from changefeed.vbmap import NodeAddress
+from changefeed.vbucket import ReplicatedColumns
 
 log = logging.getLogger("changefeed.replication")
 
@@ -126,6 +127,8 @@ class ReplicaVBucket(Protocol):
     def queue_replicated(self, item: Item) -> None: ...
 
     def queue_replicated_run(self, items: Sequence[Item]) -> int: ...
+
+    def queue_replicated_columns(self, run: ReplicatedColumns) -> int: ...
 
     def replica_commit(self, key: bytes, prepared_seqno: int, commit_seqno: int) -> None: ...
 
@@ -488,31 +491,37 @@ class ReplicaFeed:
             self._conn.pause_reading()
 
     def _apply(self, view: _BatchView, start: int, stop: int) -> None:
-        """Queue received changes `start`..`stop` of the batch per vbucket run. A mutation's
-        frame body is the stored body (extras | key | value, the layout the store keeps), so
-        its item takes that slice as is; tombstones are rare and encoded again."""
+        """Queue received changes `start`..`stop` of the batch per vbucket run. A run of only
+        mutations (the usual case) goes to the replica role as column slices
+        (`VBucket.queue_replicated_columns`): a mutation's frame body is the stored body
+        (extras | key | value, the layout the store keeps), taken as is. A run holding
+        tombstones (rare; their wire extras are not the stored ones) goes as items."""
         columns = view.columns
-        data = columns.data
-        opcodes, seqnos, keys = columns.opcode, columns.seqno, columns.key
-        key_start, value_end = view.key_start, view.value_end
-        cas, flags, expiry = columns.cas, columns.flags, columns.expiry
-        datatype, rev, delete_time = columns.datatype, columns.rev_seqno, columns.delete_time
-        of_body, mutation, extras = Item.of_body, _OPCODE_MUTATION, _MUTATION_BODY_EXTRAS
+        opcodes = columns.opcode
+        body_start, value_end = view.body_start, view.value_end
+        take_body = columns.data.__getitem__
         vbs = columns.vbucket
         for first, last in itertools.pairwise(view.runs(start, stop)):  # one vbucket's run each
-            items = [
-                of_body(
-                    seqnos[i], keys[i], _MUTATION, data[key_start[i] - extras : value_end[i]],
-                    cas[i], flags[i], expiry[i], datatype[i], rev[i], 0,
-                )
-                if opcodes[i] == mutation
-                else Item(
-                    seqnos[i], keys[i], _OP_OF_OPCODE[Opcode(opcodes[i])], columns.value[i],
-                    cas[i], flags[i], expiry[i], datatype[i], rev[i], delete_time[i],
-                )
-                for i in range(first, last)
-            ]  # fmt: skip
-            self._queue_run(vbs[first], items)
+            vb = vbs[first]
+            if self._backlog or opcodes[first:last].count(_OPCODE_MUTATION) != last - first:
+                self._queue_run(vb, _items_of(view, first, last))
+                continue
+            run = ReplicatedColumns(
+                columns.seqno[first:last],
+                columns.key[first:last],
+                list(map(take_body, map(slice, body_start[first:last], value_end[first:last]))),
+                columns.cas[first:last],
+                columns.flags[first:last],
+                columns.expiry[first:last],
+                columns.datatype[first:last],
+                columns.rev_seqno[first:last],
+            )
+            try:
+                taken = self.bucket.vbucket(vb).queue_replicated_columns(run)
+            except CheckpointMemoryFullError:
+                taken = 0
+            if taken < last - first:  # memory ran out: the rest wait as items
+                self._hold_back(vb, _items_of(view, first + taken, last))
         self.stats.items += stop - start
 
     def _queue_run(self, vb: int, items: list[Item]) -> None:
@@ -524,8 +533,12 @@ class ReplicaFeed:
             if taken == len(items):
                 return
             items = items[taken:]
-            if self._conn is not None:  # wait for the flusher to free memory
-                self._conn.pause_reading()
+        self._hold_back(vb, items)
+
+    def _hold_back(self, vb: int, items: list[Item]) -> None:
+        """Keep `items` for when the flusher has freed memory; stop reading meanwhile."""
+        if not self._backlog and self._conn is not None:
+            self._conn.pause_reading()
         self._backlog.extend((vb, item) for item in items)
 
     def _queue(self, vb: int, item: Item | Commit) -> None:
@@ -661,17 +674,43 @@ def _status_name(status: int) -> str:
         return f"0x{status:x}"
 
 
+def _items_of(view: _BatchView, first: int, last: int) -> list[Item]:
+    """Changes `first`..`last` of a batch as items: a mutation takes its frame body as is
+    (`Item.of_body`), a tombstone is encoded again."""
+    columns = view.columns
+    data, opcodes, seqnos, keys = columns.data, columns.opcode, columns.seqno, columns.key
+    body_start, value_end = view.body_start, view.value_end
+    cas, flags, expiry = columns.cas, columns.flags, columns.expiry
+    datatype, rev, delete_time = columns.datatype, columns.rev_seqno, columns.delete_time
+    of_body, mutation = Item.of_body, _OPCODE_MUTATION
+    return [
+        of_body(
+            seqnos[i], keys[i], _MUTATION, data[body_start[i] : value_end[i]],
+            cas[i], flags[i], expiry[i], datatype[i], rev[i], 0,
+        )
+        if opcodes[i] == mutation
+        else Item(
+            seqnos[i], keys[i], _OP_OF_OPCODE[Opcode(opcodes[i])], columns.value[i],
+            cas[i], flags[i], expiry[i], datatype[i], rev[i], delete_time[i],
+        )
+        for i in range(first, last)
+    ]  # fmt: skip
+
+
 class _BatchView:
     """What `_apply` reads of one received batch, converted once per batch: the batch's
     columns as lists (ChangeColumns keeps them) and where the vbucket changes. A batch is
     cut at every control frame (a marker per vbucket run in steady state); slicing the
     columns per cut cost ~10 us each, this costs a bisect."""
 
-    __slots__ = ("_cuts", "columns", "key_start", "value_end")
+    __slots__ = ("_cuts", "body_start", "columns", "value_end")
 
     def __init__(self, columns: ChangeColumns) -> None:
         self.columns = columns
-        self.key_start: list[int] = columns.array("key_start").tolist()
+        # Where a mutation's frame body starts: its extras, before the key.
+        self.body_start: list[int] = (
+            columns.array("key_start").astype(np.int64) - _MUTATION_BODY_EXTRAS
+        ).tolist()
         self.value_end: list[int] = columns.array("value_end").tolist()
         vbs = columns.array("vbucket")
         self._cuts: list[int] = (np.flatnonzero(vbs[1:] != vbs[:-1]) + 1).tolist()

@@ -11,6 +11,7 @@ from changefeed.protocol.kv import MutationResult
 from changefeed.vbucket.core import VBucket
 from changefeed.vbucket.values import (
     Document,
+    ReplicatedColumns,
     RunLookup,
     SetColumns,
     SetManyResult,
@@ -21,6 +22,7 @@ from changefeed.vbucket_state import VBucketState
 __all__ = [
     "Document",
     "MutationResult",
+    "ReplicatedColumns",
     "RunLookup",
     "SetColumns",
     "SetManyResult",

@@ -55,7 +55,13 @@ from changefeed.protocol.kv_ops import DocumentMeta
 from changefeed.storage import Op, Record, Store
 from changefeed.vbucket.role import Role
 from changefeed.vbucket.roles import role_for, serves
-from changefeed.vbucket.values import NS_PER_S, Document, RunLookup, SetManyResult
+from changefeed.vbucket.values import (
+    NS_PER_S,
+    Document,
+    ReplicatedColumns,
+    RunLookup,
+    SetManyResult,
+)
 from changefeed.vbucket_state import Effect, Transition, VBucketState, transition
 
 # Records read back at recovery to find the highest CAS handed out before (bounded, O(1)):
@@ -385,6 +391,19 @@ class VBucket:
                 `queue_replicated`; on a bad item nothing of the run is queued.
         """
         return self._role.queue_replicated_run(items)
+
+    def queue_replicated_columns(self, run: ReplicatedColumns) -> int:
+        """`queue_replicated_run` for a run of mutations as columns (`ReplicatedColumns`: the
+        slices of a received batch), checked a column at a time.
+
+        Returns:
+            How many were queued (the first ones; memory may run out part of the way).
+
+        Raises:
+            NotMyVbucketError, InvalidArgumentsError, CheckpointMemoryFullError: as
+                `queue_replicated_run`.
+        """
+        return self._role.queue_replicated_columns(run)
 
     def replica_commit(self, key: bytes, prepared_seqno: int, commit_seqno: int) -> None:
         """DCP_COMMIT from the active: commit the pending prepare of `key` at `commit_seqno`.

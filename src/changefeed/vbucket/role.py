@@ -19,7 +19,7 @@ from changefeed.protocol.errors import NotMyVbucketError, StatusError
 from changefeed.protocol.kv import MutationResult
 from changefeed.storage import Record
 from changefeed.vbucket.port import VBucketCore
-from changefeed.vbucket.values import Document, RunLookup, SetManyResult
+from changefeed.vbucket.values import Document, ReplicatedColumns, RunLookup, SetManyResult
 
 
 class Role:
@@ -126,6 +126,9 @@ class Role:
         self._refuse("a replica")
 
     def queue_replicated_run(self, items: Sequence[Item]) -> int:
+        self._refuse("a replica")
+
+    def queue_replicated_columns(self, run: ReplicatedColumns) -> int:
         self._refuse("a replica")
 
     def replica_commit(self, key: bytes, prepared_seqno: int, commit_seqno: int) -> None:

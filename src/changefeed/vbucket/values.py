@@ -40,6 +40,22 @@ class RunLookup(NamedTuple):
     stored: Mapping[bytes, Record | None]
 
 
+class ReplicatedColumns(NamedTuple):
+    """A run of mutations replicated to one vbucket, as columns: slices of the columns a
+    received batch decoded to (`protocol.batch.ChangeColumns`), seqnos rising. `bodies` are
+    the frames' bodies, extras | key | value: the layout the checkpoint and the store keep, so
+    each is taken as is (`Item.of_body`), never encoded again."""
+
+    seqnos: Sequence[int]
+    keys: Sequence[bytes]
+    bodies: Sequence[bytes]
+    cases: Sequence[int]
+    flags: Sequence[int]
+    expiries: Sequence[int]
+    datatypes: Sequence[int]
+    rev_seqnos: Sequence[int]
+
+
 class SetManyResult(NamedTuple):
     """`VBucket.set_many`'s answers as columns (no object per write): write i got
     `seqnos[i]` and `cases[i]` on `vb_uuid`, unless `errors` holds i (its seqno and CAS

@@ -36,7 +36,7 @@ from changefeed.protocol.snapshot_marker import MarkerFlag, SnapshotMarker, enco
 from changefeed.server.bucket import Bucket
 from changefeed.storage import Op
 from changefeed.vbmap import NodeAddress
-from changefeed.vbucket import VBucket
+from changefeed.vbucket import ReplicatedColumns, VBucket
 from changefeed.vbucket_state import VBucketState
 from support.buckets import ManualClock, open_bucket
 
@@ -71,6 +71,7 @@ def memory_full_once(target: VBucket) -> None:
     """The next item `target` is given is refused for memory (alone or first of a run: the
     feed queues runs, and items held back one by one); the ones after are taken."""
     real, real_run = target.queue_replicated, target.queue_replicated_run
+    real_columns = target.queue_replicated_columns
     refused = [True]
 
     def full_once(item: Item) -> None:
@@ -85,8 +86,15 @@ def memory_full_once(target: VBucket) -> None:
             raise CheckpointMemoryFullError("full")
         return real_run(items)
 
+    def columns_full_once(run: ReplicatedColumns) -> int:
+        if refused[0]:
+            refused[0] = False
+            raise CheckpointMemoryFullError("full")
+        return real_columns(run)
+
     target.queue_replicated = full_once  # type: ignore[method-assign]
     target.queue_replicated_run = run_full_once  # type: ignore[method-assign]
+    target.queue_replicated_columns = columns_full_once  # type: ignore[method-assign]
 
 
 def test_memory_full_mid_run_keeps_each_item_in_its_own_vbucket(bucket: Bucket) -> None:
