@@ -24,7 +24,7 @@ the inner encoder together.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 from changefeed.checkpoint import Item, SnapshotStart
 from changefeed.producer.encoder import DcpEncoder
@@ -33,7 +33,6 @@ from changefeed.protocol.collections import (
     StreamFilter,
     SystemEvent,
     decode_system_event_doc,
-    encode_leb128,
     encode_system_event,
 )
 from changefeed.protocol.dcp import StreamEndReason
@@ -42,6 +41,8 @@ from changefeed.storage.keys import COLLECTION_MARKER, split_stored_key
 from changefeed.storage.record import decode_record, stored_seqno
 
 _MARKER: Final = COLLECTION_MARKER
+_MARKER_BYTE: Final = bytes((COLLECTION_MARKER,))
+T = TypeVar("T")
 _TAG_MUTATION: Final = 0x11  # storage/record.py: a mutation's tag; others are tombstones
 _KEY_OFFSET_MUTATION: Final = 12 + 31  # stored prefix + mutation extras
 _KEY_OFFSET_TOMBSTONE: Final = 12 + 21
@@ -113,20 +114,45 @@ class CollectionEncoder:
         if not self.aware and not any(item.key[:1] == b"\xff" for item in items):
             return self.inner.items(out, items, bytes_max)
         vb = self.inner.vb
-        cids = [_collection_of_key(item.key, vb) for item in items]
-        return self._filtered(out, cids, items.__getitem__, lambda i: items[i].seqno, bytes_max)
+        aware = self.aware
+
+        def keep(index: int, cid: int) -> Item:
+            item = items[index]
+            key = _wire_key(item.key, cid, aware)
+            return item if key is item.key else _rekeyed(item, key)
+
+        return self._filtered(
+            out,
+            [_collection_of_key(item.key, vb) for item in items],
+            keep,
+            self.inner.items,
+            items.__getitem__,
+            lambda i: items[i].seqno,
+            bytes_max,
+        )
 
     def stored(self, out: list[bytes], records: Sequence[bytes], bytes_max: int) -> tuple[int, int]:
         if not self.aware and not any(_marked(record) for record in records):
             return self.inner.stored(out, records, bytes_max)
         vb = self.inner.vb
+        aware = self.aware
 
-        def item_of(index: int) -> Item:  # decoded only when it is sent
+        def keep(index: int, cid: int) -> bytes:  # the stored record under its wire key
+            return _restored(records[index], cid, aware)
+
+        def event_item(index: int) -> Item:  # decoded (and checked): a system event
             record = records[index]
             return Item.from_record(decode_record(vb, stored_seqno(record), record))
 
-        cids = [_collection_of_stored(record, vb) for record in records]
-        return self._filtered(out, cids, item_of, lambda i: stored_seqno(records[i]), bytes_max)
+        return self._filtered(
+            out,
+            [_collection_of_stored(record, vb) for record in records],
+            keep,
+            self.inner.stored,
+            event_item,
+            lambda i: stored_seqno(records[i]),
+            bytes_max,
+        )
 
     # -- inside ------------------------------------------------------------------------------
 
@@ -134,13 +160,16 @@ class CollectionEncoder:
         self,
         out: list[bytes],
         cids: list[int],
-        item_of: Callable[[int], Item],
+        keep: Callable[[int, int], T],
+        send: Callable[[list[bytes], list[T], int], tuple[int, int]],
+        event_item: Callable[[int], Item],
         seqno_of: Callable[[int], int],
         bytes_max: int,
     ) -> tuple[int, int]:
         """Send what is wanted of a run whose changes are in collections `cids`, within
-        `bytes_max` (at least one change consumed). A change is built (`item_of`) only when it
-        is sent: a skipped one costs its collection id and, last in the run, its seqno.
+        `bytes_max` (at least one change consumed). A change is re-keyed (`keep`) only when it
+        is sent, and sent in runs (`send`: the inner encoder); a skipped one costs its
+        collection id and, last in the run, its seqno.
 
         Returns:
             (changes consumed, bytes appended).
@@ -148,7 +177,7 @@ class CollectionEncoder:
         inner = self.inner
         written = 0
         consumed = 0
-        kept: list[Item] = []  # wanted items not yet handed to the inner encoder
+        kept: list[T] = []  # wanted changes not yet handed to the inner encoder
         kept_at: list[int] = []  # their indexes in the run
         last_skipped: int | None = None  # index of a trailing run of skipped changes
 
@@ -157,7 +186,7 @@ class CollectionEncoder:
             nonlocal written, consumed
             if not kept:
                 return True
-            count, nbytes = inner.items(out, kept, max(1, bytes_max - written))
+            count, nbytes = send(out, kept, max(1, bytes_max - written))
             written += nbytes
             consumed = kept_at[count - 1] + 1
             done = count == len(kept)
@@ -171,7 +200,7 @@ class CollectionEncoder:
             if cid == SYSTEM_COLLECTION:
                 if not flush():
                     return consumed, written
-                frame = self._event_frame(item_of(index)) if aware else None
+                frame = self._event_frame(event_item(index)) if aware else None
                 if frame is None:
                     last_skipped = index
                     self.skipped += 1
@@ -181,10 +210,7 @@ class CollectionEncoder:
                     last_skipped = None
                 consumed = index + 1
             elif wants(cid):
-                item = item_of(index)
-                key = split_stored_key(item.key, inner.vb)[1]
-                wire_key = encode_leb128(cid) + key if aware else key
-                kept.append(item if wire_key == item.key else _rekeyed(item, wire_key))
+                kept.append(keep(index, cid))
                 kept_at.append(index)
                 last_skipped = None
             else:
@@ -230,6 +256,31 @@ def _collection_of_stored(record: bytes, vb: int) -> int:
     return split_stored_key(record[offset : offset + 6], vb)[0]
 
 
+def _wire_key(stored: bytes, cid: int, aware: bool) -> bytes:
+    """The key a client sees for a stored key of collection `cid` (storage/keys.py): with
+    collections its LEB128 id in front (the stored form minus the marker), else the bare key
+    (only the default collection's reach such a client). `stored` itself when unchanged."""
+    marked = stored[:1] == _MARKER_BYTE
+    if aware:
+        if cid:
+            return stored[1:]
+        return b"\x00" + (stored[2:] if marked else stored)
+    return stored[2:] if marked else stored
+
+
+def _restored(record: bytes, cid: int, aware: bool) -> bytes:
+    """A stored record (record.py) whose key is the wire key, its body otherwise the same."""
+    offset = _KEY_OFFSET_MUTATION if record[0] == _TAG_MUTATION else _KEY_OFFSET_TOMBSTONE
+    key_len = int.from_bytes(record[2:4], "big")
+    stored = record[offset : offset + key_len]
+    key = _wire_key(stored, cid, aware)
+    if key is stored:
+        return record
+    return b"".join(
+        (record[:2], len(key).to_bytes(2, "big"), record[4:offset], key, record[offset + key_len :])
+    )
+
+
 def _collection_of_key(key: bytes, vb: int) -> int:
     """`_collection_of_stored` for a key."""
     if key[0] != _MARKER:
@@ -247,15 +298,19 @@ def _marked(record: bytes) -> bool:
 
 
 def _rekeyed(item: Item, key: bytes) -> Item:
-    return Item(
+    """`item` under another key: its body's extras and value around the new key (nothing
+    encoded again)."""
+    extras = item.extras_size
+    body = item.body
+    return Item.of_body(
         item.seqno,
         key,
         item.op,
-        item.value,
+        b"".join((body[:extras], key, body[extras + len(item.key) :])),
         item.cas,
-        flags=item.flags,
-        expiry=item.expiry,
-        datatype=item.datatype,
-        rev_seqno=item.rev_seqno,
-        delete_time=item.delete_time,
+        item.flags,
+        item.expiry,
+        item.datatype,
+        item.rev_seqno,
+        item.delete_time,
     )
