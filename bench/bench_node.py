@@ -138,6 +138,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def write_syscalls(pid: int) -> int:
+    """Write system calls ``pid`` made so far, all threads (/proc/<pid>/io ``syscw``)."""
+    with open(f"/proc/{pid}/io") as handle:
+        fields = dict(line.split(": ") for line in handle.read().splitlines())
+    return int(fields["syscw"])
+
+
 def machine_busy_seconds() -> float:
     """Busy CPU seconds of the whole machine since boot, all cores (/proc/stat, incl. steal)."""
     with open("/proc/stat") as handle:
@@ -491,13 +498,15 @@ def persist_only(args: argparse.Namespace, items: list[tuple[bytes, bytes]], wor
     print("\n".join(header(args, n)))
     print(f"load average at start: {os.getloadavg()}")
     with node_process(work / "persist", vbuckets=VBUCKETS) as node:
+        writes = write_syscalls(node.pid)
         ours = run_loop(ingest(node.port, node.pid, persist_items, "persist"))
-    print(f"persist, node:  {rate(n, ours)}; {ours.describe(n)}")
+        writes = write_syscalls(node.pid) - writes
+    print(f"persist, node:  {rate(n, ours)}; write syscalls {writes:,} ({writes / n:.4f} a write)")
     if not args.no_redis:
         aof = ["--appendonly", "yes", "--appendfsync", "always"]
         with RedisProcess(work / "redis-aof-always", extra=aof) as server:
             theirs = redis_ingest(server.port, server.pid, persist_items, PERSIST_WINDOW)
-        print(f"persist, redis: {rate(n, theirs)}; {theirs.describe(n)}")
+        print(f"persist, redis: {rate(n, theirs)}")
         print(f"ratio {theirs.seconds / ours.seconds:.2f}x")
     print(f"load average at end: {os.getloadavg()}")
 

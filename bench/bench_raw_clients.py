@@ -294,6 +294,7 @@ class Measured:
     seconds: float
     server_cpu_s: float
     client_cpu_s: float
+    server_writes: int  # write system calls of the server (replies, fsyncs' data...)
 
     @property
     def rate(self) -> float:
@@ -304,11 +305,25 @@ class Measured:
         return 1e6 * self.server_cpu_s / self.items
 
 
+def write_syscalls(pid: int) -> int:
+    """Write system calls of ``pid`` so far, all threads (/proc/<pid>/io ``syscw``)."""
+    with open(f"/proc/{pid}/io") as handle:
+        fields = dict(line.split(": ") for line in handle.read().splitlines())
+    return int(fields["syscw"])
+
+
 def measure(pid: int, items: int, work: Callable[[], None]) -> Measured:
+    writes = write_syscalls(pid)
     server, client, started = cpu_seconds(pid), time.process_time(), time.perf_counter()
     work()
     seconds = time.perf_counter() - started
-    return Measured(items, seconds, cpu_seconds(pid) - server, time.process_time() - client)
+    return Measured(
+        items,
+        seconds,
+        cpu_seconds(pid) - server,
+        time.process_time() - client,
+        write_syscalls(pid) - writes,
+    )
 
 
 def node_row(port: int, pid: int, shape: Shape, count: int, salt: int) -> Measured:
@@ -394,6 +409,168 @@ def redis_py_sets(port: int, pid: int, ops: list[tuple[str, int]], window: int) 
         client.close()
 
 
+# -- streams: a raw DCP reader vs raw RESP XREAD and redis-py XREAD --------------------------
+
+OP_GET_ALL_VB_SEQNOS, OP_DCP_OPEN, OP_DCP_STREAM_REQ = 0x48, 0x50, 0x53
+OP_DCP_STREAM_END, OP_DCP_MUTATION, OP_DCP_DELETION, OP_DCP_EXPIRATION = 0x55, 0x57, 0x58, 0x59
+STREAM_REQ_EXTRAS = struct.Struct(">IIQQQQQ")  # flags, reserved, start, end, uuid, snap s/e
+VB_SEQNO = struct.Struct(">HQ")
+REDIS_STREAM = b"bench"
+XREAD_COUNT = 10_000
+
+
+def mcbp_call(sock: socket.socket, opcode: int, key: bytes, extras: bytes = b"") -> bytes:
+    """One request, its reply's value (the reply must be SUCCESS)."""
+    body = len(extras) + len(key)
+    sock.sendall(
+        HEADER.pack(REQUEST, opcode, len(key), len(extras), 0, 0, body, 0, 0) + extras + key
+    )
+    reply = HEADER.unpack(_recv_exact(sock, HEADER.size))
+    data = _recv_exact(sock, reply[6])
+    if reply[5] != SUCCESS:
+        raise RuntimeError(f"opcode {opcode:#x}: status {reply[5]:#x} {data!r}")
+    return data[reply[3] + reply[2] :]
+
+
+def dcp_read_all(port: int) -> int:
+    """Stream every vbucket from seqno 0 to its high seqno now: DCP_OPEN (producer, no flow
+    control), one STREAM_REQ per vbucket in one write, count mutations, deletions and
+    expirations until every stream has ended. Only headers are parsed (as a C client would)."""
+    sock = mcbp_login(port)
+    try:
+        value = mcbp_call(sock, OP_GET_ALL_VB_SEQNOS, b"")
+        highs = dict(VB_SEQNO.iter_unpack(value))
+        mcbp_call(
+            sock, OP_DCP_OPEN, b"raw-reader-%d" % time.monotonic_ns(), struct.pack(">II", 0, 1)
+        )
+        requests = []
+        for vb, high in sorted(highs.items()):
+            extras = STREAM_REQ_EXTRAS.pack(0, 0, 0, high, 0, 0, 0)
+            requests.append(HEADER.pack(REQUEST, OP_DCP_STREAM_REQ, 0, len(extras), 0, vb,
+                                        len(extras), vb, 0) + extras)  # fmt: skip
+        sock.sendall(b"".join(requests))
+        ended = items = 0
+        buffer = b""
+        pos = 0
+        unpack = HEADER.unpack_from
+        size = HEADER.size
+        counted = (OP_DCP_MUTATION, OP_DCP_DELETION, OP_DCP_EXPIRATION)
+        while ended < len(highs):
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                raise ConnectionError(f"closed after {items} items, {ended} streams ended")
+            buffer = buffer[pos:] + chunk
+            pos = 0
+            end = len(buffer)
+            while end - pos >= size:
+                magic, opcode, _kl, _el, _dt, status, body, _op, _cas = unpack(buffer, pos)
+                if end - pos < size + body:
+                    break
+                pos += size + body
+                if opcode in counted:
+                    items += 1
+                elif opcode == OP_DCP_STREAM_END:
+                    ended += 1
+                elif magic == RESPONSE and opcode == OP_DCP_STREAM_REQ and status != SUCCESS:
+                    raise RuntimeError(f"stream request refused: status {status:#x}")
+        return items
+    finally:
+        sock.close()
+
+
+def redis_xadd_all(port: int, count: int) -> None:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S)
+    try:
+        requests = [
+            resp(b"XADD", REDIS_STREAM, b"*", KEY_FORMAT % n, value_of(n)) for n in range(count)
+        ]
+        shape = Shape("xadd", 4096, 2)
+        ops = [("set", n) for n in range(count)]
+        raw_run(sock, requests, shape, resp_parser(ops))
+    finally:
+        sock.close()
+
+
+def xread_raw(port: int, expected: int) -> int:
+    """XREAD COUNT 10000 from the start until `expected` entries, over a raw socket with the
+    hiredis C parser (what a C client does)."""
+    import hiredis
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S)
+    reader = hiredis.Reader()
+    last = b"0-0"
+    got = 0
+    try:
+        while got < expected:
+            sock.sendall(
+                resp(b"XREAD", b"COUNT", b"%d" % XREAD_COUNT, b"STREAMS", REDIS_STREAM, last)
+            )
+            reply = False
+            while reply is False:
+                data = sock.recv(1 << 20)
+                if not data:
+                    raise ConnectionError("redis closed")
+                reader.feed(data)
+                reply = reader.gets()
+            entries = reply[0][1]
+            got += len(entries)
+            last = entries[-1][0]
+        return got
+    finally:
+        sock.close()
+
+
+def xread_redis_py(port: int, expected: int) -> int:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port)
+    last: bytes | str = "0-0"
+    got = 0
+    try:
+        while got < expected:
+            reply = client.xread({REDIS_STREAM: last}, count=XREAD_COUNT)
+            entries = reply[0][1]
+            got += len(entries)
+            last = entries[-1][0]
+        return got
+    finally:
+        client.close()
+
+
+def stream_rows(node: object, redis_ctx: RedisProcess | None, count: int) -> list[str]:
+    """Load `count` more items, then stream the node from disk (after a clean restart) with
+    the raw DCP reader, and Redis's stream with both XREAD readers."""
+    from changefeed.cli.node_process import NodeProcess
+
+    assert isinstance(node, NodeProcess)
+    lines = []
+    ops = [("set", n + 10**7) for n in range(count)]
+    sock = mcbp_login(node.port)
+    try:
+        raw_run(sock, mcbp_requests(ops, False), Shape("load", 4096, 2), mcbp_parser(ops))
+    finally:
+        sock.close()
+    node.restart()  # a clean stop persists everything: the stream is all backfill
+    holder: list[int] = []
+    ours = measure(node.pid, 1, lambda: holder.append(dcp_read_all(node.port)))
+    items = holder[0]
+    ours = Measured(items, ours.seconds, ours.server_cpu_s, ours.client_cpu_s, ours.server_writes)
+    lines.append(f"# DCP raw reader, from disk: {items:,} items, {ours.rate:,.0f}/s, node "
+                 f"{ours.server_us:.2f} us/item; load {load_average()}")  # fmt: skip
+    if redis_ctx is not None:
+        redis_xadd_all(redis_ctx.port, items)
+        for name, read in (("raw RESP XREAD", xread_raw), ("redis-py XREAD", xread_redis_py)):
+            peer = measure(
+                redis_ctx.pid, items, lambda read=read: holder.append(read(redis_ctx.port, items))
+            )
+            lines.append(
+                f"# {name}: {peer.rate:,.0f}/s, redis {peer.server_us:.2f} us/item, client "
+                f"{1e6 * peer.client_cpu_s / items:.2f} us/item; DCP/this "
+                f"{ours.rate / peer.rate:.2f}x, CPU {ours.server_us / peer.server_us:.1f}x"
+            )
+    return lines
+
+
 # -- the run --------------------------------------------------------------------------------
 
 
@@ -428,6 +605,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["all", "raw", "sdk"], default="all")
     parser.add_argument("--shape", help="only shapes whose name contains one of these (a,b)")
     parser.add_argument("--profile", action="store_true", help="py-spy the node for each row")
+    parser.add_argument("--streams", action="store_true", help="also the stream rows (at the end)")
     args = parser.parse_args()
     count = 20_000 if args.quick else args.items
     work = Path(tempfile.mkdtemp(prefix="bench-raw-"))
@@ -460,6 +638,9 @@ def main() -> None:
                         peer = redis_row(redis_ctx.port, redis_ctx.pid, shape, count, salt)
                     rows.append((shape, ours, peer, before))
                     print(describe(shape, ours, peer, before), flush=True)
+                if args.streams:
+                    streams = stream_rows(node, redis_ctx, count)
+                    print("\n".join(streams), flush=True)
             finally:
                 if redis_ctx is not None:
                     redis_ctx.__exit__(None, None, None)
@@ -479,6 +660,9 @@ def describe(shape: Shape, ours: Measured, peer: Measured | None, load: str) -> 
     if peer is not None:
         text += (f"; redis {peer.rate:,.0f}/s {peer.server_us:.2f} us/item "
                  f"(client {1e6 * peer.client_cpu_s / peer.items:.2f} us)")  # fmt: skip
+    text += f"; node writes/item {ours.server_writes / ours.items:.3f}"
+    if peer is not None:
+        text += f", redis {peer.server_writes / peer.items:.3f}"
     return text + f"; load {load}"
 
 
