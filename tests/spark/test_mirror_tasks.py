@@ -92,3 +92,29 @@ def test_a_groups_files_hold_each_live_key_once_and_stay_few(tmp_path: Path) -> 
         assert len(keys) == len(set(keys)), "a key in two files"
         assert dict(zip(keys, held.column("value").to_pylist(), strict=True)) == live
     assert most_files <= SMALL_FILES_MAX + 1, most_files  # compacted once there were too many
+
+
+def test_the_statistics_let_a_reader_filter_on_any_column(tmp_path: Path) -> None:
+    """delta-rs reads a column missing from a file's statistics as ``col >= null``, which
+    pruned every file from a filter on ``op`` (the rollback history read nothing)."""
+    import pyarrow.dataset as ds
+    from deltalake import DeltaTable, Schema
+    from deltalake.transaction import AddAction, create_table_with_add_actions
+
+    batch = plan(tmp_path, 0, [])
+    actions = run_group(batch, GROUP, rows([("a", 1, b"x"), ("b", 2, None), ("c", 3, b"y")]))
+    adds = [
+        AddAction(a["path"], a["size"], {"_vb_group": str(GROUP)}, 0, True, a["stats"])
+        for a in actions.to_pylist()
+        if a["table_name"] == "changelog" and a["kind"] == KIND_ADD
+    ]
+    schema = batch.changelog_schema.append(pa.field("_vb_group", pa.int32()))
+    create_table_with_add_actions(str(tmp_path / "changelog"), Schema.from_arrow(schema), adds,
+                                  mode="append", partition_by=["_vb_group"])  # fmt: skip
+    dataset = DeltaTable(str(tmp_path / "changelog")).to_pyarrow_dataset()
+    for where, count in [
+        (ds.field("op") != "rollback", 3), (ds.field("op") == "deletion", 1),
+        (ds.field("flags") == 0, 3), (ds.field("_change_type") == "insert", 2),
+        (ds.field("_commit_timestamp").is_valid(), 3), (ds.field("key") > "a", 2),
+    ]:  # fmt: skip
+        assert dataset.to_table(filter=where).num_rows == count, where

@@ -20,6 +20,7 @@ import os
 import re
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final
 
@@ -50,8 +51,8 @@ ACTION_DDL: Final = (
     "table_name string, kind string, path string, size long, grp int, num_records long, "
     "stats string, vbucket int, seqno long, cas long"
 )
-# Columns with min/max statistics: what readers prune on (a key range, a vbucket, a batch).
-_STATS_COLUMNS: Final = ("key", "vbucket", "seqno", "cas", "batch_id", "_commit_version")
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+_STRING_STAT_CHARS: Final = 32  # string bounds are cut to this prefix, as Delta writers do
 
 
 def table_uri(tables: str | Path, name: str) -> str:
@@ -125,21 +126,52 @@ def remove_row(table_name: str, path: str, size: int, group: int) -> dict[str, A
 
 
 def file_stats(rows: pa.Table) -> str:
-    """Delta's per-file statistics: the row count, and min/max/null count of the columns
-    readers prune on."""
+    """Delta's per-file statistics: the row count, and min/max/null count of every column of
+    a type with statistics (numbers, strings, booleans, dates and times), as delta-rs writes
+    them. All of them: delta-rs turns a column missing from the statistics into a file
+    guarantee ``col >= null``, which prunes the file from any filter on that column."""
     low: dict[str, Any] = {}
     high: dict[str, Any] = {}
     nulls: dict[str, int] = {}
-    for name in _STATS_COLUMNS:
-        if name not in rows.column_names:
+    for field in rows.schema:
+        if not _has_stats(field.type):
             continue
-        column = rows.column(name)
-        nulls[name] = column.null_count
-        if rows.num_rows > column.null_count:
-            bounds = pc.min_max(column)
-            low[name], high[name] = bounds["min"].as_py(), bounds["max"].as_py()
+        column = rows.column(field.name)
+        nulls[field.name] = column.null_count
+        if rows.num_rows == column.null_count:
+            continue
+        bounds = pc.min_max(column)
+        low[field.name] = _stat_value(bounds["min"], high=False)
+        high[field.name] = _stat_value(bounds["max"], high=True)
     stats = {"numRecords": rows.num_rows, "minValues": low, "maxValues": high, "nullCount": nulls}
     return json.dumps(stats)
+
+
+def _has_stats(arrow_type: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
+        or pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+        or pa.types.is_boolean(arrow_type) or pa.types.is_date(arrow_type)
+        or pa.types.is_timestamp(arrow_type)
+    )  # fmt: skip
+
+
+def _stat_value(scalar: pa.Scalar, *, high: bool) -> Any:
+    """A bound as Delta writes it: timestamps in ISO 8601 UTC; long strings cut to a prefix
+    (a max then gets the highest code point appended, so it still bounds the values)."""
+    value = scalar.as_py()
+    if pa.types.is_timestamp(scalar.type):  # Delta keeps milliseconds: round outwards
+        micros = scalar.cast(pa.timestamp("us", tz=scalar.type.tz)).cast(pa.int64()).as_py()
+        millis = -(-micros // 1000) if high else micros // 1000
+        stamp = _EPOCH + timedelta(milliseconds=millis)
+        return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{millis % 1000:03d}Z"
+    if pa.types.is_date(scalar.type):
+        return value.isoformat()
+    if isinstance(value, float) and value != value:  # NaN: no bound
+        return None
+    if isinstance(value, str) and len(value) > _STRING_STAT_CHARS:
+        return value[:_STRING_STAT_CHARS] + ("\U0010ffff" if high else "")
+    return value
 
 
 def actions_table(rows: list[dict[str, Any]]) -> pa.Table:
