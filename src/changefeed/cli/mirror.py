@@ -263,9 +263,12 @@ class MirrorJob:
     def run(self, master: str | None, settings: dict[str, str], trigger: str, once: bool,
             given_schema: str = "") -> int:  # fmt: skip
         from changefeed.spark import MirrorWriter
-        from changefeed.spark.session import spark_session
+        from changefeed.spark.session import SessionError, spark_session
 
-        spark = spark_session("changefeed-mirror", master, settings)
+        try:
+            spark = spark_session("changefeed-mirror", master, settings)
+        except SessionError as error:
+            raise click.ClickException(str(error)) from None
         if given_schema and not given_schema.startswith("{"):
             check_schema(given_schema)
         if "partitions" not in self.options:  # the read follows the cluster's cores
@@ -297,7 +300,9 @@ class MirrorJob:
     def _finish(self, spark: Any, query: Any, once: bool, made: list[Path]) -> int:
         """Watch ``query`` to its end; say how it ended."""
         _say(f"mirroring {self.options['cluster']} into {self.tables} (checkpoint "
-             f"{self.checkpoint}); {'once' if once else 'SIGTERM or Ctrl-C stops it'}")  # fmt: skip
+             f"{self.checkpoint}) on {spark.sparkContext.master}, "
+             f"{self.options['partitions']} read tasks per micro-batch; "
+             f"{'once' if once else 'SIGTERM or Ctrl-C stops it'}")  # fmt: skip
         try:
             self._watch(query)
         finally:
@@ -523,7 +528,11 @@ def _remove_new(paths: list[Path]) -> None:
 
 
 def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else text
+    """The line that says what failed: a Py4J error's first line only names the JVM call
+    ("An error occurred while calling o84.load."); the Java exception follows it."""
+    lines = [line.strip().removeprefix(": ") for line in text.strip().splitlines()]
+    lines = [line for line in lines if line and not line.startswith("An error occurred while")]
+    return lines[0] if lines else text.strip()
 
 
 def _say(text: str) -> None:

@@ -44,6 +44,28 @@ _LOOPBACK_MASTER = re.compile(
 )
 
 
+class SessionError(RuntimeError):
+    """A session that cannot work as configured; the message says what to change."""
+
+
+def check_worker_python(settings: Mapping[str, str]) -> None:
+    """The Python that Spark's workers run must exist for the driver too: the driver runs the
+    source's planning in Python workers of the same path. A relative path (a packed env from
+    ``--archives env.tar#env``: ``./env/bin/python``) is looked up in the driver's working
+    directory, which Spark does not unpack archives into in client mode.
+
+    Raises:
+        SessionError: naming the path and the directory.
+    """
+    python = settings.get("spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON", "")
+    if python and not Path(python).is_absolute() and "/" in python and not Path(python).exists():
+        raise SessionError(
+            f"the workers' Python {python} is not in the driver's directory {Path.cwd()}: the "
+            "driver runs the source's planning with it too; unpack the packed environment "
+            "there as well (e.g. mkdir env && tar -xf env.tar -C env)"
+        )
+
+
 def under_spark_submit() -> bool:
     """True in a driver that ``spark-submit`` started (its JVM is already up, configured)."""
     return "PYSPARK_GATEWAY_PORT" in os.environ
@@ -135,6 +157,7 @@ def spark_session(
 
     user = submitted_conf() if under_spark_submit() else spark_defaults()
     settings = session_conf(master, conf or {}, user)
+    check_worker_python(settings)
     builder = SparkSession.builder.appName(settings.pop("spark.app.name", app_name))
     for key, value in settings.items():
         builder = builder.config(key, value)
