@@ -8,6 +8,7 @@ while clients still reach them; real processes on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -20,7 +21,7 @@ from changefeed.cluster.etcd_server import EtcdServer
 from changefeed.cluster.metadata import ClusterMetadata
 from changefeed.consumer import KvClient
 from changefeed.consumer.handshake import call
-from changefeed.protocol.errors import NotMyVbucketError
+from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError, StatusError
 from changefeed.protocol.opcode import Opcode
 from support.clients import node_stats, raw_connection
 from support.cluster import cluster_map, start_cluster, wait_in_sync_published
@@ -174,3 +175,96 @@ def test_in_sync_records_follow_failovers_back_and_forth_and_never_block_a_failo
             break
         assert time.monotonic() < deadline, f"vbuckets {left} of the killed active not failed over"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("role", ["other", pytest.param("orchestrator", marks=pytest.mark.slow)])
+def test_a_paused_active_is_failed_over_before_its_lease_and_loses_no_durable_write(
+    nodes: NodeFactory, etcd: EtcdServer, cluster_name: str, role: str
+) -> None:
+    """SIGSTOP of an active (not the orchestrator) with a 30 s lease: the kernel still accepts
+    connections to the frozen process, so no crash is confirmed, but it answers no NOOP; the
+    orchestrator fails it over after `rules.SILENCE_FAILOVER_S` (the promoted copy is a member
+    of the in-sync record, so it holds every durable write the frozen one committed) and a
+    promoted copy serves durable writes long before the lease could run out. Every write
+    acknowledged as MAJORITY before, during and after is readable once it is resumed. When the
+    paused node is the orchestrator, a standby that finds it silent revokes its leadership
+    (its map writes are fenced by the leader key anyway) and the new one fails it over.
+    (Replaced: both waited out the lease, 5 s by default; a pause kept ~61 % availability.)"""
+    cluster = start_cluster(
+        nodes, etcd.endpoint, cluster_name, count=3, replicas=2, failover_timeout_s=LONG_LEASE_S
+    )
+    asyncio.run(wait_in_sync_published(etcd.endpoint, cluster_name))
+
+    async def leader_name() -> str:
+        async with await ClusterMetadata.connect(etcd.endpoint, cluster_name) as metadata:
+            leader = await metadata.leader()
+            assert leader is not None
+            return leader[0]
+
+    leader = asyncio.run(leader_name())
+    by_name = {f"n{i}": node for i, node in enumerate(cluster, 1)}
+    name = leader if role == "orchestrator" else next(n for n in by_name if n != leader)
+    victim = by_name[name]
+    survivor = next(node for n, node in by_name.items() if n != name)
+    cmap = asyncio.run(cluster_map(survivor))
+    led = {vb for vb in range(cmap.vbuckets) if (a := cmap.active(vb)) and a.port == victim.port}
+    assert led
+
+    async def scenario() -> tuple[float, list[bytes]]:
+        acknowledged: list[bytes] = []
+        kv = await KvClient.connect("127.0.0.1", survivor.port)
+
+        async def write(key: bytes) -> None:
+            """A majority write, tried with a 1 s budget and a new client (a new map) after
+            each failure, as an SDK's timeouts would; only an acknowledged one is kept."""
+            nonlocal kv
+            deadline = time.monotonic() + LONG_LEASE_S
+            while True:  # bounded by the deadline
+                try:
+                    async with asyncio.timeout(1.0):
+                        await kv.upsert(key, b"v", durability="majority")
+                    acknowledged.append(key)
+                    return
+                except (TimeoutError, OSError, StatusError):
+                    assert time.monotonic() < deadline, f"{key!r} never acknowledged"
+                    with contextlib.suppress(Exception):
+                        await kv.close()
+                    kv = await KvClient.connect("127.0.0.1", survivor.port)
+
+        try:
+            keys = [k for k in (b"p%05d" % i for i in range(20_000)) if kv.vbucket_of(k) in led]
+            for key in keys[:50]:
+                await write(key)
+            os.kill(victim.pid, signal.SIGSTOP)
+            paused = time.monotonic()
+            try:
+                await write(keys[50])
+                served_s = time.monotonic() - paused
+                for key in keys[51:150]:
+                    await write(key)
+            finally:
+                os.kill(victim.pid, signal.SIGCONT)
+            for key in keys[150:200]:
+                await write(key)
+        finally:
+            await kv.close()
+        return served_s, acknowledged
+
+    served_s, acknowledged = asyncio.run(scenario())
+    print(f"pause of {name}: a durable write served again after {served_s:.2f} s")
+    assert served_s < LONG_LEASE_S / 2, "waited for the lease: the silence was not acted on"
+    logs = "".join(node.log_path.read_text() for node in cluster if node is not victim)
+    assert f"{name} answers no NOOP" in logs, logs[-3000:]
+
+    async def missing() -> list[bytes]:
+        async with await KvClient.connect("127.0.0.1", survivor.port) as kv:
+            lost = []
+            for key in acknowledged:
+                try:
+                    await kv.get(key)
+                except KeyNotFoundError:
+                    lost.append(key)
+            return lost
+
+    asyncio.run(wait_in_sync_published(etcd.endpoint, cluster_name))
+    assert asyncio.run(missing()) == []

@@ -427,3 +427,36 @@ def test_a_deeply_nested_map_is_refused_not_a_crash() -> None:
     md = ClusterMetadata([None], ["http://127.0.0.1:1"], "fuzz", 1.0)
     with pytest.raises(ValueError, match="cluster map at"):
         md._parse_map(b"[" * 100_000)
+
+
+def test_a_map_planned_on_a_replaced_in_sync_record_is_not_written(
+    etcd: EtcdServer, cluster_name: str
+) -> None:
+    """A promotion relies on the in-sync record it read: if the active replaced the record
+    meanwhile (and may commit without the member that left), the map must not land."""
+
+    async def body() -> None:
+        async with await ClusterMetadata.connect(etcd.endpoint, cluster_name) as md:
+            leadership = await md.campaign("orch", ttl_s=SHORT_TTL_S)
+            first = await md.write_map(a_map(1), None, leadership)
+            assert first is not None
+            records, revisions = await md.in_sync_sets_and_revisions()
+            assert records == {} and revisions == {}
+            absent_guard = {3: 0}  # no record for vb 3 yet: written only while there is none
+            assert await md.put_in_sync(3, "n0", ["n1", "n2"], first)
+            assert (
+                await md.write_map(a_map(2), first, leadership, in_sync_revisions=absent_guard)
+                is None
+            )
+            records, revisions = await md.in_sync_sets_and_revisions()
+            assert records[3].members == frozenset({"n1", "n2"})
+            guard = {3: revisions[3]}
+            assert await md.put_in_sync(3, "n0", ["n2"], first)  # the record shrank
+            assert await md.write_map(a_map(2), first, leadership, in_sync_revisions=guard) is None
+            _, revisions = await md.in_sync_sets_and_revisions()
+            written = await md.write_map(
+                a_map(2), first, leadership, in_sync_revisions={3: revisions[3]}
+            )
+            assert written is not None
+
+    run(body())

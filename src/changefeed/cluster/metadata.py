@@ -702,12 +702,15 @@ class ClusterMetadata:
         leadership: Leadership,
         *,
         absent: Collection[str] = (),
+        in_sync_revisions: Mapping[int, int] | None = None,
     ) -> int | None:
         """Store ``new`` if the map key is still at ``expected_mod_revision`` (None: there is no
         map yet), ``leadership`` still holds the leader key (its create revision and value),
         and none of the nodes in ``absent`` has registered again (a map planned while a node
-        was gone — a failover of it — must not land once it is back and may serve): one etcd
-        transaction.
+        was gone — a failover of it — must not land once it is back and may serve), and the
+        in-sync record of each vbucket in ``in_sync_revisions`` is still at that mod revision
+        (0: none yet): a promotion planned on a record the active has replaced since must be
+        planned again (rules.SilenceDetector). One etcd transaction.
 
         Returns:
             the map key's new mod revision (truthy), or None when the map changed meanwhile or
@@ -746,6 +749,10 @@ class ClusterMetadata:
                     t.create(leader) == leadership.token,
                     t.value(leader) == leadership.candidate.encode(),
                     *(t.create(self.key(f"nodes/{name}")) == 0 for name in sorted(absent)),
+                    *(
+                        t.mod(self.key(f"insync/{vb}")) == revision
+                        for vb, revision in sorted((in_sync_revisions or {}).items())
+                    ),
                 ],
                 success=[t.put(key, data), t.get(key)],
                 failure=[],
@@ -799,15 +806,24 @@ class ClusterMetadata:
 
     async def in_sync_sets(self) -> dict[int, InSyncRecord]:
         """Every vbucket's last published in-sync set (malformed entries are skipped)."""
+        return (await self.in_sync_sets_and_revisions())[0]
+
+    async def in_sync_sets_and_revisions(
+        self,
+    ) -> tuple[dict[int, InSyncRecord], dict[int, int]]:
+        """Every vbucket's last published in-sync set, and each record's etcd mod revision
+        (for ``write_map``'s ``in_sync_revisions``; a vbucket with none is absent: 0)."""
         got = await self._call(self.client.get_prefix(self.key("insync/")), "list in-sync sets")
         found: dict[int, InSyncRecord] = {}
+        revisions: dict[int, int] = {}
         for kv in got:
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 vb = int(kv.key.decode().rpartition("/")[2])
                 document = json.loads(kv.value)
                 members = frozenset(str(m) for m in document["members"])
                 found[vb] = InSyncRecord(str(document["active"]), members)
-        return found
+                revisions[vb] = int(kv.mod_revision)
+        return found, revisions
 
     async def vbuckets_not_fully_in_sync(self) -> list[int] | None:
         """Vbuckets whose last published in-sync set lacks some replica of the map (None:
@@ -834,6 +850,15 @@ class ClusterMetadata:
         if leader is not None and leader.value == node.encode() and leader.lease:
             leases.append(int(leader.lease))
         return leases
+
+    async def leadership_lease(self, node: str) -> int | None:
+        """The lease of the leader key if `node` leads (None otherwise). Revoking it ends that
+        term at once; the leader's map writes are fenced by the key's create revision, so a
+        leader that does not know yet writes nothing (`write_map`)."""
+        leader = await self._call(self.client.get(self.key("leader")), "read leader")
+        if leader is None or leader.value != node.encode() or not leader.lease:
+            return None
+        return int(leader.lease)
 
     async def revoke(self, lease_ids: Collection[int]) -> None:
         """Revoke leases (their keys go at once): a confirmed crash (rules.CrashConfirmer)."""

@@ -27,13 +27,20 @@ from changefeed.cluster.metadata import ClusterMetadata, Leadership, MetadataUna
 from changefeed.cluster.placement import initial_map
 from changefeed.cluster.rebalance import STEP_INTERVAL_S as REBALANCE_STEP_INTERVAL_S
 from changefeed.cluster.rebalance import Rebalancer
-from changefeed.cluster.rules import CRASH_PROBE_INTERVAL_S, CrashConfirmer
+from changefeed.cluster.rules import (
+    CRASH_PROBE_INTERVAL_S,
+    NOOP_PROBE_TIMEOUT_S,
+    CrashConfirmer,
+    SilenceDetector,
+)
+from changefeed.protocol.kv import encode_request
+from changefeed.protocol.opcode import Magic, Opcode
 from changefeed.vbmap import ClusterMap, NodeAddress
 
 log = logging.getLogger(__name__)
 
 STEP_INTERVAL_S = 1.0  # the leader looks at the cluster at least this often (failover requests)
-CRASH_PROBE_TIMEOUT_S = 0.5  # a probe slower than this is not a refusal (rules.CrashConfirmer)
+NOOP_OPAQUE = 0x6F72_6368  # "orch": the probe's NOOP, echoed in the answer
 
 
 class Orchestrator:
@@ -51,7 +58,9 @@ class Orchestrator:
         on_change: called with each map this orchestrator wrote (after the write).
         crash_failover: probe the nodes (the leader while leading, the leader's node while
             standing by) and revoke the leases of those whose crash is confirmed
-            (rules.CrashConfirmer), so they are failed over in about a second, not a lease.
+            (rules.CrashConfirmer), so they are failed over in about a second, not a lease;
+            while leading, fail over live nodes that answer no NOOP for
+            `rules.SILENCE_FAILOVER_S` (rules.SilenceDetector: a pause, a partition).
     """
 
     def __init__(
@@ -93,8 +102,13 @@ class Orchestrator:
         self.crash_failover = crash_failover
         self.crashes = CrashConfirmer()
         self.confirmed_crashed: set[str] = set()  # leases revoked on a confirmed crash
+        self.silence = SilenceDetector()
+        self.silent: set[str] = set()  # live nodes answering no NOOP: failed over (rules)
         self._seen_this_term: set[str] = set()  # nodes live at some point of this term
         self._last_map: ClusterMap | None = None
+        # The in-sync records a planned promotion relied on, by vbucket: their etcd revisions
+        # (write_map compares them: rules.SilenceDetector).
+        self._in_sync_guard: dict[int, int] = {}
 
     @property
     def leading(self) -> bool:
@@ -201,6 +215,7 @@ class Orchestrator:
         self._last_map = current
         new = self.plan(live, current)
         requests: dict[str, bool] = {}
+        self._in_sync_guard = {}
         if current is not None:
             requests = await self.metadata.failover_requests()
             new = await self._fail_over(live, current, requests)
@@ -211,7 +226,9 @@ class Orchestrator:
                 await self.metadata.clear_failover_request(node)
             return
         absent = () if current is None else [n.name for n in current.nodes if n.name not in live]
-        written = await self.metadata.write_map(new, revision, leadership, absent=absent)
+        written = await self.metadata.write_map(
+            new, revision, leadership, absent=absent, in_sync_revisions=self._in_sync_guard
+        )
         if written is None:
             log.info(
                 "orchestrator %s: map rev %d not written (lost a race)", self.candidate, new.rev
@@ -242,10 +259,12 @@ class Orchestrator:
         if any(n not in live for n in names) and not self._may_fail_over(names, live):
             # Absent nodes keep their actives for now: only rejoins and requests act.
             hold = {n for n in names if n not in live and n not in requests}
+        silent = self._silent_to_fail(names, live)
+        failed = set(requests) | silent
         gone = any(
             c[0] == -1
             or (names[c[0]] not in live and names[c[0]] not in hold)
-            or names[c[0]] in requests
+            or names[c[0]] in failed
             for c in current.chains
         )
         unplaced = any(
@@ -254,7 +273,7 @@ class Orchestrator:
         )
         if not (gone or unplaced):
             return None
-        in_sync = await self.metadata.in_sync_sets()
+        in_sync, revisions = await self.metadata.in_sync_sets_and_revisions()
         statuses = await self.metadata.node_statuses()
         highs = {
             node: {int(vb): int(high) for vb, high in status.get("high", {}).items()}
@@ -265,10 +284,11 @@ class Orchestrator:
             set(live),
             in_sync,
             highs,
-            failed=set(requests),
+            failed=failed,
             force=any(requests.values()),
             hold=hold,
         )
+        self._in_sync_guard = {vb: revisions.get(vb, 0) for vb in plan.promoted}
         refused = sorted(plan.refused.items())
         if refused and refused != self._refused_logged:
             for _, reason in refused:
@@ -277,6 +297,16 @@ class Orchestrator:
         for vb, node in sorted(plan.promoted.items()):
             log.warning("orchestrator %s: vb %d fails over to %s", self.candidate, vb, node)
         return plan.new_map
+
+    def _silent_to_fail(self, names: list[str], live: Mapping[str, NodeAddress]) -> set[str]:
+        """The live nodes of the map this orchestrator finds silent, if it may fail them over:
+        with the absent ones they must be fewer than half the map's nodes (an orchestrator cut
+        off from most nodes hears none of them, and must not fail the majority over)."""
+        silent = {n for n in self.silent if n in live and n in names}
+        absent = sum(1 for n in names if n not in live)
+        if silent and (len(silent) + absent) * 2 >= len(names):
+            return set()
+        return silent
 
     def _may_fail_over(self, names: list[str], live: Mapping[str, NodeAddress]) -> bool:
         """Automatic failover only while a majority of the map's nodes is live (a cluster
@@ -309,23 +339,67 @@ class Orchestrator:
         """While leading: probe every node of the map but this one. A live node whose crash
         is confirmed has its leases revoked, so the live set drops it and its failover runs
         now; an absent one (its lease revoked by a standby that confirmed it, or expired) is
-        marked confirmed, so this term need not wait a lease before failing it over."""
+        marked confirmed, so this term need not wait a lease before failing it over. A live
+        node that answers no NOOP for `rules.SILENCE_FAILOVER_S` is failed over as silent."""
         while True:  # ended by cancellation
             await asyncio.sleep(CRASH_PROBE_INTERVAL_S)
             now_live = live() or {}
             self.confirmed_crashed -= set(now_live)  # registered again: alive after all
+            self.silent &= set(now_live)  # gone from etcd: the lease rules take over
             known = {n.name: n for n in self._last_map.nodes} if self._last_map else {}
-            for name, address in sorted({**known, **now_live}.items()):
-                if name == self.candidate or (
-                    name in self.confirmed_crashed and name not in now_live
-                ):
-                    continue
-                if await self._probe(name, address):
-                    confirmed()  # plan now: its failover need not wait
+            targets = [
+                (name, address)
+                for name, address in sorted({**known, **now_live}.items())
+                if name != self.candidate
+                and not (name in self.confirmed_crashed and name not in now_live)
+            ]
+            # All at once: a silent node's probe takes its whole timeout.
+            sent = time.monotonic()
+            outcomes = await asyncio.gather(
+                *(self._probe(name, address) for name, address in targets)
+            )
+            crashed = any(crash for crash, _ in outcomes)
+            heard = [
+                (name, outcome) for (name, _), (_, outcome) in zip(targets, outcomes, strict=True)
+            ]
+            if self._observe_silences(heard, set(now_live), sent) or crashed:
+                confirmed()  # plan now: a failover need not wait
+
+    def _observe_silences(self, heard: list[tuple[str, str]], live: set[str], sent: float) -> bool:
+        """Feed one round of NOOP probes to the silence detector; True when a live node became
+        silent or answers again. A round in which nobody answered is no evidence against
+        anyone (with more than one node probed): this orchestrator is then the suspect —
+        stalled (its own timers fired before the answers were read) or cut off."""
+        if len(heard) > 1 and not any(outcome == "answered" for _, outcome in heard):
+            return False
+        now = time.monotonic()
+        changed = False
+        for name, outcome in heard:
+            if name not in live or outcome == "unknown":  # "unknown": etcd did not answer
+                continue
+            answered = outcome == "answered"
+            silent = self.silence.observe(name, answered=answered, sent=sent, now=now)
+            if silent == (name in self.silent):
+                continue
+            changed = True
+            if silent:
+                self.silent.add(name)
+                log.warning(
+                    "orchestrator %s: %s answers no NOOP for %.1f s: failing it over",
+                    self.candidate, name, self.silence.silence_s,
+                )  # fmt: skip
+            else:
+                self.silent.discard(name)
+                log.info("orchestrator %s: %s answers again", self.candidate, name)
+        return changed
 
     async def _probe_leader(self) -> None:
         """While standing by: probe the leader's node; on a confirmed crash revoke its leases,
-        so this candidate's campaign wins now rather than after the leadership lease."""
+        so this candidate's campaign wins now rather than after the leadership lease; when it
+        answers no NOOP for `rules.SILENCE_FAILOVER_S` (paused, cut off), revoke its leadership
+        lease only: its term ends now (its map writes are fenced by the leader key's create
+        revision), and the next orchestrator finds it silent in turn and fails it over."""
+        silence = SilenceDetector()
         while True:  # ended by cancellation
             await asyncio.sleep(CRASH_PROBE_INTERVAL_S)
             try:
@@ -335,18 +409,40 @@ class Orchestrator:
                 address = (await self.metadata.live_nodes()).get(leader[0])
             except MetadataUnavailableError:
                 continue
-            if address is not None:
-                await self._probe(leader[0], address)
+            if address is None:
+                continue
+            sent = time.monotonic()
+            crashed, outcome = await self._probe(leader[0], address)
+            if crashed or outcome == "unknown":
+                continue
+            answered = outcome == "answered"
+            if silence.observe(leader[0], answered=answered, sent=sent, now=time.monotonic()):
+                silence.forget(leader[0])
+                await self._end_silent_term(leader[0])
 
-    async def _probe(self, name: str, address: NodeAddress) -> bool:
-        """Probe `name` once; True when this probe confirmed its crash."""
+    async def _end_silent_term(self, leader: str) -> None:
+        try:
+            lease = await self.metadata.leadership_lease(leader)
+            if lease is None:
+                return
+            log.warning(
+                "%s: the orchestrator %s answers no NOOP for %.1f s: revoking its leadership",
+                self.candidate, leader, self.silence.silence_s,
+            )  # fmt: skip
+            await self.metadata.revoke([lease])
+        except MetadataUnavailableError as error:
+            log.warning("%s: revoking %s's leadership: %s", self.candidate, leader, error)
+
+    async def _probe(self, name: str, address: NodeAddress) -> tuple[bool, str]:
+        """Probe `name` once with a NOOP: whether this probe confirmed its crash (its leases
+        then revoked), and the probe's outcome (`_noop_probe`)."""
         try:
             leases = await self.metadata.leases_of(name)  # read before the probes: see rules
         except MetadataUnavailableError:
-            return False
-        refused = await _refused(address)
-        if not self.crashes.observe(name, refused=refused, now=time.monotonic()):
-            return False
+            return False, "unknown"
+        outcome = await _noop_probe(address)
+        if not self.crashes.observe(name, refused=outcome == "refused", now=time.monotonic()):
+            return False, outcome
         if name not in self.confirmed_crashed:
             log.warning(
                 "orchestrator %s: %s (%s) refuses connections: crash confirmed%s",
@@ -360,7 +456,7 @@ class Orchestrator:
                 await self.metadata.revoke(leases)
             except MetadataUnavailableError as error:
                 log.warning("orchestrator %s: revoking %s's lease: %s", self.candidate, name, error)
-        return True
+        return True, outcome
 
     def plan(
         self, live: Mapping[str, NodeAddress], current: ClusterMap | None
@@ -398,19 +494,25 @@ class Orchestrator:
         )
 
 
-async def _refused(address: NodeAddress) -> bool:
-    """Whether a TCP connection to `address` is refused (nothing listens there)."""
+async def _noop_probe(address: NodeAddress) -> str:
+    """``"answered"`` when `address` answered a NOOP within `NOOP_PROBE_TIMEOUT_S`,
+    ``"refused"`` when nothing listens there, else ``"silent"`` (a paused or cut-off node: the
+    kernel may still accept the connection of a frozen process; only an answer counts)."""
+    writer = None
     try:
-        async with asyncio.timeout(CRASH_PROBE_TIMEOUT_S):
-            _, writer = await asyncio.open_connection(address.host, address.port)
+        async with asyncio.timeout(NOOP_PROBE_TIMEOUT_S):
+            reader, writer = await asyncio.open_connection(address.host, address.port)
+            writer.write(encode_request(Opcode.NOOP, opaque=NOOP_OPAQUE))
+            header = await reader.readexactly(24)
     except ConnectionRefusedError:
-        return True
-    except (OSError, TimeoutError):
-        return False  # unreachable or slow: not a confirmed crash (the lease decides)
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return False
+        return "refused"
+    except (OSError, TimeoutError, asyncio.IncompleteReadError):
+        return "silent"
+    finally:
+        if writer is not None:
+            writer.close()
+    answered = header[0] == Magic.RESPONSE and header[1] == Opcode.NOOP
+    return "answered" if answered else "silent"
 
 
 async def _shielded(coroutine: Awaitable[None]) -> None:

@@ -178,3 +178,52 @@ class CrashConfirmer:
 
     def forget(self, node: str) -> None:
         self._first_refused.pop(node, None)
+
+
+# -- silent nodes: failover without waiting out a lease ------------------------------------------
+
+# A node that answers no NOOP for this long is failed over while its lease still runs (the
+# orchestrator's probes, NOOP_PROBE_TIMEOUT_S each, every CRASH_PROBE_INTERVAL_S). A healthy node
+# answers a NOOP in milliseconds; 0.8 s is two probes in a row unanswered on a loaded machine.
+SILENCE_FAILOVER_S = 0.8
+NOOP_PROBE_TIMEOUT_S = 0.4
+
+
+class SilenceDetector:
+    """Decides from NOOP probes that a registered node stopped answering (paused, cut off, or
+    its event loop stuck), so the orchestrator fails it over without waiting for its lease.
+
+    Why that keeps every acknowledged durable write although the silent active is not fenced
+    yet (it fences itself only when its lease runs out, `membership_valid_until`): the copy
+    promoted is a member of the vbucket's confirmed in-sync record (`failover.plan_failover`),
+    and while the record names it, every commit of the old active needs its acknowledgement
+    (`InSyncKeeper.required` is a superset of the record). So the promoted copy holds every
+    durable write the old active committed, before and after the promotion: once it applies
+    the new map it acknowledges the old active no more, which can then commit nothing. The
+    record the promotion relied on must still be the record when the map is written: the
+    map's transaction compares the record's etcd revision (`ClusterMetadata.write_map`), so
+    an active that shrank its record meanwhile (and then committed without the member) makes
+    the promotion be planned again. What the old active may still acknowledge until its fence
+    are plain (non-durable) writes, rolled back when it rejoins as a replica — as before,
+    where it acknowledged them until the same fence.
+
+    Sans-IO: the orchestrator probes; `observe` is told whether each probe was answered.
+    """
+
+    def __init__(self, silence_s: float = SILENCE_FAILOVER_S) -> None:
+        assert silence_s > 0, silence_s
+        self.silence_s = silence_s
+        self._silent_since: dict[str, float] = {}
+
+    def observe(self, node: str, *, answered: bool, sent: float, now: float) -> bool:
+        """Record one probe of `node` sent at `sent` and settled at `now`; True while the node
+        has answered nothing sent in the last `silence_s` (two probes at least)."""
+        assert sent <= now, (sent, now)
+        if answered:
+            self._silent_since.pop(node, None)
+            return False
+        since = self._silent_since.setdefault(node, sent)
+        return now - since >= self.silence_s and sent > since
+
+    def forget(self, node: str) -> None:
+        self._silent_since.pop(node, None)
