@@ -141,7 +141,7 @@ def manifest_uid_of_error(body: bytes) -> int | None:
     try:
         data = json.loads(body)
         return int(data["manifest_uid"], 16)
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return None
 
 
@@ -196,7 +196,7 @@ def decode_stream_filter(value: bytes) -> StreamFilter:
         return StreamFilter()
     try:
         data = json.loads(value)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json can go
         raise ProtocolError(f"stream request value {value[:100]!r} is not JSON") from None
     if not isinstance(data, dict):
         raise ProtocolError(f"stream request value {value[:100]!r} is not a JSON object")
@@ -379,5 +379,5 @@ def decode_system_event_doc(
             str(doc.get("name", "")).encode(),
             None if doc.get("maxTTL") is None else int(doc["maxTTL"]),
         )
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
         raise ValueError(f"system event document {value[:100]!r}: {error}") from None

@@ -122,7 +122,7 @@ class Manifest:
         """
         try:
             raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than json goes
             raise ManifestError(f"manifest {str(data)[:100]!r} is not JSON") from None
         if not isinstance(raw, dict):
             raise ManifestError("a manifest is a JSON object")

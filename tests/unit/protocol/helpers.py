@@ -17,7 +17,17 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from changefeed import limits
-from changefeed.protocol import dcp, dcp_items, error_map, kv, kv_ops, sasl, scram, subdoc
+from changefeed.protocol import (
+    collections,
+    dcp,
+    dcp_items,
+    error_map,
+    kv,
+    kv_ops,
+    sasl,
+    scram,
+    subdoc,
+)
 from changefeed.protocol.batch import ChangeColumns, decode_batch
 from changefeed.protocol.dcp import StreamEnd, StreamEndReason
 from changefeed.protocol.dcp_items import Deletion, Expiration, Mutation, SeqnoAdvanced
@@ -519,6 +529,7 @@ FRAME_DECODERS: list[tuple[str, Callable[[Frame], object]]] = [
     ("multi_lookup", subdoc.decode_multi_lookup),
     ("multi_mutation", subdoc.decode_multi_mutation),
     ("get_error_map", error_map.decode_get_error_map),
+    ("system_event", collections.decode_system_event),
 ]
 
 BYTES_DECODERS: list[tuple[str, Callable[[bytes], object]]] = [
@@ -540,6 +551,9 @@ BYTES_DECODERS: list[tuple[str, Callable[[bytes], object]]] = [
     ("error_map", error_map.decode_error_map),
     ("scram_client_first", scram.parse_client_first),
     ("scram_client_final", scram.parse_client_final),
+    ("collection_key", collections.split_key),
+    ("collection_id_extras", collections.decode_id_extras),
+    ("stream_filter", collections.decode_stream_filter),
 ]
 
 
@@ -559,6 +573,8 @@ def reencode(value: object) -> bytes | None:
         return dcp.encode_stream_request(value)
     if isinstance(value, kv.StoreCommand) and value.opcode in kv.STORE_OPCODES:
         return kv.encode_store(value)
+    if isinstance(value, collections.SystemEventMessage):
+        return collections.encode_system_event(value)
     return None
 
 

@@ -326,6 +326,16 @@ def test_fuzz_manifest_decoder(data: bytes) -> None:
         Manifest.decode(data)
 
 
+def test_deeply_nested_json_is_refused_not_a_crash() -> None:
+    # Found by the codec fuzz test: json.loads raises RecursionError past ~1000 levels.
+    deep = b"[" * 100_000
+    with pytest.raises(ProtocolError):
+        decode_stream_filter(deep)
+    with pytest.raises(ManifestError):
+        Manifest.decode(deep)
+    assert manifest_uid_of_error(deep) is None
+
+
 def test_resolve_refuses_bad_paths() -> None:
     for path in ("a", "a.b.c", "_x.y"):
         with pytest.raises(ManifestError):
