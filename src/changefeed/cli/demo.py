@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -400,8 +402,16 @@ def _verify_and_report(console: Console, read: dict[bytes, GetResult],
     )
     table.add_row("tables", f"{tables}/changelog, {tables}/mirror (Delta)")
     console.print(table)
-    console.print(
-        'query them with DuckDB:\n  python -c "import duckdb, deltalake; '
-        f"m = deltalake.DeltaTable('{tables}/mirror').to_pyarrow_dataset(); "
-        "print(duckdb.sql('select count(*), max(seqno) from m'))\""
+    console.print("query them with DuckDB (one line):")
+    # Not wrapped at the terminal's width and without markup: it must run as printed.
+    console.print("  " + duckdb_command(tables), soft_wrap=True, markup=False, highlight=False)
+
+
+def duckdb_command(tables: Path) -> str:
+    """A shell command that queries the mirror with DuckDB, with this interpreter (which has
+    duckdb and deltalake: ``python`` on the PATH may not)."""
+    code = (
+        f"import duckdb, deltalake; m = deltalake.DeltaTable({json.dumps(str(tables / 'mirror'))})"
+        '.to_pyarrow_dataset(); print(duckdb.sql("select count(*), max(seqno) from m"))'
     )
+    return shlex.join([sys.executable, "-c", code])
