@@ -271,6 +271,8 @@ class Subscription:
         self.next_seq = 1
         self._closed = False
         self._wakeup = _wakeup_socket(paths.wakeup_address(header.segment_id, txlog.index))
+        self._waker_loop: asyncio.AbstractEventLoop | None = None  # watching self._wakeup
+        self._woken: asyncio.Future[None] | None = None  # the waiting task's, while it waits
         self.stats = {"received": 0, "rows": 0, "lost": 0, "waits": 0}
 
     # -- reading --------------------------------------------------------------------------------
@@ -392,6 +394,13 @@ class Subscription:
     async def _await_wakeup(self, timeout_s: float) -> None:
         a = self._a
         flag = self._log.node + NODE_WAITING
+        loop = asyncio.get_running_loop()
+        if self._wakeup is not None and self._waker_loop is not loop:
+            self._watch_wakeups(loop)
+        # The future exists before the flag is set: a publish after the head check below sends
+        # a datagram, whose callback (run only once this task awaits) resolves it.
+        woken: asyncio.Future[None] = loop.create_future()
+        self._woken = woken
         a.store_u8(flag, 1)
         try:
             if a.load_u64(HEAD_SEQ_AT) >= self.next_seq:
@@ -399,25 +408,37 @@ class Subscription:
             if self._wakeup is None:
                 await asyncio.sleep(0.001)
                 return
-            loop = asyncio.get_running_loop()
-            woken: asyncio.Future[None] = loop.create_future()
-            fd = self._wakeup.fileno()
-
-            def wake() -> None:
-                if not woken.done():
-                    woken.set_result(None)
-
-            loop.add_reader(fd, wake)
+            timer = loop.call_later(timeout_s, _resolve, woken)
             try:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(woken, timeout_s)
+                await woken
             finally:
-                loop.remove_reader(fd)
-            with contextlib.suppress(BlockingIOError):
-                while self._wakeup.recv(64):  # drain
-                    pass
+                timer.cancel()
         finally:
+            self._woken = None
             a.store_u8(flag, 0)
+
+    def _watch_wakeups(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Watch the wakeup socket from `loop` for the subscription's life (one registration,
+        not one per wait: add_reader/remove_reader and a wait_for task per batch were most
+        of a waiting reader's CPU per batch)."""
+        assert self._wakeup is not None
+        self._unwatch_wakeups()
+        loop.add_reader(self._wakeup.fileno(), self._on_wakeup)
+        self._waker_loop = loop
+
+    def _unwatch_wakeups(self) -> None:
+        loop, self._waker_loop = self._waker_loop, None
+        if loop is not None and self._wakeup is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):  # a loop of another thread, or stopping
+                loop.remove_reader(self._wakeup.fileno())
+
+    def _on_wakeup(self) -> None:
+        assert self._wakeup is not None
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wakeup.recv(64):  # drain: one wakeup is as good as many
+                pass
+        if self._woken is not None:
+            _resolve(self._woken)
 
     def __iter__(self) -> Iterator[Sample]:
         """Every batch, waiting for new ones; the caller releases each (``with sample:``)."""
@@ -532,6 +553,7 @@ class Subscription:
         txlog.unsubscribe_commit()
         _crash("unsubscribe.committed", txlog.index)
         self._logs.unregister(txlog)
+        self._unwatch_wakeups()
         if self._wakeup is not None:
             self._wakeup.close()
         self._a.close()
@@ -816,3 +838,8 @@ __all__ = [
     "positions_to_session",
     "subscribe",
 ]
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
