@@ -104,6 +104,8 @@ class DistributedMirrorWriter:
         self.lease = TablesLease(table_uri(tables, ""), storage_options)
         self._first_batch = True
         self.rows_written = 0  # change rows the last batch logged (0 when it was skipped)
+        self._tables: dict[str, DeltaTable] = {}
+        self._positions_at: tuple[int, dict[int, watermark.Position]] | None = None
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
         self.lease.hold()
@@ -166,6 +168,9 @@ class DistributedMirrorWriter:
         record = watermark.to_metadata(after, batch_id, groups)
         self._commit(mirror, self.mirror_uri, "mirror", actions, mirror_target, batch_id, record,
                      groups)  # fmt: skip
+        committed_mirror = self._load(self.mirror_uri)
+        assert committed_mirror is not None, self.mirror_uri
+        self._positions_at = (committed_mirror.version(), after)
 
     def _commit(
         self, table: DeltaTable | None, uri: str, name: str, actions: pa.Table,
@@ -248,8 +253,13 @@ class DistributedMirrorWriter:
             ) from None
 
     def _positions(self, mirror: DeltaTable | None) -> dict[int, watermark.Position]:
+        """The vbuckets' positions at the mirror's version: from our last commit, else from
+        the commit history (a restart, or another writer's commit)."""
         if mirror is None:
             return {}
+        cached = self._positions_at
+        if cached is not None and cached[0] == mirror.version():
+            return cached[1]
         record = watermark.latest_record(mirror.history(watermark.HISTORY_SCAN_MAX))
         return {} if record is None else watermark.from_metadata(record)
 
@@ -265,9 +275,15 @@ class DistributedMirrorWriter:
             )
 
     def _load(self, uri: str) -> DeltaTable | None:
+        """The table at ``uri`` as of now (loaded once, then brought up to date), or None."""
+        table = self._tables.get(uri)
+        if table is not None:
+            table.update_incremental()
+            return table
         if not DeltaTable.is_deltatable(uri, self.storage_options):
             return None
-        return DeltaTable(uri, storage_options=self.storage_options)
+        table = self._tables[uri] = DeltaTable(uri, storage_options=self.storage_options)
+        return table
 
     def close(self) -> None:
         """Release the tables' lease (the next job need not wait for it to expire)."""
