@@ -132,10 +132,27 @@ def test_filtered_streams_events_and_legacy_clients(nodes: NodeFactory, tmp_path
         finally:
             await conn.close()
 
+        # A client without collections writing a key that starts with 0xff (never UTF-8): it
+        # stays the default collection's, however its bytes look like a marked key.
+        odd = b"\xff" + encode_leb128(orders.uid) + b"odd"
+        legacy_conn = await connect(
+            HOST, node.port, agent="legacy", user=USER, password=PASSWORD, bucket=BUCKET,
+            features=[Feature.XERROR, Feature.SELECT_BUCKET],
+        )  # fmt: skip
+        try:
+            await call(
+                legacy_conn, Opcode.SET, vbucket=1, extras=struct.pack(">II", 0, 0),
+                key=odd, value=b"legacy",
+            )  # fmt: skip
+            got = await call(legacy_conn, Opcode.GET, vbucket=1, key=odd)
+            assert got.value == b"legacy"
+        finally:
+            await legacy_conn.close()
+
         # A client without collections: the default collection only, keys as written.
         legacy = changes(await collect(node))
         assert sorted(k for _, _, k in legacy) == sorted(
-            [b"d%02d" % i for i in range(40)] + [b"tail%d" % i for i in range(VBUCKETS)]
+            [b"d%02d" % i for i in range(40)] + [b"tail%d" % i for i in range(VBUCKETS)] + [odd]
         )
 
         # Filtered to shop.orders: only its documents, keyed with its id.

@@ -35,6 +35,9 @@ _SET: Final = int(Opcode.SET)
 _DATATYPE_INVALID: Final = ~DATATYPE_MASK
 _KEY_SIZE_MAX: Final = limits.KEY_SIZE_MAX
 _VALUE_SIZE_MAX: Final = limits.VALUE_SIZE_MAX
+# A key starting with 0xff ends a run: the per-frame path stores it in its collection's form
+# (storage/keys.py; server/collection_commands.py `escape_default_key`). Never a UTF-8 key.
+_STORED_KEY_MARKER: Final = 0xFF
 assert _HEAD_SIZE == _HEADER_SIZE + _EXTRAS_SIZE
 
 
@@ -125,6 +128,7 @@ def take_set_run(
                 or bodylen > frame_size_max
                 or _EXTRAS_SIZE + keylen > bodylen
                 or end - pos < total
+                or buffer[pos + _HEAD_SIZE] == _STORED_KEY_MARKER
             ):
                 break
             key_at = pos + _HEAD_SIZE

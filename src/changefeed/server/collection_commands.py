@@ -145,6 +145,13 @@ def _with_max_ttl(opcode: int, extras: bytes, max_ttl: int, now: float) -> bytes
     return extras[:offset] + _U32.pack(capped) + extras[offset + 4 :]
 
 
+def escape_default_key(f: Frame) -> Frame:
+    """A request of a connection without collections whose key starts with 0xff: the key is
+    the default collection's, stored with the marker (storage/keys.py) so that it can never
+    be read as a named collection's. Other keys are stored as they are (not called for them)."""
+    return replace(f, key=stored_key(0, f.key))
+
+
 def qualify_set_run(run: SetRun, manifests: ManifestStore, now: float) -> bool:
     """Rewrite a run of plain SETs of a collections connection in place (stored keys, maxTTL).
 

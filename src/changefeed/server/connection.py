@@ -649,9 +649,13 @@ class ClientConnection(asyncio.Protocol):
             self._refuse_unpermitted(frame)
             return
         try:
-            if self.collections and frame.opcode in collection_commands.KEYED_OPCODES:
-                context = self.context
-                frame = collection_commands.qualify(context.manifests, frame, context.bucket.now())
+            if frame.opcode in collection_commands.KEYED_OPCODES:
+                if self.collections:
+                    context = self.context
+                    now = context.bucket.now()
+                    frame = collection_commands.qualify(context.manifests, frame, now)
+                elif frame.key[:1] == b"\xff":  # never UTF-8: see collection_commands.py
+                    frame = collection_commands.escape_default_key(frame)
             handler(self, frame)
         except (ProtocolError, StatusError) as error:
             self._reply_error(frame, error)

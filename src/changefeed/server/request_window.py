@@ -94,8 +94,8 @@ class RequestWindow:
     def joins(self, frame: Frame) -> bool:
         """Whether `frame` may join: a classic-magic GET (while the window has room for GETs) or
         DELETE of a key no earlier GET of the window read."""
-        if frame.magic != _CLASSIC:
-            return False
+        if frame.magic != _CLASSIC or frame.key[:1] == b"\xff":
+            return False  # a 0xff key: the per-frame path stores it (collection_commands.py)
         if frame.opcode == _GET:
             return self._gets < GETS_PER_WINDOW_MAX
         return frame.opcode == _DELETE and (frame.vbucket, frame.key) not in self._reads
