@@ -832,11 +832,16 @@ def bench_typed(n: int, work: Path, out: list[str]) -> None:
     """Typed columns from the node (``spark.read.format("changefeed")``, the documents parsed
     in the reader) next to Spark's JSON reader over the same documents as JSON lines, both
     into the noop sink, in one session; best of ``TYPED_RUNS`` each (the first pays worker
-    start-up). With the schema given to both, and with inference (changefeed: sample of 100
-    per vbucket; Spark: a full pass over the file). The first read waits for the node's
-    flusher to finish with the load (``CpuMeter.settle``); each row also gives CPU µs per
-    document (Spark side: this driver, the JVM, its Python workers; and the node) of its best
-    run, and the load average after the runs."""
+    start-up). Three pairs, each side given the same work: the schema given to both; the
+    schema inferred from the same number of documents (changefeed: ``inferSchemaSamples`` per
+    vbucket; Spark: ``samplingRatio`` = that many / n: it still reads the whole file, and
+    parses only the sample); inferred from every document (``inferSchemaSamples`` past any
+    vbucket's size; ``samplingRatio`` 1). Each pair is then checked value by value, not by
+    count alone: same inferred fields and types, and each side's rows minus the other's
+    (``exceptAll``, both ways) empty. The first read waits for the node's flusher to finish
+    with the load (``CpuMeter.settle``); each row also gives CPU µs per document (Spark side:
+    this driver, the JVM, its Python workers; and the node) of its best run, and the load
+    average after the runs."""
     from changefeed.spark.session import local_session
 
     when = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -862,44 +867,73 @@ def bench_typed(n: int, work: Path, out: list[str]) -> None:
                  f"({lines.stat().st_size / n:.0f} bytes each; load {loaded:.0f} s, "
                  f"settle {settled:.0f} s)")  # fmt: skip
         options = node.source_options(partitions="2")
-        runs: list[tuple[str, Callable[[], Any]]] = [
-            ("changefeed, schema given",
-             lambda: spark.read.format("changefeed").options(schema=TYPED_DDL, **options).load()),
-            ("spark.read.json, schema given",
+        sample = min(n, TYPED_SAMPLES * VBUCKETS)
+        ratio = sample / n
+        every = str(n)  # past any vbucket's size: every document
+        pairs: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = [
+            ("schema given",
+             lambda: spark.read.format("changefeed").options(schema=TYPED_DDL, **options).load(),
              lambda: spark.read.schema(TYPED_DDL).json(str(lines))),
-            ("changefeed, inferSchema",
-             lambda: spark.read.format("changefeed").options(**options).load()),
-            ("spark.read.json, inferred", lambda: spark.read.json(str(lines))),
+            (f"inferred from {sample:,}",
+             lambda: spark.read.format("changefeed")
+             .options(inferSchemaSamples=str(TYPED_SAMPLES), **options).load(),
+             lambda: spark.read.option("samplingRatio", str(ratio)).json(str(lines))),
+            ("inferred from all",
+             lambda: spark.read.format("changefeed")
+             .options(inferSchemaSamples=every, **options).load(),
+             lambda: spark.read.option("samplingRatio", "1.0").json(str(lines))),
         ]  # fmt: skip
-        results: dict[str, float] = {}
-        for name, make in runs:
-            times: list[tuple[float, float, float]] = []  # seconds, CPU µs/doc Spark and node
-            for _ in range(TYPED_RUNS):
-                cpu_before = cpu.sample()
-                begun = time.perf_counter()
-                df = make()
-                df.write.format("noop").mode("overwrite").save()
-                seconds = time.perf_counter() - begun
-                cpu_after = cpu.sample()
-                times.append((seconds, *((a - b) * 1e6 / n for a, b in
-                                         zip(cpu_after, cpu_before, strict=True))))  # fmt: skip
-            best = min(times)
-            results[name] = best[0]
-            say(out, f"  {name:<32} best {best[0]:6.2f} s  ({n / best[0]:>10,.0f} docs/s)  "
-                     f"CPU µs/doc Spark {best[1]:.2f} node {best[2]:.2f}  "
-                     f"runs {', '.join(f'{t[0]:.2f}' for t in times)}  "
-                     f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
-        for kind, peer in (("schema given", "schema given"), ("inferSchema", "inferred")):
-            ours = results[f"changefeed, {kind}"]
-            theirs = results[f"spark.read.json, {peer}"]
-            say(out, f"  ratio ({kind}): {theirs / ours:.2f}x spark.read.json (goal >= 0.8x)")
-        count = spark.read.format("changefeed").options(schema=TYPED_DDL, **options).load().count()
-        assert count == n, (count, n)
+        for kind, ours, theirs in pairs:
+            best = {}
+            for side, make in (("changefeed", ours), ("spark.read.json", theirs)):
+                best[side] = _best_typed_run(f"{side}, {kind}", make, n, cpu, out)
+            say(out, f"  ratio ({kind}): {best['spark.read.json'] / best['changefeed']:.2f}x "
+                     "spark.read.json (goal >= 0.8x)")  # fmt: skip
+            say(out, f"  values ({kind}): {_compare_typed(ours(), theirs(), n)}")
     finally:
         spark.stop()
         node.stop(check=False)
 
 
+def _best_typed_run(name: str, make: Callable[[], Any], n: int, cpu: CpuMeter,
+                    out: list[str]) -> float:  # fmt: skip
+    """``TYPED_RUNS`` reads of ``make()`` into the noop sink; prints the best; its seconds."""
+    times: list[tuple[float, float, float]] = []  # seconds, CPU µs/doc Spark and node
+    for _ in range(TYPED_RUNS):
+        cpu_before = cpu.sample()
+        begun = time.perf_counter()
+        make().write.format("noop").mode("overwrite").save()  # the schema is inferred here too
+        seconds = time.perf_counter() - begun
+        cpu_after = cpu.sample()
+        times.append((seconds, *((a - b) * 1e6 / n for a, b in
+                                 zip(cpu_after, cpu_before, strict=True))))  # fmt: skip
+    best = min(times)
+    say(out, f"  {name:<40} best {best[0]:6.2f} s  ({n / best[0]:>10,.0f} docs/s)  "
+             f"CPU µs/doc Spark {best[1]:.2f} node {best[2]:.2f}  "
+             f"runs {', '.join(f'{t[0]:.2f}' for t in times)}  "
+             f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    return best[0]
+
+
+def _compare_typed(ours: Any, theirs: Any, n: int) -> str:
+    """The documents' fields of both reads (changefeed's metadata columns left out): the same
+    names and types, and the same rows, value by value (``exceptAll`` both ways, so a row
+    twice on one side counts). Raises AssertionError on a difference."""
+    fields = [f for f in theirs.schema.fields if f.name != "_corrupt_record"]
+    mine = {f.name: f.dataType.simpleString() for f in ours.schema.fields}
+    wrong = [(f.name, mine.get(f.name), f.dataType.simpleString()) for f in fields
+             if mine.get(f.name) != f.dataType.simpleString()]  # fmt: skip
+    assert not wrong, f"fields differ (name, changefeed, spark): {wrong}"
+    names = [f.name for f in fields]
+    a, b = ours.select(*names), theirs.select(*names)
+    rows = a.count(), b.count()
+    assert rows == (n, n), rows
+    only_ours, only_theirs = a.exceptAll(b).count(), b.exceptAll(a).count()
+    assert only_ours == only_theirs == 0, (only_ours, only_theirs)
+    return f"{n:,} rows x {len(names)} fields equal (same types; exceptAll both ways empty)"
+
+
+TYPED_SAMPLES = 100  # changefeed's inferSchemaSamples default, per vbucket
 TYPED_RUNS = 3
 
 
