@@ -149,6 +149,6 @@ def test_submit_with_a_packed_env_on_two_workers(
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert f" on {cluster.url}, 4 read tasks " in start_line(done)
     unpacked = sorted(cluster.root.glob("worker*/app-*/*/env/bin/python"))
-    assert len({p.parts[-5] for p in unpacked}) == 2, unpacked  # both workers got the env
+    assert len({p.parts[-6] for p in unpacked}) == 2, unpacked  # both workers got the env
     assert_typed_mirror_matches(tables, node)
     assert_changelog_once(tables)
