@@ -25,10 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from changefeed.checkpoint import CheckpointMemoryFullError, CursorKind, StreamReader
+from changefeed.checkpoint import CheckpointMemoryFullError
 from changefeed.checkpoint.flusher import stage_round
 from changefeed.cluster import rules as cluster_rules
-from changefeed.producer.stream_request import VbucketView
 from changefeed.protocol.dcp import StreamEndReason
 from changefeed.protocol.errors import (
     DurabilityImpossibleError,
@@ -39,7 +38,7 @@ from changefeed.protocol.errors import (
     SyncWriteInProgressError,
 )
 from changefeed.protocol.frame_info import DurabilityLevel
-from changefeed.server.bucket import ROUND_BYTES_MAX
+from changefeed.server.bucket import ROUND_BYTES_MAX, VBucketSource
 from changefeed.server.context import change_vbucket_state
 from changefeed.server.replication import ReplicationTracker
 from changefeed.storage import Store
@@ -80,8 +79,9 @@ class Request:
     timeout_s: float = 1.5
 
 
-class SimNode:
-    """A node process, with its lifecycle: `start`, `crash`, `pause`."""
+class SimNode(VBucketSource):
+    """A node process, with its lifecycle: `start`, `crash`, `pause`; the producers read its
+    vbuckets as they read a bucket's (`server.bucket.VBucketSource`)."""
 
     def __init__(self, cluster: SimCluster, name: str, path: Path) -> None:
         self.cluster = cluster
@@ -235,28 +235,6 @@ class SimNode:
                 feed.on_persisted(moved)
             elif written:
                 feed.poke(0.0)
-
-    # -- VbucketSource (for the producers) ------------------------------------------------------
-
-    def vbucket_view(self, vb: int) -> VbucketView | None:
-        v = self.vbuckets.get(vb)
-        if v is None:
-            return None
-        return VbucketView(v.state, v.high_seqno, v.persisted_seqno, v.purge_seqno, v.failover_log)
-
-    def open_reader(
-        self,
-        vb: int,
-        name: str,
-        start_seqno: int,
-        *,
-        kind: CursorKind,
-        droppable: bool,
-        end_seqno: int,
-    ) -> StreamReader:
-        return self.vbuckets[vb].stream(
-            name, start_seqno, kind=kind, droppable=droppable, end_seqno=end_seqno
-        )
 
     # -- replication ----------------------------------------------------------------------------
 

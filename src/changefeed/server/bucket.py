@@ -47,7 +47,44 @@ FLUSH_IDLE_S = 0.005
 ROUND_BYTES_MAX = 4 * limits.FLUSH_BATCH_BYTES_MAX
 
 
-class Bucket:
+class VBucketSource:
+    """A node's vbuckets as the producer reads them (`producer.producer.VbucketSource`): the
+    bucket is one, and so is the cluster simulator's node, so both serve streams alike."""
+
+    vbuckets: dict[int, VBucket]
+
+    def vbucket(self, vb: int) -> VBucket:
+        """The vbucket `vb`; NotMyVbucketError when this node has none of that id."""
+        found = self.vbuckets.get(vb)
+        if found is None:
+            raise NotMyVbucketError(f"vbucket {vb} does not exist")
+        return found
+
+    def vbucket_view(self, vb: int) -> VbucketView | None:
+        v = self.vbuckets.get(vb)
+        if v is None:
+            return None
+        return VbucketView(v.state, v.high_seqno, v.persisted_seqno, v.purge_seqno, v.failover_log)
+
+    def open_reader(
+        self,
+        vb: int,
+        name: str,
+        start_seqno: int,
+        *,
+        kind: CursorKind,
+        droppable: bool,
+        end_seqno: int,
+    ) -> StreamReader:
+        return self.vbucket(vb).stream(
+            name, start_seqno, kind=kind, droppable=droppable, end_seqno=end_seqno
+        )
+
+    def wakeup(self, vb: int) -> Wakeup:
+        return self.vbucket(vb).manager.wakeup
+
+
+class Bucket(VBucketSource):
     def __init__(
         self,
         name: str,
@@ -212,12 +249,6 @@ class Bucket:
         return wrote
 
     # -- KV --------------------------------------------------------------------------------------
-
-    def vbucket(self, vb: int) -> VBucket:
-        found = self.vbuckets.get(vb)
-        if found is None:
-            raise NotMyVbucketError(f"vbucket {vb} does not exist")
-        return found
 
     def store_command(self, command: StoreCommand, *, level: int = 0) -> MutationResult:
         """SET / ADD / REPLACE; TMPFAIL while the store cannot persist. A durability `level`
@@ -463,29 +494,6 @@ class Bucket:
         return ObserveSeqnoResult(
             vb, v.vb_uuid, v.persisted_seqno, v.high_seqno, vb_uuid, branch_end
         )
-
-    def vbucket_view(self, vb: int) -> VbucketView | None:
-        v = self.vbuckets.get(vb)
-        if v is None:
-            return None
-        return VbucketView(v.state, v.high_seqno, v.persisted_seqno, v.purge_seqno, v.failover_log)
-
-    def open_reader(
-        self,
-        vb: int,
-        name: str,
-        start_seqno: int,
-        *,
-        kind: CursorKind,
-        droppable: bool,
-        end_seqno: int,
-    ) -> StreamReader:
-        return self.vbucket(vb).stream(
-            name, start_seqno, kind=kind, droppable=droppable, end_seqno=end_seqno
-        )
-
-    def wakeup(self, vb: int) -> Wakeup:
-        return self.vbucket(vb).manager.wakeup
 
     # -- stats ---------------------------------------------------------------------------------
 

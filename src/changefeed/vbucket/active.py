@@ -181,27 +181,28 @@ class ActiveRole(Role):
         )
 
     def delete(self, key: bytes, *, cas: int = 0, level: int = 0) -> MutationResult:
-        current = self.core.current(key)
-        if current is None:
-            raise KeyNotFoundError(f"vb {self.core.vb}: key {key[:64]!r} not found")
-        self._check_lock(key, current, cas)
-        if cas:
-            self._check_cas(key, current, cas)
+        current = self._existing(key, cas)
         return self._queue_write(
             key, Op.DELETION, b"", rev_seqno=current.rev_seqno + 1, level=level
         )
 
     def touch(self, key: bytes, expiry: int, *, cas: int = 0) -> MutationResult:
+        current = self._existing(key, cas)
+        return self._queue_write(
+            key, Op.MUTATION, current.value, flags=current.flags, expiry=expiry,
+            datatype=current.datatype, rev_seqno=current.rev_seqno + 1,
+        )  # fmt: skip
+
+    def _existing(self, key: bytes, cas: int) -> Item | Record:
+        """The live version of `key` a change of it starts from, checked as `set` checks:
+        KeyNotFoundError when there is none, then the lock, then (with `cas`) the CAS."""
         current = self.core.current(key)
         if current is None:
             raise KeyNotFoundError(f"vb {self.core.vb}: key {key[:64]!r} not found")
         self._check_lock(key, current, cas)
         if cas:
             self._check_cas(key, current, cas)
-        return self._queue_write(
-            key, Op.MUTATION, current.value, flags=current.flags, expiry=expiry,
-            datatype=current.datatype, rev_seqno=current.rev_seqno + 1,
-        )  # fmt: skip
+        return current
 
     def check_write(self, key: bytes, cas: int) -> None:
         current = self.core.current(key)
