@@ -28,7 +28,7 @@ from changefeed.cluster.placement import initial_map
 from changefeed.cluster.rebalance import STEP_INTERVAL_S as REBALANCE_STEP_INTERVAL_S
 from changefeed.cluster.rebalance import Rebalancer
 from changefeed.cluster.rules import (
-    CRASH_PROBE_INTERVAL_S,
+    NOOP_PROBE_INTERVAL_S,
     NOOP_PROBE_TIMEOUT_S,
     CrashConfirmer,
     SilenceDetector,
@@ -342,7 +342,7 @@ class Orchestrator:
         marked confirmed, so this term need not wait a lease before failing it over. A live
         node that answers no NOOP for `rules.SILENCE_FAILOVER_S` is failed over as silent."""
         while True:  # ended by cancellation
-            await asyncio.sleep(CRASH_PROBE_INTERVAL_S)
+            await asyncio.sleep(NOOP_PROBE_INTERVAL_S)
             now_live = live() or {}
             self.confirmed_crashed -= set(now_live)  # registered again: alive after all
             self.silent &= set(now_live)  # gone from etcd: the lease rules take over
@@ -401,7 +401,7 @@ class Orchestrator:
         revision), and the next orchestrator finds it silent in turn and fails it over."""
         silence = SilenceDetector()
         while True:  # ended by cancellation
-            await asyncio.sleep(CRASH_PROBE_INTERVAL_S)
+            await asyncio.sleep(NOOP_PROBE_INTERVAL_S)
             try:
                 leader = await self.metadata.leader()
                 if leader is None or leader[0] == self.candidate:

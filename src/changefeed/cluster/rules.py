@@ -149,7 +149,9 @@ class InSyncKeeper:
 
 # -- confirmed crashes: failover without waiting out a lease -------------------------------------
 
-CRASH_PROBE_INTERVAL_S = 0.2  # how often the orchestrator (and each standby) probes
+# How often the simulator's orchestrator probes (tests/sim); the orchestrator's NOOP probes
+# (below) go every NOOP_PROBE_INTERVAL_S plus the slowest probe's time, confirming crashes too.
+CRASH_PROBE_INTERVAL_S = 0.2
 CRASH_CONFIRM_S = 0.15  # a second refusal at least this long after the first confirms
 
 
@@ -183,10 +185,15 @@ class CrashConfirmer:
 # -- silent nodes: failover without waiting out a lease ------------------------------------------
 
 # A node that answers no NOOP for this long is failed over while its lease still runs (the
-# orchestrator's probes, NOOP_PROBE_TIMEOUT_S each, every CRASH_PROBE_INTERVAL_S). A healthy node
-# answers a NOOP in milliseconds; 0.8 s is two probes in a row unanswered on a loaded machine.
-SILENCE_FAILOVER_S = 0.8
-NOOP_PROBE_TIMEOUT_S = 0.4
+# orchestrator's probes, NOOP_PROBE_TIMEOUT_S each, a round every NOOP_PROBE_INTERVAL_S plus the
+# slowest probe). A healthy node answers a NOOP in milliseconds (14 ms at worst of 50 at load
+# 11 here); 0.6 s is two probes in a row unanswered. Under 1 s so that a client whose 1 s
+# attempt timed out finds the new map on its next try (bench/bench_partition.py).
+SILENCE_FAILOVER_S = 0.6
+NOOP_PROBE_TIMEOUT_S = 0.3
+NOOP_PROBE_INTERVAL_S = 0.1
+# Two probes, the second sent after the first settled, fit in the silence: it is what decides.
+assert NOOP_PROBE_INTERVAL_S + NOOP_PROBE_TIMEOUT_S < SILENCE_FAILOVER_S
 
 
 class SilenceDetector:
