@@ -262,7 +262,7 @@ class Agent:
             return {}
         found: dict[int, tuple[str, ...]] = {}
         for vb, v in sorted(node.vbuckets.items()):
-            if v.state is VBucketState.ACTIVE and cluster_map.role_of(node.name, vb) == 0:
+            if v.state.is_active and cluster_map.role_of(node.name, vb) == 0:
                 placed = {n.name for n in cluster_map.replica_nodes(vb)}
                 found[vb] = tuple(r for r in node.tracker.in_sync_set(vb) if r in placed)
         return found
@@ -283,7 +283,7 @@ class Agent:
         for vb in range(cluster_map.vbuckets):
             active = cluster_map.active(vb)
             wanted = cluster_rules.wanted_state(cluster_map, node.name, vb)
-            if wanted is VBucketState.REPLICA and active is not None:
+            if wanted.is_replica and active is not None:
                 sources.setdefault(active.name, set()).add(vb)
         node.sched.record("applied", node.name, cluster_map.rev)
         node.place_feeds(sources)
@@ -299,7 +299,7 @@ class Agent:
             node.set_vbucket_state(vb, state)
             if not fencing:
                 continue
-            if state is VBucketState.ACTIVE:
+            if state.is_active:
                 if vb not in self.keepers:
                     placed = frozenset(n.name for n in cluster_map.replica_nodes(vb))
                     self.keepers[vb] = cluster_rules.InSyncKeeper(placed)

@@ -319,13 +319,13 @@ class SimNode(VBucketSource):
         vbucket = self.vbuckets[request.vb]
         try:
             if request.op == "get":
-                if vbucket.state is not VBucketState.ACTIVE:
+                if not vbucket.state.is_active:
                     raise NotMyVbucketError("not active")
                 document = vbucket.get(request.key)
                 answer("ok", None if document is None else (document.value, document.cas))
                 return
             level = request.level
-            active = vbucket.state is VBucketState.ACTIVE
+            active = vbucket.state.is_active
             if level and active:
                 self.durability.decisions.check_possible(request.vb)
             if request.op == "add":
