@@ -211,7 +211,8 @@ class ClientConnection(asyncio.Protocol):
         self.permitted: frozenset[int] = UNAUTHENTICATED_OPCODES  # see update_permitted
         self._out_bytes = 0
         self._capturing = False  # replies collect for a later place in order (_captured)
-        self._held: deque[bytes | Frame] = deque()  # a window's replies/GETs not yet sent
+        # A window's replies and GETs not yet sent, and what arrived after them (_emit_held).
+        self._held: deque[bytes | Frame | OversizedFrame | RequestWindow] = deque()
         self.persistence_waits: set[asyncio.Future[None]] = set()  # SEQNO_PERSISTENCE pending
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
@@ -423,11 +424,11 @@ class ClientConnection(asyncio.Protocol):
                         window = window or RequestWindow()
                         rest = window.add_run(run)
                         if rest is not None:  # a write to a key the window's GETs read
-                            self._run_window(window)
+                            self._settle(window)
                             window = RequestWindow()
                             window.add_run(rest)
                         if len(window) >= window_max:
-                            self._run_window(window)
+                            self._settle(window)
                             window = None
                         continue
                 frame = next_frame()
@@ -439,12 +440,17 @@ class ClientConnection(asyncio.Protocol):
                     if window.joins(frame):
                         window.add_frame(frame)
                         if len(window) >= window_max:
-                            self._run_window(window)
+                            self._settle(window)
                             window = None
                         continue
                 if window is not None:
-                    self._run_window(window)
+                    if len(window):
+                        self._settle(window)
                     window = None
+                if self._held:  # the window's replies backed up: this request waits its turn
+                    assert isinstance(frame, (Frame, OversizedFrame)), frame
+                    self._held.append(frame)
+                    continue
                 if isinstance(frame, OversizedFrame):
                     self._reply_oversized(frame)
                     continue
@@ -453,10 +459,10 @@ class ClientConnection(asyncio.Protocol):
                 runs = self._takes_set_runs()  # the frame may have been SELECT_BUCKET, SASL...
                 windows = runs and not self.collections
             if window is not None:
-                self._run_window(window)
+                self._settle(window)
         except ProtocolError as error:
             if window is not None:
-                self._run_window(window)  # the requests before the broken frame
+                self._settle(window)  # the requests before the broken frame
             self._flush_replies()
             self._out = None
             self._close_for(error)
@@ -768,7 +774,7 @@ class ClientConnection(asyncio.Protocol):
             for index in layer.deletes:
                 deleted[index] = self._captured(self._dispatch, frames[index])
         token = Feature.MUTATION_SEQNO in self.features
-        held = self._held
+        held: list[bytes | Frame] = []
         packed: list[int] = []  # successes not yet packed, in order
 
         def pack() -> None:
@@ -797,18 +803,32 @@ class ClientConnection(asyncio.Protocol):
             pack()
             held.append(deleted[~op] if ~op in deleted else frames[~op])  # a GET: in its turn
         pack()
+        self._held.extendleft(reversed(held))  # before what arrived after the window
         self._emit_held()
 
+    def _settle(self, window: RequestWindow) -> None:
+        """Apply `window` now, or after the held replies before it (its GETs must not see a
+        later window's writes)."""
+        if self._held:
+            self._held.append(window)
+        else:
+            self._run_window(window)
+
     def _emit_held(self) -> None:
-        """Send a window's replies in order and answer its GETs in their turn, until replies
-        back up (`resume_writing` processes the rest before any later request)."""
+        """Send a window's replies in order and answer its GETs in their turn, then what
+        arrived after them, until replies back up (`resume_writing` processes the rest
+        before any later request)."""
         held = self._held
         while held and self.writable.is_set():
             item = held.popleft()
-            if isinstance(item, Frame):
-                self._dispatch(item)
-            else:
+            if isinstance(item, bytes):
                 self.send(item)
+            elif isinstance(item, RequestWindow):
+                self._run_window(item)  # its replies go first, then what followed it
+            elif isinstance(item, OversizedFrame):
+                self._reply_oversized(item)
+            else:
+                self._dispatch(item)
 
     def _captured(self, answer: Callable[..., None], *args: Any) -> bytes:
         """The replies `answer(*args)` sends, collected to be sent later in their place."""
