@@ -511,12 +511,23 @@ def check_schema(ddl: str) -> None:
     from pyspark.errors import PySparkException
     from pyspark.sql.types import StructType
 
+    from changefeed.spark.documents import CORRUPT_COLUMN, DocumentSchemaError
+    from changefeed.spark.documents import check_document_fields as check_names
+
     try:
-        StructType.fromDDL(ddl)
+        parsed = StructType.fromDDL(ddl)
     except PySparkException as error:
         raise click.BadParameter(
             f"Spark cannot parse {ddl!r}: {_first_line(str(error))}", param_hint="--schema"
         ) from None
+    if not isinstance(parsed, StructType):
+        raise click.BadParameter(
+            f"{ddl!r} is a type, not fields (name type, ...)", param_hint="--schema"
+        )
+    try:  # a field named like a metadata column: refused here, not once the query starts
+        check_names([n for n in parsed.fieldNames() if n != CORRUPT_COLUMN], CORRUPT_COLUMN)
+    except DocumentSchemaError as error:
+        raise click.BadParameter(str(error), param_hint="--schema") from None
 
 
 def _remove_new(paths: list[Path]) -> None:
