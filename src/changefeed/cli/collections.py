@@ -1,8 +1,10 @@
 """``changefeed collection create|drop|list``: a bucket's scopes and collections.
 
-Each subcommand connects to one node over the KV port and reads or edits its manifest
-(consumer/collections_admin.py). ``create`` makes the scope too when it does not exist yet;
-``drop`` of a collection leaves its scope; ``drop SCOPE`` drops a scope with its collections.
+Each subcommand connects to a node over the KV port and reads its manifest; ``create`` and
+``drop`` edit it on every node of the cluster map (consumer/collections_admin.py), and exit 1
+naming a node they could not reach (run the command again once it is back). ``create`` makes
+the scope too when it does not exist yet; ``drop`` of a collection leaves its scope;
+``drop SCOPE`` drops a scope with its collections.
 Changing the manifest needs the admin role.
 """
 
@@ -14,7 +16,8 @@ from typing import Any
 import click
 
 from changefeed.cli.client_commands import Target, connection_options, run_against
-from changefeed.consumer.collections_admin import edit_manifest, get_manifest
+from changefeed.consumer.collections_admin import edit_cluster_manifest, get_manifest
+from changefeed.consumer.connection import Connection
 from changefeed.consumer.handshake import connect
 from changefeed.protocol.collections_manifest import Manifest, ManifestError
 
@@ -41,22 +44,25 @@ def _rows(manifest: Manifest) -> list[dict[str, Any]]:
     ]
 
 
-def _run(kwargs: dict[str, Any], edit: Any | None) -> Manifest:
+def _run(kwargs: dict[str, Any], edit: Any | None) -> tuple[Manifest, dict[str, str]]:
     target = Target(kwargs["host"], kwargs["port"], kwargs["user"])
 
-    async def main() -> Manifest:
-        conn = await connect(
-            kwargs["host"],
-            kwargs["port"],
+    async def dial(host: str, port: int) -> Connection:
+        return await connect(
+            host,
+            port,
             agent="changefeed-collection",
             user=kwargs["user"],
             password=kwargs["password"],
             bucket=kwargs["bucket"],
         )
+
+    async def main() -> tuple[Manifest, dict[str, str]]:
+        conn = await dial(kwargs["host"], kwargs["port"])
         try:
             if edit is None:
-                return await get_manifest(conn)
-            return await edit_manifest(conn, edit)
+                return await get_manifest(conn), {}
+            return await edit_cluster_manifest(conn, dial, edit)
         finally:
             await conn.close()
 
@@ -76,7 +82,7 @@ def collection() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def list_(as_json: bool, **kwargs: Any) -> None:
     """List the scopes and collections, with ids and maxTTL."""
-    manifest = _run(kwargs, None)
+    manifest, _ = _run(kwargs, None)
     if as_json:
         click.echo(json.dumps({"uid": f"{manifest.uid:x}", "collections": _rows(manifest)}))
         return
@@ -106,7 +112,7 @@ def create(path: str, max_ttl: int | None, as_json: bool, **kwargs: Any) -> None
         assert name is not None
         return m.with_collection(scope, name, max_ttl or None)
 
-    _report(_run(kwargs, edit), path, "created", as_json)
+    _report(*_run(kwargs, edit), path, "created", as_json)
 
 
 @collection.command()
@@ -121,10 +127,12 @@ def drop(path: str, as_json: bool, **kwargs: Any) -> None:
     def edit(m: Manifest) -> Manifest:
         return m.without_scope(scope) if name is None else m.without_collection(scope, name)
 
-    _report(_run(kwargs, edit), path, "dropped", as_json)
+    _report(*_run(kwargs, edit), path, "dropped", as_json)
 
 
-def _report(manifest: Manifest, path: str, what: str, as_json: bool) -> Manifest:
+def _report(
+    manifest: Manifest, nodes: dict[str, str], path: str, what: str, as_json: bool
+) -> Manifest:
     scope, name = _split(path)
     ident = None
     found = manifest.scope(scope)
@@ -138,10 +146,17 @@ def _report(manifest: Manifest, path: str, what: str, as_json: bool) -> Manifest
                     what: path,
                     "id": None if ident is None else f"{ident:x}",
                     "uid": f"{manifest.uid:x}",
+                    "nodes": nodes,
                 }
             )
         )
     else:
         shown = "" if ident is None else f" (id {ident:x})"
-        click.echo(f"{what} {path}{shown}; manifest uid {manifest.uid:x}")
+        click.echo(f"{what} {path}{shown}; manifest uid {manifest.uid:x} on {len(nodes)} node(s)")
+    missed = sorted(node for node, outcome in nodes.items() if outcome != "set")
+    if missed:
+        raise click.ClickException(
+            f"not on {', '.join(missed)} ({nodes[missed[0]]}): run the command again once "
+            "they are back"
+        )
     return manifest

@@ -4,11 +4,19 @@
 (protocol/collections_manifest.py) and sends the whole result (SET_COLLECTIONS_MANIFEST); when
 someone else changed the manifest meanwhile the node answers ERANGE and the edit is redone on
 the new manifest, so concurrent `changefeed collection create` calls both land.
+
+`edit_cluster_manifest` does the same on every node of the cluster map: it edits the newest
+manifest any node holds and sets the result on each node (a node that missed an earlier change
+takes the newer manifest whole). Each node writes the system events into the vbuckets active on
+it, and replication carries them to the replicas. A node that cannot be reached keeps its old
+manifest and is reported; the same command run again brings it up to date. (Not under the
+orchestrator's fence: a manifest kept in etcd is still to come.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Awaitable, Callable
 
 from changefeed.consumer.connection import Connection
 from changefeed.consumer.handshake import call
@@ -17,6 +25,7 @@ from changefeed.protocol.collections_manifest import Manifest
 from changefeed.protocol.errors import StatusError
 from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.status import Status
+from changefeed.vbmap import ClusterMap
 
 EDIT_ATTEMPTS_MAX = 16  # concurrent editors each win within a few rounds
 
@@ -62,3 +71,61 @@ async def edit_manifest(conn: Connection, edit: Callable[[Manifest], Manifest]) 
     raise StatusError(
         f"the manifest changed under {EDIT_ATTEMPTS_MAX} attempts to edit it", status=Status.ERANGE
     )
+
+
+Dial = Callable[[str, int], Awaitable[Connection]]
+
+
+async def edit_cluster_manifest(
+    conn: Connection, dial: Dial, edit: Callable[[Manifest], Manifest]
+) -> tuple[Manifest, dict[str, str]]:
+    """Apply `edit` on every node of the map `conn`'s node serves (module docstring).
+
+    Returns:
+        The manifest set, and per node (host:port) "set" or why not.
+
+    Raises:
+        ManifestError: the edit is not possible.
+        StatusError: the bootstrap node refused, or others kept changing the manifest.
+    """
+    config = json.loads((await call(conn, Opcode.GET_CLUSTER_CONFIG)).value)
+    cluster_map = ClusterMap.from_couchbase_config(config)
+    this = next(
+        (
+            f"{entry['hostname']}:{entry['services']['kv']}"
+            for entry in config.get("nodesExt", [])
+            if entry.get("thisNode")
+        ),
+        "bootstrap",
+    )
+    others: dict[str, Connection] = {}
+    outcome: dict[str, str] = {}
+    try:
+        for node in cluster_map.nodes:  # bounded by the map
+            server = f"{node.host}:{node.port}"
+            if server == this:
+                continue
+            try:
+                others[server] = await dial(node.host, node.port)
+            except (OSError, TimeoutError, StatusError) as error:
+                outcome[server] = f"unreachable: {error}"
+        nodes = {this: conn, **others}
+        for _ in range(EDIT_ATTEMPTS_MAX):  # bounded: ERANGE means another editor won a round
+            held = {name: await get_manifest(c) for name, c in nodes.items()}
+            new = edit(max(held.values(), key=lambda m: m.uid))
+            try:
+                for name, c in nodes.items():
+                    await call(c, Opcode.SET_COLLECTIONS_MANIFEST, value=new.encode())
+                    outcome[name] = "set"
+            except StatusError as error:
+                if error.code == Status.ERANGE:
+                    continue
+                raise
+            return new, outcome
+        raise StatusError(
+            f"the manifest changed under {EDIT_ATTEMPTS_MAX} attempts to edit it",
+            status=Status.ERANGE,
+        )
+    finally:
+        for c in others.values():
+            await c.close()
