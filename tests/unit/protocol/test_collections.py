@@ -25,6 +25,7 @@ from changefeed.protocol.collections import (
     encode_system_event,
     manifest_uid_of_error,
     split_key,
+    split_keys,
     unknown_collection_body,
 )
 from changefeed.protocol.collections_manifest import Manifest, ManifestError
@@ -90,6 +91,19 @@ def test_leb128_round_trips_against_model(cid: int, key: bytes) -> None:
 def test_leb128_refuses_non_canonical_long_or_unterminated(data: str, why: str) -> None:
     with pytest.raises(ProtocolError, match=why):
         split_key(bytes.fromhex(data))
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(0, 2**32 - 1), st.binary(min_size=1, max_size=8))))
+def test_split_keys_is_split_key_of_each(pairs: list[tuple[int, bytes]]) -> None:
+    keys = [encode_leb128(cid) + key for cid, key in pairs]
+    assert split_keys(keys) == ([cid for cid, _ in pairs], [key for _, key in pairs])
+
+
+def test_split_keys_refuses_what_split_key_refuses() -> None:
+    for bad in (b"", b"\x08", b"\x81\x00k"):
+        with pytest.raises(ProtocolError):
+            split_keys([b"\x00ok", bad])
 
 
 def test_key_that_is_only_a_prefix_is_refused() -> None:
