@@ -19,6 +19,16 @@ mirror has committed (items) and the age of the oldest change not mirrored yet (
 last micro-batch it committed), that batch's end offsets from the checkpoint, and the actives'
 high seqnos: the same lag, per vbucket, without Spark.
 
+Spark: ``--master`` (default: spark-submit's or ``spark-defaults.conf``'s, else local[2]),
+``--conf KEY=VALUE`` over the user's ``SPARK_CONF_DIR`` settings over changefeed's defaults
+(``spark/session.py``), ``--partitions`` read tasks per micro-batch (default: Spark's default
+parallelism). ``spark/submit.py`` runs this command as a spark-submit application.
+
+Mistakes are one line, found before Spark starts where they can be (credentials and bucket by
+one connection to a seed, ``--tables``/``--checkpoint`` not directories, ``--conf``), else
+before any directory is made (``--schema``, parsed by Spark alone so that the error points at
+the user's text); a start refused later removes the directories it made.
+
 Exit status: 0 stopped or done; 1 the query or the node failed (one line naming it); 2 usage.
 """
 
