@@ -7,7 +7,7 @@ Sections (one run, well under 2 minutes):
    (``atomicshm``, ctypes on the system ``libatomic``, the ``atomics`` package), and the cost
    of what a reader does per batch (reference + release: 2 transaction-logged CAS/fetch ops and
    4 flag stores, 2 loads). The chosen backend is the fastest that loads.
-2. Transport only (no node): items/s delivered to 1 and 4 local readers (separate
+2. Transport only (no node; not the product): items/s delivered to 1 and 4 local readers (separate
    processes) and CPU us per item (all processes, publisher included, over items
    delivered). Items: change rows with 100-byte values, 4096 rows per Arrow batch (one ring
    slot), the batch built once and published ``--batches`` times. Every reader takes each
@@ -19,10 +19,13 @@ Sections (one run, well under 2 minutes):
      binding (Slice[c_uint8], safe overflow off, RetryUntilDelivered: lossless); readers poll.
    * TCP DCP: the same readers, each a DcpClient streaming every vbucket of a node holding
      ``--dcp-items`` 100-byte items in memory (the node's checkpoints), summing each run's seqnos.
-2b. End to end (``--section live``): a node publishing live changes from a writer (in the
-   bench process, not counted), 1 and 4 readers from now until each has every change:
-   ``LocalStream`` per service (shm) against one ``DcpClient`` each (TCP); items/s delivered
-   and total CPU us per delivered item (node + readers; the node's includes the ingest).
+2b. End to end (``--section live``, the product): a node publishing live changes from a
+   writer (in the bench process, not counted), 1 and 4 reader processes from now until each
+   has every change: ``LocalStream`` per service (shm) against one ``DcpClient`` each whose
+   frames become change rows (tcp) or are only decoded (tcp-cols); then ``changefeed stream
+   --follow --output`` readers (JSON lines; ``--local`` for shm; ``--cli-keys``). Items/s
+   delivered, total CPU us per delivered item (node + readers from ready; the node's includes
+   the ingest), the node's CPU per key.
 3. Node CPU per ingested key with ``--shm 2`` and no reader attached, against ``--shm`` off
    (issue 27: free when unused): a node (``--no-durable``) takes ``--idle-keys`` upserts of
    100-byte values from one client; the node's CPU (utime + stime from /proc) over the load,
