@@ -27,6 +27,14 @@ Usage::
     .venv/bin/python bench/bench_raw_clients.py                  # 200,000 items a row
     .venv/bin/python bench/bench_raw_clients.py --quick          # 20,000, a smoke run
     .venv/bin/python bench/bench_raw_clients.py --only raw --profile   # py-spy of the node too
+    .venv/bin/python bench/bench_raw_clients.py --streams        # + a raw DCP reader vs XREAD
+    .venv/bin/python bench/bench_raw_clients.py --shape "GET,w=2000 x1"   # some rows only
+
+``--streams`` loads more items, restarts the node cleanly (everything is then on disk) and
+streams every vbucket with a raw DCP reader (headers only, no flow control); Redis gets the
+same count as XADDs to one stream, read by a raw RESP ``XREAD COUNT 10000`` loop (hiredis's C
+parser) and by redis-py. "writes" are each server's write system calls (``/proc/<pid>/io``):
+socket writes, and the node's LMDB page writes.
 
 Every process started here is stopped when its block exits; every wait has a deadline.
 """
@@ -537,7 +545,9 @@ def xread_redis_py(port: int, expected: int) -> int:
         client.close()
 
 
-def stream_rows(node: object, redis_ctx: RedisProcess | None, count: int) -> list[str]:
+def stream_rows(
+    node: object, redis_ctx: RedisProcess | None, count: int, spy: Path | None
+) -> list[str]:
     """Load `count` more items, then stream the node from disk (after a clean restart) with
     the raw DCP reader, and Redis's stream with both XREAD readers."""
     from changefeed.cli.node_process import NodeProcess
@@ -552,7 +562,12 @@ def stream_rows(node: object, redis_ctx: RedisProcess | None, count: int) -> lis
         sock.close()
     node.restart()  # a clean stop persists everything: the stream is all backfill
     holder: list[int] = []
-    ours = measure(node.pid, 1, lambda: holder.append(dcp_read_all(node.port)))
+    if spy is not None:
+        with SpySampler(node.pid, spy):
+            ours = measure(node.pid, 1, lambda: holder.append(dcp_read_all(node.port)))
+        lines += ["## profile of the node, DCP raw reader from disk", *top_self_time(spy, 25)]
+    else:
+        ours = measure(node.pid, 1, lambda: holder.append(dcp_read_all(node.port)))
     items = holder[0]
     ours = Measured(items, ours.seconds, ours.server_cpu_s, ours.client_cpu_s, ours.server_writes)
     lines.append(f"# DCP raw reader, from disk: {items:,} items, {ours.rate:,.0f}/s, node "
@@ -639,7 +654,8 @@ def main() -> None:
                     rows.append((shape, ours, peer, before))
                     print(describe(shape, ours, peer, before), flush=True)
                 if args.streams:
-                    streams = stream_rows(node, redis_ctx, count)
+                    spy = work / "spy-streams.txt" if args.profile else None
+                    streams = stream_rows(node, redis_ctx, count, spy)
                     print("\n".join(streams), flush=True)
             finally:
                 if redis_ctx is not None:
