@@ -8,7 +8,8 @@ It builds a local session (``changefeed.spark.session.local_session``), runs
 ``readStream.format("changefeed") -> foreachBatch(MirrorWriter)`` with a checkpoint, and exits 0
 once the query has processed everything available at its start.
 
-``--hold-batch`` makes micro-batch B stop at a chosen point, after writing ``--hold-file``, so a
+``--writer`` picks the mirror writer (default: the distributed one). ``--hold-batch`` makes
+micro-batch B stop at a chosen point, after writing ``--hold-file``, so a
 test can SIGKILL the whole process group exactly there:
 - ``before-commit``: inside foreachBatch, the batch's rows already read, no table committed;
 - ``between-commits``: the changelog committed, the mirror not.
@@ -30,8 +31,33 @@ from typing import Any
 import pyarrow as pa
 
 from changefeed.spark import MirrorWriter
+from changefeed.spark.dist_mirror import DistributedMirrorWriter
+from changefeed.spark.mirror import APP_ID
 
 HOLD_S = 600.0  # the test kills us long before
+
+
+class HoldingDistributedWriter(DistributedMirrorWriter):
+    """The distributed writer with the same hold points: ``before-commit`` once the tasks have
+    written the batch's files, before the changelog's commit; ``between-commits`` before the
+    mirror's."""
+
+    def __init__(self, path: str, options: dict[str, str], args: argparse.Namespace) -> None:
+        super().__init__(path, options, APP_ID, merge_schema=False)
+        self.args = args
+        self.holder = HoldingMirrorWriter(path, options, args)  # its hold and event helpers
+
+    def __call__(self, batch_df: Any, batch_id: int) -> None:
+        self.holder._event({"batch": batch_id, "event": "start"})
+        super().__call__(batch_df, batch_id)
+        self.holder._event({"batch": batch_id, "event": "end", "rows": self.rows_written})
+
+    def _commit(self, table: Any, uri: str, name: str, actions: pa.Table, *rest: Any) -> None:
+        batch_id = rest[1]
+        point = "before-commit" if name == "changelog" else "between-commits"
+        if self.holder._holding(batch_id, point):
+            self.holder._hold()
+        super()._commit(table, uri, name, actions, *rest)
 
 
 class HoldingMirrorWriter(MirrorWriter):
@@ -78,6 +104,7 @@ def main() -> int:
     parser.add_argument("--hold-at", choices=["before-commit", "between-commits"])
     parser.add_argument("--hold-file", default="")
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--writer", choices=["distributed", "local"], default="distributed")
     args = parser.parse_args()
     assert args.hold_batch < 0 or (args.hold_at and args.hold_file), "hold needs --hold-at/-file"
 
@@ -92,11 +119,13 @@ def main() -> int:
     }
     if args.max_offsets:
         options["maxOffsetsPerTrigger"] = str(args.max_offsets)
+    holding = HoldingDistributedWriter if args.writer == "distributed" else HoldingMirrorWriter
+    writer = holding(args.tables, options, args)
     query = (
         spark.readStream.format("changefeed")
         .options(**options)
         .load()
-        .writeStream.foreachBatch(HoldingMirrorWriter(args.tables, options, args))
+        .writeStream.foreachBatch(writer)
         .option("checkpointLocation", args.checkpoint)
         .trigger(availableNow=True)
         .start()
