@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 STEP_INTERVAL_S = 1.0  # the leader looks at the cluster at least this often (failover requests)
 NOOP_OPAQUE = 0x6F72_6368  # "orch": the probe's NOOP, echoed in the answer
+# A term won this soon after this candidate ended a silent orchestrator's term starts with that
+# node silent (the election follows the revocation within milliseconds when nothing stalls).
+TAKEOVER_WINDOW_S = 2.0
 
 
 class Orchestrator:
@@ -104,6 +107,9 @@ class Orchestrator:
         self.confirmed_crashed: set[str] = set()  # leases revoked on a confirmed crash
         self.silence = SilenceDetector()
         self.silent: set[str] = set()  # live nodes answering no NOOP: failed over (rules)
+        # The orchestrator this standby found silent and whose term it ended, and since when:
+        # silent from the start of this candidate's own term (no second wait for it).
+        self._ended_silent: tuple[str, float, float] | None = None  # node, since, ended at
         self._seen_this_term: set[str] = set()  # nodes live at some point of this term
         self._last_map: ClusterMap | None = None
         # The in-sync records a planned promotion relied on, by vbucket: their etcd revisions
@@ -132,6 +138,7 @@ class Orchestrator:
             self.leadership = leadership
             self._term_started = time.monotonic()
             self._seen_this_term = set()
+            self._take_over_silence()
             self.terms += 1
             log.info("%s is the orchestrator (token %d)", self.candidate, leadership.token)
             try:
@@ -144,6 +151,18 @@ class Orchestrator:
                 self.candidate,
                 leadership.reason,
             )
+
+    def _take_over_silence(self) -> None:
+        """At the start of a term: a node whose term this candidate ended for its silence is
+        silent in this term from when the standby saw it go silent (it is probed as any other:
+        its first answer ends that)."""
+        ended, self._ended_silent = self._ended_silent, None
+        if ended is None or time.monotonic() - ended[2] > TAKEOVER_WINDOW_S:
+            return  # another won that election: what this one saw is old news
+        node, since, _ = ended
+        self.silence.assume_silent(node, since)
+        self.silent.add(node)
+        log.warning("orchestrator %s: %s, the orchestrator before, is silent", self.candidate, node)
 
     async def _lead(self, leadership: Leadership) -> None:
         """Act until the leadership is lost (then the acting task is cancelled at once)."""
@@ -417,14 +436,18 @@ class Orchestrator:
                 continue
             answered = outcome == "answered"
             if silence.observe(leader[0], answered=answered, sent=sent, now=time.monotonic()):
+                since = silence.silent_since(leader[0])
+                assert since is not None, leader  # observe said silent
                 silence.forget(leader[0])
-                await self._end_silent_term(leader[0])
+                if await self._end_silent_term(leader[0]):
+                    self._ended_silent = (leader[0], since, time.monotonic())
 
-    async def _end_silent_term(self, leader: str) -> None:
+    async def _end_silent_term(self, leader: str) -> bool:
+        """Revoke `leader`'s leadership lease; True if this candidate revoked it."""
         try:
             lease = await self.metadata.leadership_lease(leader)
             if lease is None:
-                return
+                return False
             log.warning(
                 "%s: the orchestrator %s answers no NOOP for %.1f s: revoking its leadership",
                 self.candidate, leader, self.silence.silence_s,
@@ -432,6 +455,8 @@ class Orchestrator:
             await self.metadata.revoke([lease])
         except MetadataUnavailableError as error:
             log.warning("%s: revoking %s's leadership: %s", self.candidate, leader, error)
+            return False
+        return True
 
     async def _probe(self, name: str, address: NodeAddress) -> tuple[bool, str]:
         """Probe `name` once with a NOOP: whether this probe confirmed its crash (its leases

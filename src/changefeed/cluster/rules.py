@@ -234,3 +234,12 @@ class SilenceDetector:
 
     def forget(self, node: str) -> None:
         self._silent_since.pop(node, None)
+
+    def silent_since(self, node: str) -> float | None:
+        """When the probes `node` has not answered began (None: it answered the last one)."""
+        return self._silent_since.get(node)
+
+    def assume_silent(self, node: str, since: float) -> None:
+        """Take over what another detector saw: `node` answered nothing sent since `since`
+        (a standby that ended a silent orchestrator's term, then won the election)."""
+        self._silent_since[node] = min(since, self._silent_since.get(node, since))

@@ -52,3 +52,16 @@ def test_silent_exactly_when_the_model_says(probes: list[tuple[bool, float, floa
         # silent: unanswered for the whole silence, and a probe sent after the first one
         expected = sent > unanswered[0] and now - unanswered[0] >= 0.8
         assert result == expected, (unanswered, now)
+
+
+def test_a_takeover_keeps_the_silence_another_detector_saw() -> None:
+    standby = SilenceDetector(silence_s=0.6)
+    assert not standby.observe("n1", answered=False, sent=1.0, now=1.3)
+    assert standby.observe("n1", answered=False, sent=1.4, now=1.7)
+    since = standby.silent_since("n1")
+    assert since == 1.0
+    leader = SilenceDetector(silence_s=0.6)
+    leader.assume_silent("n1", since)
+    assert leader.observe("n1", answered=False, sent=1.9, now=2.2)  # silent still: no new wait
+    assert not leader.observe("n1", answered=True, sent=2.3, now=2.31)
+    assert leader.silent_since("n1") is None
