@@ -34,6 +34,7 @@ def plain(frame: Frame) -> bool:
         and len(frame.extras) == 8
         and frame.cas == 0
         and 0 < len(frame.key) <= limits.KEY_SIZE_MAX
+        and frame.key[:1] != b"\xff"  # the per-frame path escapes it (collection_commands.py)
     )
 
 
