@@ -194,12 +194,18 @@ class GroupPublisher:
                 self._request_streams()
                 produced = self._pump() if self._pending_rows < limits.SHM_PENDING_ROWS_MAX else 0
                 published = self._publish_ready()
-                if produced or published:
-                    await asyncio.sleep(0)
+                if produced >= limits.PUMP_BYTES_MAX or published >= self.rows_per_batch:
+                    await asyncio.sleep(0)  # more is waiting: no pause
                     continue
-                wait = min(limits.SHM_PERSIST_POLL_S, COALESCE_S) if self._pending_rows else TICK_S
+                if self._pending_rows:
+                    # Rows are gathering: the next round comes when they may go out (COALESCE_S)
+                    # or may be persisted, not per change (a round costs ~100 us whatever it
+                    # takes, and a steady writer would wake it per write).
+                    age = self._loop_time() - self._pending_since
+                    await asyncio.sleep(max(COALESCE_S - age, limits.SHM_PERSIST_POLL_S))
+                    continue
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._work.wait(), wait)
+                    await asyncio.wait_for(self._work.wait(), TICK_S)
         except asyncio.CancelledError:
             raise
         except Exception:
