@@ -4,6 +4,7 @@ loopback only for a master on this host (issue 30 item 2)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from changefeed.spark.session import (
+    CONF_DIR,
     DEFAULT_MASTER,
     DEFAULTS,
     LOOPBACK_DEFAULTS,
@@ -88,3 +90,19 @@ def test_a_relative_worker_python_must_exist_for_the_driver(
     (tmp_path / "env" / "bin" / "python").touch()
     check_worker_python({"spark.pyspark.python": "./env/bin/python"})
     check_worker_python({"spark.pyspark.python": "python3"})  # looked up on PATH: not ours
+
+
+def test_spark_defaults_come_from_the_users_conf_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from changefeed.spark.session import prepare_environment, spark_defaults
+
+    (tmp_path / "spark-defaults.conf").write_text("spark.master spark://h:7077\n")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
+    assert spark_defaults() == {"spark.master": "spark://h:7077"}
+    prepare_environment()
+    assert os.environ["SPARK_CONF_DIR"] == str(tmp_path)  # the user's, kept
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path / "missing"))
+    assert spark_defaults() == {}
+    prepare_environment()
+    assert os.environ["SPARK_CONF_DIR"] == str(CONF_DIR)  # none there: the quiet logging
