@@ -120,6 +120,9 @@ class TablesLease:
                 return
             try:
                 self._write()
+            except FileNotFoundError:  # the tables' directory is gone: nothing left to hold
+                log.info("tables %s are gone: the lease is no longer renewed", self.root)
+                return
             except OSError as error:  # the next renewal tries again; expiry is ttl_s away
                 log.warning("cannot renew the lease of %s: %s", self.root, error)
 
