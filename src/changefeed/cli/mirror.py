@@ -454,10 +454,14 @@ def status(cluster: str, bucket: str, user: str, password: str, tables: Path | N
     actions = pa.table(table.get_add_actions(flatten=True))
     rows = int(pc.sum(actions.column("num_records")).as_py() or 0)
     lagging = sorted((v for v in lag.vbuckets if v.items), key=lambda v: -v.items)
+    from changefeed.spark.mirror_status import mirror_status  # the resolved watermark
+
+    resolved = mirror_status(tables)
     if as_json:
         click.echo(json.dumps({
             "tables": str(tables), "batch": batch, "table_version": table.version(),
-            "rows": rows, "lag": lag.to_json(),
+            "rows": rows, "lag": lag.to_json(), "resolved_hlc_ns": resolved.resolved_hlc_ns,
+            "resolved_at": resolved.resolved_at,
         }))  # fmt: skip
         return
     click.echo(
@@ -466,6 +470,7 @@ def status(cluster: str, bucket: str, user: str, password: str, tables: Path | N
     )
     click.echo(f"lag: {lag.items:,} items, oldest unmirrored change {lag.age_s:.1f} s old, "
                f"{len(lagging)} of {len(lag.vbuckets)} vbuckets behind")  # fmt: skip
+    click.echo(resolved.line())
     for vb in lagging[:LAGGING_SHOWN_MAX]:
         age = "?" if vb.age_s is None else f"{vb.age_s:.1f} s"
         click.echo(f"  vbucket {vb.vbucket}: node {vb.high_seqno}, mirror {vb.committed_seqno}"
