@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Final, Protocol, TypeVar
 
 from changefeed.checkpoint import Item, SnapshotStart
-from changefeed.producer.encoder import DcpEncoder
+from changefeed.producer.encoder import StreamEncoder
 from changefeed.protocol.collections import (
     SYSTEM_COLLECTION,
     StreamFilter,
@@ -56,26 +56,37 @@ class CollectionView(Protocol):
         ...
 
 
+class VbEncoder(StreamEncoder, Protocol):
+    """A stream's encoder that knows its vbucket (`DcpEncoder`, the shm publisher's rows)."""
+
+    vb: int
+
+
 class CollectionEncoder:
     """The `StreamEncoder` of an application stream (module docstring).
 
     Args:
-        inner: the stream's encoder (its vbucket, opaque, stream-id and options).
-        aware: the connection negotiated HELLO Collections.
+        inner: the stream's encoder (DCP frames, or the shm publisher's rows).
+        aware: the connection negotiated HELLO Collections (then `inner` sends DCP frames).
         stream_filter: what the stream asked for (only for `aware` connections).
         manifest: resolves a scope filter.
+        opaque, stream_id: the stream's, for the system events and SEQNO_ADVANCED it adds.
     """
 
     def __init__(
         self,
-        inner: DcpEncoder,
+        inner: VbEncoder,
         *,
         aware: bool,
         stream_filter: StreamFilter,
         manifest: CollectionView | None,
+        opaque: int = 0,
+        stream_id: int | None = None,
     ) -> None:
         assert aware or stream_filter.everything, stream_filter
         self.inner = inner
+        self.opaque = opaque
+        self.stream_id = stream_id
         self.aware = aware
         self.filter = stream_filter
         self.manifest = manifest
@@ -225,7 +236,7 @@ class CollectionEncoder:
             return consumed, written
         if last_skipped is not None and aware:
             frame = encode_seqno_advanced(
-                SeqnoAdvanced(inner.vb, inner.opaque, seqno_of(last_skipped), inner.stream_id)
+                SeqnoAdvanced(inner.vb, self.opaque, seqno_of(last_skipped), self.stream_id)
             )
             out.append(frame)
             written += len(frame)
@@ -237,11 +248,11 @@ class CollectionEncoder:
             return None
         inner = self.inner
         message = decode_system_event_doc(
-            item.value, vbucket=inner.vb, opaque=inner.opaque, seqno=item.seqno
+            item.value, vbucket=inner.vb, opaque=self.opaque, seqno=item.seqno
         )
         if not self._wants_event(message.event, message.scope_id, message.collection_id):
             return None
-        return encode_system_event(message, stream_id=inner.stream_id)
+        return encode_system_event(message, stream_id=self.stream_id)
 
 
 def _collection_of_stored(record: bytes, vb: int) -> int:

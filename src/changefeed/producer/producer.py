@@ -18,7 +18,7 @@ from typing import Protocol
 from changefeed import limits
 from changefeed.checkpoint import CursorKind, StreamReader
 from changefeed.producer.backfill_slots import BackfillSlots
-from changefeed.producer.collection_stream import CollectionEncoder, CollectionView
+from changefeed.producer.collection_stream import CollectionEncoder, CollectionView, VbEncoder
 from changefeed.producer.encoder import DcpEncoder, StreamEncoder
 from changefeed.producer.flow_control import FlowControl
 from changefeed.producer.item_encoding import ItemOptions
@@ -147,7 +147,7 @@ class DcpProducer:
         streams_max: int = limits.STREAMS_PER_CONNECTION_MAX,
         backfill_slots: BackfillSlots | None = None,
         backfills_max: int = limits.BACKFILLS_PER_CONNECTION_MAX,
-        encoder_factory: Callable[[StreamRequest], StreamEncoder] | None = None,
+        encoder_factory: Callable[[StreamRequest], VbEncoder] | None = None,
         collections: bool = False,
         manifest: ManifestView | None = None,
     ) -> None:
@@ -271,24 +271,28 @@ class DcpProducer:
             droppable=self.cursor_dropping,
             end_seqno=accepted.end_seqno,
         )
-        encoder: StreamEncoder
+        inner: VbEncoder
         if self._encoder_factory is not None:
-            encoder = self._encoder_factory(request)
+            inner = self._encoder_factory(request)  # rows: the default collection only
         else:
-            encoder = DcpEncoder(
+            inner = DcpEncoder(
                 vb,
                 request.opaque,
                 self.options,
                 marker_version=self.marker_version,
                 stream_id=request.stream_id,
             )
-            if self.role is StreamRole.APPLICATION:  # a replica takes everything as stored
-                encoder = CollectionEncoder(
-                    encoder,
-                    aware=self.collections,
-                    stream_filter=self._filters.get(vb, StreamFilter()),
-                    manifest=self.manifest,
-                )
+        encoder: StreamEncoder = inner
+        if self.role is StreamRole.APPLICATION:  # a replica takes everything as stored
+            aware = self.collections and self._encoder_factory is None
+            encoder = CollectionEncoder(
+                inner,
+                aware=aware,
+                stream_filter=self._filters.get(vb, StreamFilter()) if aware else StreamFilter(),
+                manifest=self.manifest,
+                opaque=request.opaque,
+                stream_id=request.stream_id,
+            )
         machine = StreamMachine(
             accepted.start_seqno, accepted.end_seqno, visible_only=not self.options.sync_writes
         )

@@ -137,7 +137,9 @@ def test_what_a_stream_sends_is_the_models(
         flt = StreamFilter()
     items = make_items(spec)
     inner = DcpEncoder(VB, OPAQUE, ItemOptions())
-    encoder = CollectionEncoder(inner, aware=aware, stream_filter=flt, manifest=Manifest())
+    encoder = CollectionEncoder(
+        inner, aware=aware, stream_filter=flt, manifest=Manifest(), opaque=OPAQUE
+    )
     records = [encode_record(Op.MUTATION, i.seqno, i.key, i.value, cas=i.cas) for i in items]
     out: list[bytes] = []
     at = 0
