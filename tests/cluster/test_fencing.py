@@ -19,6 +19,7 @@ import pytest
 from changefeed.cli.node_process import NodeProcess
 from changefeed.cluster.etcd_server import EtcdServer
 from changefeed.cluster.metadata import ClusterMetadata
+from changefeed.cluster.rules import SILENCE_GRACE_S
 from changefeed.consumer import KvClient
 from changefeed.consumer.handshake import call
 from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError, StatusError
@@ -194,6 +195,7 @@ def test_a_paused_active_is_failed_over_before_its_lease_and_loses_no_durable_wr
         nodes, etcd.endpoint, cluster_name, count=3, replicas=2, failover_timeout_s=LONG_LEASE_S
     )
     asyncio.run(wait_in_sync_published(etcd.endpoint, cluster_name))
+    time.sleep(SILENCE_GRACE_S)  # a node just started is not judged silent (rules)
 
     async def leader_name() -> str:
         async with await ClusterMetadata.connect(etcd.endpoint, cluster_name) as metadata:

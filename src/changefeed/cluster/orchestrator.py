@@ -30,6 +30,7 @@ from changefeed.cluster.rebalance import Rebalancer
 from changefeed.cluster.rules import (
     NOOP_PROBE_INTERVAL_S,
     NOOP_PROBE_TIMEOUT_S,
+    SILENCE_GRACE_S,
     CrashConfirmer,
     SilenceDetector,
 )
@@ -110,6 +111,9 @@ class Orchestrator:
         # The orchestrator this standby found silent and whose term it ended, and since when:
         # silent from the start of this candidate's own term (no second wait for it).
         self._ended_silent: tuple[str, float, float] | None = None  # node, since, ended at
+        # When each live node joined the live set this term: silence counts only after
+        # rules.SILENCE_GRACE_S of it (a starting node may be slow to answer at first).
+        self._live_since: dict[str, float] = {}
         self._seen_this_term: set[str] = set()  # nodes live at some point of this term
         self._last_map: ClusterMap | None = None
         # The in-sync records a planned promotion relied on, by vbucket: their etcd revisions
@@ -138,6 +142,7 @@ class Orchestrator:
             self.leadership = leadership
             self._term_started = time.monotonic()
             self._seen_this_term = set()
+            self._live_since = {}
             self._take_over_silence()
             self.terms += 1
             log.info("%s is the orchestrator (token %d)", self.candidate, leadership.token)
@@ -189,6 +194,8 @@ class Orchestrator:
                 async for live in changes:  # never ends; it retries through outages itself
                     latest = live
                     self._seen_this_term |= set(live)
+                    now = time.monotonic()
+                    self._live_since = {n: self._live_since.get(n, now) for n in live}
                     changed.set()
 
         follower = asyncio.create_task(follow(), name=f"live nodes for {self.candidate}")
@@ -388,7 +395,9 @@ class Orchestrator:
         """Feed one round of NOOP probes to the silence detector; True when a live node became
         silent or answers again. A round in which nobody answered is no evidence against
         anyone (with more than one node probed): this orchestrator is then the suspect —
-        stalled (its own timers fired before the answers were read) or cut off."""
+        stalled (its own timers fired before the answers were read) or cut off. A node live
+        for less than `rules.SILENCE_GRACE_S` in this term is not judged yet (a starting node,
+        a restarting cluster: the lease and the crash probes decide there, as before)."""
         if len(heard) > 1 and not any(outcome == "answered" for _, outcome in heard):
             return False
         now = time.monotonic()
@@ -396,6 +405,8 @@ class Orchestrator:
         for name, outcome in heard:
             if name not in live or outcome == "unknown":  # "unknown": etcd did not answer
                 continue
+            if name not in self.silent and now - self._live_since.get(name, now) < SILENCE_GRACE_S:
+                continue  # just live in this term: starting, not judged yet
             answered = outcome == "answered"
             silent = self.silence.observe(name, answered=answered, sent=sent, now=now)
             if silent == (name in self.silent):

@@ -192,6 +192,10 @@ class CrashConfirmer:
 SILENCE_FAILOVER_S = 0.6
 NOOP_PROBE_TIMEOUT_S = 0.3
 NOOP_PROBE_INTERVAL_S = 0.1
+# A node live for less than this in an orchestrator's term is not judged silent yet: a node
+# starting (or a whole cluster restarting) opens its store and vbuckets and may be slow to
+# answer at first; the crash probes and the lease decide there.
+SILENCE_GRACE_S = 3.0
 # Two probes, the second sent after the first settled, fit in the silence: it is what decides.
 assert NOOP_PROBE_INTERVAL_S + NOOP_PROBE_TIMEOUT_S < SILENCE_FAILOVER_S
 
