@@ -74,7 +74,7 @@ from changefeed.server.compactor import answer_compact_db
 from changefeed.server.context import ServerContext
 from changefeed.server.dcp_pump import DcpPump
 from changefeed.server.privileges import Privilege, required_privilege
-from changefeed.server.request_window import RequestWindow
+from changefeed.server.request_window import RequestWindow, window_counters
 from changefeed.server.stats import stat_group
 
 T = TypeVar("T")
@@ -192,6 +192,7 @@ class ClientConnection(asyncio.Protocol):
         self.peer_host = ""
         self.features: set[int] = set()
         self.collections = False  # HELLO Collections: keys carry a collection id
+        self._window_counters = window_counters(context.stat_providers)  # STAT kv_window
         self.bucket_selected = False
         self.map_version_seen = (0, 0)  # newest cluster map (epoch, rev) fetched or pushed
         self.dcp: DcpPump | None = None
@@ -406,8 +407,7 @@ class ClientConnection(asyncio.Protocol):
         next_frame = reader.next_frame
         runs = self._takes_set_runs()
         # Plain SETs, GETs and DELETEs gather in a window (request_window.py); a collections
-        # connection's keys are qualified at dispatch, so its runs are applied as they come.
-        windows = runs and not self.collections
+        # connection's keys are qualified as they join (their collection's stored keys).
         window: RequestWindow | None = None
         window_max = limits.SET_RUN_ITEMS_MAX
         try:
@@ -418,8 +418,11 @@ class ClientConnection(asyncio.Protocol):
                     run = reader.take_set_run(window_max - (len(window) if window else 0))
                     if run:
                         dispatched += len(run)
-                        if not windows:
-                            self._store_run(run)
+                        if self.collections and not self._qualify_run(run):
+                            if window is not None:  # the run is served after it, frame by frame
+                                self._settle(window)
+                                window = None
+                            self._serve_frames(collection_commands.run_frames(run))
                             continue
                         window = window or RequestWindow()
                         rest = window.add_run(run)
@@ -435,10 +438,12 @@ class ClientConnection(asyncio.Protocol):
                 if frame is NEED_DATA or frame is CLOSED:
                     break
                 dispatched += 1
-                if windows and isinstance(frame, Frame):
+                key = self._window_key(frame) if runs and isinstance(frame, Frame) else None
+                if key is not None:
+                    assert isinstance(frame, Frame), frame
                     window = window or RequestWindow()
-                    if window.joins(frame):
-                        window.add_frame(frame)
+                    if window.joins(frame, key):
+                        window.add_frame(frame, key)
                         if len(window) >= window_max:
                             self._settle(window)
                             window = None
@@ -457,7 +462,6 @@ class ClientConnection(asyncio.Protocol):
                 assert isinstance(frame, Frame), frame
                 self._dispatch(frame)
                 runs = self._takes_set_runs()  # the frame may have been SELECT_BUCKET, SASL...
-                windows = runs and not self.collections
             if window is not None:
                 self._settle(window)
         except ProtocolError as error:
@@ -707,18 +711,39 @@ class ClientConnection(asyncio.Protocol):
         and SET permitted. Anything else about a SET (CAS, framing extras) ends a run."""
         return self.dcp is None and self.bucket_selected and Opcode.SET in self.permitted
 
+    def _qualify_run(self, run: SetRun) -> bool:
+        """A collections connection's run of SETs under its stored keys and maxTTLs, in place;
+        False (the run untouched) if a key is malformed or in an unknown collection."""
+        context = self.context
+        return collection_commands.qualify_set_run(run, context.manifests, context.bucket.now())
+
+    def _window_key(self, frame: Frame) -> bytes | None:
+        """The key as stored of a GET or DELETE that may join a window, None if it is served
+        alone: a collections connection's key qualified (a malformed id or an unknown
+        collection is answered by the per-frame path), another's 0xff key escaped there
+        (collection_commands.py)."""
+        if frame.opcode != Opcode.GET and frame.opcode != Opcode.DELETE:
+            return None
+        if not self.collections:
+            return None if frame.key[:1] == b"\xff" else frame.key
+        context = self.context
+        try:  # GET and DELETE have no expiry: only the key changes
+            return collection_commands.qualify(context.manifests, frame, 0.0).key
+        except (ProtocolError, StatusError):
+            return None
+
+    def _serve_frames(self, frames: list[Frame]) -> None:
+        """Dispatch `frames` in order, behind held replies if there are any."""
+        for frame in frames:
+            if self._held:
+                self._held.append(frame)
+            else:
+                self._dispatch(frame)
+
     def _store_run(self, run: SetRun) -> None:
-        """Apply a run of plain SETs and queue their replies in order: successes packed
-        together (column by column when the whole run succeeded), a refused write answered
-        as `_dispatch` would answer it."""
-        if self.collections:  # keys carry collection ids (collection_commands.py)
-            context = self.context
-            if not collection_commands.qualify_set_run(
-                run, context.manifests, context.bucket.now()
-            ):
-                for frame in collection_commands.run_frames(run):
-                    self._dispatch(frame)
-                return
+        """Apply a run of plain SETs (a collections connection's qualified, `_qualify_run`) and
+        queue their replies in order: successes packed together (column by column when the
+        whole run succeeded), a refused write answered as `_dispatch` would answer it."""
         answers = self.context.bucket.set_run(run)
         token = Feature.MUTATION_SEQNO in self.features
         if not answers.errors:
@@ -752,6 +777,7 @@ class ClientConnection(asyncio.Protocol):
         """Apply a window of plain SETs, GETs and DELETEs in its layers (request_window.py) and
         answer every request in order: SETs packed as `_store_run` packs them, each DELETE's
         reply as it was made, each GET after every write of the window, in its place."""
+        self._window_counters.count(window)
         if window.only_sets:
             self._store_run(window.run)
             return

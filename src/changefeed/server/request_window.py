@@ -26,6 +26,7 @@ applies the window and then dispatches it alone, as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -66,6 +67,10 @@ class RequestWindow:
         return len(self.order)
 
     @property
+    def gets(self) -> int:
+        return self._gets
+
+    @property
     def only_sets(self) -> bool:
         return not self.frames
 
@@ -91,19 +96,22 @@ class RequestWindow:
         self.order.extend(range(first, first + len(run)))
         return rest
 
-    def joins(self, frame: Frame) -> bool:
+    def joins(self, frame: Frame, key: bytes) -> bool:
         """Whether `frame` may join: a classic-magic GET (while the window has room for GETs) or
-        DELETE of a key no earlier GET of the window read."""
-        if frame.magic != _CLASSIC or frame.key[:1] == b"\xff":
-            return False  # a 0xff key: the per-frame path stores it (collection_commands.py)
+        DELETE of a key no earlier GET of the window read. `key` is the frame's key as stored
+        (a collections connection's qualified key, `window_key`)."""
+        if frame.magic != _CLASSIC:
+            return False
         if frame.opcode == _GET:
             return self._gets < GETS_PER_WINDOW_MAX
-        return frame.opcode == _DELETE and (frame.vbucket, frame.key) not in self._reads
+        return frame.opcode == _DELETE and (frame.vbucket, key) not in self._reads
 
-    def add_frame(self, frame: Frame) -> None:
-        assert self.joins(frame), frame
+    def add_frame(self, frame: Frame, key: bytes) -> None:
+        """Add a GET or DELETE that `joins`; the frame is kept as sent (its handler decodes its
+        key again when it runs), `key` (as stored) marks what a GET read."""
+        assert self.joins(frame, key), frame
         if frame.opcode == _GET:
-            self._reads.add((frame.vbucket, frame.key))
+            self._reads.add((frame.vbucket, key))
             self._gets += 1
         self.order.append(~len(self.frames))
         self.frames.append(frame)
@@ -128,3 +136,40 @@ class RequestWindow:
             if layer + 1 == len(layers):
                 layers.append(Layer())
         return layers
+
+
+@dataclass(slots=True)
+class WindowCounters:
+    """What the node's connections put through windows, for STAT ``kv_window`` (`__call__`
+    is the stat provider): windows applied and the SETs, GETs and DELETEs they held."""
+
+    windows: int = 0
+    sets: int = 0
+    gets: int = 0
+    deletes: int = 0
+
+    def count(self, window: RequestWindow) -> None:
+        self.windows += 1
+        self.sets += len(window.run)
+        self.gets += window.gets
+        self.deletes += len(window.frames) - window.gets
+
+    def __call__(self) -> Iterable[tuple[str, str]]:
+        yield "kv_window_windows", str(self.windows)
+        yield "kv_window_sets", str(self.sets)
+        yield "kv_window_gets", str(self.gets)
+        yield "kv_window_deletes", str(self.deletes)
+
+
+StatProviders = MutableMapping[str, Callable[[], Iterable[tuple[str, str]]]]
+
+
+def window_counters(providers: StatProviders) -> WindowCounters:
+    """The node's `WindowCounters`, registered as STAT group ``kv_window`` in `providers`
+    (the node's ``context.stat_providers``) by the first connection that asks."""
+    counters = providers.get("kv_window")
+    if isinstance(counters, WindowCounters):
+        return counters
+    counters = WindowCounters()
+    providers["kv_window"] = counters
+    return counters

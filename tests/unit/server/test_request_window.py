@@ -9,7 +9,12 @@ from hypothesis import strategies as st
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.opcode import Magic, Opcode
 from changefeed.protocol.set_run import SetRun
-from changefeed.server.request_window import GETS_PER_WINDOW_MAX, RequestWindow
+from changefeed.server.request_window import (
+    GETS_PER_WINDOW_MAX,
+    RequestWindow,
+    StatProviders,
+    window_counters,
+)
 
 KEYS = [b"a", b"b", b"c", b"d"]
 Op = tuple[str, int, bytes]  # (kind, vbucket, key)
@@ -64,11 +69,11 @@ def windows(requests: list[Op]) -> list[tuple[RequestWindow, list[Op]]]:
             at = end
             continue
         request = frame(kind, vb, key)
-        if not window.joins(request):
+        if not window.joins(request, request.key):
             out.append((window, taken))
             window, taken = RequestWindow(), []
-            assert window.joins(request)
-        window.add_frame(request)
+            assert window.joins(request, request.key)
+        window.add_frame(request, request.key)
         taken.append(requests[at])
         at += 1
     out.append((window, taken))
@@ -114,14 +119,42 @@ def test_layers_keep_each_vbuckets_write_order(requests: list[Op]) -> None:
 def test_a_window_takes_at_most_so_many_gets() -> None:
     window = RequestWindow()
     for n in range(GETS_PER_WINDOW_MAX):
-        window.add_frame(frame("get", 0, b"k%d" % n))
-    assert not window.joins(frame("get", 0, b"another"))
-    assert window.joins(frame("delete", 0, b"another"))
+        window.add_frame(frame("get", 0, b"k%d" % n), b"k%d" % n)
+    assert not window.joins(frame("get", 0, b"another"), b"another")
+    assert window.joins(frame("delete", 0, b"another"), b"another")
 
 
 def test_only_classic_gets_and_deletes_join() -> None:
     window = RequestWindow()
-    assert not window.joins(Frame(Magic.ALT_REQUEST, Opcode.GET, key=b"k"))
-    assert not window.joins(Frame(Magic.REQUEST, Opcode.NOOP))
-    assert not window.joins(Frame(Magic.REQUEST, Opcode.SET, key=b"k"))
-    assert window.joins(Frame(Magic.REQUEST, Opcode.DELETE, key=b"k"))
+    assert not window.joins(Frame(Magic.ALT_REQUEST, Opcode.GET, key=b"k"), b"k")
+    assert not window.joins(Frame(Magic.REQUEST, Opcode.NOOP), b"k")
+    assert not window.joins(Frame(Magic.REQUEST, Opcode.SET, key=b"k"), b"k")
+    assert window.joins(Frame(Magic.REQUEST, Opcode.DELETE, key=b"k"), b"k")
+
+
+def test_reads_are_of_stored_keys_not_of_the_keys_as_sent() -> None:
+    """A collections connection's GET sends LEB128 id | key; the window remembers the key as
+    stored, so a later DELETE of that stored key (however it was sent) ends the window, and a
+    DELETE of the same wire key in another collection does not."""
+    window = RequestWindow()
+    window.add_frame(frame("get", 0, b"\x08k"), b"\xff\x08k")
+    assert not window.joins(frame("delete", 0, b"\x08k"), b"\xff\x08k")
+    assert window.joins(frame("delete", 0, b"\x08k"), b"\xff\x09k")
+    assert window.add_run(set_run([("set", 0, b"\xff\x08k")])) is not None
+
+
+def test_window_counters_are_one_stat_group_per_node() -> None:
+    providers: StatProviders = {}
+    counters = window_counters(providers)
+    assert window_counters(providers) is counters
+    window = RequestWindow()
+    window.add_run(set_run([("set", 0, b"a"), ("set", 1, b"b")]))
+    window.add_frame(frame("get", 0, b"c"), b"c")
+    window.add_frame(frame("delete", 1, b"d"), b"d")
+    counters.count(window)
+    assert dict(providers["kv_window"]()) == {
+        "kv_window_windows": "1",
+        "kv_window_sets": "2",
+        "kv_window_gets": "1",
+        "kv_window_deletes": "1",
+    }
