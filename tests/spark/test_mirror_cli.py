@@ -24,7 +24,7 @@ from changefeed.cli.node_process import NodeProcess
 from changefeed.spark.mirror import APP_ID
 from support.nodes import NodeFactory
 
-from .helpers import assert_typed_mirror_matches, processes_in_group, write
+from .helpers import assert_typed_mirror_matches, changelog, processes_in_group, write
 
 CHANGEFEED = [sys.executable, "-m", "changefeed"]
 RUN_TIMEOUT_S = 240.0
@@ -120,7 +120,13 @@ def test_mirror_killed_and_restarted_equals_the_store(
     assert batches[-1]["lag"]["items"] == 0, batches[-1]
     table = assert_typed_mirror_matches(tables, node)
     assert {"id", "amount", "status", "items", "_corrupt_record"} <= set(table.column_names)
-    assert status(node, tables)["lag"]["items"] == 0
+    caught_up = status(node, tables)
+    assert caught_up["lag"]["items"] == 0
+    # The watermark: the oldest of the vbuckets' last logged changes (no rollback here; CAS:
+    # HLC ns in the upper 48 bits), deletions included.
+    logged = changelog(tables).group_by("vbucket").aggregate([("cas", "max")])
+    oldest_last = min(logged.column("cas_max").to_pylist()) >> 16 << 16
+    assert caught_up["resolved_hlc_ns"] == oldest_last, (caught_up, oldest_last)
 
 
 @pytest.mark.slow
