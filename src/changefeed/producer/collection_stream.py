@@ -17,13 +17,15 @@ Replica streams are not wrapped: they carry everything as stored.
 
 The default-collection fast path: a run with no marked key (storage/keys.py) on a connection
 without collections goes to the inner encoder untouched, so a bucket without named collections
-streams exactly as before. Other runs are taken item by item; consecutive kept items still go to
-the inner encoder together.
+streams exactly as before, and the check costs no Python call per change (`_any_marked`).
+Other runs are taken item by item; consecutive kept items still go to the inner encoder
+together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter, itemgetter
 from typing import Final, Protocol, TypeVar
 
 from changefeed.checkpoint import Item, SnapshotStart
@@ -46,6 +48,10 @@ T = TypeVar("T")
 _TAG_MUTATION: Final = 0x11  # storage/record.py: a mutation's tag; others are tombstones
 _KEY_OFFSET_MUTATION: Final = 12 + 31  # stored prefix + mutation extras
 _KEY_OFFSET_TOMBSTONE: Final = 12 + 21
+_AT_MUTATION_KEY: Final = itemgetter(_KEY_OFFSET_MUTATION)
+_AT_TOMBSTONE_KEY: Final = itemgetter(_KEY_OFFSET_TOMBSTONE)
+_KEY: Final = attrgetter("key")
+_FIRST_BYTE: Final = itemgetter(0)  # keys are never empty (limits.py)
 
 
 class CollectionView(Protocol):
@@ -122,7 +128,7 @@ class CollectionEncoder:
         return self.inner.stream_end(out, reason)
 
     def items(self, out: list[bytes], items: Sequence[Item], bytes_max: int) -> tuple[int, int]:
-        if not self.aware and not any(item.key[:1] == b"\xff" for item in items):
+        if not self.aware and _MARKER not in map(_FIRST_BYTE, map(_KEY, items)):
             return self.inner.items(out, items, bytes_max)
         vb = self.inner.vb
         aware = self.aware
@@ -143,7 +149,7 @@ class CollectionEncoder:
         )
 
     def stored(self, out: list[bytes], records: Sequence[bytes], bytes_max: int) -> tuple[int, int]:
-        if not self.aware and not any(_marked(record) for record in records):
+        if not self.aware and not _any_marked(records):
             return self.inner.stored(out, records, bytes_max)
         vb = self.inner.vb
         aware = self.aware
@@ -300,6 +306,22 @@ def _collection_of_key(key: bytes, vb: int) -> int:
     if first < 0x80:
         return first
     return split_stored_key(key, vb)[0]
+
+
+def _any_marked(records: Sequence[bytes]) -> bool:
+    """Whether any stored record's key names a collection, without a Python call per record
+    (a stream from disk pays this on every run): the marker is looked for at both key offsets
+    of every record in C loops, and only a hit (or a record too short for one offset) is
+    checked record by record. A hit at the offset of the other tag's key (a mutation's
+    expiration byte 1, a tombstone's key byte 10) is such a false alarm."""
+    try:
+        if _MARKER not in map(_AT_MUTATION_KEY, records) and _MARKER not in map(
+            _AT_TOMBSTONE_KEY, records
+        ):
+            return False
+    except IndexError:
+        pass
+    return any(map(_marked, records))
 
 
 def _marked(record: bytes) -> bool:
