@@ -14,6 +14,8 @@ of the node and of redis-server, all threads) and the ratios. Rows:
   3600``).
 * ``raw mix``: SET / GET / DELETE, 2:1:1, GETs and DELETEs of keys set earlier in the run (a
   DELETE of a key already deleted answers KEY_ENOENT: counted, as Redis's ``:0``).
+* ``raw mix +Collections``: the mix from a client that negotiated HELLO Collections (as every
+  SDK does), its keys behind the default collection's id 0x00.
 * ``SDK upsert_multi`` (the official Couchbase Python SDK, RawBinaryTranscoder) vs redis-py
   pipelined ``SET`` (``transaction=False``), both in chunks of the window.
 
@@ -67,6 +69,7 @@ HEADER = struct.Struct(">BBHBBHIIQ")
 SET_EXTRAS = struct.Struct(">II")
 REQUEST, RESPONSE = 0x80, 0x81
 OP_GET, OP_SET, OP_DELETE, OP_SASL_AUTH, OP_SELECT_BUCKET = 0x00, 0x01, 0x04, 0x21, 0x89
+OP_HELLO, FEATURE_COLLECTIONS = 0x1F, 0x12
 SUCCESS, KEY_ENOENT = 0x00, 0x01
 DEADLINE_S = 600.0
 FLAGS, EXPIRY = 0xDEADBEEF, 3600
@@ -95,6 +98,7 @@ class Shape:
     flags_expiry: bool = False
     mix: bool = False
     sdk: bool = False
+    collections: bool = False  # HELLO Collections, keys behind their collection id (0x00)
 
 
 def operations(count: int, mix: bool) -> list[tuple[str, int]]:
@@ -118,13 +122,17 @@ def value_of(n: int) -> bytes:
     return b"%0100d" % n
 
 
-def mcbp_requests(ops: list[tuple[str, int]], flags_expiry: bool) -> list[bytes]:
-    """One encoded request per operation, opaque = its index."""
+def mcbp_requests(
+    ops: list[tuple[str, int]], flags_expiry: bool, collections: bool = False
+) -> list[bytes]:
+    """One encoded request per operation, opaque = its index; with `collections` each key is
+    sent behind the default collection's id (LEB128 0x00), as an SDK sends it."""
     extras = SET_EXTRAS.pack(FLAGS, EXPIRY) if flags_expiry else SET_EXTRAS.pack(0, 0)
     out = []
     for opaque, (op, n) in enumerate(ops):
         key = KEY_FORMAT % n
         vb = vbucket_of(key)
+        key = b"\x00" + key if collections else key
         if op == "set":
             value = value_of(n)
             body = len(extras) + len(key) + len(value)
@@ -165,12 +173,16 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-def mcbp_login(port: int) -> socket.socket:
-    """A socket logged in with SASL PLAIN and on the bucket: nothing else negotiated."""
+def mcbp_login(port: int, collections: bool = False) -> socket.socket:
+    """A socket logged in with SASL PLAIN and on the bucket: nothing else negotiated, or only
+    HELLO Collections (`collections`)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     plain = b"\0" + USER + b"\0" + PASSWORD
-    for opcode, key, value in ((OP_SASL_AUTH, b"PLAIN", plain), (OP_SELECT_BUCKET, BUCKET, b"")):
+    steps = [(OP_SASL_AUTH, b"PLAIN", plain), (OP_SELECT_BUCKET, BUCKET, b"")]
+    if collections:
+        steps.insert(0, (OP_HELLO, b"bench", struct.pack(">H", FEATURE_COLLECTIONS)))
+    for opcode, key, value in steps:
         head = HEADER.pack(REQUEST, opcode, len(key), 0, 0, 0, len(key) + len(value), 0, 0)
         sock.sendall(head + key + value)
         reply = HEADER.unpack(_recv_exact(sock, HEADER.size))
@@ -338,8 +350,8 @@ def node_row(port: int, pid: int, shape: Shape, count: int, salt: int) -> Measur
     ops = [(op, n + salt) for op, n in operations(count, shape.mix)]
     if shape.sdk:
         return sdk_upserts(port, pid, ops, shape.window)
-    requests = mcbp_requests(ops, shape.flags_expiry)
-    sock = mcbp_login(port)
+    requests = mcbp_requests(ops, shape.flags_expiry, shape.collections)
+    sock = mcbp_login(port, shape.collections)
     try:
         return measure(pid, count, lambda: raw_run(sock, requests, shape, mcbp_parser(ops)))
     finally:
@@ -600,6 +612,7 @@ def shapes(only: str) -> Iterator[Shape]:
         Shape("raw SET w=4096 x2", 4096, 2),
         Shape("raw SET+flags+expiry w=2000 x1", 2000, 1, flags_expiry=True),
         Shape("raw SET/GET/DELETE w=2000 x1", 2000, 1, mix=True),
+        Shape("raw SET/GET/DELETE +Collections w=2000 x1", 2000, 1, mix=True, collections=True),
         Shape("SDK upsert_multi vs redis-py w=2000", 2000, 1, sdk=True),
     ]
     for shape in every:
