@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from changefeed import limits
 from changefeed.producer.producer import DcpProducer
 from changefeed.producer.stream_request import Accepted, Refused, RollbackTo
+from changefeed.protocol.collections import split_key
 from changefeed.protocol.dcp import (
     OpenFlag,
     StreamRole,
@@ -76,6 +77,7 @@ from changefeed.server.dcp_pump import DcpPump
 from changefeed.server.privileges import Privilege, required_privilege
 from changefeed.server.request_window import RequestWindow, window_counters
 from changefeed.server.stats import stat_group
+from changefeed.storage.keys import stored_key
 
 T = TypeVar("T")
 log = logging.getLogger("changefeed.server")
@@ -726,11 +728,13 @@ class ClientConnection(asyncio.Protocol):
             return None
         if not self.collections:
             return None if frame.key[:1] == b"\xff" else frame.key
-        context = self.context
-        try:  # GET and DELETE have no expiry: only the key changes
-            return collection_commands.qualify(context.manifests, frame, 0.0).key
-        except (ProtocolError, StatusError):
+        try:  # GET and DELETE have no expiry: only the key changes (as `qualify` does it)
+            cid, key = split_key(frame.key)
+        except ProtocolError:
             return None
+        if cid not in self.context.manifests.collection_ids():
+            return None
+        return stored_key(cid, key)
 
     def _serve_frames(self, frames: list[Frame]) -> None:
         """Dispatch `frames` in order, behind held replies if there are any."""
