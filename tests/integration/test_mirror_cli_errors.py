@@ -113,3 +113,33 @@ def test_bad_schema_is_one_line_and_leaves_nothing(
     line = assert_error(result, USAGE_ERROR, "--schema", *fragments)
     assert "vbucket int" not in line, line  # about the user's text, not the metadata DDL
     assert not tables.exists(), sorted(tables.rglob("*"))
+
+
+@pytest.mark.slow
+def test_a_start_refused_by_spark_removes_what_it_made(node: NodeProcess, tmp_path: Path) -> None:
+    """Spark refuses the trigger only at ``start``, after the checkpoint directory was made:
+    the run removes the tables and checkpoint directories it made."""
+    tables, checkpoint = tmp_path / "tables", tmp_path / "elsewhere" / "checkpoint"
+    result = changefeed_with_spark(
+        "mirror", "--cluster", node.address, "--tables", str(tables),
+        "--trigger", "bogus", "--checkpoint", str(checkpoint),
+    )  # fmt: skip
+    # Spark's JVM prints its own start-up lines before ours: the error is the one last line.
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == RUNTIME_FAILURE, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert [line for line in lines if line.startswith("Error:")] == lines[-1:], lines
+    assert "did not start" in lines[-1] and "'bogus'" in lines[-1], lines[-1]
+    assert not tables.exists() and not checkpoint.exists()
+    assert (tmp_path / "elsewhere").exists()  # made by mkdir -p: the parent is not ours to remove
+
+
+@pytest.mark.slow
+def test_an_empty_bucket_is_mirrored_not_refused(node: NodeProcess, tmp_path: Path) -> None:
+    """Nothing to infer a schema from (the module's node holds no documents) was an empty
+    ``schema`` option, which the source refused with a worker's traceback."""
+    tables = tmp_path / "tables"
+    result = changefeed_with_spark(*mirror(node, tables))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert (tables / "mirror").is_dir() or (tables / "_checkpoint").is_dir()

@@ -184,7 +184,9 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
     check_cluster(options)
     job = MirrorJob(options, tables, checkpoint, as_json)
     if doc_format == "json":
-        options["schema"] = job.document_schema(schema, infer_schema)
+        ddl = job.document_schema(schema, infer_schema)
+        if ddl:  # else nothing to infer from yet (an empty bucket): the source infers at start
+            options["schema"] = ddl
     sys.exit(job.run(master, settings, trigger, once, given_schema=schema))
 
 
@@ -290,7 +292,7 @@ class MirrorJob:
             query = self._start(spark, writer, trigger, once)
         except Exception as error:
             _remove_new(made)
-            _say(f"Error: the mirror query did not start: {_first_line(str(error))}")
+            _say(f"Error: the mirror query did not start: {error_line(str(error))}")
             return 1
         return self._finish(spark, query, once, made)
 
@@ -324,7 +326,7 @@ class MirrorJob:
         if error is not None:
             if _last_batch(query) is None:  # nothing committed: a refused start
                 _remove_new(made)
-            _say(f"Error: the mirror query failed: {_first_line(str(error))}")
+            _say(f"Error: the mirror query failed: {error_line(str(error))}")
             return 1
         batches = [p for p in query.recentProgress if p["numInputRows"]]
         how = f"stopped (signal {self.stop_requested})" if self.stop_requested else "done"
@@ -533,7 +535,7 @@ def check_schema(ddl: str) -> None:
         parsed = StructType.fromDDL(ddl)
     except PySparkException as error:
         raise click.BadParameter(
-            f"Spark cannot parse {ddl!r}: {_first_line(str(error))}", param_hint="--schema"
+            f"Spark cannot parse {ddl!r}: {error_line(str(error))}", param_hint="--schema"
         ) from None
     if not isinstance(parsed, StructType):
         raise click.BadParameter(
@@ -553,12 +555,21 @@ def _remove_new(paths: list[Path]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _first_line(text: str) -> str:
-    """The line that says what failed: a Py4J error's first line only names the JVM call
-    ("An error occurred while calling o84.load."); the Java exception follows it."""
-    lines = [line.strip().removeprefix(": ") for line in text.strip().splitlines()]
-    lines = [line for line in lines if line and not line.startswith("An error occurred while")]
-    return lines[0] if lines else text.strip()
+def error_line(text: str) -> str:
+    """The line that says what failed. A Py4J error's first line only names the JVM call
+    ("An error occurred while calling o84.load."): the Java exception follows it. A Python
+    error raised in Spark's Python worker comes as a traceback: its exception line (the first
+    unindented line after "Traceback") is appended to Spark's summary."""
+    raw = text.strip().splitlines()
+    kept = [i for i, line in enumerate(raw) if line.strip().removeprefix(": ")
+            and not line.strip().startswith("An error occurred while")]  # fmt: skip
+    if not kept:
+        return text.strip()
+    first = raw[kept[0]].strip().removeprefix(": ")
+    if first.endswith("Traceback (most recent call last):"):
+        cause = next((line for line in raw[kept[0] + 1 :] if line and not line[0].isspace()), "")
+        first = first.removesuffix("Traceback (most recent call last):") + cause.strip()
+    return first
 
 
 def _say(text: str) -> None:
