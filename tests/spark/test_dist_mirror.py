@@ -22,12 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
 
 from changefeed.spark import ARROW_SCHEMA, MirrorWriter, read_mirror
 from changefeed.spark.delta_files import GROUP_COLUMN
-from changefeed.spark.dist_mirror import DistributedMirrorWriter, MirrorOwnerError
+from changefeed.spark.dist_mirror import (
+    DistributedMirrorWriter,
+    MirrorOwnerError,
+    SchemaMismatchError,
+)
 from changefeed.spark.mirror import APP_ID
 from changefeed.spark.mirror_status import changes, mirror_status
 from changefeed.spark.table_lease import MirrorBusyError
@@ -251,3 +256,31 @@ def test_tables_on_s3(spark: Any, s3: dict[str, str], rng: random.Random) -> Non
             MirrorWriter(tables, OPTIONS, storage_options=s3)(spark.createDataFrame(rows), 2)
     finally:
         stop(other)
+
+
+def test_a_new_column_is_refused_or_merged_and_commit_versions_stay_true(
+    spark: Any, tmp_path: Path, rng: random.Random
+) -> None:
+    """mergeSchema adds the column in a commit of its own before the batch's: the
+    ``_commit_version`` the tasks wrote must still be the data commit's (it was one short)."""
+    tables = str(tmp_path / "tables")
+    stream = Stream(rng)
+    MirrorWriter(tables, OPTIONS)(spark.createDataFrame(stream.batch(8)[0]), 0)
+    rows, _ = stream.batch(8)
+    colored = rows.append_column("color", pa.array([f"c{i}" for i in range(rows.num_rows)]))
+    with pytest.raises(SchemaMismatchError, match="'color'"):
+        MirrorWriter(tables, OPTIONS)(spark.createDataFrame(colored), 1)
+    MirrorWriter(tables, OPTIONS, merge_schema=True)(spark.createDataFrame(colored), 1)
+    assert mirror_values(tables) == stream.live
+    changelog = DeltaTable(tables + "/changelog")
+    committed = {
+        commit["version"]
+        for commit in changelog.history()
+        if commit.get("operation") in ("WRITE", "CREATE TABLE")
+    }
+    logged = changes(tables)
+    assert set(logged.column("_commit_version").to_pylist()) == committed
+    assert (
+        logged.filter(pc.equal(logged.column("batch_id"), 1)).column("_commit_version").to_pylist()
+        == [changelog.version()] * rows.num_rows
+    )

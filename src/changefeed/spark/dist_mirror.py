@@ -130,6 +130,10 @@ class DistributedMirrorWriter:
         changelog_target = self._target(
             changelog, pa.schema(changelog_fields + list(CHANGEFEED_FIELDS))
         )
+        # New columns (mergeSchema) go in first, in their own commits: the changelog's version
+        # that the tasks write into its rows must be the one the data commit gets.
+        self._evolve(mirror, mirror_target)
+        self._evolve(changelog, changelog_target)
         plan = GroupPlan(
             mirror_uri=self.mirror_uri, changelog_uri=self.changelog_uri,
             storage_options=self.storage_options, options=self.options, batch_id=batch_id,
@@ -195,18 +199,24 @@ class DistributedMirrorWriter:
                 storage_options=self.storage_options, commit_properties=props,
             )  # fmt: skip
             return
-        have = pa.schema(table.schema().to_arrow())
-        new = [f for f in full if f.name not in have.names]
-        if new:  # checked in _target: only with mergeSchema
-            from deltalake.schema import Field
-
-            table.alter.add_columns([Field.from_arrow(f) for f in new])
         table.create_write_transaction(
             [*adds, *removes], "append", full, partition_by=[GROUP_COLUMN],
             commit_properties=props,
         )  # fmt: skip
         log.info("%s: batch %d committed (%d files added, %d removed)", name, batch_id,
                  len(adds), len(removes))  # fmt: skip
+
+    def _evolve(self, table: DeltaTable | None, target: pa.Schema) -> None:
+        """Add ``target``'s columns that ``table`` lacks (``_target`` allowed them)."""
+        if table is None:
+            return
+        have = pa.schema(table.schema().to_arrow()).names
+        new = [f for f in target if f.name not in have]
+        if new:
+            from deltalake.schema import Field
+
+            table.alter.add_columns([Field.from_arrow(f) for f in new])
+            log.info("%s: columns added: %s", table.table_uri, ", ".join(f.name for f in new))
 
     def _target(self, table: DeltaTable | None, wanted: pa.Schema) -> pa.Schema:
         """The columns of ``table``'s files for a batch of ``wanted`` columns: the table's (a
