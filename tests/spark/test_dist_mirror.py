@@ -129,6 +129,7 @@ def test_batches_replays_change_types_and_watermark(
     )
 
 
+@pytest.mark.slow  # the default suite has it with real kills: test_driver_kill.py
 def test_a_crash_between_the_commits_is_finished_by_the_replay(
     spark: Any, tmp_path: Path, rng: random.Random, monkeypatch: pytest.MonkeyPatch
 ) -> None:
