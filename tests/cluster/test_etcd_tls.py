@@ -4,8 +4,9 @@ etcd members (issue 26's leftovers; cluster/etcd_server.py, cluster/metadata.py)
 ``changefeed cluster start --tls`` starts its etcd with TLS only and client certificates
 required: a client without a certificate, with one of another CA, or speaking plain gRPC is
 refused, while the nodes (their own certificates) and the CLI (``admin``) run the cluster end
-to end — a map, majority writes, ``cluster status``, and ``cluster add`` of a node that gets
-its certificate from the cluster's CA.
+to end — a map, replica streams over TLS authenticated by node certificates, majority
+writes, ``cluster status``, and ``cluster add`` of a node that gets its certificate from the
+cluster's CA.
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ def test_tls_etcd_refuses_clients_without_a_cluster_certificate_and_the_cluster_
     assert endpoint.startswith("https://127.0.0.1:"), endpoint
     for node in record["nodes"]:  # the nodes were given https and their certificates
         assert endpoint in node["args"] and "--tls-cert" in node["args"], node["args"]
+    logs = [Path(node["log"]) for node in record["nodes"]]
+    deadline = time.monotonic() + 60
+    while not all("authenticated as node" in log.read_text() for log in logs):
+        # replica streams over TLS, each node authenticated by its certificate
+        assert time.monotonic() < deadline, [log.read_text()[-2000:] for log in logs]
+        time.sleep(0.2)
 
     # Refused: no certificate, a certificate of another CA, plain gRPC.
     no_certificate = ssl.create_default_context(cafile=str(certs / "ca.pem"))

@@ -230,6 +230,7 @@ def test_a_certificate_rotated_under_durable_writes_loses_none_and_the_old_one_r
     assert asyncio.run(assert_copies_equal(cluster)) >= written + 200
 
 
+@pytest.mark.slow  # the default suite has it within test_etcd_tls.py (a --tls cluster, more)
 def test_cluster_start_tls_makes_certificates_and_replicates_over_tls(tmp_path: Path) -> None:
     """`changefeed cluster start --tls`: certificates in DIR/certs, every node with a TLS port,
     its replicas streaming over TLS by certificate; `cluster stop` stops it."""

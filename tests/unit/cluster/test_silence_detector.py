@@ -28,7 +28,7 @@ def test_one_slow_probe_is_not_silence() -> None:
     assert detector.observe("n1", answered=False, sent=5.2, now=5.6)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(
         st.tuples(st.booleans(), st.floats(0.0, 1.0), st.floats(0.0, 1.0)),

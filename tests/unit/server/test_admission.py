@@ -131,7 +131,7 @@ class _Model:
         self.kind: dict[int, tuple[str, bool] | None] = {}  # None: authenticating
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     st.lists(
         st.tuples(
