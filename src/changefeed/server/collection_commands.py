@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import replace
+from operator import itemgetter
 from typing import Final
 
 from changefeed.protocol.collections import (
@@ -42,6 +43,8 @@ from changefeed.storage.keys import stored_key
 RELATIVE_EXPIRY_MAX_S: Final = 30 * 24 * 3600  # memcached: larger expiries are Unix times
 NO_CREATE: Final = 0xFFFF_FFFF  # an arithmetic expiry meaning "do not create"
 _U32: Final = struct.Struct(">I")
+_FIRST_BYTE: Final = itemgetter(0)
+_SECOND_BYTE: Final = itemgetter(1)
 
 # Requests whose key is a document key (everything else keeps its key as sent).
 KEYED_OPCODES: Final = frozenset(
@@ -161,6 +164,9 @@ def qualify_set_run(run: SetRun, manifests: ManifestStore, now: float) -> bool:
         gets its own answer.
     """
     ids = manifests.collection_ids()
+    if 0 in ids and _all_plain_default(run.keys):  # an SDK's default collection: the usual run
+        run.keys = [key[1:] for key in run.keys]
+        return True
     keys: list[bytes] = []
     expiries = list(run.expiries)
     for index, wire_key in enumerate(run.keys):  # bounded by the run
@@ -177,6 +183,16 @@ def qualify_set_run(run: SetRun, manifests: ManifestStore, now: float) -> bool:
     run.keys = keys
     run.expiries = expiries
     return True
+
+
+def _all_plain_default(keys: list[bytes]) -> bool:
+    """Every key is the default collection's (id 0x00) and stored as sent without its id (no
+    0xff first byte, storage/keys.py; the default collection has no maxTTL): checked in C
+    loops, no Python call per key."""
+    try:
+        return not any(map(_FIRST_BYTE, keys)) and 0xFF not in map(_SECOND_BYTE, keys)
+    except IndexError:  # an id and no key: the checked path refuses it
+        return False
 
 
 def run_frames(run: SetRun) -> list[Frame]:
