@@ -72,9 +72,12 @@ def test_the_packed_env_runs_the_source_without_the_server_stack(tmp_path: Path)
     env = tmp_path / "env"
     names = build_env(env)
     assert any(n.startswith("pyarrow==") for n in names), names
-    probe = (
-        "import sys, json\n"
-        "import changefeed.spark.source, changefeed.spark.reading, changefeed.spark.mirror\n"
+    probe = (  # every module of changefeed.spark but the driver's tools (submit, pack)
+        "import sys, json, importlib, pkgutil\n"
+        "import changefeed.spark as spark\n"
+        "for m in pkgutil.iter_modules(spark.__path__):\n"
+        "    if m.name not in ('submit', 'pack'):\n"
+        "        importlib.import_module('changefeed.spark.' + m.name)\n"
         "loaded = sorted({m.split('.')[0] for m in sys.modules})\n"
         "try:\n    import changefeed.storage.store\n    stack = 'importable'\n"
         "except ModuleNotFoundError as error:\n    stack = error.name\n"
