@@ -109,8 +109,8 @@ def test_a_node_cut_from_etcd_only(workdir: Path, seed: int) -> None:
 
 
 def test_etcd_losing_a_member_then_its_leader(workdir: Path, seed: int) -> None:
-    # A node takes one etcd endpoint (``--etcd``): the node(s) on a killed member lose etcd
-    # while it is down, the others go on through the remaining quorum.
+    # Every node has every member (``--etcd a,b,c``, its own first): the nodes on a killed
+    # member fail over to another one, and the cluster goes on through the remaining quorum.
     with HostCluster(workdir, nodes=3, replicas=2, failover_timeout_s=LEASE_S) as hosts:
 
         def lose_members(cluster: HostCluster) -> None:

@@ -19,12 +19,12 @@ exist only inside those namespaces too.
 
 ``HostCluster`` builds on it: a router, a ``client`` host, a 3-member etcd (``e1``..``e3``,
 ``EtcdServer`` with ``netns``) and nodes ``n1``..``nN`` (``NodeProcess`` with ``netns`` and
-``host``, port 11210, node ``nI`` talking to etcd member ``e((I-1) % members + 1)``: a node
-takes one etcd endpoint). The test process stays in the root namespace; ``in_netns`` runs a
-function in a thread that has entered a namespace (``setns(2)`` affects the calling thread
-only), so the async helpers below (maps, seqnos, copies) run from the client host. The official
-SDK, whose C++ core makes threads of its own, runs as a process in the client namespace
-(``HostCluster.client_command``).
+``host``, port 11210, node ``nI`` given every etcd member, starting with
+``e((I-1) % members + 1)``: ``serve --etcd a,b,c`` fails over between them). The test process
+stays in the root namespace; ``in_netns`` runs a function in a thread that has entered a
+namespace (``setns(2)`` affects the calling thread only), so the async helpers below (maps,
+seqnos, copies) run from the client host. The official SDK, whose C++ core makes threads of its
+own, runs as a process in the client namespace (``HostCluster.client_command``).
 
 Cleanup: leaving ``HostCluster`` (or ``Network``) by any path stops every process it started by
 pid (SIGTERM, then SIGKILL to its group), SIGKILLs anything else still inside its namespaces
@@ -481,8 +481,12 @@ class HostCluster:
     # -- where things are -----------------------------------------------------------------------
 
     def etcd_endpoint(self, node_index: int) -> str:
-        """The etcd member node ``node_index`` (0-based) talks to."""
-        return self.etcd[node_index % len(self.etcd)].endpoint
+        """Every etcd member, for ``serve --etcd a,b,c``: node ``node_index`` (0-based) starts
+        on member ``node_index % members`` and fails over to the next ones in turn, so the
+        nodes still spread over the members."""
+        first = node_index % len(self.etcd)
+        ordered = self.etcd[first:] + self.etcd[:first]
+        return ",".join(server.endpoint for server in ordered)
 
     def host_of(self, node: NodeProcess) -> Host:
         return self.node_hosts[self.nodes.index(node)]
