@@ -3,6 +3,7 @@ fault drops exactly what it says (UDP datagrams, so each direction is seen on it
 
 from __future__ import annotations
 
+import random
 import socket
 
 import pytest
@@ -67,6 +68,61 @@ def test_faults_drop_exactly_what_they_say() -> None:
             network.heal()
             assert not network.drops
             assert delivered(sa, sc, c) and delivered(sc, sa, a)
+        finally:
+            for sock in (sa, sb, sc):
+                sock.close()
+        prefix = network.prefix
+    assert leftovers(prefix) == []
+
+
+def echo_through(client: Host, server: Host, payload: bytes) -> bytes:
+    """Send ``payload`` over TCP from ``client`` to an echo server on ``server``; what comes
+    back."""
+    listener = in_netns(server.netns, socket.create_server, (server.address, PORT))
+    listener.settimeout(10.0)
+    try:
+        conn = in_netns(client.netns, socket.create_connection, (server.address, PORT), 10.0)
+        peer, _ = listener.accept()
+        with conn, peer:
+            peer.settimeout(10.0)
+            conn.sendall(payload)
+            conn.shutdown(socket.SHUT_WR)
+            received = b""
+            while chunk := peer.recv(65536):
+                received += chunk
+            peer.sendall(received)
+            peer.shutdown(socket.SHUT_WR)
+            back = b""
+            while chunk := conn.recv(65536):
+                back += chunk
+            return back
+    finally:
+        listener.close()
+
+
+def test_a_delay_forwards_every_packet_between_the_chosen_hosts_only() -> None:
+    payload = random.Random(7).randbytes(300_000)
+    with Network() as network:
+        a, b, c = (network.add_host(name) for name in "abc")
+        sa, sb, sc = udp_socket(a), udp_socket(b), udp_socket(c)
+        try:
+            network.delay([a], [b], 0.05)  # one way: a's packets to b only
+            [delayer] = network.delayers
+            assert delivered(sa, sb, b)
+            assert delayer.forwarded == 1  # the datagram went through the delay
+            assert delivered(sb, sa, a) and delivered(sa, sc, c) and delivered(sc, sb, b)
+            assert delayer.forwarded == 1  # nothing else did
+
+            network.slow(b, 0.05)  # both ways, b with everyone: a TCP stream both ways
+            before = delayer.forwarded
+            assert echo_through(c, b, payload) == payload
+            assert delayer.forwarded - before > 2 * len(payload) // 1500  # data and ACKs
+
+            network.heal()
+            assert network.delayers == []
+            forwarded = delayer.forwarded
+            assert echo_through(a, b, payload) == payload
+            assert delayer.forwarded == forwarded  # healed: no packet is held any more
         finally:
             for sock in (sa, sb, sc):
                 sock.close()

@@ -62,6 +62,7 @@ from changefeed.vbmap import ClusterMap
 from support.clients import AGENT, BUCKET, FEATURES, PASSWORD, USER, dcp_config, stats
 from support.cluster import cluster_args
 from support.consumer import Change, StreamedState, all_ended, drain
+from support.latency import Delayer, open_tun
 
 T = TypeVar("T")
 
@@ -72,6 +73,7 @@ NODE_PORT = 11210
 IP_TIMEOUT_S = 10.0
 STOP_S = 10.0
 RULE_PRIORITY_FIRST = 1000
+DELAY_TABLE_FIRST = 100  # routing table of the router's first delay device (dl1)
 MAP_WAIT_S = 60.0
 ETCD_WAIT_S = 30.0
 IN_NETNS_TIMEOUT_S = 300.0
@@ -170,9 +172,15 @@ class Network:
         self.namespaces: list[str] = []  # every namespace created, for close
         self._rules: dict[tuple[str, str], int] = {}  # (source, target) -> rule priority
         self._priorities = itertools.count(RULE_PRIORITY_FIRST)
+        self._delayed: dict[tuple[str, str], tuple[int, str, int]] = {}  # -> priority, iif, table
+        self._delayers: dict[float, tuple[Delayer, int]] = {}  # delay_s -> delayer, its table
+        self._devices = itertools.count(1)
 
     def __repr__(self) -> str:
-        return f"Network({self.prefix}, {len(self.hosts)} hosts, {len(self._rules)} drop rules)"
+        return (
+            f"Network({self.prefix}, {len(self.hosts)} hosts, {len(self._rules)} drop rules, "
+            f"{len(self._delayed)} delayed pairs {list(self._delayers)})"
+        )
 
     def _add_namespace(self, name: str) -> None:
         ip("netns", "add", name)
@@ -238,13 +246,69 @@ class Network:
             for other in groups[i + 1 :]:
                 self.cut(side, other)
 
+    def delay(self, sources: Iterable[Host], targets: Iterable[Host], delay_s: float) -> None:
+        """Hold every packet from each of ``sources`` to each of ``targets`` ``delay_s`` in the
+        router before forwarding it (one direction; ``support.latency`` says how)."""
+        targets = list(targets)
+        table = self._delayer(delay_s)
+        for source in sources:
+            for target in targets:
+                if source == target or (source.address, target.address) in self._delayed:
+                    continue
+                priority, iif = next(self._priorities), f"v{source.index}"
+                ip("rule", "add", "from", source.address, "to", target.address, "iif", iif,
+                   "priority", str(priority), "lookup", str(table), netns=self.router)  # fmt: skip
+                self._delayed[(source.address, target.address)] = (priority, iif, table)
+
+    def slow(self, host: Host, delay_s: float) -> None:
+        """Delay every packet between ``host`` and every other host, both directions (its
+        round trip to anyone grows by ``2 * delay_s``)."""
+        rest = [h for h in self.hosts.values() if h != host]
+        self.delay([host], rest, delay_s)
+        self.delay(rest, [host], delay_s)
+
+    def _delayer(self, delay_s: float) -> int:
+        """The routing table whose packets are held ``delay_s``: a TUN device in the router and
+        its forwarding thread, made on first use."""
+        if delay_s in self._delayers:
+            return self._delayers[delay_s][1]
+        number = next(self._devices)
+        device, table = f"dl{number}", DELAY_TABLE_FIRST + number
+        delayer = Delayer(in_netns(self.router, open_tun, device), delay_s)
+        self._delayers[delay_s] = (delayer, table)  # close() closes it whatever fails next
+        ip("link", "set", device, "up", netns=self.router)
+        ip("route", "add", "default", "dev", device, "table", str(table), netns=self.router)
+        for conf in ("all", device):  # packets written back arrive on dl, sourced elsewhere
+            sysctl = ["sysctl", "-qw", f"net.ipv4.conf.{conf}.rp_filter=0"]
+            subprocess.run(
+                ["ip", "netns", "exec", self.router, *sysctl],
+                check=True, capture_output=True, timeout=IP_TIMEOUT_S,
+            )  # fmt: skip
+        delayer.start()
+        return table
+
     def heal(self) -> None:
-        """Delete every drop rule."""
+        """Delete every drop rule and every delay (rules, devices, forwarding threads)."""
         for (source, target), priority in list(self._rules.items()):
             ip("rule", "del", "from", source, "to", target,
                "priority", str(priority), "blackhole", netns=self.router)  # fmt: skip
             del self._rules[(source, target)]
         assert not self._rules, self._rules
+        for (source, target), (priority, iif, table) in list(self._delayed.items()):
+            ip("rule", "del", "from", source, "to", target, "iif", iif,
+               "priority", str(priority), "lookup", str(table), netns=self.router)  # fmt: skip
+            del self._delayed[(source, target)]
+        self._close_delayers()
+
+    def _close_delayers(self) -> None:
+        while self._delayers:
+            _, (delayer, _) = self._delayers.popitem()
+            delayer.close()
+
+    @property
+    def delayers(self) -> list[Delayer]:
+        """The delays in place now (each counts the packets it forwarded)."""
+        return [delayer for delayer, _ in self._delayers.values()]
 
     @property
     def drops(self) -> list[tuple[str, str]]:
@@ -256,6 +320,8 @@ class Network:
     def close(self) -> list[str]:
         """SIGKILL any process still inside the namespaces, then delete them all (the veths and
         the ``/run/netns`` mounts go with them). Returns what is left over (nothing, normally)."""
+        self._delayed.clear()  # the rules go with the router namespace
+        self._close_delayers()  # the forwarding threads stop; the TUN devices go
         for name in reversed(self.namespaces):
             for pid in _netns_pids(name):  # processes of this run only: they live in its netns
                 with contextlib.suppress(ProcessLookupError):
