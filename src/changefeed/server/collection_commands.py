@@ -21,7 +21,7 @@ sends).
 from __future__ import annotations
 
 import struct
-from dataclasses import replace
+from dataclasses import fields, replace
 from operator import itemgetter
 from typing import Final
 
@@ -43,6 +43,9 @@ from changefeed.storage.keys import stored_key
 RELATIVE_EXPIRY_MAX_S: Final = 30 * 24 * 3600  # memcached: larger expiries are Unix times
 NO_CREATE: Final = 0xFFFF_FFFF  # an arithmetic expiry meaning "do not create"
 _U32: Final = struct.Struct(">I")
+_FRAME_FIELDS: Final = ("magic", "opcode", "datatype", "vbucket", "opaque", "cas", "extras",
+                         "key", "value", "framing_extras")  # fmt: skip
+assert tuple(field.name for field in fields(Frame)) == _FRAME_FIELDS  # what `qualify` copies
 _FIRST_BYTE: Final = itemgetter(0)
 _SECOND_BYTE: Final = itemgetter(1)
 
@@ -129,7 +132,9 @@ def qualify(manifests: ManifestStore, f: Frame, now: float) -> Frame:
     max_ttl = manifests.max_ttl(cid) if cid else None
     if max_ttl:
         extras = _with_max_ttl(f.opcode, extras, max_ttl, now)
-    return replace(f, key=stored_key(cid, key), extras=extras)
+    # Built field by field: `replace` costs twice as much, on every request of the SDKs.
+    return Frame(f.magic, f.opcode, f.datatype, f.vbucket, f.opaque, f.cas, extras,
+                 stored_key(cid, key), f.value, f.framing_extras)  # fmt: skip
 
 
 def _with_max_ttl(opcode: int, extras: bytes, max_ttl: int, now: float) -> bytes:
