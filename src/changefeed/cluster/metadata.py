@@ -44,7 +44,15 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -94,6 +102,26 @@ async def _cancel_and_wait(task: asyncio.Task[Any]) -> None:
     (``suppress(CancelledError)`` around ``await task`` would)."""
     task.cancel()
     await asyncio.wait({task})
+
+
+async def _next_event(events: AsyncIterator[Any], switched: asyncio.Event) -> Any | None:
+    """The watch's next event; None when it ended or the client moved to another member
+    (``switched``): a watch left on a member the client gave up on may never fire."""
+    if switched.is_set():
+        return None
+    next_event = asyncio.ensure_future(anext(events))
+    switch = asyncio.ensure_future(switched.wait())
+    try:
+        await asyncio.wait((next_event, switch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (next_event, switch):
+            task.cancel()
+    if not next_event.done() or next_event.cancelled():
+        return None
+    try:
+        return next_event.result()
+    except StopAsyncIteration:
+        return None
 
 
 def _check_name(kind: str, name: str) -> str:
@@ -447,7 +475,7 @@ class ClusterMetadata:
         self.switches = 0  # moves to another endpoint (logs, tests)
         self._current = 0
         self._leases: list[_KeptLease] = []
-        self._closing: set[asyncio.Task[None]] = set()
+        self._switched = asyncio.Event()  # set, and replaced, on each move to another member
 
     @property
     def client(self) -> Any:
@@ -517,8 +545,6 @@ class ClusterMetadata:
             if not lease.lost.is_set():
                 await lease.close()
         self._leases.clear()
-        if self._closing:
-            await asyncio.wait(self._closing)
         for client in self.clients:
             await self._close_client(client)
 
@@ -538,8 +564,11 @@ class ClusterMetadata:
 
     def _fail_over(self, failed: int) -> None:
         """After a request to endpoint ``failed`` failed: use the next endpoint from now on
-        (unless another failure already moved on), and close the failed one's channel so its
-        watches end and start again on the next (a watch on a cut-off member stays silent)."""
+        (unless another failure already moved on) and tell the watches, which start again on
+        the next (a watch on a cut-off member may stay silent). The failed member's channel
+        stays open and reconnects by itself: closing it under requests and watches that were
+        just made on it left a watch that never fired nor failed (a node stopped applying maps
+        after switching members twice in a second)."""
         if len(self.clients) == 1 or self._current != failed:
             return
         self._current = (failed + 1) % len(self.clients)
@@ -547,11 +576,8 @@ class ClusterMetadata:
         log.warning(
             "etcd at %s failed: using %s", self.endpoints[failed], self.endpoints[self._current]
         )
-        task = asyncio.get_running_loop().create_task(
-            self._close_client(self.clients[failed]), name="etcd channel close"
-        )
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        switched, self._switched = self._switched, asyncio.Event()
+        switched.set()
 
     async def _call(self, awaitable: Awaitable[T], what: str, timeout_s: float | None = None) -> T:
         """Await one etcd request with a deadline; any failure becomes one line naming etcd,
@@ -983,7 +1009,7 @@ class ClusterMetadata:
         outage = False
         while True:
             _stop_if_cancelled()
-            used = self._current
+            used, switched = self._current, self._switched
             try:
                 got = await self._call(self.client.get_range(key, range_end), "read")
                 state = {kv.key: kv for kv in got}
@@ -998,7 +1024,8 @@ class ClusterMetadata:
                     "watch",
                 )
                 try:
-                    async for event in watch:
+                    events = aiter(watch)
+                    while (event := await _next_event(events, switched)) is not None:
                         backoff = limits.ETCD_RETRY_BACKOFF_MIN_S
                         if event.kind == aetcd.rtypes.EventKind.PUT:
                             state[event.kv.key] = event.kv
