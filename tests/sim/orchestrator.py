@@ -14,11 +14,12 @@ election and failover steps on simulated time, deciding with the production func
 
 Under the fencing rules (fae8c28), also: a map is written only while every node it was planned
 without is still unregistered (a failover must not land once the failed node is back and may
-serve); and crashes confirmed by refused connections (`cluster.rules.CrashConfirmer`, probes
-every `CRASH_PROBE_INTERVAL_S`: the leader probes every node, a standby the leader) revoke the
-node's leases, so its failover runs without waiting out the lease. A probe is refused only
-when the target is down and the prober's packets reach its host: a partition or a pause
-gives a timeout, which proves nothing.
+serve) and while each promoted vbucket's in-sync record is still the one the plan read
+(`Orchestrator._in_sync_guard`, 33652d9); and crashes confirmed by refused connections
+(`cluster.rules.CrashConfirmer`, probes every `CRASH_PROBE_INTERVAL_S`: the leader probes
+every node, a standby the leader) revoke the node's leases, so its failover runs without
+waiting out the lease. A probe is refused only when the target is down and the prober's
+packets reach its host: a partition or a pause gives a timeout, which proves nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Candidate:
         self.confirmed_crashed: set[str] = set()
         self.last_map: ClusterMap | None = None
         self.live: set[str] = set()
+        self.in_sync_guard: dict[int, int] = {}  # the records a failover map was planned from
 
     @property
     def leading(self) -> bool:
@@ -155,6 +157,7 @@ class Candidate:
             self._write(new, 0, token)
             return
         self.last_map = stored.value
+        self.in_sync_guard = {}
         new = self._fail_over(stored.value, live_names, found)
         if new is not None:
             absent = [n.name for n in stored.value.nodes if n.name not in live_names]
@@ -177,9 +180,11 @@ class Candidate:
         )
         if not (gone or unplaced):
             return None
+        registered = {k[len(keys.NODES) :]: v.create_revision for k, v in found[keys.NODES].items()}
         in_sync = {
             int(k[len(keys.IN_SYNC) :]): cluster_failover.InSyncRecord(
-                v.value[0], frozenset(v.value[1])
+                v.value[0],
+                self.node.rules.in_sync_members(frozenset(v.value[1]), v.mod_revision, registered),
             )
             for k, v in found[keys.IN_SYNC].items()
         }
@@ -188,6 +193,13 @@ class Candidate:
             for k, v in found[keys.STATUS].items()
         }
         plan = self.node.rules.plan_failover(current, live, in_sync, highs, hold)
+        # `Orchestrator._in_sync_guard`: the map is written only while each promoted vbucket's
+        # record is still the one read (its active may be dropping the promoted replica).
+        records = found[keys.IN_SYNC]
+        self.in_sync_guard = {
+            vb: records[keys.in_sync(vb)].mod_revision if keys.in_sync(vb) in records else 0
+            for vb in plan.promoted
+        }
         for vb, to in sorted(plan.promoted.items()):
             self.node.sched.record("promote", vb, to)
         return plan.new_map
@@ -206,6 +218,9 @@ class Candidate:
         compares = [("mod", keys.MAP, map_revision), ("create", keys.LEADER, token)]
         if self.node.rules.fencing:
             compares += [("create", keys.node(n), 0) for n in sorted(absent or ())]
+            compares += [
+                ("mod", keys.in_sync(vb), r) for vb, r in sorted(self.in_sync_guard.items())
+            ]
         self._call("txn", (compares, [("put", keys.MAP, new, 0)], []), self._written)
 
     def _written(self, result: tuple[bool, int | None]) -> None:

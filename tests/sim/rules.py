@@ -41,6 +41,12 @@ class TodayRules:
         """No confirmed in-sync record: the commit rule counts the chain."""
         return None
 
+    def in_sync_members(
+        self, members: frozenset[str], record_revision: int, registered: Mapping[str, int]
+    ) -> frozenset[str]:
+        """The members of an in-sync record the orchestrator may promote: all of them."""
+        return members
+
     def plan_failover(
         self,
         current: ClusterMap,
@@ -82,6 +88,21 @@ class FencedRulesFirstCut(FencedRules):
 
     name = "fenced-fae8c28"
     recovered_pending = False
+
+
+class RegistrationAwareRules(FencedRules):
+    """A proposal (docs/simulator.md, seed 8805), not in the node yet: a member of an in-sync
+    record that registered again after the record was written may have restarted since, and
+    lost what it had acknowledged from memory (MAJORITY, MAJORITY_AND_PERSIST_TO_ACTIVE), so
+    it is not promoted from that record. Registration and record are etcd keys: the node
+    key's create revision after the record's mod revision says so without any clock."""
+
+    name = "fenced+registration"
+
+    def in_sync_members(
+        self, members: frozenset[str], record_revision: int, registered: Mapping[str, int]
+    ) -> frozenset[str]:
+        return frozenset(m for m in members if registered.get(m, 0) < record_revision)
 
 
 def new_rules_available() -> bool:
