@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from .node import SimNode
 
 STEP_INTERVAL_S = 0.25
+# A node registered after its vbucket's in-sync record was promoted from it: it may have
+# restarted and lost what it acknowledged from memory (docs/simulator.md, seed 8805).
+PROMOTED_AFTER_RESTART = "promoted_after_restart"
 
 
 class Candidate:
@@ -202,6 +205,8 @@ class Candidate:
         }
         for vb, to in sorted(plan.promoted.items()):
             self.node.sched.record("promote", vb, to)
+            if registered.get(to, 0) > self.in_sync_guard[vb]:
+                self.node.cluster.note(PROMOTED_AFTER_RESTART)
         return plan.new_map
 
     def _may_fail_over(self, names: list[str], live: set[str]) -> bool:

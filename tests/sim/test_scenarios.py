@@ -17,6 +17,7 @@ import pytest
 
 from .cluster import RunResult, SimConfig, run
 from .faults import Fault
+from .orchestrator import PROMOTED_AFTER_RESTART
 from .rules import FencedRules, FencedRulesFirstCut, RegistrationAwareRules, TodayRules
 from .scenarios import SCENARIOS
 
@@ -122,5 +123,6 @@ def test_promoting_a_member_restarted_since_its_record_loses_writes(seed: int) -
     does not promote a member registered again after its record, loses nothing."""
     lost = _slow_seed_run(seed, FencedRules())
     assert not lost.ok and all(" lost" in line for line in lost.failures), lost.report()
+    assert PROMOTED_AFTER_RESTART in lost.notes, lost.report()
     kept = _slow_seed_run(seed, RegistrationAwareRules())
     assert kept.ok, kept.report()
