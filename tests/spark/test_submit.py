@@ -3,7 +3,7 @@
 
 - The packed environment (``changefeed.spark.pack``) imports the source and the writer with
   pyspark from Spark's own zip, as executors do, and holds none of the node's stack.
-- ``spark-submit changefeed/spark/submit.py ...`` takes its master from spark-submit's
+- ``spark-submit changefeed/cli/submit/__main__.py ...`` takes its master from spark-submit's
   configuration (here the user's ``spark-defaults.conf`` in ``SPARK_CONF_DIR``), reads with
   as many tasks as the cluster has cores, and mirrors equal to the store.
 - Slow: on a standalone cluster of two workers, executors run the packed environment shipped
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from changefeed.cli.node_process import NodeProcess
-from changefeed.spark import submit
+from changefeed.cli.submit import APP
 from changefeed.spark.pack import build_env, pack
 from changefeed.spark.session import CONF_DIR
 from support.nodes import NodeFactory
@@ -105,7 +105,7 @@ def test_spark_submit_takes_the_users_spark_defaults(
     (conf / "spark-defaults.conf").write_text("spark.master  local[1]\n")
     tables = tmp_path / "tables"
     done = submitted(
-        [submit.__file__, "--cluster", node.address, "--tables", str(tables), "--once"],
+        [str(APP), "--cluster", node.address, "--tables", str(tables), "--once"],
         tmp_path, {"SPARK_CONF_DIR": str(conf), "PYSPARK_PYTHON": sys.executable},
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -144,7 +144,7 @@ def test_submit_with_a_packed_env_on_two_workers(
             "--conf", "spark.pyspark.python=./env/bin/python",
             "--conf", f"spark.pyspark.driver.python={sys.executable}",
             "--conf", "spark.executor.memory=512m", "--conf", "spark.cores.max=2",
-            submit.__file__, "--cluster", node.address, "--tables", str(tables), "--once",
+            str(APP), "--cluster", node.address, "--tables", str(tables), "--once",
             "--max-offsets-per-trigger", "2000", "--partitions", "4",
         ],
         driver, {"SPARK_CONF_DIR": str(CONF_DIR)},

@@ -22,7 +22,7 @@ high seqnos: the same lag, per vbucket, without Spark.
 Spark: ``--master`` (default: spark-submit's or ``spark-defaults.conf``'s, else local[2]),
 ``--conf KEY=VALUE`` over the user's ``SPARK_CONF_DIR`` settings over changefeed's defaults
 (``spark/session.py``), ``--partitions`` read tasks per micro-batch (default: Spark's default
-parallelism). ``spark/submit.py`` runs this command as a spark-submit application.
+parallelism). ``cli/submit/__main__.py`` runs this command as a spark-submit application.
 
 Mistakes are one line, found before Spark starts where they can be (credentials and bucket by
 one connection to a seed, ``--tables``/``--checkpoint`` not directories, ``--conf``), else

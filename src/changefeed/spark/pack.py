@@ -103,9 +103,7 @@ def _copy_distribution(dist: metadata.Distribution, site: Path) -> int:
 def _copy_package(site: Path) -> None:
     """The ``changefeed`` package from where it is imported (an editable install has its
     sources elsewhere), with a dist-info so ``importlib.metadata`` knows its version."""
-    import changefeed
-
-    root = Path(changefeed.__file__).parent
+    root = Path(__file__).resolve().parents[1]  # this module is changefeed/spark/pack.py
     for source in root.rglob("*"):
         if source.is_file() and "__pycache__" not in source.parts:
             _place(source, site / PACKAGE / source.relative_to(root))

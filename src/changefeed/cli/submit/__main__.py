@@ -5,9 +5,9 @@ master, deploy mode and settings are spark-submit's (``--master``, ``--conf``, `
 ``SPARK_CONF_DIR``'s ``spark-defaults.conf``), which the session takes as given::
 
     spark-submit --master spark://host:7077 --conf spark.executor.memory=2g \\
-        "$(python -m changefeed.spark.submit --path)" --cluster node:11210 --tables /shared/t
+        "$(python -m changefeed.cli.submit --path)" --cluster node:11210 --tables /shared/t
 
-``python -m changefeed.spark.submit ARGS`` runs the same job without spark-submit (as
+``python -m changefeed.cli.submit ARGS`` runs the same job without spark-submit (as
 ``changefeed mirror ARGS``); ``--path`` prints this file's path. docs/spark.md, *Submitting*.
 """
 
@@ -16,9 +16,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# Run as a file (spark-submit), Python puts this file's directory first on sys.path, where
-# changefeed.spark's modules (options, schema, session...) would shadow top-level modules of
-# those names. The package is imported by its full name instead.
+# Run as a file (spark-submit), Python puts this file's directory first on sys.path; nothing
+# else is in it, and the package is imported by its full name.
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     del sys.path[0]
 
@@ -30,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from changefeed.cli.mirror import mirror
 
-    mirror.main(args=args, prog_name="changefeed.spark.submit")
+    mirror.main(args=args, prog_name="changefeed.cli.submit")
 
 
 if __name__ == "__main__":
