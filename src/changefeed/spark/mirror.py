@@ -69,7 +69,6 @@ holding rollback rows (rollbacks are rare), and memory for the re-read keys only
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from pathlib import Path
@@ -81,17 +80,10 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from changefeed.consumer.change_rows import (
-    CHANGE_ROW_SCHEMA,
-    INT64_MAX,
-    OP_DELETION,
-    OP_MUTATION,
     OP_ROLLBACK,
 )
-from changefeed.consumer.current_state import Document, read_current_state
-from changefeed.spark.cluster import client_config, reachable_config
 from changefeed.spark.delta_files import GROUP_COLUMN, table_uri
 from changefeed.spark.dist_mirror import DistributedMirrorWriter
-from changefeed.spark.documents import DocumentReader
 from changefeed.spark.key_index import KeyIndex, key_hashes
 from changefeed.spark.merge_source import (
     DELETED,
@@ -103,7 +95,7 @@ from changefeed.spark.merge_source import (
     rollback_plan,
     source_schema,
 )
-from changefeed.spark.options import SourceOptions
+from changefeed.spark.refetch import refetch_source
 
 log = logging.getLogger("changefeed.mirror")
 
@@ -418,44 +410,6 @@ class MirrorWriter:
         return refetch_source(keys, schema, self.options)
 
 
-def refetch_source(
-    keys: dict[str, int], schema: pa.Schema, source_options: dict[str, str]
-) -> pa.Table:
-    """The node's current version of each key (``key -> vbucket``) as merge source rows
-    for change rows of ``schema``: the document, or a tombstone if it is gone. Typed
-    documents are parsed as the source parses them (malformed ones: null fields and, if
-    the schema has the column, the corrupt record). The distributed writer's tasks call it too.
-    """
-    if not keys:
-        return source_schema(mirror_schema(schema)).empty_table()
-    options = SourceOptions.parse(source_options)
-    config = client_config(options, "changefeed-mirror")
-    raw = {key.encode("utf-8", "surrogateescape"): key for key in keys}
-
-    async def current() -> dict[bytes, Document]:
-        # Through whichever seed answers: the first may be the node that just failed.
-        reachable = await reachable_config(options, config)
-        return await read_current_state(reachable, set(keys.values()), raw.keys())
-
-    docs = asyncio.run(current())
-    rows: list[dict[str, Any]] = []
-    for raw_key, key in raw.items():
-        doc = docs.get(raw_key)
-        if doc is None or doc.deleted:  # purged or never there: gone, like a tombstone
-            rows.append(_tombstone(key, keys[key]))
-            continue
-        assert doc.vbucket == keys[key], (key, doc.vbucket, keys[key])
-        rows.append(_document_row(key, doc))
-    assert len(rows) == len(keys), (len(rows), len(keys))
-    live = sum(row["op"] == OP_MUTATION for row in rows)
-    log.info("re-read %d keys: %d live", len(rows), live)
-    changes = pa.Table.from_pylist(rows, schema=CHANGE_ROW_SCHEMA)
-    if "value" not in schema.names:
-        reader = DocumentReader(schema, "PERMISSIVE", options.corrupt_column)
-        changes = pa.Table.from_batches([reader.convert(changes)])
-    return latest_changes(changes)
-
-
 def _merge(
     table: DeltaTable,
     source: pa.Table,
@@ -482,39 +436,6 @@ def _merge(
         .when_not_matched_insert_all(f"NOT s.{DELETED}", except_cols=[DELETED])
         .execute()
     )
-
-
-def _document_row(key: str, doc: Document) -> dict[str, Any]:
-    """The change row of a live document read from the node, narrowed as change rows are
-    (``consumer/change_rows.py``): flags and expiry u32 -> int32; a CAS above int64 refused.
-
-    Raises:
-        ValueError: the CAS does not fit an int64 (Spark long).
-    """
-    assert not doc.deleted, doc
-    if doc.cas > INT64_MAX:
-        raise ValueError(f"key {key!r}: CAS {doc.cas} does not fit an int64 (Spark long)")
-    row = {
-        "vbucket": doc.vbucket, "seqno": doc.seqno, "key": key, "value": doc.value,
-        "op": OP_MUTATION, "cas": doc.cas, "expiry": _int32(doc.expiry),
-        "flags": _int32(doc.flags), "rev_seqno": doc.rev_seqno, "snap_start": doc.seqno,
-        "snap_end": doc.seqno,
-    }  # fmt: skip
-    assert list(row) == CHANGE_ROW_SCHEMA.names, list(row)
-    return row
-
-
-def _int32(u32: int) -> int:
-    assert 0 <= u32 < 2**32, u32
-    return u32 - 2**32 if u32 >= 2**31 else u32
-
-
-def _tombstone(key: str, vbucket: int) -> dict[str, Any]:
-    """A change row that deletes ``key`` (gone from the node, or purged)."""
-    return {
-        "vbucket": vbucket, "seqno": 0, "key": key, "value": b"", "op": OP_DELETION, "cas": 0,
-        "expiry": 0, "flags": 0, "rev_seqno": 0, "snap_start": 0, "snap_end": 0,
-    }  # fmt: skip
 
 
 def _txn(app_id: str, batch_id: int) -> CommitProperties:

@@ -117,7 +117,7 @@ def run_group(plan: GroupPlan, group: int, rows: pa.Table) -> pa.Table:
         history = _history(plan, group, changes, mirror_fs, files)
         source, refetch = rollback_plan(changes, history)
         if refetch:
-            from changefeed.spark.mirror import refetch_source  # the node client: rare
+            from changefeed.spark.refetch import refetch_source  # the node client: rare
 
             source = pa.concat_tables(
                 [source, refetch_source(refetch, changes.schema, plan.options)]
