@@ -528,9 +528,58 @@ async def wait_until_up(
         user, password = admin_credentials()
         for node in nodes:
             await _check_serves(node, user, password)
+        await _wait_replicas_connected(stored[0], nodes, deadline, user, password)
         return stored[0]
     finally:
         await md.close()
+
+
+async def _wait_replicas_connected(
+    cluster_map: ClusterMap, nodes: list[NodeProcess], deadline: float, user: str, password: str
+) -> None:
+    """Wait until every replica stream the map asks of ``nodes`` is connected, as each active
+    reports it (STAT "replication"): until then a durable write to a vbucket whose replica has
+    not yet connected is refused as DURABILITY_IMPOSSIBLE, which is not what "up" promises.
+
+    Raises:
+        click.ClickException: not so by ``deadline`` (naming the missing streams).
+    """
+    index = {address.name: i for i, address in enumerate(cluster_map.nodes)}
+    missing: list[str] = []
+    while True:
+        missing = []
+        for node in nodes:
+            me = index.get(node.root.name)
+            if me is None:
+                continue
+            wanted = [
+                (vb, cluster_map.nodes[r].name)
+                for vb, chain in enumerate(cluster_map.chains)
+                if chain[0] == me
+                for r in chain[1:]
+                if r != -1
+            ]
+            if not wanted:
+                continue
+            try:
+                stats = await stat(
+                    node.host, node.port, "replication", STAT_TIMEOUT_S, user, password
+                )
+            except (OSError, TimeoutError, StatusError):
+                stats = {}
+            missing += [
+                f"vb {vb} {node.root.name}->{replica}"
+                for vb, replica in wanted
+                if stats.get(f"vb_{vb}:replica:{replica}:connected") != "1"
+            ]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise click.ClickException(
+                f"replica streams not connected in time: {', '.join(missing[:8])}"
+                + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            )
+        await asyncio.sleep(POLL_S)
 
 
 async def _check_serves(node: NodeProcess, user: str, password: str) -> None:
