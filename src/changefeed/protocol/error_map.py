@@ -196,6 +196,13 @@ ERRORS: Final[tuple[ErrorInfo, ...]] = (
         "invalid-input",
     ),
     _info(
+        Status.COLLECTIONS_MANIFEST_IS_AHEAD,
+        "COLLECTIONS_MANIFEST_IS_AHEAD",
+        "The collections manifest the request names is ahead of the node's.",
+        "temp",
+        "retry-later",
+    ),
+    _info(
         Status.UNKNOWN_SCOPE,
         "UNKNOWN_SCOPE",
         "Operation specified an unknown scope.",

@@ -91,6 +91,13 @@ class UnknownScopeError(StatusError):
     status = Status.UNKNOWN_SCOPE
 
 
+class ManifestIsAheadError(StatusError):
+    """The request names a manifest uid the node has not applied yet (it will: retry)."""
+
+    status = Status.COLLECTIONS_MANIFEST_IS_AHEAD
+    retriable = True
+
+
 class NotMyVbucketError(StatusError):
     status = Status.NOT_MY_VBUCKET
     retriable = True  # the cluster map may have moved the vbucket; refresh and retry

@@ -42,6 +42,9 @@ class Status(IntEnum):
     ETMPFAIL = 0x86
     XATTR_EINVAL = 0x87
     UNKNOWN_COLLECTION = 0x88
+    # A collections stream request's manifest uid is above the node's (it has not applied the
+    # manifest yet): retry later (kv_engine collections_manifest_is_ahead).
+    COLLECTIONS_MANIFEST_IS_AHEAD = 0x8B
     UNKNOWN_SCOPE = 0x8C
     DCP_STREAM_ID_INVALID = 0x8D
     DURABILITY_INVALID_LEVEL = 0xA0

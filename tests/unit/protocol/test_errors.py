@@ -96,6 +96,7 @@ def test_retriable_policy() -> None:
         "SyncWriteAmbiguousError",
         "SyncWriteInProgressError",  # the pending durable write ends within its timeout
         "LockedError",  # the lock times out
+        "ManifestIsAheadError",  # the node applies the manifest it has not yet
     }
     assert NotMyVbucketError.retriable
     assert not RollbackRequiredError.retriable
