@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.types import StructType
 
-from changefeed.consumer.change_rows import CHANGE_ROW_SCHEMA, OP_MUTATION
+from changefeed.consumer.change_rows import OP_MUTATION
 from changefeed.spark.documents import (
     CORRUPT_COLUMN,
     METADATA_DDL,
@@ -85,7 +85,7 @@ def sample_values(options: SourceOptions) -> list[bytes]:
     batches = list(read_ranges_sync(options, ranges))
     if not batches:
         return []
-    changes = pa.Table.from_batches(batches, CHANGE_ROW_SCHEMA)
+    changes = pa.Table.from_batches(batches, batches[0].schema)  # + names, collection-aware
     indexed = changes.append_column("_row", pa.array(range(changes.num_rows), pa.int64()))
     newest = indexed.group_by(["vbucket", "key"]).aggregate([("_row", "max")])
     picked = changes.take(newest.column("_row_max"))

@@ -29,6 +29,11 @@ the same thing.
 - ``transport``: ``tcp`` (default, a DCP stream per partition) or ``shm``: the node's
   shared-memory services (executors on the node's host, a node started with ``--shm``;
   changefeed.ipc), over DCP what the ring no longer holds. ``shmDir``: where they live.
+- ``collections``: ``scope.collection,...`` (only those), or ``*`` (every collection);
+  ``scope``: every collection of one scope. Either makes the source collection-aware: rows get
+  the columns ``scope`` and ``collection`` (names; ``key`` is the document key without the
+  collection id) and the node streams only the chosen collections (``collection_rows.py``).
+  Neither: the default collection only, as before collections.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from changefeed.protocol.collections_manifest import ManifestError, check_name
 from changefeed.spark.documents import CORRUPT_COLUMN, FORMATS, MODES
 
 # A failover takes a few seconds (lease timeout, election, promotion): planning waits this long
@@ -72,6 +78,9 @@ class SourceOptions:
     # Every seed node in the order given; empty means (host, port) alone.
     seeds: tuple[tuple[str, int], ...] = ()
     node_timeout_s: float = NODE_TIMEOUT_S
+    # Collections (``scope.collection`` names); ``ALL_COLLECTIONS`` alone: every collection.
+    collections: tuple[str, ...] = ()
+    scope: str | None = None
 
     @classmethod
     def parse(cls, options: dict[str, str]) -> SourceOptions:
@@ -99,7 +108,35 @@ class SourceOptions:
             corrupt_column=lowered.get("columnnameofcorruptrecord", CORRUPT_COLUMN),
             transport=_choice(lowered, "transport", ("tcp", "shm"), "tcp").lower(),
             shm_dir=lowered.get("shmdir", ""),
-        )
+            collections=_collections(lowered.get("collections", "")),
+            scope=_scope(lowered),
+        )._checked()
+
+    def _checked(self) -> SourceOptions:
+        if self.collections and self.scope is not None:
+            raise OptionError("give option collections or option scope, not both")
+        if self.collections_aware and self.transport == "shm":
+            raise OptionError("option collections/scope: collections are read over tcp only")
+        return self
+
+    @property
+    def collections_aware(self) -> bool:
+        """True when rows carry ``scope`` and ``collection`` (options collections/scope)."""
+        return bool(self.collections) or self.scope is not None
+
+    @property
+    def collection_filter(self) -> tuple[str, ...]:
+        """The collections to stream (``scope.collection``); empty: every one (or the
+        scope's, or the default collection when not collection-aware)."""
+        return () if self.collections == (ALL_COLLECTIONS,) else self.collections
+
+    def wants(self, scope: str, collection: str) -> bool:
+        """Whether the collection ``scope.collection`` is one the options choose."""
+        if not self.collections_aware:
+            return scope == collection == DEFAULT_NAME
+        if self.scope is not None:
+            return scope == self.scope
+        return not self.collection_filter or f"{scope}.{collection}" in self.collection_filter
 
     @property
     def seed_nodes(self) -> tuple[tuple[str, int], ...]:
@@ -151,6 +188,46 @@ class SourceOptions:
         if not isinstance(value, dict):
             raise OptionError("option startingOffsets JSON must be an object of vbucket -> offset")
         return value
+
+
+ALL_COLLECTIONS = "*"
+DEFAULT_NAME = "_default"
+
+
+def _collections(text: str) -> tuple[str, ...]:
+    """``scope.collection,...`` (or ``*``) -> the names, checked (an empty part of a name is
+    ``_default``, as GET_COLLECTION_ID reads it); duplicates dropped, order kept."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if parts == [ALL_COLLECTIONS]:
+        return (ALL_COLLECTIONS,)
+    out: list[str] = []
+    for part in parts:
+        names = part.split(".")
+        if len(names) != 2:
+            raise OptionError(
+                f"option collections: {part!r} is not scope.collection (or give * for all)"
+            )
+        scope, name = (n or DEFAULT_NAME for n in names)
+        try:
+            check_name(scope, "scope", allow_default=True)
+            check_name(name, "collection", allow_default=True)
+        except ManifestError as error:
+            raise OptionError(f"option collections: {error}") from None
+        if f"{scope}.{name}" not in out:
+            out.append(f"{scope}.{name}")
+    return tuple(out)
+
+
+def _scope(options: dict[str, str]) -> str | None:
+    raw = options.get("scope")
+    if raw is None:
+        return None
+    name = raw.strip()
+    try:
+        check_name(name, "scope", allow_default=True)
+    except ManifestError as error:
+        raise OptionError(f"option scope: {error}") from None
+    return name
 
 
 def _seeds(cluster: str) -> tuple[tuple[str, int], ...]:

@@ -12,13 +12,22 @@ a snapshot start or a rollback seqno at or past it: seqnos only rise, so nothing
 end can still come). The reader then stops without waiting for the rest of the snapshot holding
 the end seqno, and a vbucket whose request had to ask past its end (see ``request_ends``) does
 not wait for seqnos the node may never write.
+
+Collection-aware reads (options ``collections`` / ``scope``) ask the node for the chosen
+collections only; the rows get their ``scope`` and ``collection`` names and keys without the
+collection id (``collection_rows.py``). System events and seqno-advanced messages are not rows:
+they finish a vbucket as a change at or past its end does, and created collections' events
+teach their names. A named collection that no longer exists is left out of the request (its
+changes went with it, as a dropped collection's do on the node); when none is left, nothing is
+read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -28,6 +37,7 @@ import pyarrow.compute as pc
 from changefeed import limits
 from changefeed.consumer import (
     Changes,
+    ClientConfig,
     Disconnected,
     Rollback,
     SessionState,
@@ -37,8 +47,12 @@ from changefeed.consumer import (
     StreamRefused,
 )
 from changefeed.consumer.change_rows import ChangeRows
+from changefeed.consumer.collections_admin import get_manifest
+from changefeed.consumer.events import CollectionEvent, SeqnoAdvanced
+from changefeed.protocol.collections_manifest import Manifest
 from changefeed.protocol.status import Status
-from changefeed.spark.cluster import client_config, dcp_client
+from changefeed.spark.cluster import client_config, dcp_client, dial_seed
+from changefeed.spark.collection_rows import CollectionNames, NamedRows
 from changefeed.spark.offsets import VbOffset
 from changefeed.spark.options import SourceOptions
 
@@ -77,15 +91,53 @@ class Chunk:
     finished: frozenset[int]
 
 
+Names = Mapping[int, tuple[str, str]]  # collection id -> (scope, collection), known before
+
+
 async def read_ranges(
-    options: SourceOptions, ranges: list[VbRange]
+    options: SourceOptions, ranges: list[VbRange], names: Names | None = None
 ) -> AsyncGenerator[pa.RecordBatch, None]:
-    """Yield record batches of every change in ``ranges``; returns when every stream ended."""
-    async for chunk in read_chunks(options, ranges):
+    """Yield record batches of every change in ``ranges``; returns when every stream ended.
+    ``names``: collections the caller knows (a collection-aware read learns the rest)."""
+    async for chunk in read_chunks(options, ranges, names):
         yield chunk.batch
 
 
-async def read_chunks(options: SourceOptions, ranges: list[VbRange]) -> AsyncGenerator[Chunk, None]:
+async def fetch_manifest(options: SourceOptions) -> Manifest:
+    """The bucket's collections manifest, from the first seed that answers."""
+    conn, _ = await dial_seed(options, "changefeed-spark")
+    try:
+        return await get_manifest(conn)
+    finally:
+        await conn.close()
+
+
+def fetch_manifest_sync(options: SourceOptions) -> Manifest:
+    """``fetch_manifest`` on a private event loop (planning runs outside any loop)."""
+    return asyncio.run(fetch_manifest(options))
+
+
+async def collection_config(
+    options: SourceOptions, config: ClientConfig, names: Names | None
+) -> tuple[ClientConfig, CollectionNames] | None:
+    """``config`` streaming the collections ``options`` choose, and the names of collections
+    (the manifest now, over ``names``); None when every collection named is gone."""
+    manifest = await fetch_manifest(options)
+    known = CollectionNames(names)
+    known.learn_manifest(manifest)
+    if options.scope is not None:
+        if manifest.scope(options.scope) is None:
+            return None  # dropped with its collections (the planner checked it existed)
+        return dataclasses.replace(config, scope=options.scope, collections_aware=True), known
+    alive = tuple(p for p in options.collection_filter if manifest.resolve(p)[1] is not None)
+    if options.collection_filter and not alive:
+        return None
+    return dataclasses.replace(config, collections=alive, collections_aware=True), known
+
+
+async def read_chunks(
+    options: SourceOptions, ranges: list[VbRange], names: Names | None = None
+) -> AsyncGenerator[Chunk, None]:
     """``read_ranges``, each batch with the vbuckets finished by then (``Chunk``)."""
     to_read = [r for r in ranges if r.needs_reading]
     if not to_read:
@@ -116,10 +168,21 @@ async def read_chunks(options: SourceOptions, ranges: list[VbRange]) -> AsyncGen
         return
     snaps = {r.vbucket: (r.start.snap_start, r.start.snap_end) for r in to_read}
     planned = {r.vbucket: r.end_vb_uuid for r in to_read}
+    known: CollectionNames | None = None
+    if options.collections_aware:
+        chosen = await collection_config(options, config, names)
+        if chosen is None:
+            return  # the collections named are gone, and their changes with them
+        config, known = chosen
+
+    def new_rows() -> ChangeRows | NamedRows:
+        return ChangeRows() if known is None else NamedRows(known)
+
     async with dcp_client(options, config) as client:
+        state.stream_filter = client.stream_filter
         await client.stream(sorted(ends), state, end_seqnos=request_ends)
         unfinished = set(ends)
-        rows = ChangeRows()
+        rows = new_rows()
         async for event in client.events():
             if isinstance(event, Changes):
                 # Rows past a vbucket's end are left out: the next micro-batch starts there.
@@ -146,9 +209,16 @@ async def read_chunks(options: SourceOptions, ranges: list[VbRange]) -> AsyncGen
                 )
             elif isinstance(event, Disconnected):
                 pass  # the client reconnects and resumes from what we already took
+            elif isinstance(event, CollectionEvent):
+                if known is not None:
+                    known.learn_event(event.message)
+                if event.message.seqno >= ends[event.vbucket]:
+                    unfinished.discard(event.vbucket)
+            elif isinstance(event, SeqnoAdvanced) and event.seqno >= ends[event.vbucket]:
+                unfinished.discard(event.vbucket)
             if len(rows) >= limits.ROWS_PER_BATCH_MAX:
                 yield Chunk(rows.to_batch(), frozenset(ends.keys() - unfinished))
-                rows = ChangeRows()
+                rows = new_rows()
             if not unfinished:
                 break  # closing the connection ends the streams still open
         if len(rows):
@@ -169,7 +239,7 @@ def branch_point(failover_log: list[tuple[int, int]], planned_uuid: int) -> int 
 
 
 def _on_rollback(
-    out: ChangeRows, event: Rollback, ranges: list[VbRange], options: SourceOptions
+    out: ChangeRows | NamedRows, event: Rollback, ranges: list[VbRange], options: SourceOptions
 ) -> None:
     _refuse_data_loss(event.vbucket, event.seqno, ranges, options)
     out.append_rollback(event.vbucket, event.seqno)
@@ -187,14 +257,18 @@ def _refuse_data_loss(
         )
 
 
-def read_ranges_sync(options: SourceOptions, ranges: list[VbRange]) -> Iterator[pa.RecordBatch]:
+def read_ranges_sync(
+    options: SourceOptions, ranges: list[VbRange], names: Names | None = None
+) -> Iterator[pa.RecordBatch]:
     """Drive ``read_ranges`` on a private event loop, yielding batches as they are made."""
-    return _drive(read_ranges(options, ranges))
+    return _drive(read_ranges(options, ranges, names))
 
 
-def read_chunks_sync(options: SourceOptions, ranges: list[VbRange]) -> Iterator[Chunk]:
+def read_chunks_sync(
+    options: SourceOptions, ranges: list[VbRange], names: Names | None = None
+) -> Iterator[Chunk]:
     """Drive ``read_chunks`` on a private event loop, yielding chunks as they are made."""
-    return _drive(read_chunks(options, ranges))
+    return _drive(read_chunks(options, ranges, names))
 
 
 def _drive(generator: AsyncGenerator[_T, None]) -> Iterator[_T]:

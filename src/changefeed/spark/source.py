@@ -13,6 +13,12 @@ columns (``documents.py``); the schema comes from option ``schema`` or is inferr
 asks for it (``inference.py``). ``reportLatestOffset`` carries the node's high seqnos and the
 lag behind them (``lag.py``), so a ``StreamingQueryListener`` sees it in each progress event
 (``sources[0].latestOffset``).
+
+Options ``collections`` / ``scope`` make the source collection-aware: rows end with ``scope``
+and ``collection`` (names), keys are the documents' own, and the node streams the chosen
+collections only (``collection_rows.py``). The planner reads the manifest for each batch and
+hands the names it has seen to the reads, so rows of a collection dropped since still carry
+its name.
 """
 
 from __future__ import annotations
@@ -39,7 +45,14 @@ from pyspark.sql.types import StructType
 
 from changefeed import limits
 from changefeed.consumer.change_rows import OP_MUTATION
-from changefeed.spark.documents import DocumentReader
+from changefeed.spark.collection_rows import (
+    NAME_COLUMNS,
+    NAMES_DDL,
+    CollectionNames,
+    split_names,
+    with_names,
+)
+from changefeed.spark.documents import DocumentReader, DocumentSchemaError
 from changefeed.spark.inference import source_ddl
 from changefeed.spark.key_index import key_hashes
 from changefeed.spark.lag import Lag, LagTracker
@@ -52,25 +65,43 @@ from changefeed.spark.offsets import (
     offsets_to_json,
 )
 from changefeed.spark.options import OptionError, SourceOptions
-from changefeed.spark.reading import VbRange, read_chunks_sync, read_ranges_sync
-from changefeed.spark.schema import ARROW_SCHEMA
+from changefeed.spark.reading import (
+    Names,
+    VbRange,
+    fetch_manifest_sync,
+    read_chunks_sync,
+    read_ranges_sync,
+)
 
 
 class VbucketGroup(InputPartition):
-    """One Spark partition: a few vbuckets, each from a start offset to an end seqno."""
+    """One Spark partition: a few vbuckets, each from a start offset to an end seqno (and,
+    collection-aware, the collection names the planner knows)."""
 
-    def __init__(self, ranges: list[VbRange]) -> None:
+    def __init__(self, ranges: list[VbRange], names: Names | None = None) -> None:
         super().__init__(ranges)
         self.ranges = ranges
+        self.names = dict(names or {})
 
 
-def group_ranges(ranges: list[VbRange], partitions: int) -> list[VbucketGroup]:
+def group_ranges(
+    ranges: list[VbRange], partitions: int, names: Names | None = None
+) -> list[VbucketGroup]:
     """Deal vbuckets round-robin into at most ``partitions`` groups (balanced by count)."""
     live = [r for r in ranges if r.needs_reading]
     groups: list[list[VbRange]] = [[] for _ in range(min(partitions, len(live)))]
     for i, vb_range in enumerate(live):
         groups[i % len(groups)].append(vb_range)
-    return [VbucketGroup(g) for g in groups if g]
+    return [VbucketGroup(g, names) for g in groups if g]
+
+
+def planned_names(options: SourceOptions, known: CollectionNames) -> Names | None:
+    """The collection names for a batch's reads: ``known`` and the manifest now (None: the
+    source is not collection-aware)."""
+    if not options.collections_aware:
+        return None
+    known.learn_manifest(fetch_manifest_sync(options))
+    return dict(known.items())
 
 
 def document_reader(options: SourceOptions, schema: StructType) -> DocumentReader | None:
@@ -80,14 +111,27 @@ def document_reader(options: SourceOptions, schema: StructType) -> DocumentReade
     from pyspark.sql.pandas.types import to_arrow_schema
 
     output = to_arrow_schema(schema, timezone="UTC")  # as Spark checks what read() returns
+    if options.collections_aware:  # the names are appended after the parse (``convert``)
+        output = pa.schema([f for f in output if f.name not in NAME_COLUMNS])
     return DocumentReader(output, options.mode, options.corrupt_column)
 
 
+def convert(documents: DocumentReader | None, batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A read's batch as the source's rows: documents parsed (``format=json``), and a
+    collection-aware batch's names kept last."""
+    if documents is None:
+        return batch
+    if NAME_COLUMNS[0] not in batch.schema.names:
+        return documents.convert(batch)
+    changes, names = split_names(batch)
+    return with_names(changes, names, documents.convert(changes))
+
+
 def _rows(
-    options: SourceOptions, documents: DocumentReader | None, ranges: list[VbRange]
+    options: SourceOptions, documents: DocumentReader | None, partition: VbucketGroup
 ) -> Iterator[pa.RecordBatch]:
-    for batch in read_ranges_sync(options, ranges):
-        yield batch if documents is None else documents.convert(batch)
+    for batch in read_ranges_sync(options, partition.ranges, partition.names):
+        yield convert(documents, batch)
 
 
 class ChangefeedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -99,6 +143,7 @@ class ChangefeedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         self._lag: Lag | None = None
         self._lag_tracker = LagTracker(options)
         self._after = 0  # items behind the end of the batch being planned
+        self._names = CollectionNames()  # every collection seen by this query's planning
 
     def initialOffset(self) -> dict[str, Any]:
         latest, _ = fetch_latest_sync(self.options)
@@ -154,11 +199,12 @@ class ChangefeedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             VbRange(vb, begin.get(vb, VbOffset()), o.seqno, o.vb_uuid)
             for vb, o in sorted(finish.items())
         ]
-        return group_ranges(ranges, self.options.partitions)
+        names = planned_names(self.options, self._names)
+        return group_ranges(ranges, self.options.partitions, names)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, VbucketGroup), partition
-        yield from _rows(self.options, self.documents, partition.ranges)
+        yield from _rows(self.options, self.documents, partition)
 
     def commit(self, end: dict[str, Any]) -> None:
         """Nothing to release: the node keeps no per-query state between micro-batches."""
@@ -175,7 +221,8 @@ class ChangefeedBatchReader(DataSourceReader):
     def partitions(self) -> Sequence[InputPartition]:
         latest, _ = fetch_latest_sync(self.options)
         ranges = [VbRange(vb, VbOffset(), o.seqno, o.vb_uuid) for vb, o in sorted(latest.items())]
-        return group_ranges(ranges, self.options.partitions)
+        names = planned_names(self.options, CollectionNames())
+        return group_ranges(ranges, self.options.partitions, names)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Each finished vbucket's live rows, handed on while the partition's other vbuckets
@@ -183,7 +230,7 @@ class ChangefeedBatchReader(DataSourceReader):
         (and the parse) work on the first ones while the node reads the next."""
         assert isinstance(partition, VbucketGroup), partition
         pending = PendingRows()
-        for chunk in read_chunks_sync(self.options, partition.ranges):
+        for chunk in read_chunks_sync(self.options, partition.ranges, partition.names):
             pending.add(chunk.batch)
             for table in pending.release(chunk.finished):
                 yield from self._convert(table)
@@ -197,11 +244,8 @@ class ChangefeedBatchReader(DataSourceReader):
         parts = -(-live.num_rows // limits.ROWS_PER_BATCH_MAX)
         size = -(-live.num_rows // max(1, parts))  # even parts
         for start in range(0, live.num_rows, max(1, size)):
-            part = live.slice(start, size)
-            if self.documents is not None:
-                yield self.documents.convert(part)
-            else:
-                yield from part.combine_chunks().to_batches()
+            for batch in live.slice(start, size).combine_chunks().to_batches():
+                yield convert(self.documents, batch)
 
 
 RELEASE_ROWS_MIN: Final = limits.ROWS_PER_BATCH_MAX  # rows of finished vbuckets worth a release
@@ -233,7 +277,7 @@ class PendingRows:
         when worth it; else nothing."""
         if not self._rows:
             return []
-        table = pa.Table.from_batches(self._batches, ARROW_SCHEMA)
+        table = pa.Table.from_batches(self._batches, self._batches[0].schema)
         if finished is None:
             self._batches, self._rows = [], 0
             return [table]
@@ -266,8 +310,10 @@ def latest_live_rows(table: pa.Table) -> pa.Table:
     picked = table
     if _may_repeat(table.column("key")):
         rows = pa.array(np.arange(table.num_rows, dtype=np.int64))
-        keyed = pa.table({"key": table.column("key"), "_row": rows})
-        newest = keyed.group_by(["key"]).aggregate([("_row", "max")])  # a key has one vbucket
+        # A key has one vbucket; in a collection-aware read, one per collection.
+        names = [n for n in (*NAME_COLUMNS, "key") if n in table.column_names]
+        keyed = pa.table({**{n: table.column(n) for n in names}, "_row": rows})
+        newest = keyed.group_by(names).aggregate([("_row", "max")])
         if newest.num_rows != table.num_rows:
             picked = table.take(newest.column("_row_max"))
     live = pc.equal(picked.column("op"), OP_MUTATION)
@@ -286,8 +332,23 @@ class ChangefeedDataSource(DataSource):
         return "changefeed"
 
     def schema(self) -> str:
-        """Change rows (``format=binary``), or metadata columns and the documents' fields."""
-        return source_ddl(SourceOptions.parse(dict(self.options)))
+        """Change rows (``format=binary``), or metadata columns and the documents' fields;
+        collection-aware, then ``scope`` and ``collection``."""
+        options = SourceOptions.parse(dict(self.options))
+        ddl = source_ddl(options)
+        if not options.collections_aware:
+            return ddl
+        from pyspark.sql.types import StructType as Struct
+
+        parsed = Struct.fromDDL(ddl)
+        fields = parsed.fieldNames() if isinstance(parsed, Struct) else []
+        clash = [n for n in fields if n.lower() in NAME_COLUMNS]
+        if clash:
+            raise DocumentSchemaError(
+                f"document field {clash[0]!r} has the name of a column of a collection-aware "
+                "read (scope, collection); give a schema without it, or read format=binary"
+            )
+        return f"{ddl}, {NAMES_DDL}"
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         options = SourceOptions.parse(dict(self.options))
