@@ -45,6 +45,8 @@ from typing import Any, Final
 
 import click
 
+from changefeed.cli.mirror_flags import GROUPS_MAX
+
 STOP_WAIT_S: Final = 300.0  # for the running micro-batch to end after SIGTERM
 PROGRESS_INTERVAL_S: Final = 1.0
 LAG_INTERVAL_S: Final = 2.0
@@ -146,6 +148,33 @@ def _common(f: Any) -> Any:
     help="Read tasks per micro-batch (vbuckets are grouped) [default: Spark's default "
     "parallelism: the executors' cores, N for local[N]].",
 )
+@click.option(
+    "--writer",
+    type=click.Choice(["distributed", "local"]),
+    default=None,
+    help="Who writes the files: distributed (Spark's tasks) or local (the driver) [default: "
+    "distributed for new tables, else the tables' own].",
+)
+@click.option(
+    "--mirror-tasks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Write tasks per micro-batch of the distributed writer [default: Spark's default "
+    "parallelism, at most --mirror-groups].",
+)
+@click.option(
+    "--mirror-groups",
+    type=click.IntRange(min=1, max=GROUPS_MAX),
+    default=None,
+    help="Vbucket groups (the tables' partitions), when the tables are created [default: 16].",
+)
+@click.option(
+    "--storage-option",
+    "storage_pairs",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A deltalake storage option for s3:// tables (repeatable), e.g. AWS_ENDPOINT_URL=...",
+)
 @click.option("--once", is_flag=True, help="Mirror what is there now, then exit.")
 @click.option(
     "--fail-on-data-loss/--no-fail-on-data-loss",
@@ -158,12 +187,23 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
            tables: Path | None, checkpoint: Path | None, as_json: bool, schema: str,
            infer_schema: bool, doc_format: str, mode: str, merge_schema: bool, trigger: str,
            max_offsets_per_trigger: int, master: str | None, spark_conf: tuple[str, ...],
-           partitions: int | None, once: bool, fail_on_data_loss: bool) -> None:  # fmt: skip
+           partitions: int | None, writer: str | None, mirror_tasks: int | None,
+           mirror_groups: int | None, storage_pairs: tuple[str, ...], once: bool,
+           fail_on_data_loss: bool) -> None:  # fmt: skip
     """Mirror a bucket into Delta tables with Spark, exactly once (status: see below)."""
     if ctx.invoked_subcommand is not None:
         return
     if tables is None:
         raise click.UsageError("--tables is required")
+    from changefeed.cli.mirror_flags import is_url, mended, writer_flags
+
+    flags = writer_flags(writer, mirror_tasks, mirror_groups, storage_pairs, mended(str(tables)))
+    if is_url(str(tables)) and checkpoint is None:
+        raise click.BadParameter(
+            f"{mended(str(tables))} is an object store: give --checkpoint, a local or shared "
+            "directory",
+            param_hint="--checkpoint",
+        )
     # Everything a user can get wrong is checked before Spark starts and before any directory
     # is made, so a refused start costs seconds and leaves nothing behind.
     settings = spark_settings(spark_conf)
@@ -181,8 +221,9 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
         options["maxOffsetsPerTrigger"] = str(max_offsets_per_trigger)
     if partitions is not None:
         options["partitions"] = str(partitions)
+    options |= flags.source_options()
     check_cluster(options)
-    job = MirrorJob(options, tables, checkpoint, as_json)
+    job = MirrorJob(options, tables, checkpoint, as_json, flags.storage_options or None)
     if doc_format == "json":
         ddl = job.document_schema(schema, infer_schema)
         if ddl:  # else nothing to infer from yet (an empty bucket): the source infers at start
@@ -242,8 +283,9 @@ class MirrorJob:
     """One run of the mirror query, with its progress line and its clean stop."""
 
     def __init__(self, options: dict[str, str], tables: Path, checkpoint: Path,
-                 as_json: bool) -> None:  # fmt: skip
+                 as_json: bool, storage_options: dict[str, str] | None = None) -> None:  # fmt: skip
         self.options = options
+        self.storage_options = storage_options
         self.tables = tables
         self.checkpoint = checkpoint
         self.as_json = as_json
@@ -288,7 +330,7 @@ class MirrorJob:
         made = [p for p in (self.tables, self.checkpoint) if not p.exists()]
         try:
             self.checkpoint.mkdir(parents=True, exist_ok=True)
-            writer = MirrorWriter(self.tables, self.options)
+            writer = MirrorWriter(self.tables, self.options, storage_options=self.storage_options)
             query = self._start(spark, writer, trigger, once)
         except Exception as error:
             _remove_new(made)
