@@ -82,6 +82,9 @@ from changefeed.vbmap import ClusterMap
 SEQNO_FOREVER = 0xFFFF_FFFF_FFFF_FFFF
 RECONNECT_ATTEMPTS_MAX = 60  # with the backoff capped at 5 s: about 5 minutes
 NOT_MY_VBUCKET_RETRIES = 10  # with the default backoff ~30 s: longer than a failover takes
+# COLLECTIONS_MANIFEST_IS_AHEAD: the node has not applied the manifest the session saw; a
+# cluster's nodes apply it from etcd within a watch round trip, so ~30 s is ample.
+MANIFEST_BEHIND_RETRIES = 10
 # While streams wait out a reconnect backoff, the map is read this often: a failover that
 # moves them to a live node places them at once, not at the next attempt (up to 5 s later).
 MAP_POLL_WHILE_WAITING_S = 0.25
@@ -153,6 +156,7 @@ class DcpClient:
         self._rng = rng or random.Random()
         budget = {RetryKind.MOVED: NOT_MY_VBUCKET_RETRIES}
         budget[RetryKind.UNREACHABLE] = RECONNECT_ATTEMPTS_MAX
+        budget[RetryKind.MANIFEST_BEHIND] = MANIFEST_BEHIND_RETRIES
         self._retries = Retries(config.reconnect_backoff_s, budget, self._rng)
         self._wake = asyncio.Event()
         self._placing = asyncio.Lock()
@@ -390,6 +394,14 @@ class DcpClient:
             self._put(StreamRefused(vb, Status.NOT_MY_VBUCKET, message))
         self._wake.set()
 
+    def _manifest_behind(self, vb: int, message: str) -> None:
+        """Ask for ``vb`` again after a backoff: its node has not applied the manifest the
+        session saw (it will, from etcd); refuse it once the budget is spent."""
+        now = asyncio.get_running_loop().time()
+        for spent in self._retries.schedule([vb], RetryKind.MANIFEST_BEHIND, now):
+            self._put(StreamRefused(spent, Status.COLLECTIONS_MANIFEST_IS_AHEAD, message))
+        self._wake.set()
+
     def _unreachable(self, vbuckets: list[int], error: BaseException) -> None:
         now = asyncio.get_running_loop().time()
         if self._retries.schedule(vbuckets, RetryKind.UNREACHABLE, now):
@@ -429,6 +441,11 @@ class DcpClient:
             message = f"{node.server}: {frame.value[:200].decode(errors='replace')}"
             immediate = learned or self._map.route(vb) != node.server
             self._moved([vb], message, source=node.server, immediate=immediate)
+        elif frame.status == Status.COLLECTIONS_MANIFEST_IS_AHEAD:
+            del self._where[vb]
+            self._manifest_behind(
+                vb, f"{node.server}: {frame.value[:200].decode(errors='replace')}"
+            )
         else:
             del self._where[vb]
             self._put(StreamRefused(vb, frame.status, frame.value.decode(errors="replace")))

@@ -103,7 +103,8 @@ class NodeStream:
         stream_filter: StreamFilter | None = None,
     ) -> None:
         """Ask for ``session.vbucket`` from where ``session`` is (its failover log's newest
-        uuid, its snapshot range); the answer comes to ``StreamOwner.stream_answered``.
+        uuid, its snapshot range and, on a collections connection — ``stream_filter`` given —
+        the manifest uid it saw); the answer comes to ``StreamOwner.stream_answered``.
 
         Raises:
             ConnectionClosedError: the connection is gone.
@@ -114,6 +115,8 @@ class NodeStream:
             value["purge_seqno"] = str(session.purge_seqno)
         if stream_filter is not None and not stream_filter.everything:
             value.update(json.loads(stream_filter.to_json()))  # dcp-wire.md §6.1
+        if stream_filter is not None and session.manifest_uid:
+            value["uid"] = f"{session.manifest_uid:x}"  # kv_engine stream-request-value.md
         request = StreamRequest(
             session.vbucket, self._conn.next_opaque(), flags, start, end_seqno,
             session.vb_uuid, snap_start, snap_end, value,

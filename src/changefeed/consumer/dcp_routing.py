@@ -46,7 +46,8 @@ def apply_event(state: SessionState, event: Event) -> None:
     elif isinstance(event, StreamOpened):
         state.get(event.vbucket).failover_log = FailoverLog(event.failover_log)
     elif isinstance(event, CollectionEvent):
-        state.get(event.vbucket).on_item(event.message.seqno)
+        message = event.message
+        state.get(event.vbucket).on_system_event(message.seqno, message.manifest_uid)
     elif isinstance(event, SeqnoAdvanced):
         state.get(event.vbucket).on_seqno_advanced(event.seqno)
 
@@ -83,6 +84,7 @@ class RetryKind(Enum):
 
     MOVED = "moved"  # NOT_MY_VBUCKET, or STREAM_END(STATE_CHANGED): the map points elsewhere
     UNREACHABLE = "unreachable"  # its node's connection dropped or could not be opened
+    MANIFEST_BEHIND = "manifest_behind"  # COLLECTIONS_MANIFEST_IS_AHEAD: the node catches up
 
 
 @dataclass(slots=True)

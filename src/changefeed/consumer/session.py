@@ -69,6 +69,11 @@ class VbSession:
     # rollback to R the consumer's data is consistent only at such a point <= R: inside a
     # snapshot, deduplication may have replaced a key's older version that R still needs.
     consistent_points: list[int] = field(default_factory=list)
+    # The newest collections manifest uid this stream's system events carried (0: none): a
+    # resume presents it (stream-request "uid"), so a node that has not applied that manifest
+    # yet answers COLLECTIONS_MANIFEST_IS_AHEAD instead of streaming without its collections.
+    # Kept across rollbacks: a node's manifest never goes back, whatever its vbuckets did.
+    manifest_uid: int = 0
 
     def __post_init__(self) -> None:
         if self.seqno and self.seqno == self.snap_end and not self.consistent_points:
@@ -92,6 +97,7 @@ class VbSession:
             log,
             self.purge_seqno,
             list(self.consistent_points),
+            self.manifest_uid,
         )
 
     def request_range(self) -> tuple[int, int, int]:
@@ -112,6 +118,12 @@ class VbSession:
         self.seqno = seqno
         if seqno == self.snap_end:
             self.add_consistent_point(seqno)
+
+    def on_system_event(self, seqno: int, manifest_uid: int) -> None:
+        """A DCP_SYSTEM_EVENT at ``seqno`` of manifest ``manifest_uid``: a change of the
+        stream, and the manifest the stream is now at (never lowered)."""
+        self.on_item(seqno)
+        self.manifest_uid = max(self.manifest_uid, manifest_uid)
 
     def on_seqno_advanced(self, seqno: int) -> None:
         """DCP_SEQNO_ADVANCED: the stream moved to ``seqno`` over changes it does not carry
@@ -174,7 +186,7 @@ class VbSession:
             assert points[-1] <= self.seqno, (self.vbucket, points[-1], self.seqno)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "seqno": self.seqno,
             "snap_start": self.snap_start,
             "snap_end": self.snap_end,
@@ -182,6 +194,9 @@ class VbSession:
             "failover_log": None if self.failover_log is None else self.failover_log.to_list(),
             "consistent_points": list(self.consistent_points),
         }
+        if self.manifest_uid:
+            out["manifest_uid"] = f"{self.manifest_uid:x}"
+        return out
 
     @classmethod
     def from_dict(cls, vbucket: int, raw: dict[str, Any]) -> VbSession:
@@ -204,11 +219,14 @@ class VbSession:
                 failover_log=None if log is None else FailoverLog.from_list(log),
                 purge_seqno=int(raw.get("purge_seqno", 0)),
                 consistent_points=[p for p in points if 0 < p <= seqno],
+                manifest_uid=int(raw.get("manifest_uid", "0"), 16),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"session state for vbucket {vbucket} is invalid: {error}") from None
         if not session.snap_start <= session.snap_end:
             raise ValueError(f"session state for vbucket {vbucket}: snap_start > snap_end")
+        if session.manifest_uid < 0:
+            raise ValueError(f"session state for vbucket {vbucket}: manifest_uid is negative")
         return session
 
 

@@ -33,6 +33,7 @@ from changefeed.producer.stream_request import (
 )
 from changefeed.protocol.collections import (
     StreamFilter,
+    manifest_uid_of_request,
     stream_filter_of,
     unknown_collection_body,
 )
@@ -243,17 +244,23 @@ class DcpProducer:
         may send one; an id the manifest does not hold is UNKNOWN_COLLECTION (UNKNOWN_SCOPE)
         with the manifest uid, as kv_engine answers."""
         value = request.value
-        if not ("collections" in value or "scope" in value):
+        if not ("collections" in value or "scope" in value or "uid" in value):
             return StreamFilter()
         if not self.collections:
-            return Refused(Status.EINVAL, "a stream filter needs HELLO Collections")
+            return Refused(Status.EINVAL, "a stream filter or manifest uid needs HELLO Collections")
         try:
             stream_filter = stream_filter_of(value)
+            uid = manifest_uid_of_request(value)
         except ProtocolError as error:
             return Refused(Status.EINVAL, str(error))
         manifest = self.manifest
         if manifest is not None:
             body = unknown_collection_body(manifest.uid).decode()
+            if uid is not None and uid > manifest.uid:
+                # kv_engine collections_manifest_is_ahead: the client saw a manifest this node
+                # has not applied yet (a cluster's nodes apply it from etcd one by one); it
+                # retries, and a filter naming a collection of it is not called unknown.
+                return Refused(Status.COLLECTIONS_MANIFEST_IS_AHEAD, body)
             wanted = stream_filter.collections
             if wanted is not None and not wanted <= manifest.collection_ids():
                 return Refused(Status.UNKNOWN_COLLECTION, body)

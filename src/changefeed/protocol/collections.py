@@ -241,6 +241,25 @@ def stream_filter_of(data: dict[str, Any]) -> StreamFilter:
     return StreamFilter()
 
 
+def manifest_uid_of_request(data: dict[str, Any]) -> int | None:
+    """The manifest uid of a parsed stream-request value (kv_engine stream-request-value.md,
+    "uid": hex, no 0x): the newest manifest the client saw in this stream's system events, or
+    None when it sent none.
+
+    Raises:
+        ProtocolError(EINVAL): "uid" is not a hex string of at most 16 digits.
+    """
+    raw = data.get("uid")
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not 0 < len(raw) <= 16:
+        raise ProtocolError(f"stream request uid {raw!r} is not a hex manifest uid")
+    try:
+        return int(raw, 16)
+    except ValueError:
+        raise ProtocolError(f"stream request uid {raw!r} is not a hex manifest uid") from None
+
+
 # -- DCP messages ----------------------------------------------------------------------------
 
 

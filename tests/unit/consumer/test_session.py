@@ -8,8 +8,13 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from changefeed.consumer.dcp_routing import apply_event
+from changefeed.consumer.events import CollectionEvent
 from changefeed.consumer.session import CONSISTENT_POINTS_MAX, SessionState, VbSession
+from changefeed.protocol.collections import SystemEvent, SystemEventMessage
 
 
 def runs(rng: random.Random) -> list[tuple[int, int, list[tuple[int, int]]]]:
@@ -66,3 +71,42 @@ def test_a_run_that_does_not_rise_is_refused() -> None:
     state = SessionState()
     state.on_items(np.array([2, 1, 2], np.uint16), np.array([5, 9, 6], np.uint64))
     assert (state.get(1).seqno, state.get(2).seqno) == (9, 6), "rising per vbucket is enough"
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 5), st.integers(0, 2**40)), min_size=1, max_size=20),
+    st.integers(0, 30),
+)
+def test_the_manifest_uid_is_the_newest_seen_kept_through_rollback_and_json(
+    events: list[tuple[int, int]], rollback_to: int
+) -> None:
+    """Model: the uid a session presents is the maximum over its system events; a rollback
+    keeps it (a node's manifest never goes back); JSON keeps it (hex), and a state without
+    one (an older build's) reads as 0."""
+    session = VbSession(7)
+    seqno = 0
+    for step, uid in events:
+        seqno += step
+        session.on_system_event(seqno, uid)
+    newest = max(uid for _, uid in events)
+    assert session.manifest_uid == newest
+    assert session.seqno == seqno
+    session.rollback_to(min(rollback_to, session.seqno))
+    assert session.manifest_uid == newest
+    back = VbSession.from_dict(7, session.to_dict())
+    assert back.manifest_uid == newest
+    assert back.copy().manifest_uid == newest
+    older = session.to_dict()
+    older.pop("manifest_uid", None)
+    assert VbSession.from_dict(7, older).manifest_uid == 0
+    for bad in (5, "xyz", "-1"):
+        with pytest.raises(ValueError, match="vbucket 7"):
+            VbSession.from_dict(7, {**older, "manifest_uid": bad})
+
+
+def test_a_collection_event_moves_the_manifest_uid_of_its_vbucket_only() -> None:
+    state = SessionState()
+    message = SystemEventMessage(2, 0, 5, SystemEvent.BEGIN_COLLECTION, 9, 8, 10, b"orders")
+    apply_event(state, CollectionEvent(2, message))
+    assert state.get(2).manifest_uid == 9 and state.get(2).seqno == 5
+    assert state.get(1).manifest_uid == 0
