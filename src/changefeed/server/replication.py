@@ -30,6 +30,7 @@ class ReplicaProgress:
         received_seqno: highest seqno the replica acknowledged as received.
         persisted_seqno: highest seqno it acknowledged as persisted.
         connected: a replica stream from it is open now.
+        opened_s: when its current stream opened (monotonic seconds).
         last_caught_up_s: when it last was fully caught up (monotonic seconds).
         high_at_last_ack: the active's high seqno at its previous ack (Kafka's rule).
         catchup_started_s: when the current catch-up began (None while caught up).
@@ -42,6 +43,7 @@ class ReplicaProgress:
     received_seqno: int = 0
     persisted_seqno: int = 0
     connected: bool = False
+    opened_s: float = float("-inf")
     last_caught_up_s: float = float("-inf")
     high_at_last_ack: int = 0
     catchup_started_s: float | None = None
@@ -98,10 +100,16 @@ class ReplicationTracker:
         return found
 
     def stream_opened(self, vb: int, replica: str, start_seqno: int) -> None:
-        """A replica stream starts at `start_seqno`: the replica holds that much already."""
+        """A replica stream starts at `start_seqno`: the replica holds that much, and no more.
+        What it acknowledged on earlier streams does not count: a replica that restarted asks
+        from what its disk kept and has lost what it held only in memory, so its acks start
+        again from here (kept, they would count it caught up, and holding prepares, that it
+        no longer has)."""
         p = self.progress(vb, replica)
         p.connected = True
-        p.received_seqno = max(p.received_seqno, start_seqno)
+        p.opened_s = self._clock()
+        p.received_seqno = start_seqno
+        p.persisted_seqno = min(p.persisted_seqno, start_seqno)
         if p.received_seqno < self._high_seqno_of(vb) and p.catchup_started_s is None:
             p.catchup_started_s = self._clock()
             p.catchups_started += 1
