@@ -8,7 +8,7 @@ orchestrator's decision is `failover.plan_failover`; the commit rule is
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from changefeed.server.replication import ReplicationTracker
 from changefeed.vbmap import ClusterMap
@@ -84,6 +84,38 @@ def record_candidates(
     return in_sync, caught_up
 
 
+# -- members registered since their record -------------------------------------------------------
+
+# A member of an in-sync record acknowledged the active's writes as the process it was when the
+# record was written. A node that crashes loses what it held only in memory (durability MAJORITY
+# and MAJORITY_AND_PERSIST_TO_ACTIVE acknowledge on a replica's memory, as Couchbase does), and
+# a node that restarts always registers again (``nodes/<name>`` put anew): so a member whose
+# registration is newer than the record may be a later process that does not hold what the
+# record vouches for. etcd orders both writes by revision; no clock is involved. The
+# registration's revision is the node key's *mod* revision: a node that restarts while its old
+# lease still runs puts over the existing key, which keeps its create revision.
+
+
+def promotable_members(
+    members: Collection[str], record_revision: int, registrations: Mapping[str, int]
+) -> frozenset[str]:
+    """The members of an in-sync record (etcd mod revision `record_revision`) the orchestrator
+    may promote on its strength: those whose current registration (`registrations`: node name
+    to its node key's mod revision) was written before the record. A member registered since
+    may have restarted and lost what it acknowledged from memory; one not registered at all is
+    not live, and its registration when it returns will be newer anyway."""
+    return frozenset(m for m in members if 0 < registrations.get(m, 0) < record_revision)
+
+
+def registered_since(
+    members: Collection[str], record_revision: int, registrations: Mapping[str, int]
+) -> frozenset[str]:
+    """The members registered after their record (etcd mod revision `record_revision`) was
+    written: live, but not promotable from it until the active writes a newer record that
+    names them (`InSyncKeeper.target`'s `reregistered`)."""
+    return frozenset(m for m in members if registrations.get(m, 0) > record_revision)
+
+
 class InSyncKeeper:
     """One active vbucket's confirmed in-sync record and the replicas its commits require.
 
@@ -104,6 +136,12 @@ class InSyncKeeper:
     A record is written fenced by the map revision the active applied, so a deposed active's
     write fails. Sans-IO: the agent does the writing.
 
+    A member that registered again after the record (`registered_since`: it restarted, or
+    only lost its lease) is not promotable from it (`promotable_members`); the keeper writes
+    the record again, naming it, once it is caught up on a stream it opened since — so the
+    new record's revision is newer than its registration and it may be promoted again — and
+    leaves it out of any record written before that.
+
     Args:
         placed: the vbucket's replicas in the map when it became active here. Until this
             active's first record is written they are all required: a record written before
@@ -113,20 +151,30 @@ class InSyncKeeper:
     def __init__(self, placed: frozenset[str]) -> None:
         self.required: frozenset[str] = placed
         self.confirmed: frozenset[str] | None = None  # None: this active wrote none yet
+        self.revision = 0  # the confirmed record's etcd mod revision (0: unknown)
         self.writing: frozenset[str] | None = None
 
-    def target(self, in_sync: frozenset[str], caught_up: frozenset[str]) -> frozenset[str] | None:
+    def target(
+        self,
+        in_sync: frozenset[str],
+        caught_up: frozenset[str],
+        reregistered: frozenset[str] = frozenset(),
+    ) -> frozenset[str] | None:
         """The record to write next, or None when the confirmed one is right (or a write is on
         its way). `in_sync`: replicas the in-sync rule keeps; `caught_up`: those that acked
-        the high seqno now (a subset of `in_sync`)."""
+        the high seqno now (a subset of `in_sync`); `reregistered`: members of the confirmed
+        record registered since it was written, whose `caught_up` must come from a stream
+        opened since (the caller's duty). A record is written again, unchanged, when one of
+        them is caught up (its new revision makes it promotable); one that is not is left out
+        of any record written meanwhile (a record naming it would vouch for it)."""
         assert caught_up <= in_sync, (caught_up, in_sync)
         if self.writing is not None:
             return None
         confirmed = self.confirmed if self.confirmed is not None else frozenset()
         wanted = (confirmed & in_sync) | caught_up
-        if self.confirmed is not None and wanted == self.confirmed:
-            return None
-        return wanted
+        if wanted == self.confirmed and not reregistered & caught_up:
+            return None  # nothing changed, and nobody to make promotable again
+        return wanted - (reregistered - caught_up)
 
     def begin(self, members: frozenset[str]) -> None:
         """A write of `members` is about to start: newcomers are required from now on."""
@@ -134,11 +182,12 @@ class InSyncKeeper:
         self.writing = members
         self.required = self.required | members
 
-    def written(self, members: frozenset[str]) -> None:
-        """etcd took the record: leavers are no longer required."""
+    def written(self, members: frozenset[str], revision: int = 0) -> None:
+        """etcd took the record (at mod revision `revision`): leavers are no longer required."""
         assert self.writing == members, (self.writing, members)
         self.writing = None
         self.confirmed = members
+        self.revision = revision
         self.required = members
         assert self.confirmed <= self.required
 
