@@ -98,3 +98,16 @@ def collection_of(stored: bytes) -> int:
     if stored[:1] != _MARKER_BYTE:
         return 0
     return split_stored_key(stored)[0]
+
+
+def collection_key_ranges(collection_id: int) -> tuple[tuple[bytes, bytes | None], ...]:
+    """The stored-key ranges ``[first, end)`` (end None: to the last key) that hold exactly
+    the keys of `collection_id`, in byte order: a named collection's keys share the prefix
+    marker | LEB128 id, which is self-delimiting, so they are contiguous; the default
+    collection's are every unmarked key plus the escaped ones (marker | 0x00). The by_key
+    index is ordered so, which lets one collection be read without the others."""
+    if collection_id == 0:
+        return (b"", _MARKER_BYTE), (_MARKER_BYTE + b"\x00", _MARKER_BYTE + b"\x01")
+    prefix = _MARKER_BYTE + encode_leb128(collection_id)
+    assert prefix[-1] < 0x80, prefix  # the stop byte: one more is the next prefix, no carry
+    return ((prefix, prefix[:-1] + bytes((prefix[-1] + 1,))),)

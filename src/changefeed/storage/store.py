@@ -700,6 +700,30 @@ class Store:
         row = self._rows.get(vb)
         return 0 if row is None else row.item_count
 
+    def key_range_seqnos(self, vb: int, first: bytes, end: bytes | None) -> list[int]:
+        """The seqno of every stored key of `vb` in ``[first, end)`` (end None: to the last
+        key), tombstones included, in key order, from one read snapshot: what one
+        collection's keys (keys.collection_key_ranges) hold, without reading the others.
+
+        Raises:
+            ValueError: vb outside 0..VBUCKETS_MAX-1.
+            CorruptRecordError: an index value does not decode.
+        """
+        self._require_open()
+        _check_vb(vb)
+        low = VB_KEY.pack(vb) + first
+        high = VB_KEY.pack(vb) + end if end is not None else VB_KEY.pack(vb + 1)
+        seqnos: list[int] = []
+        with _translated_errors(self._map_size_bytes), self._env.begin() as txn:
+            cursor = txn.cursor(db=self._by_key)
+            if not cursor.set_range(low):
+                return seqnos
+            for key, value in cursor:  # bounded by the range
+                if key >= high:
+                    break
+                seqnos.append(decode_by_key_value(vb, value)[0])
+        return seqnos
+
     # --- checks ---------------------------------------------------------------------------------
 
     def _check_invariants(self) -> None:
