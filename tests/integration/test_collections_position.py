@@ -20,6 +20,7 @@ from changefeed.cli.node_process import HOST, NodeProcess
 from changefeed.consumer import ClientConfig, DcpClient
 from changefeed.consumer.collections_admin import edit_manifest
 from changefeed.consumer.events import (
+    Changes,
     CollectionEvent,
     Event,
     StreamEnded,
@@ -28,7 +29,7 @@ from changefeed.consumer.events import (
 )
 from changefeed.consumer.handshake import call, connect
 from changefeed.consumer.session import SessionState
-from changefeed.protocol.collections import encode_leb128, manifest_uid_of_error
+from changefeed.protocol.collections import encode_leb128, manifest_uid_of_error, split_key
 from changefeed.protocol.dcp import (
     DcpOpen,
     OpenFlag,
@@ -37,7 +38,7 @@ from changefeed.protocol.dcp import (
     encode_stream_request,
 )
 from changefeed.protocol.frame import Frame
-from changefeed.protocol.kv import encode_hello, encode_request
+from changefeed.protocol.kv import decode_vb_seqnos, encode_hello, encode_request
 from changefeed.protocol.opcode import Feature, Opcode
 from changefeed.protocol.reader import NEED_DATA, FrameReader
 from changefeed.protocol.sasl import encode_plain
@@ -225,3 +226,87 @@ def config_fields(config: ClientConfig) -> dict[str, object]:
         "collections": config.collections,
         "reconnect_backoff_s": config.reconnect_backoff_s,
     }
+
+
+def all_vb_seqnos(client: RawClient, state: int, cid: int | None) -> Frame:
+    extras = struct.pack(">I", state) + (b"" if cid is None else struct.pack(">I", cid))
+    return client.ask(encode_request(Opcode.GET_ALL_VB_SEQNOS, opaque=40, extras=extras))
+
+
+def expected_high_seqnos(node: NodeProcess) -> dict[int, dict[int, int]]:
+    """Per collection id, per vbucket: the newest seqno of its changes or its creation, from
+    a collections stream of everything (the model the node's answer must equal)."""
+
+    async def read() -> list[Event]:
+        async with DcpClient(dcp_config(node, collections_aware=True)) as client:
+            await client.stream(list(range(VBUCKETS)))
+            return await run_until_ended(client, VBUCKETS)
+
+    high: dict[int, dict[int, int]] = {}
+    for event in asyncio.run(read()):
+        if isinstance(event, Changes):
+            cols = event.columns
+            for vb, seqno, key in zip(cols.vbucket, cols.seqno, cols.key, strict=True):
+                per_vb = high.setdefault(split_key(bytes(key))[0], {})
+                per_vb[int(vb)] = max(per_vb.get(int(vb), 0), int(seqno))
+        elif isinstance(event, CollectionEvent) and event.message.collection_id is not None:
+            per_vb = high.setdefault(event.message.collection_id, {})
+            per_vb[event.vbucket] = max(per_vb.get(event.vbucket, 0), event.message.seqno)
+    return high
+
+
+def test_all_vb_seqnos_of_one_collection(nodes: NodeFactory, raw_clients: list[RawClient]) -> None:
+    node = nodes(vbuckets=VBUCKETS)
+
+    async def load() -> tuple[int, int]:
+        orders, _ = await create_orders(node)
+        conn = await connect(
+            HOST, node.port, agent="position-test", user=USER, password=PASSWORD,
+            bucket=BUCKET, features=[Feature.XERROR, Feature.SELECT_BUCKET, Feature.COLLECTIONS],
+        )  # fmt: skip
+        try:
+            manifest = await edit_manifest(conn, lambda m: m.with_collection("shop", "empty"))
+            empty = manifest.resolve("shop.empty")[1]
+            assert empty is not None
+            # vb 1's newest orders change is a tombstone; vb 2 gets default writes after it.
+            await call(conn, Opcode.DELETE, vbucket=1, key=encode_leb128(orders) + b"o1-0")
+            for n in range(3):
+                await call(
+                    conn, Opcode.SET, vbucket=2, extras=struct.pack(">II", 0, 0),
+                    key=b"\x00late%d" % n, value=b"default",
+                )  # fmt: skip
+            return orders, empty.uid
+        finally:
+            await conn.close()
+
+    orders, empty = asyncio.run(load())
+
+    def check() -> None:
+        expected = expected_high_seqnos(node)
+        client = RawClient(node, collections=True)
+        raw_clients.append(client)
+        for cid in (0, orders, empty):
+            answer = all_vb_seqnos(client, 0, cid)
+            assert answer.status == Status.SUCCESS, (cid, answer)
+            got = decode_vb_seqnos(bytes(answer.value))
+            want = [(vb, expected.get(cid, {}).get(vb, 0)) for vb in range(VBUCKETS)]
+            assert got == want, (cid, got, want)
+        # An empty collection's high seqno is its creation; vb 2's default writes came after.
+        plain = dict(decode_vb_seqnos(bytes(all_vb_seqnos(client, 0, None).value)))
+        assert all(0 < expected[empty][vb] <= plain[vb] for vb in range(VBUCKETS))
+        assert expected[empty][2] < plain[2] and expected[0][2] == plain[2]
+        # State filter 1 (active): every vbucket of this single node.
+        active = decode_vb_seqnos(bytes(all_vb_seqnos(client, 1, orders).value))
+        assert [vb for vb, _ in active] == list(range(VBUCKETS))
+        # A collection the manifest does not hold: UNKNOWN_COLLECTION with the manifest uid.
+        unknown = all_vb_seqnos(client, 0, 0x7777)
+        assert unknown.status == Status.UNKNOWN_COLLECTION
+        assert manifest_uid_of_error(bytes(unknown.value)) == 3
+        # A connection without Collections may not name one.
+        plain_client = RawClient(node, collections=False)
+        raw_clients.append(plain_client)
+        assert all_vb_seqnos(plain_client, 0, orders).status == Status.EINVAL
+
+    check()  # partly in memory
+    node.restart(clean=True)
+    check()  # from disk only

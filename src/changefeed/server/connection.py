@@ -68,7 +68,7 @@ from changefeed.protocol.set_run import (
     pack_set_successes,
 )
 from changefeed.protocol.status import Status
-from changefeed.server import collection_commands, kv_commands, subdoc
+from changefeed.server import collection_commands, collection_seqnos, kv_commands, subdoc
 from changefeed.server.admission import Admission
 from changefeed.server.authenticator import SaslAuthenticator, node_identity
 from changefeed.server.compactor import answer_compact_db
@@ -1021,6 +1021,9 @@ def _stat(c: ClientConnection, f: Frame) -> None:
 
 def _all_vb_seqnos(c: ClientConnection, f: Frame) -> None:
     c.require_bucket()
+    if len(f.extras) == 8:  # a state filter and a collection id
+        collection_seqnos.all_vb_seqnos_of_collection(c, f)
+        return
     state = decode_vb_state_filter(f)
     c.reply(f, value=encode_vb_seqnos(c.context.bucket.vb_seqnos(state)))
 
