@@ -69,6 +69,7 @@ from aetcd import rpc
 
 from changefeed import limits
 from changefeed.cluster.failover import InSyncRecord
+from changefeed.cluster.rules import promotable_members
 from changefeed.vbmap import ClusterMap, NodeAddress
 
 log = logging.getLogger(__name__)
@@ -452,6 +453,25 @@ class Leadership:
         await self._lease.close()
 
 
+@dataclass(frozen=True, slots=True)
+class PromotableInSync:
+    """The in-sync records as the orchestrator may promote from them (`promotable_in_sync`).
+
+    Attributes:
+        records: per vbucket, its record with only the promotable members.
+        revisions: per vbucket, its record's etcd mod revision.
+        registrations: each registered node's registration revision (read after the records).
+        held_back: per vbucket, the members left out because they registered again after
+            the record (restarted, or lost their lease): promotable again once the active
+            writes a newer record naming them (rules.InSyncKeeper).
+    """
+
+    records: dict[int, InSyncRecord]
+    revisions: dict[int, int]
+    registrations: dict[str, int]
+    held_back: dict[int, frozenset[str]]
+
+
 class ClusterMetadata:
     """One etcd client for cluster ``cluster``. Create with ``connect``; ``close`` when done.
 
@@ -641,6 +661,30 @@ class ClusterMetadata:
         got = await self._call(self.client.get_prefix(self.key("nodes/")), "list nodes")
         return self._nodes_of({kv.key: kv for kv in got})
 
+    async def registrations(self) -> dict[str, int]:
+        """Each registered node's registration: the etcd mod revision of its ``nodes/<name>``
+        key, which only `register_node` writes (a restart, or a lease lost and taken again,
+        writes it anew: rules.promotable_members)."""
+        got = await self._call(self.client.get_prefix(self.key("nodes/")), "list registrations")
+        return self._registrations_of({kv.key: kv for kv in got})
+
+    async def watch_registrations(self) -> AsyncGenerator[dict[str, int], None]:
+        """`registrations` now, then again after each change (never ends; survives outages)."""
+        last: dict[str, int] | None = None
+        prefix = self.key("nodes/")
+        async for state in self._follow(prefix, aetcd.utils.prefix_range_end(prefix)):
+            found = self._registrations_of(state)
+            if found != last:
+                last = found
+                yield found
+
+    def _registrations_of(self, kvs: Mapping[bytes, Any]) -> dict[str, int]:
+        prefix = self.key("nodes/")
+        return {
+            key[len(prefix) :].decode(errors="replace"): int(kv.mod_revision)
+            for key, kv in sorted(kvs.items())
+        }
+
     async def watch_nodes(self) -> AsyncGenerator[dict[str, NodeAddress], None]:
         """The live nodes now, then again after each change (never ends; survives outages)."""
         last: dict[str, NodeAddress] | None = None
@@ -729,6 +773,7 @@ class ClusterMetadata:
         *,
         absent: Collection[str] = (),
         in_sync_revisions: Mapping[int, int] | None = None,
+        registrations: Mapping[str, int] | None = None,
     ) -> int | None:
         """Store ``new`` if the map key is still at ``expected_mod_revision`` (None: there is no
         map yet), ``leadership`` still holds the leader key (its create revision and value),
@@ -736,7 +781,10 @@ class ClusterMetadata:
         was gone — a failover of it — must not land once it is back and may serve), and the
         in-sync record of each vbucket in ``in_sync_revisions`` is still at that mod revision
         (0: none yet): a promotion planned on a record the active has replaced since must be
-        planned again (rules.SilenceDetector). One etcd transaction.
+        planned again (rules.SilenceDetector), and each node in ``registrations`` is still
+        registered at that mod revision: a node promoted must not have registered again (a
+        restart) between the plan and the write (rules.promotable_members). One etcd
+        transaction.
 
         Returns:
             the map key's new mod revision (truthy), or None when the map changed meanwhile or
@@ -779,6 +827,10 @@ class ClusterMetadata:
                         t.mod(self.key(f"insync/{vb}")) == revision
                         for vb, revision in sorted((in_sync_revisions or {}).items())
                     ),
+                    *(
+                        t.mod(self.key(f"nodes/{name}")) == revision
+                        for name, revision in sorted((registrations or {}).items())
+                    ),
                 ],
                 success=[t.put(key, data), t.get(key)],
                 failure=[],
@@ -806,39 +858,67 @@ class ClusterMetadata:
 
     async def put_in_sync(
         self, vb: int, active: str, members: list[str], map_mod_revision: int
-    ) -> bool:
+    ) -> int | None:
         """Record `vb`'s confirmed in-sync set (``insync/<vb>``, not on a lease: the
         orchestrator needs it after the active is gone, as Kafka keeps the ISR in the
         controller), only if the map key is still at `map_mod_revision` — the map the active
         serves by — so a deposed active's record never lands (cluster/rules.py InSyncKeeper).
 
         Returns:
-            True if written; False when the map changed (the record was not written).
+            The record's mod revision (truthy) if written (members registered after it are
+            not promotable from it: rules.promotable_members); None when the map changed
+            (the record was not written).
 
         Raises:
             MetadataUnavailableError: etcd did not answer (the write may have happened).
         """
         document = {"active": active, "members": sorted(members), "map": map_mod_revision}
         t = self.client.transactions
-        succeeded, _ = await self._call(
+        key = self.key(f"insync/{vb}")
+        succeeded, responses = await self._call(
             self.client.transaction(
                 compare=[t.mod(self.key("map")) == map_mod_revision],
-                success=[t.put(self.key(f"insync/{vb}"), json.dumps(document).encode())],
+                success=[t.put(key, json.dumps(document).encode()), t.get(key)],
                 failure=[],
             ),
             "put in-sync set",
         )
-        return bool(succeeded)
+        if not succeeded:
+            return None
+        return int(responses[1][0][1].mod_revision)
 
     async def in_sync_sets(self) -> dict[int, InSyncRecord]:
-        """Every vbucket's last published in-sync set (malformed entries are skipped)."""
-        return (await self.in_sync_sets_and_revisions())[0]
+        """Every vbucket's last published in-sync set, with only its promotable members
+        (`promotable_in_sync`); malformed entries are skipped."""
+        return (await self.promotable_in_sync()).records
 
     async def in_sync_sets_and_revisions(
         self,
     ) -> tuple[dict[int, InSyncRecord], dict[int, int]]:
-        """Every vbucket's last published in-sync set, and each record's etcd mod revision
-        (for ``write_map``'s ``in_sync_revisions``; a vbucket with none is absent: 0)."""
+        """Every vbucket's in-sync record as written (every member), and its etcd mod
+        revision (for ``write_map``'s ``in_sync_revisions``; a vbucket with none is absent:
+        0). To promote from, `promotable_in_sync`."""
+        return await self.in_sync_records()
+
+    async def promotable_in_sync(self) -> PromotableInSync:
+        """Every vbucket's in-sync record with only the members that may be promoted from it:
+        those registered before it was written (rules.promotable_members). The registrations
+        are read after the records, so a node that registers in between counts as registered
+        after its record (it is left out: the safe side)."""
+        records, revisions = await self.in_sync_records()
+        registrations = await self.registrations()
+        promotable: dict[int, InSyncRecord] = {}
+        held_back: dict[int, frozenset[str]] = {}
+        for vb, record in records.items():
+            members = promotable_members(record.members, revisions[vb], registrations)
+            promotable[vb] = InSyncRecord(record.active, members)
+            if record.members - members:
+                held_back[vb] = record.members - members
+        return PromotableInSync(promotable, revisions, registrations, held_back)
+
+    async def in_sync_records(self) -> tuple[dict[int, InSyncRecord], dict[int, int]]:
+        """Every vbucket's last published in-sync record as written (every member), and its
+        etcd mod revision."""
         got = await self._call(self.client.get_prefix(self.key("insync/")), "list in-sync sets")
         found: dict[int, InSyncRecord] = {}
         revisions: dict[int, int] = {}
@@ -1043,3 +1123,70 @@ class ClusterMetadata:
                     outage = True
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, limits.ETCD_RETRY_BACKOFF_MAX_S)
+
+    # -- documents of other layers (the collections manifest: cluster/manifest_store.py) -------
+
+    async def read_document(self, suffix: str) -> tuple[bytes, int] | None:
+        """The value at ``<prefix><suffix>`` and its mod revision, or None if absent.
+
+        Raises:
+            MetadataUnavailableError: etcd did not answer.
+        """
+        kv = await self._call(self.client.get(self.key(suffix)), f"read {suffix}")
+        return None if kv is None else (bytes(kv.value), int(kv.mod_revision))
+
+    async def watch_document(self, suffix: str) -> AsyncGenerator[tuple[bytes, int], None]:
+        """The value at ``<prefix><suffix>`` now (once it exists), then each later value, with
+        its mod revision, in order (values written during an outage may be skipped, never
+        reordered). Never ends; survives outages as `watch_map`."""
+        key = self.key(suffix)
+        last = 0
+        async for state in self._follow(key, key + b"\0"):
+            kv = state.get(key)
+            if kv is None or kv.mod_revision <= last:
+                continue
+            last = int(kv.mod_revision)
+            yield bytes(kv.value), last
+
+    async def put_document_fenced(
+        self, suffix: str, data: bytes, expected_mod_revision: int | None, *, writer: str
+    ) -> int | None:
+        """Store ``data`` at ``<prefix><suffix>`` under the orchestrator's fence, in one etcd
+        transaction: the key is still at ``expected_mod_revision`` (None: absent), the leader
+        key still holds the orchestrator and fencing token read here (so the change lands
+        within one leadership, ordered with its map writes), and ``writer`` is a registered
+        member (a node whose lease lapsed cannot change it).
+
+        Returns:
+            the key's new mod revision, or None when one of those did not hold (read again).
+
+        Raises:
+            MetadataUnavailableError: etcd did not answer (the write may have happened).
+        """
+        _check_name("node", writer)
+        leader = await self.leader()
+        if leader is None:
+            return None
+        candidate, token = leader
+        key, leader_key = self.key(suffix), self.key("leader")
+        t = self.client.transactions
+        if expected_mod_revision is None:
+            document_compare = t.create(key) == 0
+        else:
+            document_compare = t.mod(key) == expected_mod_revision
+        succeeded, responses = await self._call(
+            self.client.transaction(
+                compare=[
+                    document_compare,
+                    t.create(leader_key) == token,
+                    t.value(leader_key) == candidate.encode(),
+                    t.version(self.key(f"nodes/{writer}")) > 0,
+                ],
+                success=[t.put(key, data), t.get(key)],
+                failure=[],
+            ),
+            f"write {suffix}",
+        )
+        if not succeeded:
+            return None
+        return int(responses[1][0][1].mod_revision)

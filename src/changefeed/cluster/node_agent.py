@@ -32,6 +32,7 @@ import os
 import time
 from collections.abc import Iterator
 
+from changefeed.cluster.manifest_store import ClusterManifest
 from changefeed.cluster.metadata import ClusterMetadata, EtcdTls, Membership
 from changefeed.cluster.orchestrator import Orchestrator
 from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
@@ -40,6 +41,7 @@ from changefeed.cluster.rules import (
     membership_valid_until,
     record_candidates,
     recovered_state,
+    registered_since,
     serving_state,
     wanted_state,
 )
@@ -84,6 +86,11 @@ class NodeAgent:
         self.fences = 0  # times this node fenced itself (STAT, tests)
         self.removed = False  # the map no longer lists this node: it leaves the cluster
         self.keepers: dict[int, InSyncKeeper] = {}  # per vbucket active here
+        # Each registered node's registration (etcd revision) and when this agent first saw
+        # it: a replica counts as caught up only on a stream it opened after that (a stream
+        # opened before may be its previous process's, which held what the new one lost).
+        self.registrations: dict[str, tuple[int, float]] = {}
+        self._reconnected: dict[str, int] = {}  # replica -> registration it was made to reconnect
         self.feeds: dict[str, tuple[ReplicaFeed, asyncio.Task[None]]] = {}
         # Before the node listens: nothing recovered from disk acts as active until a map
         # (read after registering) says so, and the fence is checked from the first request.
@@ -126,10 +133,14 @@ class NodeAgent:
         self._tasks = [
             loop.create_task(orchestrator.run(), name="orchestrator"),
             loop.create_task(self._follow_maps(), name="map-watch"),
+            loop.create_task(self._follow_registrations(), name="registrations"),
             loop.create_task(self._publish(), name="status"),
             loop.create_task(self._keep_membership(), name="membership"),
             loop.create_task(self._watch_fence(), name="fence"),
         ]
+        # The collections manifest lives in etcd; this node applies it (issue 28).
+        self.manifest = ClusterManifest(self.metadata, context.manifests, cfg.node_name)
+        self._tasks.append(loop.create_task(self.manifest.follow(), name="manifest-watch"))
 
     # -- fencing --------------------------------------------------------------------------------
 
@@ -233,6 +244,19 @@ class NodeAgent:
                 log.warning("map watch interrupted: %s; watching again", error)
                 await asyncio.sleep(0.5)
 
+    async def _follow_registrations(self) -> None:
+        """Keep `registrations` current: the etcd revision of each node's registration, and
+        when this agent first saw it (rules.promotable_members)."""
+        assert self.metadata is not None
+        async for found in self.metadata.watch_registrations():  # never ends; retries itself
+            now = time.monotonic()
+            self.registrations = {
+                name: known
+                if (known := self.registrations.get(name)) is not None and known[0] == revision
+                else (revision, now)
+                for name, revision in found.items()
+            }
+
     async def _keep_membership(self) -> None:
         """Register again whenever the lease is lost (etcd unreachable, the loop stalled past
         the TTL): a node that is up must not stay out of the cluster — the orchestrator would
@@ -288,10 +312,19 @@ class NodeAgent:
         if tracker is None or cluster_map is None or self.fenced:
             return
         bucket = self.node.context.bucket
+        revisions = {name: revision for name, (revision, _) in self.registrations.items()}
         for vb, keeper in list(self.keepers.items()):
             placed = {n.name for n in cluster_map.replica_nodes(vb)}
             high = bucket.vbucket(vb).high_seqno
-            members = keeper.target(*record_candidates(tracker, vb, placed, high))
+            in_sync, caught_up = record_candidates(tracker, vb, placed, high)
+            self._reconnect_stale(vb, placed)
+            caught_up = frozenset(r for r in caught_up if self._streams_since_registered(vb, r))
+            reregistered = (
+                registered_since(keeper.confirmed, keeper.revision, revisions)
+                if keeper.confirmed is not None
+                else frozenset()
+            )
+            members = keeper.target(in_sync, caught_up, reregistered)
             if members is None:
                 continue
             keeper.begin(members)
@@ -307,9 +340,45 @@ class NodeAgent:
             if not written:
                 keeper.failed()  # the map moved on: the next map's apply decides
                 continue
-            keeper.written(members)
+            keeper.written(members, written)
             if self.node.context.sync_writes is not None:
                 self.node.context.sync_writes.on_progress(vb)  # leavers no longer awaited
+
+    def _streams_since_registered(self, vb: int, replica: str) -> bool:
+        """Whether `replica`'s stream of `vb` opened after this agent saw its registration:
+        then it is its registered process's, and what it acknowledged that process holds."""
+        tracker = self.node.context.replication
+        seen = self.registrations.get(replica)
+        if tracker is None or seen is None:
+            return False
+        return tracker.progress(vb, replica).opened_s >= seen[1]
+
+    def _reconnect_stale(self, vb: int, placed: set[str]) -> None:
+        """Close the replica connection of each replica of `vb` whose stream opened before its
+        registration was seen here (it restarted, or only lost its lease and took it again),
+        once per registration: it reconnects at once, and its new stream shows what its
+        process holds, so it can be caught up again, and named in a record again."""
+        tracker = self.node.context.replication
+        if tracker is None:
+            return
+        for replica in sorted(placed):
+            seen = self.registrations.get(replica)
+            if seen is None or self._reconnected.get(replica) == seen[0]:
+                continue
+            progress = tracker.progress(vb, replica)
+            if not progress.connected or progress.opened_s >= seen[1]:
+                continue
+            self._reconnected[replica] = seen[0]
+            closed = 0
+            for pump in self.node.context.dcp:
+                if pump.replica_name == replica:
+                    pump.disconnect()
+                    closed += 1
+            log.info(
+                "%s registered again (etcd revision %d) on a replica stream opened before: "
+                "closed its %d connections here to count it caught up afresh",
+                replica, seen[0], closed,
+            )  # fmt: skip
 
     def _status(self) -> dict[str, object]:
         bucket = self.node.context.bucket
@@ -335,8 +404,8 @@ class NodeAgent:
                 for vb, v in moving.items()
             }
         # A copy a move builds or promotes says itself what it holds and has persisted: the
-        # takeover waits for the future active to have persisted the final high seqno (its
-        # active's tracker keeps the highest ack even if the copy restarted with less).
+        # takeover waits for the future active to have persisted the final high seqno (what
+        # the copy itself reports, whichever stream its active's tracker last saw).
         me = cluster_map.node_index(self.config.node_name)
         copies = {
             str(m.vb): [bucket.vbuckets[m.vb].high_seqno, bucket.vbuckets[m.vb].persisted_seqno]

@@ -117,8 +117,11 @@ class Orchestrator:
         self._seen_this_term: set[str] = set()  # nodes live at some point of this term
         self._last_map: ClusterMap | None = None
         # The in-sync records a planned promotion relied on, by vbucket: their etcd revisions
-        # (write_map compares them: rules.SilenceDetector).
+        # (write_map compares them: rules.SilenceDetector); and the promoted nodes'
+        # registrations, which must not change before the map lands (rules.promotable_members).
         self._in_sync_guard: dict[int, int] = {}
+        self._registration_guard: dict[str, int] = {}
+        self._held_back_logged: dict[int, frozenset[str]] = {}
 
     @property
     def leading(self) -> bool:
@@ -242,6 +245,7 @@ class Orchestrator:
         new = self.plan(live, current)
         requests: dict[str, bool] = {}
         self._in_sync_guard = {}
+        self._registration_guard = {}
         if current is not None:
             requests = await self.metadata.failover_requests()
             new = await self._fail_over(live, current, requests)
@@ -253,7 +257,12 @@ class Orchestrator:
             return
         absent = () if current is None else [n.name for n in current.nodes if n.name not in live]
         written = await self.metadata.write_map(
-            new, revision, leadership, absent=absent, in_sync_revisions=self._in_sync_guard
+            new,
+            revision,
+            leadership,
+            absent=absent,
+            in_sync_revisions=self._in_sync_guard,
+            registrations=self._registration_guard,
         )
         if written is None:
             log.info(
@@ -299,7 +308,9 @@ class Orchestrator:
         )
         if not (gone or unplaced):
             return None
-        in_sync, revisions = await self.metadata.in_sync_sets_and_revisions()
+        # Only members registered before their record may be promoted from it: one that
+        # registered again since (a restart) may have lost what it acknowledged from memory.
+        view = await self.metadata.promotable_in_sync()
         statuses = await self.metadata.node_statuses()
         highs = {
             node: {int(vb): int(high) for vb, high in status.get("high", {}).items()}
@@ -308,18 +319,34 @@ class Orchestrator:
         plan = plan_failover(
             current,
             set(live),
-            in_sync,
+            view.records,
             highs,
             failed=failed,
             force=any(requests.values()),
             hold=hold,
         )
-        self._in_sync_guard = {vb: revisions.get(vb, 0) for vb in plan.promoted}
+        self._in_sync_guard = {vb: view.revisions.get(vb, 0) for vb in plan.promoted}
+        self._registration_guard = {
+            node: view.registrations[node]
+            for node in plan.promoted.values()
+            if node in view.registrations
+        }
         refused = sorted(plan.refused.items())
         if refused and refused != self._refused_logged:
             for _, reason in refused:
                 log.error("orchestrator %s: %s", self.candidate, reason)
         self._refused_logged = refused
+        held_back = {vb: view.held_back[vb] for vb in plan.refused if vb in view.held_back}
+        if held_back and held_back != self._held_back_logged:
+            for vb, members in sorted(held_back.items()):
+                log.error(
+                    "orchestrator %s: vb %d: %s registered again after its in-sync record "
+                    "(etcd revision %d), so may have restarted and lost what it acknowledged: "
+                    "not promoted until its active writes a newer record (`changefeed cluster "
+                    "failover NODE --force` promotes anyway)",
+                    self.candidate, vb, ", ".join(sorted(members)), view.revisions[vb],
+                )  # fmt: skip
+        self._held_back_logged = held_back
         for vb, node in sorted(plan.promoted.items()):
             log.warning("orchestrator %s: vb %d fails over to %s", self.candidate, vb, node)
         return plan.new_map
