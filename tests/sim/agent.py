@@ -57,6 +57,9 @@ class Agent:
         self.fences = 0
         self.rereading = False
         self.keepers: dict[int, cluster_rules.InSyncKeeper] = {}
+        # `NodeAgent.registrations`: each node's registration revision, and when first seen.
+        self.registrations: dict[str, tuple[int, float]] = {}
+        self.reconnected: dict[str, int] = {}
 
     def start(self) -> None:
         self._register()
@@ -184,6 +187,24 @@ class Agent:
         self.node.timer(STATUS_INTERVAL_S, self._tick)
         self._publish()
         self._call("get", (keys.MAP,), self._map_read)
+        if self.node.rules.registration_aware:  # `NodeAgent._follow_registrations` (a watch)
+            self._call("read_many", ((), (keys.NODES,)), self._registrations_read)
+
+    def _registrations_read(self, found: dict[str, Any]) -> None:
+        now = self.node.sched.now
+        fresh: dict[str, tuple[int, float]] = {}
+        for key, kv in found[keys.NODES].items():
+            name = key[len(keys.NODES) :]
+            known = self.registrations.get(name)
+            fresh[name] = (
+                known
+                if known is not None and known[0] == kv.mod_revision
+                else (
+                    kv.mod_revision,
+                    now,
+                )
+            )
+        self.registrations = fresh
 
     def _publish(self) -> None:
         node = self.node
@@ -214,14 +235,21 @@ class Agent:
         if cluster_map is None or self.fenced:
             return
         tracker = node.tracker
+        aware = node.rules.registration_aware
+        revisions = {name: revision for name, (revision, _) in self.registrations.items()}
         for vb, keeper in sorted(self.keepers.items()):
             placed = {n.name for n in cluster_map.replica_nodes(vb)}
             high = node.vbuckets[vb].high_seqno
-            in_sync = frozenset(r for r in tracker.in_sync_set(vb) if r in placed)
-            caught_up = frozenset(
-                r for r in in_sync if tracker.progress(vb, r).received_seqno >= high
-            )
-            members = keeper.target(in_sync, caught_up)
+            in_sync, caught_up = cluster_rules.record_candidates(tracker, vb, placed, high)
+            reregistered: frozenset[str] = frozenset()
+            if aware:
+                self._reconnect_stale(vb, placed)
+                caught_up = frozenset(r for r in caught_up if self._since_registered(vb, r))
+                if keeper.confirmed is not None:
+                    reregistered = cluster_rules.registered_since(
+                        keeper.confirmed, keeper.revision, revisions
+                    )
+            members = keeper.target(in_sync, caught_up, reregistered)
             if members is None:
                 continue
             keeper.begin(members)
@@ -232,13 +260,38 @@ class Agent:
                 "txn",
                 (compares, [put], []),
                 lambda result, vb=vb, keeper=keeper, members=members: self._in_sync_written(
-                    vb, keeper, members, result[0]
+                    vb, keeper, members, result[0], result[1] or 0
                 ),
             )
             node.timer(ETCD_CALL_TIMEOUT_S, self._in_sync_timeout, keeper, members)
 
+    def _since_registered(self, vb: int, replica: str) -> bool:
+        """`NodeAgent._streams_since_registered`."""
+        seen = self.registrations.get(replica)
+        return seen is not None and self.node.tracker.progress(vb, replica).opened_s >= seen[1]
+
+    def _reconnect_stale(self, vb: int, placed: set[str]) -> None:
+        """`NodeAgent._reconnect_stale`: close a replica's connections here once per
+        registration when its stream opened before the registration was seen."""
+        node = self.node
+        for replica in sorted(placed):
+            seen = self.registrations.get(replica)
+            if seen is None or self.reconnected.get(replica) == seen[0]:
+                continue
+            progress = node.tracker.progress(vb, replica)
+            if not progress.connected or progress.opened_s >= seen[1]:
+                continue
+            self.reconnected[replica] = seen[0]
+            node.sched.record("reconnect", node.name, replica, seen[0])
+            node.disconnect_replica(replica)
+
     def _in_sync_written(
-        self, vb: int, keeper: cluster_rules.InSyncKeeper, members: frozenset[str], ok: bool
+        self,
+        vb: int,
+        keeper: cluster_rules.InSyncKeeper,
+        members: frozenset[str],
+        ok: bool,
+        revision: int,
     ) -> None:
         if keeper.writing != members:
             return  # timed out already: its outcome stayed unknown (failed)
@@ -247,7 +300,7 @@ class Agent:
         if not ok:
             keeper.failed()
             return
-        keeper.written(members)
+        keeper.written(members, revision)
         self.node.sched.record("in-sync", self.node.name, vb, tuple(sorted(members)))
         self.node.durability.on_progress(vb)
 

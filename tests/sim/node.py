@@ -255,6 +255,15 @@ class SimNode(VBucketSource):
             return
         end.receive(data)
 
+    def disconnect_replica(self, replica: str) -> None:
+        """Hang up this node's DCP connections from `replica` (`DcpPump.disconnect`: the
+        connection is lost here at once, its streams closed at the tracker)."""
+        for conn_id in sorted(self.producers):
+            end = self.producers[conn_id]
+            if end.replica == replica:
+                end.conn.close(self.name)
+                self._producer_closed(conn_id)
+
     def _producer_closed(self, conn_id: int) -> None:
         end = self.producers.pop(conn_id, None)
         if end is not None:

@@ -15,11 +15,14 @@ election and failover steps on simulated time, deciding with the production func
 Under the fencing rules (fae8c28), also: a map is written only while every node it was planned
 without is still unregistered (a failover must not land once the failed node is back and may
 serve) and while each promoted vbucket's in-sync record is still the one the plan read
-(`Orchestrator._in_sync_guard`, 33652d9); and crashes confirmed by refused connections
-(`cluster.rules.CrashConfirmer`, probes every `CRASH_PROBE_INTERVAL_S`: the leader probes
-every node, a standby the leader) revoke the node's leases, so its failover runs without
-waiting out the lease. A probe is refused only when the target is down and the prober's
-packets reach its host: a partition or a pause gives a timeout, which proves nothing.
+(`Orchestrator._in_sync_guard`, 33652d9); members registered again since their record are
+not promoted from it (`cluster.rules.promotable_members`), and a promoted node's registration
+must not change before the map lands (`Orchestrator._registration_guard`); and crashes
+confirmed by refused connections (`cluster.rules.CrashConfirmer`, probes every
+`CRASH_PROBE_INTERVAL_S`: the leader probes every node, a standby the leader) revoke the
+node's leases, so its failover runs without waiting out the lease. A probe is refused only
+when the target is down and the prober's packets reach its host: a partition or a pause
+gives a timeout, which proves nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Candidate:
         self.last_map: ClusterMap | None = None
         self.live: set[str] = set()
         self.in_sync_guard: dict[int, int] = {}  # the records a failover map was planned from
+        self.registration_guard: dict[str, int] = {}  # the promoted nodes' registrations
 
     @property
     def leading(self) -> bool:
@@ -161,6 +165,7 @@ class Candidate:
             return
         self.last_map = stored.value
         self.in_sync_guard = {}
+        self.registration_guard = {}
         new = self._fail_over(stored.value, live_names, found)
         if new is not None:
             absent = [n.name for n in stored.value.nodes if n.name not in live_names]
@@ -183,7 +188,10 @@ class Candidate:
         )
         if not (gone or unplaced):
             return None
-        registered = {k[len(keys.NODES) :]: v.create_revision for k, v in found[keys.NODES].items()}
+        # A registration's revision is the node key's mod revision (`ClusterMetadata
+        # .registrations`): a restart within the old lease puts over the key, which keeps its
+        # create revision.
+        registered = {k[len(keys.NODES) :]: v.mod_revision for k, v in found[keys.NODES].items()}
         in_sync = {
             int(k[len(keys.IN_SYNC) :]): cluster_failover.InSyncRecord(
                 v.value[0],
@@ -203,6 +211,10 @@ class Candidate:
             vb: records[keys.in_sync(vb)].mod_revision if keys.in_sync(vb) in records else 0
             for vb in plan.promoted
         }
+        if self.node.rules.registration_aware:  # `Orchestrator._registration_guard`
+            self.registration_guard = {
+                to: registered[to] for to in plan.promoted.values() if to in registered
+            }
         for vb, to in sorted(plan.promoted.items()):
             self.node.sched.record("promote", vb, to)
             if registered.get(to, 0) > self.in_sync_guard[vb]:
@@ -225,6 +237,9 @@ class Candidate:
             compares += [("create", keys.node(n), 0) for n in sorted(absent or ())]
             compares += [
                 ("mod", keys.in_sync(vb), r) for vb, r in sorted(self.in_sync_guard.items())
+            ]
+            compares += [
+                ("mod", keys.node(n), r) for n, r in sorted(self.registration_guard.items())
             ]
         self._call("txn", (compares, [("put", keys.MAP, new, 0)], []), self._written)
 

@@ -32,6 +32,9 @@ class TodayRules:
     name = "today"
     fencing = False
     recovered_pending = False  # a restarted node's recovered actives serve at once
+    # Members registered again since their in-sync record are not promoted from it, and an
+    # active writes its record again once such a member caught up (agent.py, orchestrator.py).
+    registration_aware = False
 
     def may_serve(self, node: SimNode, vb: int) -> bool:
         """An active serves until it applies a newer map (node_agent.py): always."""
@@ -65,11 +68,23 @@ class FencedRules(TodayRules):
     commit needs the acks of `InSyncKeeper.required` (`durability_met(..., required_acks)`),
     whose record is written fenced by the applied map's revision; a failover map is written
     only while the nodes it fails over stay unregistered; a crash confirmed by refused
-    connections (`CrashConfirmer`) revokes the node's leases (agent.py, orchestrator.py)."""
+    connections (`CrashConfirmer`) revokes the node's leases (agent.py, orchestrator.py).
+
+    And a member of an in-sync record registered again after the record (a restart: it may
+    have lost what it acknowledged from memory) is not promoted from it
+    (`promotable_members`, the node key's mod revision against the record's); the active
+    writes the record again once such a member is caught up on a stream opened since its
+    registration was seen (`InSyncKeeper.target`'s `reregistered`, agent.py)."""
 
     name = "fenced"
     fencing = True
     recovered_pending = True  # `cluster.rules.recovered_state` (416253a)
+    registration_aware = True
+
+    def in_sync_members(
+        self, members: frozenset[str], record_revision: int, registered: Mapping[str, int]
+    ) -> frozenset[str]:
+        return cluster_rules.promotable_members(members, record_revision, registered)
 
     def may_serve(self, node: SimNode, vb: int) -> bool:
         """The fence is checked before a request is served (a node back from a pause checks
@@ -82,27 +97,26 @@ class FencedRules(TodayRules):
         return keeper.required if keeper is not None else frozenset()
 
 
-class FencedRulesFirstCut(FencedRules):
+class FencedRulesUnaware(FencedRules):
+    """The fencing rules before members registered since their record were told apart
+    (before c787bdc): any member of the record may be promoted, and a record is written only
+    when its members change (seeds 8805 and 15775 lose a write on them)."""
+
+    name = "fenced-unaware"
+    registration_aware = False
+
+    def in_sync_members(
+        self, members: frozenset[str], record_revision: int, registered: Mapping[str, int]
+    ) -> frozenset[str]:
+        return members
+
+
+class FencedRulesFirstCut(FencedRulesUnaware):
     """The fencing rules as first committed (fae8c28), before `recovered_state`: a restarted
     node served the actives its store kept before it read a map (the simulator's seed 611)."""
 
     name = "fenced-fae8c28"
     recovered_pending = False
-
-
-class RegistrationAwareRules(FencedRules):
-    """A proposal (docs/simulator.md, seed 8805), not in the node yet: a member of an in-sync
-    record that registered again after the record was written may have restarted since, and
-    lost what it had acknowledged from memory (MAJORITY, MAJORITY_AND_PERSIST_TO_ACTIVE), so
-    it is not promoted from that record. Registration and record are etcd keys: the node
-    key's create revision after the record's mod revision says so without any clock."""
-
-    name = "fenced+registration"
-
-    def in_sync_members(
-        self, members: frozenset[str], record_revision: int, registered: Mapping[str, int]
-    ) -> frozenset[str]:
-        return frozenset(m for m in members if registered.get(m, 0) < record_revision)
 
 
 def new_rules_available() -> bool:
