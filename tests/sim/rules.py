@@ -128,3 +128,9 @@ def new_rules_available() -> bool:
 def rules_for_tree() -> TodayRules:
     """The rule set matching the source tree: the fencing rules once they are there."""
     return FencedRules() if new_rules_available() else TodayRules()
+
+
+def rule_sets() -> dict[str, type[TodayRules]]:
+    """Every rule set by name (`python -m tests.sim.run --rules NAME`)."""
+    kinds = (TodayRules, FencedRules, FencedRulesUnaware, FencedRulesFirstCut)
+    return {kind.name: kind for kind in kinds}

@@ -18,7 +18,7 @@ import pytest
 from .cluster import RunResult, SimConfig, run
 from .faults import Fault
 from .orchestrator import PROMOTED_AFTER_RESTART
-from .rules import FencedRules, FencedRulesFirstCut, FencedRulesUnaware, TodayRules
+from .rules import FencedRulesFirstCut, FencedRulesUnaware, TodayRules
 from .scenarios import SCENARIOS
 
 # Seeds whose run lost acknowledged writes on the rules named.
