@@ -9,7 +9,10 @@ Used from ``foreachBatch``::
 Two writers stand behind ``MirrorWriter``. ``foreachBatch`` uses the distributed one
 (``dist_mirror.py``: Spark's tasks write the files, the driver commits the file actions; tables
 partitioned by vbucket group, also on S3) unless the option ``mirrorWriter=local`` asks for this
-module's, or the tables were written by it. The rest of this docstring is about this module's
+module's, or the tables were written by it. A collection-aware source (options
+``collections`` / ``scope``) gets one table pair per collection under
+``<path>/<scope>/<collection>/`` (``collection_mirror.py``), each written by one of these
+writers. The rest of this docstring is about this module's
 writer, the *local* one, which ``write(arrow_table, batch_id)`` always uses: the batch is
 collected to the driver and written from there.
 
@@ -82,6 +85,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from changefeed.consumer.change_rows import (
     OP_ROLLBACK,
 )
+from changefeed.spark.collection_mirror import CollectionMirrorWriter
 from changefeed.spark.delta_files import GROUP_COLUMN, table_uri
 from changefeed.spark.dist_mirror import DistributedMirrorWriter
 from changefeed.spark.key_index import KeyIndex, key_hashes
@@ -148,6 +152,8 @@ class MirrorWriter:
             ``mirrorWriter``, else from the tables' layout, distributed for new tables).
         storage_options: deltalake storage options for ``s3://`` tables (default: the
             environment's ``AWS_*``).
+        per_collection: one table pair per collection (``collection_mirror.py``); default:
+            when ``options`` make the source collection-aware.
     """
 
     def __init__(
@@ -158,6 +164,7 @@ class MirrorWriter:
         merge_schema: bool | None = None,
         writer: str | None = None,
         storage_options: dict[str, str] | None = None,
+        per_collection: bool | None = None,
     ) -> None:
         self.tables = table_uri(path, "").rstrip("/")  # a URL given as a Path is mended
         self.path = Path(path)
@@ -183,8 +190,27 @@ class MirrorWriter:
         self._tables: dict[Path, DeltaTable] = {}  # loaded once, then brought up to date
         self._index: KeyIndex | None = None  # the mirror's keys, while its version matches
         self._warned_unpartitioned = False
+        if per_collection is None:
+            lowered = {k.lower() for k in self.options}
+            per_collection = bool(lowered & {"collections", "scope"})
+        self._collections: CollectionMirrorWriter | None = None
+        if per_collection:
+
+            def one_collection(root: str, narrowed: dict[str, str]) -> MirrorWriter:
+                return MirrorWriter(
+                    root, narrowed, app_id, self.merge_schema, writer, storage_options,
+                    per_collection=False,
+                )  # fmt: skip
+
+            self._collections = CollectionMirrorWriter(
+                self.tables, self.options, one_collection, storage_options
+            )
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
+        if self._collections is not None:
+            self._collections(batch_df, batch_id)
+            self.rows_written = self._collections.rows_written
+            return
         if self._use_distributed():
             if self._distributed is None:
                 self._distributed = DistributedMirrorWriter(
@@ -212,6 +238,8 @@ class MirrorWriter:
         """Release what the writer holds (the distributed writer's lease on the tables)."""
         if self._distributed is not None:
             self._distributed.close()
+        if self._collections is not None:
+            self._collections.close()
 
     def write(self, changes: pa.Table, batch_id: int) -> None:
         """Apply one micro-batch (Arrow table of change rows in stream order)."""

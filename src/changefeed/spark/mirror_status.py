@@ -137,3 +137,56 @@ def changes(
     # Within a vbucket and commit, file order is stream order; sort stably by the other keys.
     order = pc.sort_indices(rows, [(COMMIT_VERSION, "ascending"), ("vbucket", "ascending")])
     return rows.take(order)
+
+
+@dataclass(frozen=True)
+class CollectionStatus:
+    """One collection's tables in a collection-aware mirror (``collection_mirror.py``).
+
+    Attributes:
+        collection: ``scope.collection``.
+        path: its tables' directory under the tables' root.
+        dropped: None while the collection exists; else when its drop was seen.
+        status: its tables' ``MirrorStatus`` (None: no mirror table written yet).
+    """
+
+    collection: str
+    path: str
+    dropped: dict[str, Any] | None
+    status: MirrorStatus | None
+
+    def line(self) -> str:
+        """One line for ``changefeed mirror status``."""
+        what = (
+            "no table yet" if self.status is None
+            else f"{self.status.rows:,} rows, last micro-batch {self.status.batch}"
+        )  # fmt: skip
+        if self.dropped is not None:
+            what += f"; DROPPED (manifest {self.dropped.get('manifest_uid')}, seen at batch "
+            what += f"{self.dropped.get('batch')}), tables kept"
+        return f"{self.collection} ({self.path}): {what}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "collection": self.collection, "path": self.path, "dropped": self.dropped,
+            **({} if self.status is None else {"table": self.status.to_json()}),
+        }  # fmt: skip
+
+
+def collection_statuses(
+    tables: str | Path, storage_options: dict[str, str] | None = None
+) -> list[CollectionStatus]:
+    """The per-collection tables of a collection-aware mirror under ``tables``, in the order
+    they were made (empty: not a collection-aware mirror)."""
+    from changefeed.spark.collection_registry import Registry
+
+    out = []
+    for entry in Registry.load(str(tables), storage_options).entries:
+        try:
+            status: MirrorStatus | None = mirror_status(
+                table_uri(tables, entry.path), storage_options
+            )
+        except NoMirrorError:
+            status = None
+        out.append(CollectionStatus(entry.name, entry.path, entry.dropped, status))
+    return out

@@ -5,6 +5,7 @@ again from the node. The single-process writer (``mirror``) and the distributed 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -12,10 +13,12 @@ import pyarrow as pa
 
 from changefeed.consumer.change_rows import CHANGE_ROW_SCHEMA, INT64_MAX, OP_DELETION, OP_MUTATION
 from changefeed.consumer.current_state import Document, read_current_state
+from changefeed.protocol.collections import encode_leb128
 from changefeed.spark.cluster import client_config, reachable_config
 from changefeed.spark.documents import DocumentReader
 from changefeed.spark.merge_source import latest_changes, mirror_schema, source_schema
 from changefeed.spark.options import SourceOptions
+from changefeed.spark.reading import fetch_manifest_sync
 
 log = logging.getLogger("changefeed.mirror")
 
@@ -27,19 +30,29 @@ def refetch_source(
     for change rows of ``schema``: the document, or a tombstone if it is gone. Typed
     documents are parsed as the source parses them (malformed ones: null fields and, if
     the schema has the column, the corrupt record). The distributed writer's tasks call it too.
+    Options naming one collection (a collection-aware mirror's table) re-read its keys.
     """
     if not keys:
         return source_schema(mirror_schema(schema)).empty_table()
     options = SourceOptions.parse(source_options)
     config = client_config(options, "changefeed-mirror")
-    raw = {key.encode("utf-8", "surrogateescape"): key for key in keys}
+    narrowed = options.collection_filter if len(options.collection_filter) == 1 else ()
+    prefix = b""
+    gone = False
+    if narrowed:  # one collection's tables: its keys, which arrive with its id in front
+        _, found = fetch_manifest_sync(options).resolve(narrowed[0])
+        gone = found is None  # dropped: its documents went with it
+        prefix = b"" if found is None else encode_leb128(found.uid)
+    raw = {prefix + key.encode("utf-8", "surrogateescape"): key for key in keys}
 
     async def current() -> dict[bytes, Document]:
         # Through whichever seed answers: the first may be the node that just failed.
         reachable = await reachable_config(options, config)
+        if narrowed:
+            reachable = dataclasses.replace(reachable, collections=narrowed)
         return await read_current_state(reachable, set(keys.values()), raw.keys())
 
-    docs = asyncio.run(current())
+    docs = {} if gone else asyncio.run(current())
     rows: list[dict[str, Any]] = []
     for raw_key, key in raw.items():
         doc = docs.get(raw_key)

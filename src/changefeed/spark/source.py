@@ -326,6 +326,29 @@ def _may_repeat(keys: pa.ChunkedArray) -> bool:
     return bool(np.any(hashes[1:] == hashes[:-1]))
 
 
+def top_level_names(ddl: str) -> list[str]:
+    """The field names of a DDL string's top level (``a int, `b c` struct<x:int>``: a, b c),
+    without Spark (which a data source's schema call may not have)."""
+    names, depth, start, quoted = [], 0, 0, False
+    for at, char in enumerate(ddl + ","):
+        if char == "`":
+            quoted = not quoted
+        elif quoted:
+            continue
+        elif char in "<(":
+            depth += 1
+        elif char in ">)":
+            depth -= 1
+        elif char == "," and depth == 0:
+            part = ddl[start:at].strip()
+            start = at + 1
+            if part.startswith("`"):
+                names.append(part[1 : part.index("`", 1)])
+            elif part:
+                names.append(part.split()[0].split(":")[0])
+    return names
+
+
 class ChangefeedDataSource(DataSource):
     @classmethod
     def name(cls) -> str:
@@ -338,11 +361,7 @@ class ChangefeedDataSource(DataSource):
         ddl = source_ddl(options)
         if not options.collections_aware:
             return ddl
-        from pyspark.sql.types import StructType as Struct
-
-        parsed = Struct.fromDDL(ddl)
-        fields = parsed.fieldNames() if isinstance(parsed, Struct) else []
-        clash = [n for n in fields if n.lower() in NAME_COLUMNS]
+        clash = [n for n in top_level_names(ddl) if n.lower() in NAME_COLUMNS]
         if clash:
             raise DocumentSchemaError(
                 f"document field {clash[0]!r} has the name of a column of a collection-aware "

@@ -1,0 +1,295 @@
+"""Spark per collection on one real node and one local[2] session (issue 28 item 5).
+
+- the source with ``collections`` / ``scope``: rows carry ``scope`` and ``collection``, keys
+  without the collection id, only the chosen collections (batch read, against the store);
+- the mirror of two collections in two scopes: one table pair each under
+  ``tables/<scope>/<collection>``, equal to the store on every column; a collection created
+  between runs gets its tables (even with no documents yet), a dropped one is marked and keeps
+  its rows; a replayed micro-batch (its commit removed from the checkpoint) changes nothing.
+
+The truth is an independent DCP read of each collection (``read_current_state`` with a
+collections filter), not the Spark source. Writes go over a collections KV connection with
+the key's collection id in front (as the SDK sends them), with flags and expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from deltalake import DeltaTable
+
+from changefeed.cli.node_process import HOST, NodeProcess
+from changefeed.consumer import read_current_state
+from changefeed.consumer.collections_admin import edit_manifest, get_manifest
+from changefeed.consumer.connection import Connection
+from changefeed.consumer.handshake import call, connect
+from changefeed.protocol.collections import encode_leb128, split_key
+from changefeed.protocol.collections_manifest import Manifest
+from changefeed.protocol.errors import KeyNotFoundError
+from changefeed.protocol.opcode import Feature, Opcode
+from changefeed.spark import MirrorWriter, read_mirror
+from changefeed.spark.collection_registry import DROPPED_FILE, Registry
+from changefeed.spark.mirror_status import collection_statuses
+from changefeed.spark.options import OptionError, SourceOptions
+from changefeed.vbmap import vbucket_for_key
+from support.clients import BUCKET, PASSWORD, USER, dcp_config
+from support.nodes import node_factory
+
+from .helpers import Doc, assert_changelog_once, diff, table_state
+
+pytestmark = pytest.mark.timeout(300)
+VBUCKETS = 8
+FAST_NODE = ["--no-durable"]
+EXPIRY = 2_000_000_000  # absolute, far ahead: kept, never expires during the test
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """One node for the module (a node and a Spark session per test would cost ~10 s more)."""
+    with node_factory(tmp_path_factory.mktemp("collections")) as factory:
+        yield factory(vbuckets=VBUCKETS, args=FAST_NODE)
+
+
+# -- writing and the truth ------------------------------------------------------------------
+
+
+async def kv(node: NodeProcess) -> Connection:
+    features = [Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON, Feature.COLLECTIONS]
+    return await connect(
+        HOST, node.port, agent="spark-collections-test", user=USER, password=PASSWORD,
+        bucket=BUCKET, features=features,
+    )  # fmt: skip
+
+
+def edit(node: NodeProcess, change: Callable[[Manifest], Manifest]) -> Manifest:
+    async def run() -> Manifest:
+        conn = await kv(node)
+        try:
+            return await edit_manifest(conn, change)
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
+
+
+def write(
+    node: NodeProcess, path: str, rng: random.Random, count: int, *, keys: int, tag: str
+) -> None:
+    """``count`` random upserts (flags and expiry) and deletes in collection ``path``."""
+
+    async def run() -> None:
+        conn = await kv(node)
+        try:
+            manifest = await get_manifest(conn)
+            found = manifest.resolve(path)[1]
+            assert found is not None, path
+            prefix = encode_leb128(found.uid)
+            for i in range(count):
+                key = f"{tag}{rng.randrange(keys)}".encode()
+                vb = vbucket_for_key(key, VBUCKETS)
+                if rng.random() < 0.1:
+                    with contextlib.suppress(KeyNotFoundError):  # not there: nothing to do
+                        await call(conn, Opcode.DELETE, vbucket=vb, key=prefix + key)
+                    continue
+                value = json.dumps({"n": i, "tag": tag, "path": path}).encode()
+                flags = rng.choice([0, 7, 0x8000_0001])
+                expiry = rng.choice([0, EXPIRY])
+                extras = struct.pack(">II", flags, expiry)
+                await call(conn, Opcode.SET, vbucket=vb, extras=extras, key=prefix + key,
+                           value=value)  # fmt: skip
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+
+
+def _int32(u32: int) -> int:
+    return u32 - 2**32 if u32 >= 2**31 else u32
+
+
+def truth(node: NodeProcess, path: str) -> dict[str, Doc]:
+    """Every live document of collection ``path`` with all its metadata, from a DCP read of
+    that collection alone."""
+    config = dcp_config(node, collections=(path,))
+    docs = asyncio.run(read_current_state(config, range(VBUCKETS)))
+    out = {}
+    for raw, doc in docs.items():
+        if doc.deleted:
+            continue
+        _, key = split_key(raw)
+        out[key.decode()] = Doc(doc.vbucket, doc.seqno, doc.value, doc.cas, _int32(doc.flags),
+                                _int32(doc.expiry), doc.rev_seqno)  # fmt: skip
+    return out
+
+
+# -- the source -----------------------------------------------------------------------------
+
+
+def test_options_refuse_bad_collection_names() -> None:
+    for bad, words in [
+        ({"collections": "orders"}, "not scope.collection"),
+        ({"collections": "a.b.c"}, "not scope.collection"),
+        ({"collections": "shop._x"}, "must not start with _"),
+        ({"scope": "sh op"}, "scope name 'sh op'"),
+        ({"collections": "a.b", "scope": "a"}, "not both"),
+        ({"collections": "a.b", "transport": "shm"}, "tcp only"),
+    ]:
+        with pytest.raises(OptionError, match=words):
+            SourceOptions.parse(bad)
+    parsed = SourceOptions.parse({"collections": " shop.orders , .x,shop.orders"})
+    assert parsed.collections == ("shop.orders", "_default.x")
+    assert parsed.wants("shop", "orders") and not parsed.wants("shop", "carts")
+    every = SourceOptions.parse({"collections": "*"})
+    assert every.collections_aware and every.collection_filter == ()
+    assert not SourceOptions.parse({}).collections_aware
+
+
+def test_batch_read_names_rows_and_keeps_to_its_collections(
+    spark: Any, node: NodeProcess, rng: random.Random
+) -> None:
+    edit(node, lambda m: m.with_scope("shop").with_collection("shop", "orders")
+         .with_scope("crm").with_collection("crm", "people"))  # fmt: skip
+    write(node, "shop.orders", rng, 300, keys=120, tag="k")
+    write(node, "crm.people", rng, 300, keys=120, tag="k")  # the same keys, another collection
+    write(node, "_default._default", rng, 100, keys=50, tag="k")
+    want = {("shop", "orders"): truth(node, "shop.orders"),
+            ("crm", "people"): truth(node, "crm.people")}  # fmt: skip
+
+    rows = (
+        spark.read.format("changefeed")
+        .options(**node.source_options(collections="shop.orders,crm.people", format="binary"))
+        .load()
+    )
+    assert rows.columns[-2:] == ["scope", "collection"]
+    table = rows.toArrow()
+    got: dict[tuple[str, str], pa.Table] = {}
+    for scope, collection in want:
+        mine = pc.and_(pc.equal(table.column("scope"), scope),
+                       pc.equal(table.column("collection"), collection))  # fmt: skip
+        got[(scope, collection)] = table.filter(mine)
+    assert sum(t.num_rows for t in got.values()) == table.num_rows, "rows of another collection"
+    for name, docs in want.items():
+        state = table_state(got[name])
+        assert state == docs, f"{name}: {diff(state, docs)}"
+
+    scoped = (
+        spark.read.format("changefeed")
+        .options(**node.source_options(scope="crm", format="binary"))
+        .load()
+        .toArrow()
+    )
+    assert set(scoped.column("collection").to_pylist()) == {"people"}
+    assert table_state(scoped) == want[("crm", "people")]
+
+    typed = (  # documents as typed columns: the names come after the fields
+        spark.read.format("changefeed")
+        .options(**node.source_options(collections="shop.orders", schema="n bigint, tag string"))
+        .load()
+    )
+    assert typed.columns[-2:] == ["scope", "collection"]
+    values = {r["key"]: r["n"] for r in typed.select("key", "n").collect()}
+    assert values == {k: json.loads(d.value)["n"] for k, d in want[("shop", "orders")].items()}
+
+
+# -- the mirror -----------------------------------------------------------------------------
+
+
+def run_mirror(spark: Any, node: NodeProcess, root: Path, collections: str) -> list[int]:
+    """One availableNow run of readStream -> foreachBatch(MirrorWriter) per collection; the
+    ids of the micro-batches it ran."""
+    options = node.source_options(
+        collections=collections, format="binary", maxOffsetsPerTrigger="400",
+        failOnDataLoss="false", mirrorGroups="2", mirrorTasks="2",
+    )  # fmt: skip
+    writer = MirrorWriter(root / "tables", options)
+    query = (
+        spark.readStream.format("changefeed")
+        .options(**options)
+        .load()
+        .writeStream.foreachBatch(writer)
+        .option("checkpointLocation", str(root / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert query.awaitTermination(240), "the availableNow query did not finish"
+    finally:
+        query.stop()
+        writer.close()
+    assert query.exception() is None, query.exception()
+    return [int(p["batchId"]) for p in query.recentProgress]
+
+
+def assert_tables_match(tables: Path, path: str, want: dict[str, Doc]) -> None:
+    """The collection's mirror equals ``want`` on every column; its changelog has each change
+    once, and its live rows end where the mirror is."""
+    root = tables / path
+    state = table_state(read_mirror(root))
+    assert state == want, f"{path}: {diff(state, want)}"
+    logged = assert_changelog_once(root)
+    assert {"scope", "collection"}.isdisjoint(logged.column_names)
+
+
+def test_mirror_per_collection_created_dropped_and_replayed(
+    spark: Any, node: NodeProcess, rng: random.Random, tmp_path: Path
+) -> None:
+    edit(node, lambda m: m.with_scope("ops").with_collection("ops", "events")
+         .with_scope("web").with_collection("web", "sessions"))  # fmt: skip
+    write(node, "ops.events", rng, 400, keys=150, tag="e")
+    write(node, "web.sessions", rng, 400, keys=150, tag="e")  # same keys: other tables
+    chosen = "ops.events,web.sessions,ops.late"  # ops.late: created while the job runs
+    run_mirror(spark, node, tmp_path, chosen)
+    tables = tmp_path / "tables"
+    assert_tables_match(tables, "ops/events", truth(node, "ops.events"))
+    assert_tables_match(tables, "web/sessions", truth(node, "web.sessions"))
+    assert not (tables / "ops" / "late").exists()
+    assert not (tables / "mirror").exists(), "a collection-aware job keeps no bucket table"
+
+    # Between runs: ops.late created (empty), more writes, web.sessions written then dropped:
+    # the writes the job had not read before the drop went with the collection, as on the
+    # node; what the job had mirrored stays.
+    sessions = truth(node, "web.sessions")
+    edit(node, lambda m: m.with_collection("ops", "late"))
+    write(node, "web.sessions", rng, 100, keys=150, tag="e")
+    edit(node, lambda m: m.without_collection("web", "sessions"))
+    write(node, "ops.events", rng, 200, keys=150, tag="e")
+    run_mirror(spark, node, tmp_path, chosen)
+    assert_tables_match(tables, "ops/events", truth(node, "ops.events"))
+    assert_tables_match(tables, "web/sessions", sessions)  # kept, with its last rows
+    late = DeltaTable(str(tables / "ops" / "late" / "mirror"))
+    assert late.to_pyarrow_table().num_rows == 0  # its tables exist before its first document
+    registry = {e.name: e for e in Registry.load(str(tables)).entries}
+    assert sorted(registry) == ["ops.events", "ops.late", "web.sessions"]
+    assert registry["web.sessions"].dropped is not None
+    assert registry["ops.events"].dropped is None and registry["ops.late"].dropped is None
+    assert json.loads((tables / "web" / "sessions" / DROPPED_FILE).read_text())["collection"] \
+        == "web.sessions"  # fmt: skip
+
+    # Documents in the new collection; then a replay of the last micro-batch (Spark runs a
+    # batch again when its commit is missing from the checkpoint): nothing is written twice.
+    write(node, "ops.late", rng, 150, keys=60, tag="l")
+    run_mirror(spark, node, tmp_path, chosen)
+    commits = sorted(
+        (tmp_path / "checkpoint" / "commits").glob("[0-9]*"), key=lambda p: int(p.name)
+    )
+    commits[-1].unlink()
+    (commits[-1].parent / f".{commits[-1].name}.crc").unlink(missing_ok=True)
+    assert int(commits[-1].name) in run_mirror(spark, node, tmp_path, chosen)  # replayed
+    for path, name in [("ops/events", "ops.events"), ("ops/late", "ops.late")]:
+        assert_tables_match(tables, path, truth(node, name))
+    assert_tables_match(tables, "web/sessions", sessions)
+
+    statuses = {s.collection: s for s in collection_statuses(tables)}
+    assert sorted(statuses) == ["ops.events", "ops.late", "web.sessions"]
+    assert statuses["web.sessions"].dropped and not statuses["ops.events"].dropped
+    assert statuses["ops.late"].status.rows == len(truth(node, "ops.late"))
