@@ -249,7 +249,7 @@ class NodeAgent:
         when this agent first saw it (rules.promotable_members)."""
         assert self.metadata is not None
         async for found in self.metadata.watch_registrations():  # never ends; retries itself
-            now = time.monotonic()
+            now = self.node.context.monotonic()  # the replication tracker's clock
             self.registrations = {
                 name: known
                 if (known := self.registrations.get(name)) is not None and known[0] == revision
@@ -375,8 +375,8 @@ class NodeAgent:
                     pump.disconnect()
                     closed += 1
             log.info(
-                "%s registered again (etcd revision %d) on a replica stream opened before: "
-                "closed its %d connections here to count it caught up afresh",
+                "%s's registration (etcd revision %d) is newer than its replica stream here: "
+                "closed its %d connections, so that it reconnects and counts as caught up afresh",
                 replica, seen[0], closed,
             )  # fmt: skip
 
