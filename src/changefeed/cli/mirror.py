@@ -45,6 +45,11 @@ from typing import Any, Final
 
 import click
 
+from changefeed.cli.mirror_collections import (
+    collection_options,
+    collections_flag,
+    show_collections,
+)
 from changefeed.cli.mirror_flags import GROUPS_MAX
 
 STOP_WAIT_S: Final = 300.0  # for the running micro-batch to end after SIGTERM
@@ -182,6 +187,7 @@ def _common(f: Any) -> Any:
     show_default=True,
     help="Fail when a vbucket must restart from 0 (else the mirror rebuilds it).",
 )
+@collections_flag
 @click.pass_context
 def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: str,
            tables: Path | None, checkpoint: Path | None, as_json: bool, schema: str,
@@ -189,7 +195,7 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
            max_offsets_per_trigger: int, master: str | None, spark_conf: tuple[str, ...],
            partitions: int | None, writer: str | None, mirror_tasks: int | None,
            mirror_groups: int | None, storage_pairs: tuple[str, ...], once: bool,
-           fail_on_data_loss: bool) -> None:  # fmt: skip
+           fail_on_data_loss: bool, collection_list: str | None) -> None:  # fmt: skip
     """Mirror a bucket into Delta tables with Spark, exactly once (status: see below)."""
     if ctx.invoked_subcommand is not None:
         return
@@ -223,6 +229,7 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
         options["partitions"] = str(partitions)
     options |= flags.source_options()
     check_cluster(options)
+    options |= collection_options(collection_list, options, tables)  # after: reachable
     job = MirrorJob(options, tables, checkpoint, as_json, flags.storage_options or None)
     if doc_format == "json":
         ddl = job.document_schema(schema, infer_schema)
@@ -484,6 +491,8 @@ def status(cluster: str, bucket: str, user: str, password: str, tables: Path | N
 
     if tables is None:
         raise click.UsageError("--tables is required")
+    if show_collections(tables, as_json):  # a mirror per collection (--collections)
+        return
     mirror_path = tables / "mirror"
     if not DeltaTable.is_deltatable(str(mirror_path)):
         raise click.ClickException(f"no mirror table at {mirror_path}")
