@@ -8,9 +8,10 @@ the new manifest, so concurrent `changefeed collection create` calls both land.
 `edit_cluster_manifest` does the same on every node of the cluster map: it edits the newest
 manifest any node holds and sets the result on each node (a node that missed an earlier change
 takes the newer manifest whole). Each node writes the system events into the vbuckets active on
-it, and replication carries them to the replicas. A node that cannot be reached keeps its old
-manifest and is reported; the same command run again brings it up to date. (Not under the
-orchestrator's fence: a manifest kept in etcd is still to come.)
+it, and replication carries them to the replicas. On a cluster (nodes started with --etcd) the
+bootstrap node's SET writes the etcd copy under the orchestrator's fence and every node applies
+it from there (cluster/manifest_store.py): the other nodes are then only checked, and a node
+down meanwhile applies it when it is back. A node that cannot be reached is reported.
 """
 
 from __future__ import annotations
@@ -113,14 +114,15 @@ async def edit_cluster_manifest(
         for _ in range(EDIT_ATTEMPTS_MAX):  # bounded: ERANGE means another editor won a round
             held = {name: await get_manifest(c) for name, c in nodes.items()}
             new = edit(max(held.values(), key=lambda m: m.uid))
-            try:
-                for name, c in nodes.items():
-                    await call(c, Opcode.SET_COLLECTIONS_MANIFEST, value=new.encode())
-                    outcome[name] = "set"
+            try:  # the bootstrap node first: on a cluster it writes the etcd copy
+                await call(conn, Opcode.SET_COLLECTIONS_MANIFEST, value=new.encode())
             except StatusError as error:
                 if error.code == Status.ERANGE:
                     continue
                 raise
+            outcome[this] = "set"
+            for name, c in others.items():
+                outcome[name] = await _bring_up(c, new)
             return new, outcome
         raise StatusError(
             f"the manifest changed under {EDIT_ATTEMPTS_MAX} attempts to edit it",
@@ -129,3 +131,20 @@ async def edit_cluster_manifest(
     finally:
         for c in others.values():
             await c.close()
+
+
+async def _bring_up(conn: Connection, new: Manifest) -> str:
+    """Make `conn`'s node hold `new` (or a newer manifest): "set", or why not. On a cluster it
+    applies the etcd copy by itself; a SET it gets meanwhile is ERANGE once etcd holds `new`,
+    and the node applied that copy before answering, so the next read shows it."""
+    for _ in range(EDIT_ATTEMPTS_MAX):  # bounded: each ERANGE is followed by a read
+        if (await get_manifest(conn)).uid >= new.uid:
+            return "set"
+        try:
+            await call(conn, Opcode.SET_COLLECTIONS_MANIFEST, value=new.encode())
+        except StatusError as error:
+            if error.code == Status.ERANGE:
+                continue
+            return f"refused: {error}"
+        return "set"
+    return f"still below manifest uid {new.uid:x} after {EDIT_ATTEMPTS_MAX} attempts"

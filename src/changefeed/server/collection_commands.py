@@ -20,6 +20,7 @@ sends).
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from dataclasses import fields, replace
 from operator import itemgetter
@@ -255,12 +256,16 @@ def get_scope_id(c: Requester, f: Frame) -> None:
 def set_collections_manifest(c: Requester, f: Frame) -> None:
     """SET_COLLECTIONS_MANIFEST: the whole next manifest. A uid not above the current one is
     ERANGE (someone changed it meanwhile: read it again and redo the edit), a broken rule
-    EINVAL; both name the problem."""
+    EINVAL; both name the problem. On a cluster it is answered once etcd holds it (or why
+    not: cluster/manifest_store.py)."""
     manifests = c.context.manifests
     try:
         new = Manifest.decode(f.value)
     except ManifestError as error:
         raise ProtocolError(str(error)) from None
+    if manifests.proposer is not None:  # a cluster: the change goes to etcd (manifest_store.py)
+        c.answer_when_done(f, asyncio.ensure_future(manifests.proposer(new)), lambda _: c.reply(f))
+        return
     if new.uid <= manifests.uid:
         c.reply(
             f,

@@ -10,6 +10,13 @@ skips it for the others (producer/collection_stream.py).
 
 Order inside one manifest change: scopes created, collections created, collections dropped,
 scopes dropped (a dropped scope's collections end before it).
+
+A vbucket that becomes active here (a promotion) may lack events: its old active wrote them
+and died before they were replicated, while the manifest changed during the failover.
+`SystemEventWriter.catch_up` reads which scopes and collections the vbucket's own events open
+and close (its system documents, on disk and in memory) and writes what the current manifest
+adds or drops beyond them, so the promoted copy's streams carry every collection the manifest
+holds, before any document of it can be written there.
 """
 
 from __future__ import annotations
@@ -20,15 +27,16 @@ from changefeed.protocol.collections import (
     SYSTEM_COLLECTION,
     SystemEvent,
     SystemEventMessage,
+    decode_system_event_doc,
     encode_system_event_doc,
     system_event_key,
 )
-from changefeed.protocol.collections_manifest import Manifest
+from changefeed.protocol.collections_manifest import DEFAULT_ID, Manifest
 from changefeed.protocol.errors import StatusError
 from changefeed.protocol.kv import StoreCommand
 from changefeed.protocol.opcode import Datatype, Opcode
 from changefeed.server.bucket import Bucket
-from changefeed.storage.keys import stored_key
+from changefeed.storage.keys import collection_key_ranges, stored_key
 
 log = logging.getLogger("changefeed.server")
 
@@ -81,19 +89,101 @@ class SystemEventWriter:
             vbucket = self.bucket.vbuckets[vb]
             if not vbucket.state.is_active:
                 continue  # a replica gets the events from its active's stream
-            for event in events:
-                ident = event.collection_id if event.collection_id is not None else event.scope_id
-                key = stored_key(SYSTEM_COLLECTION, system_event_key(event.event, ident))
-                command = StoreCommand(
-                    Opcode.SET, vb, 0, key, encode_system_event_doc(event), datatype=Datatype.JSON
-                )
-                try:
-                    self.bucket.store_command(command)
-                except StatusError as error:
-                    # The manifest is durable; a vbucket that cannot take the event now (its
-                    # store cannot persist) streams without it.
-                    log.warning(
-                        "system event %s not written to vb %d: %s", event.event.name, vb, error
+            self._write(vb, events)
+
+    def catch_up(self, vb: int, manifest: Manifest) -> int:
+        """Write into `vb`, active here, the events that take what its own events hold to
+        `manifest` (module docstring).
+
+        Returns:
+            how many events were written.
+        """
+        vbucket = self.bucket.vbuckets.get(vb)
+        if vbucket is None or not vbucket.state.is_active:
+            return 0
+        held = self.held_events(vb)
+        scopes = {ident for (event, ident) in held if event is SystemEvent.CREATE_SCOPE}
+        scopes -= {ident for (event, ident) in held if event is SystemEvent.DROP_SCOPE}
+        begun = {
+            ident: message.scope_id
+            for (event, ident), message in held.items()
+            if event is SystemEvent.BEGIN_COLLECTION
+        }
+        ended = {ident for (event, ident) in held if event is SystemEvent.END_COLLECTION}
+        uid = manifest.uid
+        events: list[SystemEventMessage] = []
+        for sid, scope in manifest.scope_ids().items():
+            if sid != DEFAULT_ID and sid not in scopes:
+                events.append(
+                    SystemEventMessage(
+                        0, 0, 0, SystemEvent.CREATE_SCOPE, uid, sid, None, scope.name.encode()
                     )
-                    continue
-                self.written += 1
+                )
+        in_manifest = manifest.by_id()
+        for cid, (scope, coll) in in_manifest.items():
+            if cid != DEFAULT_ID and cid not in begun:
+                events.append(
+                    SystemEventMessage(
+                        0, 0, 0, SystemEvent.BEGIN_COLLECTION, uid, scope.uid, cid,
+                        coll.name.encode(), coll.max_ttl,
+                    )
+                )  # fmt: skip
+        for cid, sid in sorted(begun.items()):
+            if cid not in in_manifest and cid not in ended:
+                events.append(
+                    SystemEventMessage(0, 0, 0, SystemEvent.END_COLLECTION, uid, sid, cid)
+                )
+        for sid in sorted(scopes):
+            if sid not in manifest.scope_ids():
+                events.append(SystemEventMessage(0, 0, 0, SystemEvent.DROP_SCOPE, uid, sid))
+        if events:
+            log.info(
+                "vb %d became active without %d system events of manifest %x: written",
+                vb, len(events), uid,
+            )  # fmt: skip
+        return self._write(vb, events)
+
+    def held_events(self, vb: int) -> dict[tuple[SystemEvent, int], SystemEventMessage]:
+        """The system events vbucket `vb` holds, by (event, collection or scope id): its
+        system documents on disk (the system collection's key range) and in memory."""
+        bucket = self.bucket
+        vbucket = bucket.vbuckets[vb]
+        docs: dict[bytes, tuple[int, bytes, bool]] = {}  # key -> (seqno, value, deleted)
+        for first, end in collection_key_ranges(SYSTEM_COLLECTION):
+            for seqno in bucket.store.key_range_seqnos(vb, first, end):  # one per event
+                for record in list(bucket.store.scan(vb, seqno, seqno)):
+                    docs[record.key] = (record.seqno, record.value, record.deleted)
+        prefix = collection_key_ranges(SYSTEM_COLLECTION)[0][0]
+        for checkpoint in vbucket.manager.checkpoints():  # bounded by memory's items
+            for item in checkpoint.live_items():
+                if item.key.startswith(prefix):
+                    known = docs.get(item.key)
+                    if known is None or known[0] < item.seqno:
+                        docs[item.key] = (item.seqno, item.value, item.deleted)
+        held: dict[tuple[SystemEvent, int], SystemEventMessage] = {}
+        for seqno, value, deleted in docs.values():
+            if deleted:
+                continue
+            message = decode_system_event_doc(value, vbucket=vb, opaque=0, seqno=seqno)
+            ident = message.collection_id if message.collection_id is not None else message.scope_id
+            held[message.event, ident] = message
+        return held
+
+    def _write(self, vb: int, events: list[SystemEventMessage]) -> int:
+        written = 0
+        for event in events:
+            ident = event.collection_id if event.collection_id is not None else event.scope_id
+            key = stored_key(SYSTEM_COLLECTION, system_event_key(event.event, ident))
+            command = StoreCommand(
+                Opcode.SET, vb, 0, key, encode_system_event_doc(event), datatype=Datatype.JSON
+            )
+            try:
+                self.bucket.store_command(command)
+            except StatusError as error:
+                # The manifest is durable; a vbucket that cannot take the event now (its
+                # store cannot persist) streams without it until it becomes active again.
+                log.warning("system event %s not written to vb %d: %s", event.event.name, vb, error)
+                continue
+            written += 1
+        self.written += written
+        return written

@@ -126,13 +126,16 @@ class ServerContext:
         Returns:
             The edge taken, or None when the vbucket already was in `state`.
         """
-        return change_vbucket_state(
+        edge = change_vbucket_state(
             self.bucket.vbucket(vb),
             state,
             waiters=self.sync_writes,
             end_streams=lambda: self.dcp.end_streams(vb, StreamEndReason.STATE_CHANGED),
             replication=self.replication,
         )
+        if edge is not None and state is VBucketState.ACTIVE:
+            self.manifests.activated(vb)  # a promoted copy writes the system events it lacks
+        return edge
 
     def current_map(self) -> ClusterMap:
         """The map clients route by: the cluster's, or this node alone with every vbucket."""

@@ -7,15 +7,18 @@ manifest (uid 0), which is how every bucket started before collections existed.
 
 A change goes through `ManifestStore.apply` (the rules are `Manifest.check_successor`), which
 persists first and then tells the listeners (the DCP side, the lazy purge) in the same call.
-`ManifestSource` is what the rest of the node reads; a cluster can put the same JSON in etcd
-under its fence and apply it here with `apply` (not done yet: see docs/sdk.md).
+On a cluster the manifest lives in etcd (cluster/manifest_store.py): a change a client asks
+for goes to the `proposer` it sets (SET_COLLECTIONS_MANIFEST awaits it), and each node applies
+the etcd copy here with `apply`; this file is then the node's cache of it. `activated(vb)`
+tells the activation listeners that a vbucket became active here (a promoted copy writes the
+system events it lacks: server/collection_events.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final
 
@@ -28,6 +31,7 @@ MANIFEST_FILE: Final = "collections.json"
 MANIFEST_BYTES_MAX: Final = 4 * 1024 * 1024  # 1000 collections take ~60 KiB
 
 Listener = Callable[[Manifest, Manifest], None]
+Proposer = Callable[[Manifest], Awaitable[None]]
 
 
 class ManifestStore:
@@ -41,6 +45,9 @@ class ManifestStore:
         self.directory = directory
         self._manifest = manifest if manifest is not None else Manifest.default()
         self._listeners: list[Listener] = []
+        self._activation_listeners: list[Callable[[int], object]] = []
+        # Set on a cluster: where a client's change goes (etcd), instead of `apply` here.
+        self.proposer: Proposer | None = None
         self._ever_scopes: dict[int, int] = {}  # every collection this process saw -> scope
         self._refresh_ids()
 
@@ -98,6 +105,15 @@ class ManifestStore:
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(old, new)` after every change (after it is durable)."""
         self._listeners.append(listener)
+
+    def add_activation_listener(self, listener: Callable[[int], object]) -> None:
+        """Call `listener(vb)` whenever vbucket `vb` becomes active on this node."""
+        self._activation_listeners.append(listener)
+
+    def activated(self, vb: int) -> None:
+        """Vbucket `vb` just became active here (server/context.py calls it on the edge)."""
+        for listener in list(self._activation_listeners):
+            listener(vb)
 
     def apply(self, new: Manifest) -> None:
         """Make `new` the manifest: check, persist, then tell the listeners.

@@ -264,7 +264,9 @@ class Node:
         users = load_or_create_users(config)
         bucket = Bucket.open(config, clock=clock, rng=rng)
         manifests = ManifestStore.open(config.data_dir / config.bucket)  # after a fresh start
-        manifests.add_listener(SystemEventWriter(bucket))
+        events = SystemEventWriter(bucket)
+        manifests.add_listener(events)
+        manifests.add_activation_listener(lambda vb: events.catch_up(vb, manifests.current))
         # Background work on the bucket's clock (the one delete and expiry times are taken on).
         self.compactor = Compactor(
             bucket,
