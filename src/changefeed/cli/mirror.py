@@ -625,3 +625,8 @@ def error_line(text: str) -> str:
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+from changefeed.cli.mirror_purge import purge  # noqa: E402  (a subcommand of ``mirror``)
+
+mirror.add_command(purge)
