@@ -22,9 +22,11 @@ SLOW_SEEDS = int(os.environ.get("SIM_SLOW_SEEDS", "50000"))
 
 
 def _results(seeds: range) -> list[RunResult]:
-    """Every seed's run, in `SIM_WORKERS` processes (default: one per core, at most 4 — the
-    suite itself runs in one process, so the other cores are free meanwhile)."""
-    workers = int(os.environ.get("SIM_WORKERS", str(min(4, os.cpu_count() or 1))))
+    """Every seed's run, in `SIM_WORKERS` processes (default: one per core, at most 4, when
+    the suite runs in one process; one under pytest-xdist, whose workers use the cores
+    already and whose threads make a forked pool's children crash)."""
+    cores = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(4, os.cpu_count() or 1)
+    workers = int(os.environ.get("SIM_WORKERS", str(cores)))
     if workers <= 1:
         return [run(seed) for seed in seeds]
     with concurrent.futures.ProcessPoolExecutor(workers) as pool:
