@@ -208,7 +208,7 @@ def run_mirror(spark: Any, node: NodeProcess, root: Path, collections: str) -> l
     """One availableNow run of readStream -> foreachBatch(MirrorWriter) per collection; the
     ids of the micro-batches it ran."""
     options = node.source_options(
-        collections=collections, format="binary", maxOffsetsPerTrigger="400",
+        collections=collections, format="binary", maxOffsetsPerTrigger="600",
         failOnDataLoss="false", mirrorGroups="2", mirrorTasks="2",
     )  # fmt: skip
     writer = MirrorWriter(root / "tables", options)
@@ -275,13 +275,12 @@ def test_mirror_per_collection_created_dropped_and_replayed(
     assert json.loads((tables / "web" / "sessions" / DROPPED_FILE).read_text())["collection"] \
         == "web.sessions"  # fmt: skip
 
-    # Documents in the new collection; then a replay of the last micro-batch (Spark runs a
-    # batch again when its commit is missing from the checkpoint): nothing is written twice.
+    # A replay of the last micro-batch (Spark runs a batch again when its commit is missing
+    # from the checkpoint) changes nothing; the same run then brings the new collection's
+    # first documents.
     write(node, "ops.late", rng, 150, keys=60, tag="l")
-    run_mirror(spark, node, tmp_path, chosen)
-    commits = sorted(
-        (tmp_path / "checkpoint" / "commits").glob("[0-9]*"), key=lambda p: int(p.name)
-    )
+    done = (tmp_path / "checkpoint" / "commits").glob("[0-9]*")
+    commits = sorted(done, key=lambda p: int(p.name))
     commits[-1].unlink()
     (commits[-1].parent / f".{commits[-1].name}.crc").unlink(missing_ok=True)
     assert int(commits[-1].name) in run_mirror(spark, node, tmp_path, chosen)  # replayed
@@ -293,3 +292,81 @@ def test_mirror_per_collection_created_dropped_and_replayed(
     assert sorted(statuses) == ["ops.events", "ops.late", "web.sessions"]
     assert statuses["web.sessions"].dropped and not statuses["ops.events"].dropped
     assert statuses["ops.late"].status.rows == len(truth(node, "ops.late"))
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def test_mirror_command_refuses_unknown_collections_before_spark(
+    node: NodeProcess, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from changefeed.cli.main import cli
+
+    edit(node, lambda m: m.with_scope("shop").with_collection("shop", "orders")
+         if m.resolve("shop.orders")[1] is None else m)  # fmt: skip
+    tables = tmp_path / "tables"
+    runner = CliRunner()
+    for given, words in [
+        ("shop.nope", "bucket 'default' has no shop.nope (it has: _default._default, "),
+        ("nosuch.*", "has no nosuch.*"),
+        ("shop", "not scope.collection"),
+        ("shop.*,shop.orders", "give one 'scope.*'"),
+    ]:
+        result = runner.invoke(
+            cli, ["mirror", "--cluster", node.address, "--tables", str(tables), "--collections",
+                  given, "--format", "binary"],
+        )  # fmt: skip
+        assert result.exit_code == 2, (given, result.output)
+        assert words in result.output, (given, result.output)
+        assert "Traceback" not in result.output
+    assert not tables.exists(), "a refused start leaves no directory"
+
+
+@pytest.mark.slow
+def test_mirror_command_killed_mid_run_does_not_duplicate(
+    node: NodeProcess, rng: random.Random, tmp_path: Path
+) -> None:
+    """``changefeed mirror --collections`` SIGKILLed (its whole process group: the driver's
+    Python, the JVM, the workers) after a random number of table commits, then run again:
+    each change once in each changelog, each mirror equal to its collection."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    edit(node, lambda m: m.with_scope("kill").with_collection("kill", "a")
+         .with_scope("kill2").with_collection("kill2", "b"))  # fmt: skip
+    write(node, "kill.a", rng, 1500, keys=400, tag="x")
+    write(node, "kill2.b", rng, 1500, keys=400, tag="x")
+    tables = tmp_path / "tables"
+    command = [
+        sys.executable, "-m", "changefeed", "mirror", "--cluster", node.address, "--tables",
+        str(tables), "--collections", "kill.a,kill2.b", "--format", "binary", "--once",
+        "--max-offsets-per-trigger", "500", "--master", "local[2]",
+    ]  # fmt: skip
+
+    def commits() -> int:
+        return sum(
+            len(list((tables / path / table / "_delta_log").glob("*.json")))
+            for path in ("kill/a", "kill2/b") for table in ("mirror", "changelog")
+        )  # fmt: skip
+
+    wanted = rng.randrange(1, 6)
+    victim = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while commits() < wanted and victim.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(30)
+    assert victim.returncode == -signal.SIGKILL, "the job ended before it was killed"
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    for path, name in [("kill/a", "kill.a"), ("kill2/b", "kill2.b")]:
+        assert_tables_match(tables, path, truth(node, name))

@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Final
 
 import pyarrow.fs as pafs
 
 from changefeed.protocol.collections_manifest import Manifest
-from changefeed.spark.delta_files import table_fs, table_uri
+from changefeed.spark.delta_files import is_remote, table_fs, table_uri
 
 REGISTRY_FILE: Final = "_changefeed_collections.json"
 DROPPED_FILE: Final = "_changefeed_dropped.json"  # beside a dropped collection's tables
@@ -70,6 +71,8 @@ class Registry:
             ValueError: the file is not a registry (names the file).
         """
         registry = cls(root, storage_options)
+        if not is_remote(table_uri(root, "")) and not Path(table_uri(root, "")).exists():
+            return registry  # reading makes no directory (a refused start leaves none)
         fs = registry._fs()
         if fs.get_file_info(REGISTRY_FILE).type == pafs.FileType.NotFound:
             return registry
