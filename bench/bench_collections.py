@@ -167,6 +167,9 @@ def main() -> None:
     parser.add_argument("--per", type=int, default=20_000, help="documents per collection")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--only", choices=("filtered", "all + client filter"), help="stream one kind (profiling)"
+    )
     args = parser.parse_args()
     per = 2_000 if args.quick else args.per
     rows: dict[str, list[dict[str, float]]] = {}
@@ -200,6 +203,8 @@ def main() -> None:
                 }
                 for _ in range(args.runs):  # alternate, so both see the same load
                     for name, config in configs.items():
+                        if args.only is not None and name != args.only:
+                            continue
                         result = await stream(node, config, wanted_id)
                         rows.setdefault(f"{source}: {name}", []).append(result)
 
@@ -225,7 +230,7 @@ def main() -> None:
             f"{med['node_cpu_s']:>10.2f} {med['client_cpu_s']:>12.2f} "
             f"{med['node_us_per_wanted']:>14.1f}"
         )
-    for source in ("memory", "disk"):
+    for source in ("memory", "disk") if args.only is None else ():
         all_, one = medians[f"{source}: all + client filter"], medians[f"{source}: filtered"]
         ratio = all_["node_us_per_wanted"] / one["node_us_per_wanted"]
         both = (all_["node_cpu_s"] + all_["client_cpu_s"]) / (

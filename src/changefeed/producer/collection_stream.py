@@ -18,6 +18,12 @@ Replica streams are not wrapped: they carry everything as stored.
 The default-collection fast path: a run with no marked key (storage/keys.py) on a connection
 without collections goes to the inner encoder untouched, so a bucket without named collections
 streams exactly as before, and the check costs no Python call per change (`_any_marked`).
+
+The sparse path, for a filter naming collections (not the default one): the changes the
+stream wants — keys starting with one of the wanted collections' stored prefixes, or the system
+collection's — are found by C loops over the run (`bytes.startswith` with the prefixes, at the
+key's offset in a stored record), and only those are looked at in Python; a skipped change
+costs a few C-level comparisons, so the node's cost follows what it sends (issue 28's goal).
 Other runs are taken item by item; consecutive kept items still go to the inner encoder
 together.
 """
@@ -25,7 +31,8 @@ together.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import attrgetter, itemgetter
+from itertools import compress, repeat
+from operator import attrgetter, itemgetter, ne
 from typing import Final, Protocol, TypeVar
 
 from changefeed.checkpoint import Item, SnapshotStart
@@ -35,6 +42,7 @@ from changefeed.protocol.collections import (
     StreamFilter,
     SystemEvent,
     decode_system_event_doc,
+    encode_leb128,
     encode_system_event,
 )
 from changefeed.protocol.dcp import StreamEndReason
@@ -98,6 +106,14 @@ class CollectionEncoder:
         self.manifest = manifest
         self.event_bytes_min = inner.event_bytes_min
         self.skipped = 0  # changes not sent (filtered out), for stats and tests
+        # The sparse path's stored-key prefixes: the wanted collections' and the system one's
+        # (None: the filter is not a set of named collections).
+        wanted = stream_filter.collections
+        self._prefixes: tuple[bytes, ...] | None = None
+        if aware and wanted is not None and 0 not in wanted:
+            self._prefixes = tuple(
+                _MARKER_BYTE + encode_leb128(cid) for cid in sorted({*wanted, SYSTEM_COLLECTION})
+            )
 
     # -- what is wanted ---------------------------------------------------------------------
 
@@ -138,6 +154,24 @@ class CollectionEncoder:
             key = _wire_key(item.key, cid, aware)
             return item if key is item.key else _rekeyed(item, key)
 
+        if self._prefixes is not None:
+            picked = list(
+                compress(
+                    range(len(items)),
+                    map(bytes.startswith, map(_KEY, items), repeat(self._prefixes)),
+                )
+            )
+            return self._filtered(
+                out,
+                [_collection_of_key(items[i].key, vb) for i in picked],
+                keep,
+                self.inner.items,
+                items.__getitem__,
+                lambda i: items[i].seqno,
+                bytes_max,
+                picked=picked,
+                length=len(items),
+            )
         return self._filtered(
             out,
             [_collection_of_key(item.key, vb) for item in items],
@@ -161,6 +195,19 @@ class CollectionEncoder:
             record = records[index]
             return Item.from_record(decode_record(vb, stored_seqno(record), record))
 
+        if self._prefixes is not None:
+            picked = _picked_records(records, self._prefixes)
+            return self._filtered(
+                out,
+                [_collection_of_stored(records[i], vb) for i in picked],
+                keep,
+                self.inner.stored,
+                event_item,
+                lambda i: stored_seqno(records[i]),
+                bytes_max,
+                picked=picked,
+                length=len(records),
+            )
         return self._filtered(
             out,
             [_collection_of_stored(record, vb) for record in records],
@@ -182,11 +229,18 @@ class CollectionEncoder:
         event_item: Callable[[int], Item],
         seqno_of: Callable[[int], int],
         bytes_max: int,
+        *,
+        picked: list[int] | None = None,
+        length: int = 0,
     ) -> tuple[int, int]:
         """Send what is wanted of a run whose changes are in collections `cids`, within
         `bytes_max` (at least one change consumed). A change is re-keyed (`keep`) only when it
         is sent, and sent in runs (`send`: the inner encoder); a skipped one costs its
         collection id and, last in the run, its seqno.
+
+        `picked` (the sparse path): the run has `length` changes, of which only those at the
+        ascending indexes `picked` may be wanted (`cids` are theirs); the others are skipped
+        a gap at a time, without looking at them.
 
         Returns:
             (changes consumed, bytes appended).
@@ -213,7 +267,18 @@ class CollectionEncoder:
 
         wants = self._wants
         aware = self.aware
-        for index, cid in enumerate(cids):  # bounded by the run
+        indexes = picked if picked is not None else range(len(cids))
+        gap_from = 0  # sparse: the first index not yet looked at
+        for index, cid in zip(indexes, cids, strict=True):  # bounded by the run
+            if index > gap_from:  # sparse: changes gap_from..index-1 are all skipped
+                if kept and not flush():
+                    return consumed, written
+                last_skipped = index - 1
+                self.skipped += index - gap_from
+                consumed = index
+                if written >= bytes_max:
+                    break
+            gap_from = index + 1
             if cid == SYSTEM_COLLECTION:
                 if not flush():
                     return consumed, written
@@ -238,6 +303,13 @@ class CollectionEncoder:
                 consumed = index + 1
             if written >= bytes_max:
                 break
+        else:
+            if picked is not None and length > gap_from:  # sparse: a trailing gap
+                if kept and not flush():
+                    return consumed, written
+                last_skipped = length - 1
+                self.skipped += length - gap_from
+                consumed = length
         if not flush():
             return consumed, written
         if last_skipped is not None and aware:
@@ -296,6 +368,17 @@ def _restored(record: bytes, cid: int, aware: bool) -> bytes:
     return b"".join(
         (record[:2], len(key).to_bytes(2, "big"), record[4:offset], key, record[offset + key_len :])
     )
+
+
+def _picked_records(records: Sequence[bytes], prefixes: tuple[bytes, ...]) -> list[int]:
+    """Indexes of the stored records whose key starts with one of `prefixes`: C loops over the
+    run (a mutation's key at its offset for every record, then the few tombstones again at
+    theirs), no Python step per record."""
+    hits = list(map(bytes.startswith, records, repeat(prefixes), repeat(_KEY_OFFSET_MUTATION)))
+    tombstones = map(ne, map(_FIRST_BYTE, records), repeat(_TAG_MUTATION))
+    for index in compress(range(len(records)), tombstones):
+        hits[index] = records[index].startswith(prefixes, _KEY_OFFSET_TOMBSTONE)
+    return list(compress(range(len(records)), hits))
 
 
 def _collection_of_key(key: bytes, vb: int) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from changefeed.checkpoint import Item
@@ -49,6 +49,9 @@ def make_items(spec: list[tuple[int, int]]) -> list[Item]:
             event = SystemEventMessage(0, 0, 0, SystemEvent.BEGIN_COLLECTION, 5, 8, 9, b"c9")
             key = stored_key(SYSTEM_COLLECTION, system_event_key(event.event, seqno))
             items.append(Item(seqno, key, Op.MUTATION, encode_system_event_doc(event), cas=seqno))
+        elif n % 4 == 3:  # a tombstone: its key sits elsewhere in a stored record
+            key = stored_key(cid, b"k%d" % n)
+            items.append(Item(seqno, key, Op.DELETION, b"", cas=seqno))
         else:
             key = stored_key(cid, b"k%d" % n)
             items.append(Item(seqno, key, Op.MUTATION, b"v%d" % seqno, cas=seqno))
@@ -98,7 +101,7 @@ def sent(frames: bytes) -> list[tuple[str, int, bytes]]:
         frame = decode_frame(frames, pos, 24 + bodylen)
         pos += 24 + bodylen
         assert (frame.vbucket, frame.opaque) == (VB, OPAQUE)
-        if frame.opcode == Opcode.DCP_MUTATION:
+        if frame.opcode in (Opcode.DCP_MUTATION, Opcode.DCP_DELETION):
             (seqno,) = struct.unpack_from(">Q", frame.extras)
             out.append(("change", seqno, frame.key))
         elif frame.opcode == Opcode.DCP_SYSTEM_EVENT:
@@ -119,6 +122,13 @@ FILTERS = st.one_of(
 
 
 @settings(deadline=None, max_examples=150)
+@example(  # the sparse path from disk: a wanted tombstone, gaps, a 2-byte id, a tiny budget
+    spec=[(8, 3), (0, 1), (300, 7), (9, 2), (300, 1), (-1, 0), (10, 3), (0, 2)],
+    aware=True,
+    flt=StreamFilter(collections=frozenset({8, 300})),
+    budget=1,
+    from_disk=True,
+)
 @given(
     spec=st.lists(
         st.tuples(st.sampled_from([-1, 0, 0, 8, 9, 10, 300]), st.integers(0, 20)),
@@ -140,7 +150,7 @@ def test_what_a_stream_sends_is_the_models(
     encoder = CollectionEncoder(
         inner, aware=aware, stream_filter=flt, manifest=Manifest(), opaque=OPAQUE
     )
-    records = [encode_record(Op.MUTATION, i.seqno, i.key, i.value, cas=i.cas) for i in items]
+    records = [encode_record(i.op, i.seqno, i.key, i.value, cas=i.cas) for i in items]
     out: list[bytes] = []
     at = 0
     while at < len(items):  # bounded: every call consumes at least one
