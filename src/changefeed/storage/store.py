@@ -49,6 +49,7 @@ from changefeed.storage.compaction import (
 )
 from changefeed.storage.data_file import DamagedStoreError, check_data_file, mark_created, set_aside
 from changefeed.storage.errors import CorruptRecordError, StorageError, StorageFullError
+from changefeed.storage.keyed_scan import KeyedBodyScan, KeyRanges
 from changefeed.storage.keys import (
     META_CLEAN,
     META_SHUTDOWN,
@@ -699,6 +700,27 @@ class Store:
         self._require_open()
         row = self._rows.get(vb)
         return 0 if row is None else row.item_count
+
+    def scan_keyed_bodies(
+        self, vb: int, start_seqno: int, end_seqno: int, key_ranges: KeyRanges
+    ) -> KeyedBodyScan:
+        """What `scan_bodies` would read, but only the records whose keys lie in `key_ranges`
+        (one collection's: keys.collection_key_ranges) and the range's last record; the other
+        records are not read (keyed_scan.py). Same snapshot and reader-slot rules.
+
+        Raises:
+            ValueError: vb outside 0..VBUCKETS_MAX-1, a seqno outside 0..SEQNO_MAX.
+            StorageError: no reader slot is free, or LMDB failed.
+        """
+        self._require_open()
+        _check_vb(vb)
+        if not (0 <= start_seqno <= limits.SEQNO_MAX and 0 <= end_seqno <= limits.SEQNO_MAX):
+            raise ValueError(f"scan range {start_seqno}..{end_seqno} outside 0..SEQNO_MAX")
+        with _translated_errors(self._map_size_bytes):
+            txn = self._env.begin()
+        return KeyedBodyScan(
+            txn, self._by_seqno, self._by_key, vb, start_seqno, end_seqno, key_ranges
+        )
 
     def key_range_seqnos(self, vb: int, first: bytes, end: bytes | None) -> list[int]:
         """The seqno of every stored key of `vb` in ``[first, end)`` (end None: to the last
