@@ -28,6 +28,7 @@ from changefeed.checkpoint.memory import item_size_bytes
 from changefeed.checkpoint.snapshot import MARKER_FLAG_DISK, SnapshotStart
 from changefeed.storage import Store
 from changefeed.storage.body_scan import BodyScan
+from changefeed.storage.keyed_scan import KeyedBodyScan, KeyRanges
 from changefeed.storage.record import stored_seqno
 
 
@@ -101,9 +102,21 @@ class BackfillQueue:
 class DiskCursor:
     """Position of a backfill in the store: a paused `store.scan_bodies` over the range."""
 
-    def __init__(self, store: Store, vb: int, start_seqno: int, end_seqno: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        vb: int,
+        start_seqno: int,
+        end_seqno: int,
+        key_ranges: KeyRanges | None = None,
+    ) -> None:
         assert 0 < start_seqno <= end_seqno, (start_seqno, end_seqno)
-        self._scan: BodyScan | None = store.scan_bodies(vb, start_seqno, end_seqno)
+        # key_ranges: only those keys' records and the range's last (storage/keyed_scan.py).
+        self._scan: BodyScan | KeyedBodyScan | None = (
+            store.scan_bodies(vb, start_seqno, end_seqno)
+            if key_ranges is None
+            else store.scan_keyed_bodies(vb, start_seqno, end_seqno, key_ranges)
+        )
         self.end_seqno = end_seqno
         self.last_seqno = start_seqno - 1
         self.items_read = 0
@@ -160,6 +173,8 @@ class Backfill:
         store, vb: where to read.
         start_seqno, end_seqno: inclusive range; the marker announces exactly this range.
         bytes_max: bound of the backfill queue.
+        key_ranges: read only the records of these stored-key ranges and the range's last
+            (a stream filtered to collections: storage/keyed_scan.py); None: every record.
     """
 
     def __init__(
@@ -170,6 +185,7 @@ class Backfill:
         end_seqno: int,
         *,
         bytes_max: int = limits.BACKFILL_QUEUE_BYTES_MAX,
+        key_ranges: KeyRanges | None = None,
     ) -> None:
         self.marker = SnapshotStart(
             start_seqno,
@@ -179,7 +195,7 @@ class Backfill:
             min(store.high_completed_seqno(vb), end_seqno),
         )
         self.queue = BackfillQueue(bytes_max)
-        self.disk_cursor = DiskCursor(store, vb, start_seqno, end_seqno)
+        self.disk_cursor = DiskCursor(store, vb, start_seqno, end_seqno, key_ranges)
         self._marker_sent = False
 
     @property

@@ -38,6 +38,7 @@ from changefeed.checkpoint.item import Item
 from changefeed.checkpoint.manager import CheckpointManager, ItemRun
 from changefeed.checkpoint.snapshot import CAUGHT_UP, DROPPED, CursorSignal, SnapshotStart
 from changefeed.storage import Store
+from changefeed.storage.keyed_scan import KeyRanges
 
 # What `StreamReader.read_runs` hands out: a snapshot start, a run of items from memory (one
 # snapshot's, in seqno order) or a run of stored records from a disk backfill.
@@ -84,6 +85,7 @@ class StreamReader:
         self._position = start_seqno  # the reader has everything up to here (last item or end)
         self._snapshot: SnapshotStart | None = None
         self._backfill: Backfill | None = None
+        self._key_ranges: KeyRanges | None = None  # `narrow`
         self._closed = False
         self.stats = {"backfills": 0, "backfill_items": 0, "registrations": 0, "drops": 0}
         self._cursor: Cursor = self._register()
@@ -273,9 +275,29 @@ class StreamReader:
                 self._position + 1,
                 backfill_end,
                 bytes_max=self._backfill_bytes_max,
+                key_ranges=self._key_ranges,
             )
             self.stats["backfills"] += 1
         return registration.cursor
+
+    def narrow(self, key_ranges: KeyRanges) -> None:
+        """Read from disk only the records of these stored-key ranges (and each disk
+        snapshot's last record): for a stream that sends nothing else (a collections filter,
+        producer/collection_stream.py), so its backfill does not read what it would skip.
+        Memory is read as before. Call before anything is read."""
+        assert self._snapshot is None, "narrow before reading"
+        self._key_ranges = key_ranges
+        backfill = self._backfill
+        if backfill is not None:
+            self._backfill = Backfill(
+                self._store,
+                self._manager.vb,
+                backfill.start_seqno,
+                backfill.end_seqno,
+                bytes_max=self._backfill_bytes_max,
+                key_ranges=key_ranges,
+            )
+            backfill.close()
 
     def _finish_backfill(self, backfill: Backfill) -> None:
         assert backfill.complete, backfill

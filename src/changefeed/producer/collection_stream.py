@@ -47,7 +47,7 @@ from changefeed.protocol.collections import (
 )
 from changefeed.protocol.dcp import StreamEndReason
 from changefeed.protocol.dcp_items import SeqnoAdvanced, encode_seqno_advanced
-from changefeed.storage.keys import COLLECTION_MARKER, split_stored_key
+from changefeed.storage.keys import COLLECTION_MARKER, collection_key_ranges, split_stored_key
 from changefeed.storage.record import decode_record, stored_seqno
 
 _MARKER: Final = COLLECTION_MARKER
@@ -368,6 +368,19 @@ def _restored(record: bytes, cid: int, aware: bool) -> bytes:
     return b"".join(
         (record[:2], len(key).to_bytes(2, "big"), record[4:offset], key, record[offset + key_len :])
     )
+
+
+def backfill_key_ranges(stream_filter: StreamFilter) -> list[tuple[bytes, bytes | None]] | None:
+    """The stored-key ranges a collections stream's backfill needs to read (storage
+    keyed_scan.py): the wanted collections' and the system collection's (its events), when the
+    filter names collections other than the default one (whose keys are not one range:
+    storage/keys.py); None otherwise (read everything)."""
+    wanted = stream_filter.collections
+    if wanted is None or 0 in wanted:
+        return None
+    return [
+        span for cid in sorted({*wanted, SYSTEM_COLLECTION}) for span in collection_key_ranges(cid)
+    ]
 
 
 def _picked_records(records: Sequence[bytes], prefixes: tuple[bytes, ...]) -> list[int]:

@@ -18,7 +18,12 @@ from typing import Protocol
 from changefeed import limits
 from changefeed.checkpoint import CursorKind, StreamReader
 from changefeed.producer.backfill_slots import BackfillSlots
-from changefeed.producer.collection_stream import CollectionEncoder, CollectionView, VbEncoder
+from changefeed.producer.collection_stream import (
+    CollectionEncoder,
+    CollectionView,
+    VbEncoder,
+    backfill_key_ranges,
+)
 from changefeed.producer.encoder import DcpEncoder, StreamEncoder
 from changefeed.producer.flow_control import FlowControl
 from changefeed.producer.item_encoding import ItemOptions
@@ -292,14 +297,18 @@ class DcpProducer:
         encoder: StreamEncoder = inner
         if self.role is StreamRole.APPLICATION:  # a replica takes everything as stored
             aware = self.collections and self._encoder_factory is None
+            stream_filter = self._filters.get(vb, StreamFilter()) if aware else StreamFilter()
             encoder = CollectionEncoder(
                 inner,
                 aware=aware,
-                stream_filter=self._filters.get(vb, StreamFilter()) if aware else StreamFilter(),
+                stream_filter=stream_filter,
                 manifest=self.manifest,
                 opaque=request.opaque,
                 stream_id=request.stream_id,
             )
+            ranges = backfill_key_ranges(stream_filter) if aware else None
+            if ranges is not None:  # its backfill reads only what it may send
+                reader.narrow(ranges)
         machine = StreamMachine(
             accepted.start_seqno, accepted.end_seqno, visible_only=not self.options.sync_writes
         )
