@@ -15,6 +15,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +25,7 @@ from changefeed.cluster.metadata import ClusterMetadata, PromotableInSync
 from changefeed.consumer import KvClient
 from changefeed.vbmap import ClusterMap, NodeAddress
 from support.cluster import start_cluster, wait_in_sync_published
+from support.etcd import running_etcd
 from support.nodes import NodeFactory
 
 pytestmark = pytest.mark.timeout(180)
@@ -126,6 +128,39 @@ def test_a_replica_restarted_since_its_record_is_promoted_only_once_caught_up_ag
     promoted = moved.active(vb)
     assert promoted is not None and promoted.name == b_name, moved.chains
     asyncio.run(_read_all(b, written))
+
+
+@pytest.mark.slow  # ~20-35 s here; the simulator's lease faults cover it in the default suite
+def test_members_that_only_lost_their_leases_become_promotable_again(
+    nodes: NodeFactory, tmp_path: Path
+) -> None:
+    """etcd paused past the lease: every node registers again when it is back (no restart,
+    the replica streams never closed), so every record's members registered after it. Each
+    active closes the replica connections older than the registrations it sees, counts the
+    replicas caught up afresh and writes its records again: every replica is promotable."""
+    with running_etcd(tmp_path) as etcd:
+        start_cluster(
+            nodes, etcd.endpoint, "relapse", count=3, replicas=2, failover_timeout_s=2,
+            crash_failover=False,
+        )  # fmt: skip
+        asyncio.run(wait_in_sync_published(etcd.endpoint, "relapse"))
+        before = asyncio.run(_registrations(etcd.endpoint, "relapse"))
+        os.kill(etcd.pid, signal.SIGSTOP)
+        time.sleep(3)  # past the 2 s lease: the nodes fence themselves and register again
+        os.kill(etcd.pid, signal.SIGCONT)
+        deadline = time.monotonic() + WAIT_S
+        while True:  # bounded by the deadline
+            after = asyncio.run(_registrations(etcd.endpoint, "relapse"))
+            if len(after) == 3 and all(after[n] > before[n] for n in before):
+                break
+            assert time.monotonic() < deadline, f"not all registered again: {before} {after}"
+            time.sleep(0.1)
+        asyncio.run(wait_in_sync_published(etcd.endpoint, "relapse", timeout_s=WAIT_S))
+
+
+async def _registrations(endpoint: str, cluster: str) -> dict[str, int]:
+    async with await ClusterMetadata.connect(endpoint, cluster) as md:
+        return await md.registrations()
 
 
 async def _map_and_leader(endpoint: str, cluster: str) -> tuple[ClusterMap, str]:
