@@ -169,9 +169,12 @@ class Checkpoint:
         self._maybe_compact()
         return delta
 
-    def add_run(self, items: Sequence[Item], start: int, full_bytes: int) -> tuple[int, int]:
-        """`add` for `items[start:]` in order — plain items (type `Item`: no SyncWrite ones),
-        seqnos rising — until this checkpoint holds `full_bytes` (at least one is added).
+    def add_run(
+        self, items: Sequence[Item], start: int, full_bytes: int, *, commits: bool = False
+    ) -> tuple[int, int]:
+        """`add` for `items[start:]` in order — plain items (type `Item`: no SyncWrite ones;
+        with `commits`, every one a `CommitItem`), seqnos rising — until this checkpoint holds
+        `full_bytes` (at least one is added).
 
         Returns:
             (index in `items` of the first item not added, change in accounted bytes).
@@ -190,7 +193,7 @@ class Checkpoint:
         while stop < count:  # bounded by the run; one item per round
             item = items[stop]
             stop += 1
-            assert type(item) is Item, item
+            assert type(item) is (CommitItem if commits else Item), item
             size = len(item.body) + (
                 MUTATION_BODY_OVERHEAD_BYTES
                 if item.op is _MUTATION
@@ -209,6 +212,10 @@ class Checkpoint:
         assert last > self.snap_end, (last, self.snap_end)
         self.live_count += added
         self.snap_end = self.visible_end = last
+        if commits:  # each commit completes its prepare (as `add` counts one)
+            run = items[start:stop]
+            prepared = max(item.prepared_seqno for item in run if isinstance(item, CommitItem))
+            self.high_completed = max(self.high_completed, prepared)
         self.memory_bytes = memory_bytes + delta
         self._maybe_compact()
         return stop, delta

@@ -266,10 +266,11 @@ class CheckpointManager:
             self._budget.recover()
         assert self._high_seqno == item.seqno, (self._high_seqno, item.seqno)
 
-    def queue_run(self, items: Sequence[Item]) -> int:
+    def queue_run(self, items: Sequence[Item], *, commits: bool = False) -> int:
         """`queue` each of `items` in order — plain items (type `Item`), seqnos rising — with
         one budget check, one charge per checkpoint and one wakeup for the run: the hot path
-        of a received batch of writes and of a replica's received run.
+        of a received batch of writes and of a replica's received run. With `commits`, every
+        item is a `CommitItem` instead (an active's run of SyncWrite commits).
 
         A checkpoint a cursor has entered is closed first, as `queue` does; the run may then
         fill the open one (no cursor can have read into it meanwhile, so no marker already
@@ -300,7 +301,9 @@ class CheckpointManager:
             ):
                 self._close_open()
                 open_checkpoint = self._open
-            done, delta_bytes = open_checkpoint.add_run(items, done, self._checkpoint_max_bytes)
+            done, delta_bytes = open_checkpoint.add_run(
+                items, done, self._checkpoint_max_bytes, commits=commits
+            )
             self._charge(delta_bytes)
             # Before a checkpoint after this one is made: it starts past what is queued.
             self._visible_high = self._high_seqno = items[done - 1].seqno

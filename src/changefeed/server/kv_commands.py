@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Callable
+from typing import Final
 
 from changefeed import limits
 from changefeed.protocol.error_map import decode_get_error_map, error_map_json
@@ -129,11 +130,34 @@ def write_then_reply(
 ) -> None:
     """Do `write` and answer with its result (and `value`): at once for a plain write (level
     0), once the monitor commits it for one with a durability frame (`durable_write`)."""
-    requirement = durability_of(f.framing_extras)
+    requirement = requirement_of(f.framing_extras)
     if requirement is None:
         reply_mutation(c, f, write(0), value=value)
     else:
         durable_write(c, f, key, requirement, write, value=value)
+
+
+# The framing extras a client sends are few and repeat on every write of a pipeline (the same
+# durability level and timeout): their decoded meaning is kept, a small bounded table.
+_FRAMING_SEEN_MAX: Final = 64
+_requirements: dict[bytes, DurabilityRequirement | None] = {}
+_preserve_ttl: dict[bytes, bool] = {}
+
+
+def requirement_of(framing_extras: bytes) -> DurabilityRequirement | None:
+    """`durability_of`, remembered for the framing extras seen last (malformed ones raise
+    each time, as `durability_of` does)."""
+    if not framing_extras:
+        return None
+    try:
+        return _requirements[framing_extras]
+    except KeyError:
+        pass
+    requirement = durability_of(framing_extras)
+    if len(_requirements) >= _FRAMING_SEEN_MAX:
+        _requirements.clear()
+    _requirements[framing_extras] = requirement
+    return requirement
 
 
 def durable_write(
@@ -176,12 +200,20 @@ def preserve_ttl_of(framing_extras: bytes) -> bool:
     """
     if not framing_extras:
         return False
+    known = _preserve_ttl.get(framing_extras)
+    if known is not None:
+        return known
+    preserve = False
     for info_id, payload in decode_frame_infos(framing_extras):
         if info_id == FRAME_INFO_PRESERVE_TTL:
             if payload:
                 raise ProtocolError("the PreserveTTL frame info takes no payload")
-            return True
-    return False
+            preserve = True
+            break
+    if len(_preserve_ttl) >= _FRAMING_SEEN_MAX:
+        _preserve_ttl.clear()
+    _preserve_ttl[framing_extras] = preserve
+    return preserve
 
 
 def require_privilege(c: Requester, privilege: Privilege) -> None:

@@ -31,9 +31,11 @@ outcome, so a client that disconnects changes nothing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Final, Protocol
 
 from changefeed.checkpoint import CheckpointMemoryFullError
@@ -52,6 +54,7 @@ log = logging.getLogger("changefeed.sync_writes")
 
 DEFAULT_TIMEOUT_S: Final = 10.0  # the SDKs' durable-write timeout, when the frame has none
 TIMEOUT_MIN_S: Final = 0.001
+RETRY_ABORT_S: Final = 0.05  # an abort that found checkpoint memory full, tried again
 
 
 class DurableVBucket(Protocol):
@@ -64,6 +67,8 @@ class DurableVBucket(Protocol):
     def persisted_seqno(self) -> int: ...
 
     def commit(self, key: bytes) -> MutationResult: ...
+
+    def commit_many(self, keys: Sequence[bytes]) -> list[MutationResult | StatusError]: ...
 
     def abort(self, key: bytes) -> int: ...
 
@@ -118,7 +123,7 @@ class DurableWrites:
         required_of: Callable[[int], Iterable[str]] = lambda vb: (),
     ) -> None:
         self._vbucket_of = vbucket_of
-        self._replicas_of = replicas_of
+        self.replicas_of = replicas_of
         self.required_of = required_of
         self._replication = replication
         self._waiting: dict[int, dict[bytes, Waiter]] = {}
@@ -134,7 +139,7 @@ class DurableWrites:
 
     def check_possible(self, vb: int) -> None:
         """Raise DurabilityImpossibleError unless a majority of vb's chain is reachable."""
-        replicas = self._replicas_of(vb)
+        replicas = self.replicas_of(vb)
         reachable = 1 + sum(1 for r in replicas if self._connected(vb, r))
         majority = (1 + len(replicas)) // 2 + 1
         if reachable < majority:
@@ -145,11 +150,28 @@ class DurableWrites:
             )
 
     def add(self, waiter: Waiter) -> None:
-        """Follow the prepare just queued (it may commit at once)."""
-        assert self._waiting.get(waiter.vb, {}).get(waiter.key) is None, waiter
-        self._waiting.setdefault(waiter.vb, {})[waiter.key] = waiter
+        """Follow the prepare just queued (it may commit at once). Only this waiter is looked
+        at: nothing the others wait for changed since the last check."""
+        waiting = self._waiting.get(waiter.vb)
+        if waiting is None:
+            waiting = self._waiting[waiter.vb] = {}
+        assert waiting.get(waiter.key) is None, waiter
+        assert not waiting or next(reversed(waiting.values())).seqno < waiter.seqno, waiter
+        waiting[waiter.key] = waiter  # in seqno order: `check` relies on it
         self.stats.prepared += 1
-        self.check(waiter.vb)
+        vbucket = self._vbucket_of(waiter.vb)
+        if not vbucket.state.is_active:
+            self._answer_all_ambiguous(waiter.vb, waiting)
+            return
+        persisted_here = vbucket.persisted_seqno
+        if persisted_here < waiter.seqno:
+            return  # just queued, not yet persisted here: no level is met (`durability_met`)
+        if _Acks(self, waiter.vb).met(waiter, persisted_here):
+            self._commit(waiter.vb, vbucket, [waiter])
+
+    def is_waiting(self, waiter: Waiter) -> bool:
+        """Whether `waiter` still waits for its outcome."""
+        return self._waiting.get(waiter.vb, {}).get(waiter.key) is waiter
 
     def on_progress(self, vb: int) -> None:
         """A replica of `vb` acknowledged more (or its stream closed)."""
@@ -180,7 +202,13 @@ class DurableWrites:
         return answered
 
     def check(self, vb: int) -> None:
-        """Commit every waiting write of `vb` whose level is met."""
+        """Commit every waiting write of `vb` whose level is met, as one run.
+
+        The commit rule is monotone in the seqno (a copy that holds a seqno holds every one
+        before it: streams deliver in order, the flusher persists in order), so of each ack
+        kind (received, persisted) the writes met are a prefix of those waiting, in seqno
+        order: the walk stops looking at a kind at its first write not met. The outcome is
+        the one of looking at every write (tests/unit/server/test_durable_window.py)."""
         waiting = self._waiting.get(vb)
         if not waiting:
             return
@@ -188,17 +216,32 @@ class DurableWrites:
         if not vbucket.state.is_active:
             self._answer_all_ambiguous(vb, waiting)
             return
-        replicas = self._replicas_of(vb)
         persisted_here = vbucket.persisted_seqno
-        for waiter in list(waiting.values()):
-            if not self._met(vb, waiter, replicas, persisted_here):
+        acks = _Acks(self, vb)
+        met: list[Waiter] = []
+        blocked: set[bool] = set()  # ack kinds (persisted?) whose first unmet write was seen
+        for waiter in waiting.values():  # bounded by the waiting writes
+            persisted = waiter.level is _PERSIST_TO_MAJORITY
+            if persisted in blocked:
                 continue
-            try:
-                result = vbucket.commit(waiter.key)
-            except CheckpointMemoryFullError:
-                return  # the flusher frees memory; its next round checks again
-            except StatusError as error:  # the prepare is gone (a rollback): outcome unknown
-                self._finish(waiter, SyncWriteAmbiguousError(str(error)))
+            if acks.met(waiter, persisted_here):
+                met.append(waiter)
+                continue
+            blocked.add(persisted)
+            if len(blocked) == 2:
+                break
+        if met:
+            self._commit(vb, vbucket, met)
+
+    def _commit(self, vb: int, vbucket: DurableVBucket, met: list[Waiter]) -> None:
+        """Commit `met` (waiting on `vb`, in seqno order) as one run and answer each."""
+        try:
+            results = vbucket.commit_many([waiter.key for waiter in met])
+        except CheckpointMemoryFullError:
+            return  # the flusher frees memory; its next round checks again
+        for waiter, result in zip(met, results, strict=False):  # bounded by `met`
+            if isinstance(result, StatusError):  # the prepare is gone (a rollback): unknown
+                self._finish(waiter, SyncWriteAmbiguousError(str(result)))
                 continue
             self.stats.committed += 1
             self._finish(waiter, result)
@@ -210,7 +253,7 @@ class DurableWrites:
         Returns:
             False if the abort found checkpoint memory full: call again a little later.
         """
-        if self._waiting.get(waiter.vb, {}).get(waiter.key) is not waiter:
+        if not self.is_waiting(waiter):
             return True
         vbucket = self._vbucket_of(waiter.vb)
         if vbucket.state.is_active:
@@ -236,18 +279,6 @@ class DurableWrites:
             answered += 1
         return answered
 
-    def _met(self, vb: int, waiter: Waiter, replicas: Sequence[str], persisted_here: int) -> bool:
-        ack = (
-            self._persisted
-            if waiter.level is DurabilityLevel.PERSIST_TO_MAJORITY
-            else self._received
-        )
-        required = [ack(vb, r) for r in self.required_of(vb)]
-        # Looked up in this module at each call: the simulator's mutants replace the rule.
-        return durability_met(
-            waiter.seqno, persisted_here, [ack(vb, r) for r in replicas], required
-        )
-
     def _finish(self, waiter: Waiter, outcome: MutationResult | StatusError) -> None:
         waiting = self._waiting.get(waiter.vb)
         if waiting is not None and waiting.get(waiter.key) is waiter:
@@ -259,12 +290,14 @@ class DurableWrites:
     def _connected(self, vb: int, replica: str) -> bool:
         return self._replication is not None and self._replication.progress(vb, replica).connected
 
-    def _received(self, vb: int, replica: str) -> int:
+    def received_ack(self, vb: int, replica: str) -> int:
+        """What `replica` of `vb` acknowledged as received (0: no replication)."""
         if self._replication is None:
             return 0
         return self._replication.progress(vb, replica).received_seqno
 
-    def _persisted(self, vb: int, replica: str) -> int:
+    def persisted_ack(self, vb: int, replica: str) -> int:
+        """What `replica` of `vb` acknowledged as persisted (0: no replication)."""
         if self._replication is None:
             return 0
         return self._replication.progress(vb, replica).persisted_seqno
@@ -298,7 +331,12 @@ class SyncWriteMonitor:
             required_of=required_of,
         )
         self._default_timeout_s = default_timeout_s
-        self._timers: dict[int, asyncio.TimerHandle] = {}  # id(waiter) -> its timer
+        # The waiters' timeouts: for each timeout length a queue of (deadline, waiter) in
+        # deadline order (the loop's clock only rises), and one loop timer for the earliest
+        # head, not a timer per write; an answered waiter leaves its queue lazily.
+        self._deadlines: dict[float, collections.deque[tuple[float, Waiter]]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         bucket.persisted_listeners.append(self.decisions.on_persisted)
         if replication is not None:
             replication.listeners.append(self.decisions.on_progress)
@@ -334,17 +372,54 @@ class SyncWriteMonitor:
         commit's result, or SyncWriteAmbiguousError."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[MutationResult] = loop.create_future()
-        waiter = Waiter(vb, key, prepared.seqno, requirement.level, answer=lambda _: None)
-        waiter.answer = lambda outcome: self._answered(waiter, future, outcome)
+        waiter = Waiter(vb, key, prepared.seqno, requirement.level, partial(_settle, future))
         timeout_s = (
             max(TIMEOUT_MIN_S, requirement.timeout_ms / 1000)
             if requirement.timeout_ms
             else self._default_timeout_s
         )
-        self._timers[id(waiter)] = loop.call_later(timeout_s, self._expire, waiter)
+        self._arm(loop, timeout_s, waiter)
         self._bucket.hurry_flush()  # every level waits for this node's persistence
         self.decisions.add(waiter)
         return future
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, timeout_s: float, waiter: Waiter) -> None:
+        deadline = loop.time() + timeout_s
+        queue = self._deadlines.get(timeout_s)
+        if queue is None:
+            queue = self._deadlines[timeout_s] = collections.deque()
+        else:  # answered heads leave here, so the queue holds about the writes still waiting
+            is_waiting = self.decisions.is_waiting
+            while queue and not is_waiting(queue[0][1]):
+                queue.popleft()
+        queue.append((deadline, waiter))
+        if self._timer is None or deadline < self._timer_at:
+            self._schedule(loop, deadline)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(deadline, self._on_timer)
+        self._timer_at = deadline
+
+    def _on_timer(self) -> None:
+        """Expire every waiter whose deadline passed; then wait for the next deadline."""
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        decisions = self.decisions
+        retry: list[Waiter] = []
+        for timeout_s, queue in list(self._deadlines.items()):
+            while queue and (queue[0][0] <= now or not decisions.is_waiting(queue[0][1])):
+                _, waiter = queue.popleft()
+                if decisions.is_waiting(waiter) and not decisions.expire(waiter):
+                    retry.append(waiter)  # memory full: the abort is tried again shortly
+            if not queue:
+                del self._deadlines[timeout_s]
+        for waiter in retry:
+            self._arm(loop, RETRY_ABORT_S, waiter)
+        if self._timer is None and self._deadlines:
+            self._schedule(loop, min(queue[0][0] for queue in self._deadlines.values()))
 
     def on_progress(self, vb: int) -> None:
         """A replica of `vb` acknowledged more (or its stream closed)."""
@@ -362,27 +437,43 @@ class SyncWriteMonitor:
         """Commit every pending write of `vb` whose level is met."""
         self.decisions.check(vb)
 
-    def _expire(self, waiter: Waiter) -> None:
-        if not self.decisions.expire(waiter):
-            loop = asyncio.get_running_loop()
-            self._timers[id(waiter)] = loop.call_later(0.05, self._expire, waiter)
 
-    def _answered(
-        self,
-        waiter: Waiter,
-        future: asyncio.Future[MutationResult],
-        outcome: MutationResult | StatusError,
-    ) -> None:
-        timer = self._timers.pop(id(waiter), None)
-        if timer is not None:
-            timer.cancel()
-        if future.done():
-            return
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-            future.exception()  # retrieved: a waiter that left must not warn
-        else:
-            future.set_result(outcome)
+def _settle(future: asyncio.Future[MutationResult], outcome: MutationResult | StatusError) -> None:
+    """A waiter's answer: its outcome into the future the connection awaits."""
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+        future.exception()  # retrieved: a waiter that left must not warn
+    else:
+        future.set_result(outcome)
+
+
+_PERSIST_TO_MAJORITY: Final = DurabilityLevel.PERSIST_TO_MAJORITY
+
+
+class _Acks:
+    """The replica acks of one vbucket for one check, of each kind read once (not per write)."""
+
+    __slots__ = ("_decisions", "_kinds", "_vb")
+
+    def __init__(self, decisions: DurableWrites, vb: int) -> None:
+        self._decisions = decisions
+        self._vb = vb
+        self._kinds: dict[bool, tuple[list[int], list[int]]] = {}
+
+    def met(self, waiter: Waiter, persisted_here: int) -> bool:
+        persisted = waiter.level is _PERSIST_TO_MAJORITY
+        acks = self._kinds.get(persisted)
+        if acks is None:
+            decisions, vb = self._decisions, self._vb
+            ack = decisions.persisted_ack if persisted else decisions.received_ack
+            acks = self._kinds[persisted] = (
+                [ack(vb, r) for r in decisions.replicas_of(vb)],
+                [ack(vb, r) for r in decisions.required_of(vb)],
+            )
+        # Looked up in this module at each call: the simulator's mutants replace the rule.
+        return durability_met(waiter.seqno, persisted_here, acks[0], acks[1])
 
 
 def durability_met(

@@ -116,6 +116,44 @@ class ActiveRole(Role):
         retain_pending(core.manager, self.pending)
         return MutationResult(vbucket=core.vb, seqno=seqno, cas=prepare.cas, vb_uuid=core.vb_uuid)
 
+    def commit_many(self, keys: Sequence[bytes]) -> list[MutationResult | StatusError]:
+        """See `VBucket.commit_many`."""
+        core = self.core
+        pending = self.pending
+        assert len(set(keys)) == len(keys), "a key commits once per run"
+        out: list[MutationResult | StatusError] = []
+        commits: list[Item] = []
+        at: list[int] = []  # index in `out` of each commit
+        seqno = core.high_seqno
+        for key in keys:  # bounded by the caller's run
+            prepare = pending.get(key)
+            if prepare is None:
+                out.append(
+                    KeyNotFoundError(f"vb {core.vb}: no durable write of {key[:64]!r} pending")
+                )
+                continue
+            seqno += 1
+            commits.append(prepare.committed(seqno))
+            at.append(len(out))
+            out.append(MutationResult(vbucket=core.vb, seqno=seqno, cas=prepare.cas,
+                                      vb_uuid=core.vb_uuid))  # fmt: skip
+        if not commits:
+            return out
+        queued = core.manager.queue_run(commits, commits=True)  # may raise: nothing changed
+        if queued < len(commits):  # memory ran out part of the way: the rest stay pending
+            del out[at[queued] :]
+        locks = self.locks
+        cas = 0
+        for item in commits[:queued]:
+            del pending[item.key]
+            if item.cas > cas:
+                cas = item.cas
+            if locks:
+                locks.pop(item.key, None)
+        core.advanced(commits[queued - 1].seqno, cas)
+        retain_pending(core.manager, pending)
+        return out
+
     def abort(self, key: bytes) -> int:
         core = self.core
         prepare = self.pending.get(key)

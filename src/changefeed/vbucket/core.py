@@ -50,6 +50,7 @@ from changefeed.checkpoint import (
     SyncItem,
 )
 from changefeed.failover import FailoverLog
+from changefeed.protocol.errors import StatusError
 from changefeed.protocol.kv import MutationResult
 from changefeed.protocol.kv_ops import DocumentMeta
 from changefeed.storage import Op, Record, Store
@@ -209,6 +210,11 @@ class VBucket:
         """Pending SyncWrite prepares, oldest first."""
         return list(self._role.pending.values())
 
+    @property
+    def has_pending_prepares(self) -> bool:
+        """Whether any SyncWrite prepare is pending (cheaper than `pending_prepares`)."""
+        return bool(self._role.pending)
+
     def pending_prepare(self, key: bytes) -> SyncItem | None:
         """The pending prepare of `key`, if any."""
         pending = self._role.pending
@@ -223,6 +229,18 @@ class VBucket:
             CheckpointMemoryFullError: checkpoint memory is full; the prepare stays pending.
         """
         return self._role.commit(key)
+
+    def commit_many(self, keys: Sequence[bytes]) -> list[MutationResult | StatusError]:
+        """`commit` of each of `keys` (distinct) in order, queued as one run: one result per
+        key, KeyNotFoundError for a key with no prepare pending. When checkpoint memory runs
+        out part of the way the list stops before the first commit not queued (that key and
+        the ones after it stay as they were: call again later).
+
+        Raises:
+            NotMyVbucketError: not active.
+            CheckpointMemoryFullError: not even the first commit fits; nothing changed.
+        """
+        return self._role.commit_many(keys)
 
     def abort(self, key: bytes) -> int:
         """Abort the pending prepare of `key` (it never becomes visible); return the abort's

@@ -114,6 +114,9 @@ class Role:
     def commit(self, key: bytes) -> MutationResult:
         self._refuse("active")
 
+    def commit_many(self, keys: Sequence[bytes]) -> list[MutationResult | StatusError]:
+        self._refuse("active")
+
     def abort(self, key: bytes) -> int:
         self._refuse("active")
 

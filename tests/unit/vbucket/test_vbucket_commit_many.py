@@ -1,0 +1,123 @@
+"""`VBucket.commit_many` (a run of SyncWrite commits queued as one checkpoint run) against
+`commit` one key at a time on a twin vbucket: the same answers, the same items in memory and,
+once flushed, the same records, high completed seqno and pending prepares on disk."""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from changefeed.checkpoint import CheckpointMemoryFullError
+from changefeed.protocol.errors import KeyNotFoundError, StatusError
+from changefeed.protocol.kv import MutationResult
+from changefeed.storage import Store
+from changefeed.vbucket import VBucket
+
+NOW = 1_700_000_000.0
+
+writes = st.lists(
+    st.tuples(st.integers(0, 7), st.integers(0, 3), st.booleans()),  # key, level, plain first
+    min_size=1,
+    max_size=20,
+)
+
+
+def twin(root: Path, name: str) -> tuple[Store, VBucket]:
+    store = Store(root / name, map_size_bytes=64 << 20, durable=False)
+    return store, VBucket(store, 0, clock=lambda: NOW, rng=random.Random(1))
+
+
+def prepare_all(vbucket: VBucket, script: list[tuple[int, int, bool]]) -> list[bytes]:
+    """Plain writes and prepares; the keys with a prepare pending, oldest first."""
+    for number, (key_number, level, plain_first) in enumerate(script):
+        key = b"k%d" % key_number
+        if vbucket.pending_prepare(key) is not None:
+            continue
+        if plain_first:
+            vbucket.set(key, b"plain%d" % number)
+        if level:
+            vbucket.set(key, b"durable%d" % number, level=level)
+    return [prepare.key for prepare in vbucket.pending_prepares]
+
+
+def one_at_a_time(vbucket: VBucket, keys: list[bytes]) -> list[MutationResult | StatusError]:
+    out: list[MutationResult | StatusError] = []
+    for key in keys:
+        try:
+            out.append(vbucket.commit(key))
+        except KeyNotFoundError as error:
+            out.append(error)
+    return out
+
+
+def summary(vbucket: VBucket, store: Store) -> tuple[object, ...]:
+    vbucket.flush()
+    records = [(r.key, r.seqno, r.op, r.value, r.cas) for r in store.scan(0, 0, 1 << 40)]
+    pending = [(p.key, p.seqno) for p in vbucket.pending_prepares]
+    return records, store.high_completed_seqno(0), pending, vbucket.high_seqno
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(writes, st.data())
+def test_commit_many_is_commit_one_key_at_a_time(
+    script: list[tuple[int, int, bool]], data: st.DataObject
+) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        store_a, run_of = twin(Path(root), "a")
+        store_b, singles = twin(Path(root), "b")
+        try:
+            pending = prepare_all(run_of, script)
+            assert prepare_all(singles, script) == pending
+            # Some of the pending keys, in their order, and a key with nothing pending.
+            chosen = [k for k in pending if data.draw(st.booleans())]
+            keys = [*chosen, b"nothing-pending"] if data.draw(st.booleans()) else chosen
+            got = run_of.commit_many(keys)
+            want = one_at_a_time(singles, keys)
+            assert [type(x) for x in got] == [type(x) for x in want]
+            assert [x for x in got if isinstance(x, MutationResult)] == [
+                x for x in want if isinstance(x, MutationResult)
+            ]
+            for key in chosen:
+                assert run_of.get(key).value == singles.get(key).value
+            assert summary(run_of, store_a) == summary(singles, store_b)
+        finally:
+            store_a.close()
+            store_b.close()
+
+
+def test_memory_full_part_of_the_way_leaves_the_rest_pending(tmp_path: Path) -> None:
+    store, vbucket = twin(tmp_path, "a")
+    try:
+        for n in range(4):
+            vbucket.set(b"k%d" % n, b"v%d" % n, level=1)
+        manager = vbucket.manager
+        real: Callable[..., int] = manager.queue_run
+
+        def two_fit(items: list[object], *, commits: bool = False) -> int:
+            return real(items[:2], commits=commits)  # memory ran out after two
+
+        manager.queue_run = two_fit  # type: ignore[method-assign,assignment]
+        got = vbucket.commit_many([b"k0", b"k1", b"k2", b"k3"])
+        assert [r.seqno for r in got if isinstance(r, MutationResult)] == [5, 6]
+        assert len(got) == 2
+        assert [p.key for p in vbucket.pending_prepares] == [b"k2", b"k3"]
+        assert vbucket.get(b"k1").value == b"v1"
+
+        def full(items: list[object], *, commits: bool = False) -> int:
+            raise CheckpointMemoryFullError("full")
+
+        manager.queue_run = full  # type: ignore[method-assign,assignment]
+        try:
+            vbucket.commit_many([b"k2"])
+        except CheckpointMemoryFullError:
+            pass
+        else:
+            raise AssertionError("a run that does not fit at all raises")
+        assert [p.key for p in vbucket.pending_prepares] == [b"k2", b"k3"]
+    finally:
+        store.close()
