@@ -605,6 +605,8 @@ def shapes(only: str) -> Iterator[Shape]:
     every = [
         Shape("raw SET w=16 x1", 16, 1),
         Shape("raw SET w=16 x2", 16, 2),
+        Shape("raw SET w=64 x1", 64, 1),
+        Shape("raw SET w=64 x2", 64, 2),
         Shape("raw SET w=256 x1", 256, 1),
         Shape("raw SET w=2000 x1", 2000, 1),
         Shape("raw SET w=2000 x2", 2000, 2),

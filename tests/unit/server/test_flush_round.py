@@ -154,6 +154,7 @@ def test_rounds_under_load_wait_the_gap_unless_a_writer_waits_for_persistence(
     """After a round the flusher gathers for FLUSH_IDLE_S (back-to-back rounds were a few
     items per vbucket each); an OBSERVE_SEQNO below the high seqno cuts the gap short."""
     monkeypatch.setattr(bucket_module, "FLUSH_IDLE_S", 30.0)  # longer than the test runs
+    monkeypatch.setattr(bucket_module, "FLUSH_GATHER_S", 30.0)  # after a small round too
     vbucket = bucket.vbucket(0)
 
     async def steps(bucket: Bucket) -> None:
@@ -165,6 +166,52 @@ def test_rounds_under_load_wait_the_gap_unless_a_writer_waits_for_persistence(
         assert vbucket.persisted_seqno == 1
         observed = bucket.observe_seqno(0, vbucket.vb_uuid)
         assert (observed.persisted_seqno, observed.current_seqno) == (1, 2)
+        await wait_until(lambda: vbucket.persisted_seqno == 2)
+
+    run_flush_loop(bucket, steps)
+
+
+def test_a_small_round_gathers_longer_and_a_large_one_does_not(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round of fewer than SMALL_ROUND_ITEMS waits FLUSH_GATHER_S before the next (small
+    windows paid a round each); after a larger one the gap is FLUSH_IDLE_S again."""
+    monkeypatch.setattr(bucket_module, "SMALL_ROUND_ITEMS", 3)
+    monkeypatch.setattr(bucket_module, "FLUSH_GATHER_S", 30.0)  # longer than the test runs
+    monkeypatch.setattr(bucket_module, "FLUSH_IDLE_S", 0.01)
+    vbucket = bucket.vbucket(0)
+
+    async def steps(bucket: Bucket) -> None:
+        bucket._hurry.set()  # the first round, at once: one item, a small round
+        vbucket.set(b"a", b"v")
+        await wait_until(lambda: vbucket.persisted_seqno == 1)
+        for key in (b"b", b"c", b"d"):
+            vbucket.set(key, b"v")
+        await asyncio.sleep(0.3)
+        assert vbucket.persisted_seqno == 1  # gathering after the small round
+        bucket.hurry_flush()  # a writer waits: the round of three goes now
+        await wait_until(lambda: vbucket.persisted_seqno == 4)
+        vbucket.set(b"e", b"v")  # after a round of three: the short gap
+        await wait_until(lambda: vbucket.persisted_seqno == 5)
+
+    run_flush_loop(bucket, steps)
+
+
+def test_the_gap_stays_short_while_a_prepare_is_pending(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pending SyncWrite prepare keeps the short gap after a small round: a replica holding
+    one is persisted for a persistToMajority write, with no writer there to hurry it."""
+    monkeypatch.setattr(bucket_module, "SMALL_ROUND_ITEMS", 100)
+    monkeypatch.setattr(bucket_module, "FLUSH_GATHER_S", 30.0)  # longer than the test runs
+    monkeypatch.setattr(bucket_module, "FLUSH_IDLE_S", 0.01)
+    vbucket = bucket.vbucket(0)
+
+    async def steps(bucket: Bucket) -> None:
+        bucket._hurry.set()
+        vbucket.set(b"p", b"v", level=1)  # a prepare nobody commits here
+        await wait_until(lambda: vbucket.persisted_seqno == 1)
+        vbucket.set(b"x", b"v")  # no hurry: the short gap
         await wait_until(lambda: vbucket.persisted_seqno == 2)
 
     run_flush_loop(bucket, steps)
