@@ -25,6 +25,12 @@ directory. Default (durable: fsync per commit) nodes, 64 vbuckets. Rows:
    write is followed by GET_REPLICA polls (every 1 ms, a second client) until the replica
    returns the value written; lag = first such answer - the write's acknowledgement. Once on
    default nodes and once on ``--no-durable`` ones (the fsyncs' share of the lag).
+4. **Durable writes** (``--only durable``, issue 29 item 3): 3 nodes, replicas 1, one
+   cluster; N items through ``KvClient.upsert_many`` with ``durability="none"`` and then
+   ``"majority"``, interleaved ``--durable-reps`` times, new keys each time. ops/s counts
+   until the last write is acknowledged, CPU of the three nodes over the same interval.
+   Goal: majority >= 0.6x the throughput of none. ``--profile TOP`` with ``--only durable``
+   samples the node active for the most vbuckets during the majority runs (py-spy).
 
 Why kill -9 and hour-long leases (``failover_timeout_s = 3600``): with the tree as it is, a
 clean stop of a node revokes its lease at once and the orchestrator changes the map (failover),
@@ -111,6 +117,7 @@ GOAL_CATCHUP = 0.9
 # stop of a replica changes the map (failover); the benchmark measures neither.
 FAILOVER_TIMEOUT_S = 3600
 GOAL_REPLICAS_COST = 0.30
+GOAL_MAJORITY = 0.6
 
 # For the signal handler: the etcd of the run (nodes are found by stop_children()).
 _ETCD: list[EtcdServer] = []
@@ -419,6 +426,23 @@ async def wait_streams_open(port: int, vbuckets: list[int], replica: str) -> Non
         await asyncio.sleep(POLL_S)
 
 
+async def wait_replica_streams(cmap: ClusterMap) -> None:
+    """Until every active has a connected stream of each of its vbuckets' replicas."""
+    deadline = time.monotonic() + MAP_WAIT_S
+    for node in cmap.nodes:
+        mine = [vb for vb in range(VBUCKETS) if cmap.active(vb) == node]
+        while True:  # bounded by MAP_WAIT_S
+            found = await stat(node.port, "replication")
+            open_ = {
+                k.split(":")[0] for k, v in found.items() if k.endswith(":connected") and v == "1"
+            }
+            if all(f"vb_{vb}" in open_ for vb in mine):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica streams not all open on {node.port}")
+            await asyncio.sleep(POLL_S)
+
+
 async def wait_persisted(port: int) -> None:
     """Until the node has persisted every vbucket up to its high seqno."""
     deadline = time.monotonic() + REPLICATED_DEADLINE_S
@@ -574,6 +598,60 @@ def bench_ingest(etcd: EtcdServer, work: Path, n: int, replicas: int, base: Row 
         return row
 
 
+# -- 4. durable writes -----------------------------------------------------------------------
+
+
+async def durable_ingest(
+    port: int, items: list[tuple[bytes, bytes]], level: str, meter: CpuMeter
+) -> None:
+    async with await KvClient.connect(HOST, port) as kv:
+        with meter:
+            await kv.upsert_many(items, durability=level)  # type: ignore[arg-type]
+
+
+def bench_durable(
+    etcd: EtcdServer, work: Path, n: int, reps: int, profile_top: int = 0
+) -> list[Row]:
+    """``none`` then ``majority`` ingest, ``reps`` times, in one 3-node cluster, replicas 1;
+    each majority row's peer is the none row just before it."""
+    rows: list[Row] = []
+    with Cluster(etcd, work, "durable-r1", count=3, replicas=1) as cluster:
+        cmap = cluster.map
+        assert cmap is not None
+        busiest = max(cluster.nodes, key=lambda node: sum(
+            1 for vb in range(VBUCKETS) if cmap.active(vb).port == node.port  # type: ignore[union-attr]
+        ))  # fmt: skip
+        run_loop(wait_replica_streams(cmap))  # else a majority write is refused
+        for rep in range(reps):
+            base: Row | None = None
+            for level in ("none", "majority"):
+                items = [(b"%s%d-%08d" % (level[:1].encode(), rep, i), value_of(i))
+                         for i in range(n)]  # fmt: skip
+                log(f"durable ingest, 3 nodes, replicas 1, durability {level}: {n:,} items")
+                meter = CpuMeter(cluster.pids())
+                spy = work / f"spy-durable-{rep}-{busiest.pid}.txt"
+                with contextlib.ExitStack() as spies:
+                    if profile_top and level == "majority":
+                        spies.enter_context(SpySampler(busiest.pid, spy))
+
+                    run_loop(durable_ingest(cluster.nodes[0].port, items, level, meter))
+                nodes = list(cluster.pids())
+                row = Row(f"ingest, replicas=1, durability={level}", n, meter.seconds,
+                          meter.cpu, nodes, peer=base)  # fmt: skip
+                row.peer = row.peer or row
+                row.notes.append(row.cpu_note())
+                if profile_top and level == "majority":
+                    row.notes.append(
+                        f"the busiest active (pid {busiest.pid}): top functions "
+                        "by own time, % of busy samples (py-spy)"
+                    )
+                    row.notes.extend(top_self_time(spy, profile_top))
+                base = base or row
+                rows.append(row)
+                log(f"  {row.rate:,.0f} ops/s, nodes {row.us_per_item(nodes):.1f} us/op")
+    return rows
+
+
 # -- 3. replication lag ---------------------------------------------------------------------
 
 
@@ -695,7 +773,8 @@ def table(rows: list[Row]) -> list[str]:
     for row in rows:
         ratio = "-"
         if row.ratio is not None and row.peer is not None:
-            ratio = f"{row.ratio:.2f}x {'peer' if 'catch' in row.label else 'r=0'}"
+            what = "peer" if "catch" in row.label else "none" if "durab" in row.label else "r=0"
+            ratio = f"{row.ratio:.2f}x {what}"
         elif row.lag_ms is not None:
             ratio = f"{row.lag_ms[0]:.0f} / {row.lag_ms[1]:.0f} ms"
         lines.append(
@@ -725,6 +804,18 @@ def goals(rows: dict[str, Row]) -> list[str]:
             f"goal replicas=1 costs <= {GOAL_REPLICAS_COST:.0%} of throughput: costs {cost:.0%} "
             f"({'met' if cost <= GOAL_REPLICAS_COST else 'MISSED'}); nodes' CPU per op "
             f"{cpu:.2f}x replicas=0"
+        )
+    majority = [r for r in rows.values() if r.label.endswith("majority") and r.ratio is not None]
+    if majority:
+        ratios = sorted(r.ratio for r in majority if r.ratio is not None)
+        median = ratios[len(ratios) // 2]
+        cpu = [r.us_per_item(r.nodes) / r.peer.us_per_item(r.peer.nodes)
+               for r in majority if r.peer is not None]  # fmt: skip
+        out.append(
+            f"goal durability majority >= {GOAL_MAJORITY}x none (3 nodes, replicas 1): "
+            f"{', '.join(f'{x:.2f}x' for x in ratios)} "
+            f"({'met' if median >= GOAL_MAJORITY else 'MISSED'}); nodes' CPU per op "
+            f"{', '.join(f'{x:.2f}x' for x in cpu)} none"
         )
     return out
 
@@ -781,8 +872,12 @@ def parse_args() -> argparse.Namespace:
         help="py-spy on both nodes during the catch-ups: print the TOP functions (no results file)",
     )
     parser.add_argument(
-        "--only", choices=["catchup", "ingest", "lag"], action="append", help="rows to run"
+        "--only",
+        choices=["catchup", "ingest", "lag", "durable"],
+        action="append",
+        help="rows to run (durable: not in the default set)",
     )
+    parser.add_argument("--durable-reps", type=int, default=2, help="none/majority pairs")
     parser.add_argument(
         "--results",
         default=str(Path(__file__).resolve().parent / "results_cluster.txt"),
@@ -792,7 +887,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.items, args.lag_seconds = 20_000, 3.0
     if args.profile:
-        args.only, args.results = ["catchup"], "-"
+        args.only, args.results = (args.only if args.only == ["durable"] else ["catchup"]), "-"
     assert 0 < args.items < 100_000_000, args.items
     return args
 
@@ -844,6 +939,11 @@ def main() -> None:
                     row = bench_ingest(etcd, work, args.items, replicas, base)
                     base = base or row
                     rows[f"ingest-r{replicas}"] = row
+            if "durable" in only:
+                for index, row in enumerate(
+                    bench_durable(etcd, work, args.items, args.durable_reps, args.profile)
+                ):
+                    rows[f"durable-{index}"] = row
             if "lag" in only:
                 for durable in (True, False):
                     rows[f"lag-{durable}"] = bench_lag(
