@@ -455,23 +455,28 @@ class ReplicaFeed:
         """The session's events in wire order: data runs between control frames."""
         try:
             view = _BatchView(batch.changes) if len(batch.changes) else None
+            # By type, the most frequent first: a durable write is a SyncFrame each (its
+            # prepare and its commit), and `match` tried every other pattern before it.
             for event in self._session.receive(batch):
-                match event:
-                    case Run(start, stop):
-                        assert view is not None, event
-                        self._apply(view, start, stop)
-                    case MarkerReceived(vb, marker):
-                        self._on_marker(vb, marker)
-                    case StreamAnswered(vb, frame):
-                        self._on_stream_response(frame, vb)
-                    case StreamEnded(vb, reason):
-                        log.info(
-                            "replica stream vb %d from %s ended: %s",
-                            vb, self.source.name, reason.name,
-                        )  # fmt: skip
-                        self._retry_later(vb)
-                    case SyncFrame(vb, frame):
-                        self._on_sync(vb, frame)
+                kind = type(event)
+                if kind is SyncFrame:
+                    self._on_sync(event.vb, event.frame)  # type: ignore[union-attr]
+                elif kind is Run:
+                    assert view is not None and isinstance(event, Run), event
+                    self._apply(view, event.start, event.stop)
+                elif kind is MarkerReceived:
+                    assert isinstance(event, MarkerReceived), event
+                    self._on_marker(event.vb, event.marker)
+                elif kind is StreamAnswered:
+                    assert isinstance(event, StreamAnswered), event
+                    self._on_stream_response(event.frame, event.vb)
+                elif kind is StreamEnded:
+                    assert isinstance(event, StreamEnded), event
+                    log.info(
+                        "replica stream vb %d from %s ended: %s",
+                        event.vb, self.source.name, event.reason.name,
+                    )  # fmt: skip
+                    self._retry_later(event.vb)
             self.stats.bytes = self._session.received_bytes
             self._flush_owed()
             if self._prepared:
