@@ -182,23 +182,33 @@ def test_batch_read_names_rows_and_keeps_to_its_collections(
         state = table_state(got[name])
         assert state == docs, f"{name}: {diff(state, docs)}"
 
+
+@pytest.mark.slow
+def test_batch_read_of_a_scope_and_typed(spark: Any, node: NodeProcess, rng: random.Random) -> None:
+    """``scope`` reads its collections only; typed documents keep the names last."""
+    edit(node, lambda m: m.with_scope("hr").with_collection("hr", "staff")
+         .with_scope("fin").with_collection("fin", "ledger"))  # fmt: skip
+    write(node, "hr.staff", rng, 200, keys=80, tag="k")
+    write(node, "fin.ledger", rng, 200, keys=80, tag="k")
+    want = {("hr", "staff"): truth(node, "hr.staff"),
+            ("fin", "ledger"): truth(node, "fin.ledger")}  # fmt: skip
     scoped = (
         spark.read.format("changefeed")
-        .options(**node.source_options(scope="crm", format="binary"))
+        .options(**node.source_options(scope="hr", format="binary"))
         .load()
         .toArrow()
     )
-    assert set(scoped.column("collection").to_pylist()) == {"people"}
-    assert table_state(scoped) == want[("crm", "people")]
+    assert set(scoped.column("collection").to_pylist()) == {"staff"}
+    assert table_state(scoped) == want[("hr", "staff")]
 
     typed = (  # documents as typed columns: the names come after the fields
         spark.read.format("changefeed")
-        .options(**node.source_options(collections="shop.orders", schema="n bigint, tag string"))
+        .options(**node.source_options(collections="fin.ledger", schema="n bigint, tag string"))
         .load()
     )
     assert typed.columns[-2:] == ["scope", "collection"]
     values = {r["key"]: r["n"] for r in typed.select("key", "n").collect()}
-    assert values == {k: json.loads(d.value)["n"] for k, d in want[("shop", "orders")].items()}
+    assert values == {k: json.loads(d.value)["n"] for k, d in want[("fin", "ledger")].items()}
 
 
 # -- the mirror -----------------------------------------------------------------------------
@@ -304,15 +314,14 @@ def test_mirror_command_refuses_unknown_collections_before_spark(
 
     from changefeed.cli.main import cli
 
-    edit(node, lambda m: m.with_scope("shop").with_collection("shop", "orders")
-         if m.resolve("shop.orders")[1] is None else m)  # fmt: skip
+    edit(node, lambda m: m.with_scope("cli").with_collection("cli", "orders"))
     tables = tmp_path / "tables"
     runner = CliRunner()
     for given, words in [
-        ("shop.nope", "bucket 'default' has no shop.nope (it has: _default._default, "),
+        ("cli.nope", "bucket 'default' has no cli.nope (it has: _default._default, "),
         ("nosuch.*", "has no nosuch.*"),
-        ("shop", "not scope.collection"),
-        ("shop.*,shop.orders", "give one 'scope.*'"),
+        ("cli", "not scope.collection"),
+        ("cli.*,cli.orders", "give one 'scope.*'"),
     ]:
         result = runner.invoke(
             cli, ["mirror", "--cluster", node.address, "--tables", str(tables), "--collections",
@@ -325,6 +334,7 @@ def test_mirror_command_refuses_unknown_collections_before_spark(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two Spark jobs from scratch, on a loaded machine
 def test_mirror_command_killed_mid_run_does_not_duplicate(
     node: NodeProcess, rng: random.Random, tmp_path: Path
 ) -> None:
@@ -366,7 +376,7 @@ def test_mirror_command_killed_mid_run_does_not_duplicate(
             os.killpg(victim.pid, signal.SIGKILL)
         victim.wait(30)
     assert victim.returncode == -signal.SIGKILL, "the job ended before it was killed"
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-2000:]
     for path, name in [("kill/a", "kill.a"), ("kill2/b", "kill2.b")]:
         assert_tables_match(tables, path, truth(node, name))
