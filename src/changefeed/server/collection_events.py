@@ -36,6 +36,7 @@ from changefeed.protocol.errors import StatusError
 from changefeed.protocol.kv import StoreCommand
 from changefeed.protocol.opcode import Datatype, Opcode
 from changefeed.server.bucket import Bucket
+from changefeed.storage import StorageError
 from changefeed.storage.keys import collection_key_ranges, stored_key
 
 log = logging.getLogger("changefeed.server")
@@ -101,7 +102,13 @@ class SystemEventWriter:
         vbucket = self.bucket.vbuckets.get(vb)
         if vbucket is None or not vbucket.state.is_active:
             return 0
-        held = self.held_events(vb)
+        try:
+            held = self.held_events(vb)
+        except (StorageError, ValueError) as error:  # a damaged event document, a failed read
+            # The state change goes on (its caller is the map's apply); the vbucket streams
+            # without the missing events until it becomes active again.
+            log.error("vb %d: its system events could not be read: %s", vb, error)
+            return 0
         scopes = {ident for (event, ident) in held if event is SystemEvent.CREATE_SCOPE}
         scopes -= {ident for (event, ident) in held if event is SystemEvent.DROP_SCOPE}
         begun = {
