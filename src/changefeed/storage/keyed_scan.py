@@ -11,6 +11,10 @@ Why the last record: a stream filtered to a collection must still reach the end 
 snapshot; the producer skips that record if it is not wanted and sends a SEQNO_ADVANCED to it
 (producer/collection_stream.py), as it does over a full scan.
 
+Memory: the seqnos are found when the scan opens, one int per wanted key of the vbucket in
+the range (a vbucket holds 1/1024 of a bucket by default: 1M documents of a collection in a
+1024-vbucket bucket are ~1,000 ints a scan); the records are read run by run.
+
 Not here: choosing the ranges (the producer's filter), framing.
 """
 
