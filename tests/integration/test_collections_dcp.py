@@ -198,6 +198,12 @@ def test_filtered_streams_events_and_legacy_clients(nodes: NodeFactory, tmp_path
         from_disk = await collect(node, collections=("shop.orders",))
         assert sorted(changes(from_disk)) == sorted(changes(filtered))
         assert positions(from_disk).keys() == positions(filtered).keys()
+        # The keyed backfill reads only orders' (and the events') records, and still ends
+        # each vbucket at its high seqno with an advance (the snapshot's last record).
+        for vb, seen in positions(from_disk).items():
+            seqnos = [s for s, _ in seen]
+            assert seqnos == sorted(seqnos) and len(set(seqnos)) == len(seqnos), vb
+            assert seen[-1] == (high[vb], "advanced"), (vb, seen[-3:])
         legacy_disk = changes(await collect(node))
         assert sorted(k for _, _, k in legacy_disk) == sorted(k for _, _, k in legacy)
         everything_disk = await collect(node, collections_aware=True)
