@@ -1,8 +1,9 @@
 """``changefeed collection create|drop|list``: a bucket's scopes and collections.
 
 Each subcommand connects to a node over the KV port and reads its manifest; ``create`` and
-``drop`` edit it on every node of the cluster map (consumer/collections_admin.py), and exit 1
-naming a node they could not reach (run the command again once it is back). ``create`` makes
+``drop`` edit it through that node (on a cluster, the etcd copy: cluster/manifest_store.py),
+check every node of the cluster map (consumer/collections_admin.py), and exit 1 naming a node
+they could not confirm (it applies the manifest from etcd when it is back). ``create`` makes
 the scope too when it does not exist yet; ``drop`` of a collection leaves its scope;
 ``drop SCOPE`` drops a scope with its collections.
 Changing the manifest needs the admin role.
@@ -156,7 +157,8 @@ def _report(
     missed = sorted(node for node, outcome in nodes.items() if outcome != "set")
     if missed:
         raise click.ClickException(
-            f"not on {', '.join(missed)} ({nodes[missed[0]]}): run the command again once "
-            "they are back"
+            f"not confirmed on {', '.join(missed)} ({nodes[missed[0]]}): the manifest is in "
+            "etcd and a node applies it when it is back (`changefeed collection list --port` "
+            "on it shows its manifest uid)"
         )
     return manifest
