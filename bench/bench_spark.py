@@ -53,11 +53,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -221,21 +223,35 @@ class TimedWriter:
         self.done_at: float | None = None
         self.done = (0, 0)  # rows and batches when target_rows was reached
         self.target_rows = 0
+        self.committed_at: list[tuple[int, float]] = []  # distributed writer: (batch, commit)
+
+    def replay_commits(self) -> None:
+        """For the distributed writer, once the query stopped: each batch's committed rows
+        (read back from the changelog) to ``on_batch`` with the batch's commit time, so the
+        probe adds no work to the batches it measures."""
+        if self.on_batch is None or not self.committed_at:
+            return
+        rows = committed_changelog_rows(self.writer.tables)
+        for batch_id, at in self.committed_at:
+            self.on_batch(rows.filter(pc.equal(rows.column("batch_id"), batch_id)), at)
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
         if self.done_at is not None:
             return  # past the target (a rate run before its stop): not timed, not written
         started = time.perf_counter()
         if self.writer.writer == "distributed":  # the read runs in the writer's tasks
-            assert self.on_batch is None, "the latency probe needs the batch in the driver"
             collected = started
             self.writer(batch_df, batch_id)
             count = self.writer.rows_written
+            committed_at = time.time()
+            if self.on_batch is not None:  # the rows stay in the tasks: read back at the end
+                self.committed_at.append((batch_id, committed_at))
         else:
             table = batch_df.toArrow()  # runs the batch: reading the source happens here
             collected = time.perf_counter()
             self.writer.write(table, batch_id)
             count = table.num_rows
+            committed_at = time.time()
         finished = time.perf_counter()
         if collected > started:
             self.collect_s.append(collected - started)
@@ -243,11 +259,21 @@ class TimedWriter:
         self.batch_rows.append(count)
         self.rows += count
         self.batches += 1
-        if self.on_batch is not None:
-            self.on_batch(table, time.time())
+        if self.on_batch is not None and self.writer.writer != "distributed":
+            self.on_batch(table, committed_at)
         if self.target_rows and self.rows >= self.target_rows and self.done_at is None:
             self.done_at = finished
             self.done = (self.rows, self.batches)
+
+
+def committed_changelog_rows(tables: str) -> pa.Table:
+    """``batch_id`` and ``value`` of the changelog's mutations (the latency probe of the
+    distributed writer, whose rows stay in the tasks, reads them once the query stopped)."""
+    import pyarrow.dataset as ds
+    from deltalake import DeltaTable
+
+    dataset = DeltaTable(f"{tables}/changelog").to_pyarrow_dataset()
+    return dataset.to_table(columns=["batch_id", "value"], filter=ds.field("op") == "mutation")
 
 
 @dataclass
@@ -263,6 +289,7 @@ class Run:
     spark_cpu_s: float = 0.0
     node_cpu_s: float = 0.0
     batch_rows: list[int] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # durationMs sums, seconds
 
     @property
     def rate(self) -> float:
@@ -280,18 +307,18 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def changefeed_df(spark: Any, node: NodeProcess, max_offsets: int) -> Any:
+def changefeed_df(spark: Any, node: NodeProcess, max_offsets: int, partitions: int = 2) -> Any:
     options = node.source_options(
-        maxOffsetsPerTrigger=str(max_offsets), partitions="2", format="binary"
+        maxOffsetsPerTrigger=str(max_offsets), partitions=str(partitions), format="binary"
     )  # the values are not JSON: change rows with the document as bytes, as rate's
     return spark.readStream.format("changefeed").options(**options).load()
 
 
-def rate_df(spark: Any, rows_per_batch: int) -> Any:
+def rate_df(spark: Any, rows_per_batch: int, partitions: int = 2) -> Any:
     raw = (
         spark.readStream.format("rate-micro-batch")
         .option("rowsPerBatch", rows_per_batch)
-        .option("numPartitions", 2)
+        .option("numPartitions", partitions)
         .load()
     )
     return as_change_rows(raw)
@@ -346,7 +373,8 @@ def run_to_mirror(
     try:
         if available_now:
             assert query.awaitTermination(QUERY_DEADLINE_S), f"{name}: no end in time"
-            ended = time.perf_counter()
+            # The last commit, as for the rate runs (not when the query noticed it was done).
+            ended = writer.done_at if writer.done_at is not None else time.perf_counter()
         else:
             deadline = time.monotonic() + QUERY_DEADLINE_S
             while writer.done_at is None:  # bounded by the deadline
@@ -363,6 +391,10 @@ def run_to_mirror(
     assert query.exception() is None, query.exception()
     trigger_ms = [float(p["durationMs"]["triggerExecution"]) for p in _with_rows(query)]
     rows, batches = writer.done if writer.done_at is not None else (writer.rows, writer.batches)
+    phases: dict[str, float] = defaultdict(float)  # Spark's durationMs, summed over the batches
+    for progress in _with_rows(query)[:batches]:
+        for phase, ms in progress["durationMs"].items():
+            phases[phase] += float(ms) / 1000
     return Run(
         name,
         rows,
@@ -374,6 +406,7 @@ def run_to_mirror(
         spark_cpu_s=cpu_after[0] - cpu_before[0],
         node_cpu_s=cpu_after[1] - cpu_before[1],
         batch_rows=writer.batch_rows[:batches],
+        phases=dict(phases),
     )
 
 
@@ -552,6 +585,13 @@ def table(out: list[str], pairs: list[tuple[Run, Run]]) -> None:
                 f"  {run.name}: s per batch: trigger [{trigger}], read (toArrow) [{read}], "
                 f"MirrorWriter.write [{writer}]",
             )
+            if run.phases:  # where the triggers went: planning (latestOffset) vs the batch
+                shown = ", ".join(
+                    f"{k} {v:.1f}" for k, v in sorted(run.phases.items()) if v >= 0.05
+                )
+                untimed = run.seconds - run.phases.get("triggerExecution", 0.0)
+                say(out, f"  {run.name}: Spark durationMs summed (s): {shown}; outside "
+                         f"triggers (query start, stop) {untimed:.1f}")  # fmt: skip
             growth = write_growth(run)
             if growth:
                 say(out, f"  {run.name}: {growth}")
@@ -606,37 +646,46 @@ def bench_latency(spark: Any, args: argparse.Namespace, work: Path, out: list[st
         )
         asyncio.run(_load(node.port, 10_000))  # a mirror to merge into
         options = node.source_options()
+        kinds = args.mirror_writers.split(",")
+
+        def writer_of(kind: str) -> Callable[[Path], Any]:
+            return lambda at: MirrorWriter(at / "tables", options, writer=kind)
+
         rows: list[tuple[str, Any, bool, Callable[[Path], Any]]] = [
-            (
-                "changefeed -> mirror",
-                changefeed_df(spark, node, args.max_offsets),
-                True,
-                lambda at: MirrorWriter(at / "tables", options),
-            ),
-            ("changefeed -> foreachBatch", changefeed_df(spark, node, args.max_offsets), True,
-             lambda at: None),
+            (f"changefeed -> mirror [{kind}]", changefeed_df(spark, node, args.max_offsets),
+             True, writer_of(kind))
+            for kind in kinds
         ]  # fmt: skip
-        raw = (
-            spark.readStream.format("rate")
-            .option("rowsPerSecond", args.latency_rate)
-            .option("numPartitions", 2)
-            .load()
-        )
         rows.append(
-            ("rate -> mirror", as_change_rows(raw), False,
-             lambda at: MirrorWriter(at / "tables", options))
+            ("changefeed -> foreachBatch", changefeed_df(spark, node, args.max_offsets), True,
+             lambda at: None)
         )  # fmt: skip
-        head = f"{'run':<28}{'batches':>8}{'trigger p50':>13}{'p95 (ms)':>10}"
+        for kind in kinds:
+            raw = (
+                spark.readStream.format("rate")
+                .option("rowsPerSecond", args.latency_rate)
+                .option("numPartitions", 2)
+                .load()
+            )
+            rows.append(
+                (f"rate -> mirror [{kind}]", as_change_rows(raw), False, writer_of(kind))
+            )  # fmt: skip
+        head = f"{'run':<36}{'batches':>8}{'trigger p50':>13}{'p95 (ms)':>10}"
         head += f"{'e2e p50':>10}{'p95 (s)':>9}{'changes':>10}{'per s':>9}"
         head += f"{'cpu µs/item: spark':>20}{'node':>7}{'write p50 (ms)':>16}"
         results = []
+        notes: list[str] = []
         for i, (name, df, writes, make_writer) in enumerate(rows):
             probe = LatencyProbe()
             at = root / f"q{i}"
             used_before = cpu.sample()
-            trigger_ms, write_s = _latency_query(df, at, make_writer(at), probe, node, writes, args)
+            trigger_ms, write_s, phases = _latency_query(
+                df, at, make_writer(at), probe, node, writes, args
+            )
             used = [after - before for after, before in zip(cpu.sample(), used_before, strict=True)]
             results.append((name, trigger_ms, probe.seconds, used, write_s))
+            shown = ", ".join(f"{k} {v:,.0f}" for k, v in phases.items() if v >= 5)
+            notes.append(f"  {name}: Spark durationMs p50 per batch (ms): {shown}")
         say(out, "")
         say(out, head)
         say(out, "-" * len(head))
@@ -644,7 +693,7 @@ def bench_latency(spark: Any, args: argparse.Namespace, work: Path, out: list[st
             per_item = 1e6 / len(seconds) if seconds else float("nan")
             say(
                 out,
-                f"{name:<28}{len(trigger_ms):>8}{percentile(trigger_ms, 50):>13,.0f}"
+                f"{name:<36}{len(trigger_ms):>8}{percentile(trigger_ms, 50):>13,.0f}"
                 f"{percentile(trigger_ms, 95):>10,.0f}{percentile(seconds, 50):>10.2f}"
                 f"{percentile(seconds, 95):>9.2f}{len(seconds):>10,}"
                 f"{len(seconds) / args.latency_s:>9,.0f}"
@@ -653,6 +702,9 @@ def bench_latency(spark: Any, args: argparse.Namespace, work: Path, out: list[st
             )
         say(out, "  cpu µs/item here: the whole query's CPU (polling and per-batch cost included)")
         say(out, "  write p50: MirrorWriter.write per batch (changelog and mirror commits)")
+        for note in notes:
+            say(out, note)
+        say(out, f"  load average after the runs: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     finally:
         node.stop(check=False)
         shutil.rmtree(root, ignore_errors=True)
@@ -680,11 +732,12 @@ def _latency_query(
     node: NodeProcess,
     writes: bool,
     args: argparse.Namespace,
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], dict[str, float]]:
     """Run ``df`` into ``mirror`` (None: a bare foreachBatch) with a short trigger; measure the
     changes written in a window of ``args.latency_s`` after a warm-up (the steady writer runs
     then, if ``writes``), until they reached the sink; returns triggerExecution ms and
-    ``MirrorWriter.write`` seconds (none for the bare sink) of the batches meanwhile."""
+    ``MirrorWriter.write`` seconds (none for the bare sink) of the batches meanwhile, and the
+    p50 of each of Spark's ``durationMs`` phases."""
     sink: TimedWriter | BareSink = BareSink(probe) if mirror is None else TimedWriter(mirror, probe)
     query = (
         df.writeStream.foreachBatch(sink)
@@ -720,9 +773,16 @@ def _latency_query(
     finally:
         stop.set()
         query.stop()
-    trigger_ms = [float(p["durationMs"]["triggerExecution"]) for p in progress if p["numInputRows"]]
+    if isinstance(sink, TimedWriter):
+        sink.replay_commits()
+    batches = [p for p in progress if p["numInputRows"]]
+    trigger_ms = [float(p["durationMs"]["triggerExecution"]) for p in batches]
     write_s = sink.writer_s[seen_writes:] if isinstance(sink, TimedWriter) else []
-    return trigger_ms, write_s
+    phases = {
+        phase: percentile([float(p["durationMs"].get(phase, 0)) for p in batches], 50)
+        for phase in sorted({k for p in batches for k in p["durationMs"]})
+    }  # Spark's durationMs, p50 per phase: where a batch's time goes
+    return trigger_ms, write_s, phases
 
 
 async def _steady_writes(port: int, rate: int, stop: threading.Event) -> None:
@@ -797,6 +857,207 @@ def bench_writer(total: int, args: argparse.Namespace, work: Path, out: list[str
         say(out, f"{total:>15,}{changes.num_rows:>10,}{elapsed:>9.2f}  {name}")
         batch_id += 1
     assert read_mirror(work / "writer-only").num_rows == total
+
+
+# -- a standalone cluster on this machine -----------------------------------------------------
+
+
+def standalone_cluster(work: Path, workers: int = 2) -> Any:
+    """A master and ``workers`` workers of 1 core each (``tests/spark/standalone.py``: each a
+    ``spark-class`` process group of this process, stopped by pid in its ``stop``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from spark.standalone import Standalone  # type: ignore[import-not-found]
+
+    return Standalone(work / "standalone", workers=workers, cores=1, memory="3g").start()
+
+
+def cluster_session(url: str, executors: int, name: str, driver_memory: str = "2g") -> Any:
+    """A session on the standalone master using ``executors`` executors of 1 core."""
+    from changefeed.spark.session import spark_session
+
+    return spark_session(name, url, {
+        "spark.cores.max": str(executors), "spark.executor.memory": "2g",
+        "spark.driver.memory": driver_memory,
+        "spark.sql.streaming.numRecentProgressUpdates": "1000",
+    })  # fmt: skip
+
+
+def executor_count(spark: Any) -> int:
+    """Executors registered with the driver (the driver itself not counted)."""
+    return int(spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size()) - 1
+
+
+def bench_standalone(n: int, args: argparse.Namespace, work: Path, out: list[str]) -> None:
+    """The mirror on a standalone cluster with 1 and 2 executors (1 core each): changefeed ->
+    mirror [distributed] next to rate-micro-batch -> the same writer, each in the same session,
+    read tasks = the executors' cores (the source's ``partitions`` and rate's
+    ``numPartitions``). A small warm-up of both first in each session (executor start-up,
+    Python workers). The table's ``vs rate`` is per session; the summary line gives each
+    source's 2-executor rate over its 1-executor rate."""
+    say(out, f"# bench_spark {' '.join(sys.argv[1:])}")
+    say(out, f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {platform.node()}; {os.cpu_count()} CPUs; "
+             f"standalone: master + 2 workers of 1 core; {VBUCKETS} vbuckets; "
+             f"maxOffsetsPerTrigger {args.max_offsets:,}")  # fmt: skip
+    cluster = standalone_cluster(work)
+    node = start_node(work / "node")
+    warm = start_node(work / "warm-node")
+    try:
+        started = time.perf_counter()
+        asyncio.run(_load(warm.port, 20_000))
+        asyncio.run(_load(node.port, n))
+        load_s = time.perf_counter() - started
+        cpu = CpuMeter(node.pid)
+        settle_s = cpu.settle()
+        say(out, f"\n## standalone: N = {n:,} changes (load {load_s:.1f} s; node idle "
+                 f"{settle_s:.1f} s later)")  # fmt: skip
+        pairs: list[tuple[Run, Run]] = []
+        for executors in (1, 2):
+            spark = cluster_session(cluster.url, executors, f"bench-standalone-{executors}")
+            try:
+                at = work / f"e{executors}"
+                kind = "distributed"
+                for i, df in enumerate((changefeed_df(spark, warm, 10_000, executors),
+                                        rate_df(spark, 10_000, executors))):  # fmt: skip
+                    run_to_mirror(
+                        "warm-up", df, at / f"warm-t{i}", at / f"warm-c{i}", warm.source_options(),
+                        rows=20_000, available_now=i == 0, cpu=cpu, writer_kind=kind,
+                    )  # fmt: skip
+                assert executor_count(spark) == executors, executor_count(spark)
+                cf = run_to_mirror(
+                    f"changefeed -> mirror, {executors} executor(s)",
+                    changefeed_df(spark, node, args.max_offsets, executors),
+                    at / "cf-t", at / "cf-c", node.source_options(), rows=n,
+                    available_now=True, cpu=cpu, writer_kind=kind,
+                )  # fmt: skip
+                rows = read_mirror(at / "cf-t").num_rows
+                assert rows == n, (rows, n)
+                cf.note = f"mirror rows {rows:,}"
+                rate = run_to_mirror(
+                    f"rate -> mirror, {executors} executor(s)",
+                    rate_df(spark, args.max_offsets, executors),
+                    at / "rate-t", at / "rate-c", node.source_options(), rows=n,
+                    available_now=False, cpu=cpu, writer_kind=kind,
+                )  # fmt: skip
+                pairs.append((cf, rate))
+            finally:
+                spark.stop()
+                shutil.rmtree(work / f"e{executors}", ignore_errors=True)
+        table(out, pairs)
+        (cf1, rate1), (cf2, rate2) = pairs
+        say(out, f"  2 executors / 1: changefeed {cf2.rate / cf1.rate:.2f}x, rate "
+                 f"{rate2.rate / rate1.rate:.2f}x")  # fmt: skip
+        say(out, f"  load average after the runs: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    finally:
+        node.stop(check=False)
+        warm.stop(check=False)
+        cluster.stop()
+
+
+MEMORY_BATCHES = (250_000, 1_000_000, 2_500_000)
+
+
+def bench_driver_memory(n: int, args: argparse.Namespace, work: Path, out: list[str]) -> None:
+    """Peak RSS of the driver (its JVM and its Python process) mirroring ``n`` changes from a
+    node on a standalone cluster of 2 executors, with ``maxOffsetsPerTrigger`` 250k, 1M and
+    2.5M, for each writer of ``--mirror-writers``. Each run is a fresh driver (a child process
+    of this one: ``--memory-child``), so each peak is its own; the executors are the cluster's
+    (their memory is not the driver's)."""
+    say(out, f"# bench_spark {' '.join(sys.argv[1:])}")
+    say(out, f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {platform.node()}; {os.cpu_count()} CPUs; "
+             f"standalone: master + 2 workers of 1 core; {VBUCKETS} vbuckets")  # fmt: skip
+    cluster = standalone_cluster(work)
+    node = start_node(work / "node")
+    try:
+        started = time.perf_counter()
+        asyncio.run(_load(node.port, n))
+        load_s = time.perf_counter() - started
+        settle_s = CpuMeter(node.pid).settle()
+        say(out, f"\n## driver memory: N = {n:,} changes, 2 executors (load {load_s:.1f} s; "
+                 f"node idle {settle_s:.1f} s later); driver spark.driver.memory 4g")  # fmt: skip
+        head = (f"{'writer':<13}{'batch':>11}{'batches':>8}{'seconds':>9}{'changes/s':>11}"
+                f"{'driver JVM peak MiB':>21}{'driver Python peak MiB':>24}")  # fmt: skip
+        say(out, "")
+        say(out, head)
+        say(out, "-" * len(head))
+        for kind in args.mirror_writers.split(","):
+            for batch in MEMORY_BATCHES:
+                spec = {"url": cluster.url, "port": node.port, "address": node.address,
+                        "batch": batch, "writer": kind, "n": n,
+                        "work": str(work / f"m-{kind}-{batch}")}  # fmt: skip
+                done = subprocess.run(
+                    [sys.executable, __file__, "--memory-child", json.dumps(spec)],
+                    capture_output=True, text=True, timeout=QUERY_DEADLINE_S, check=False,
+                )  # fmt: skip
+                lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+                if done.returncode or not lines:
+                    say(out, f"{kind:<13}{batch:>11,}  failed: {done.stderr.strip()[-400:]}")
+                    continue
+                got = json.loads(lines[-1])
+                say(out, f"{kind:<13}{batch:>11,}{got['batches']:>8}{got['seconds']:>9.1f}"
+                         f"{n / got['seconds']:>11,.0f}{got['jvm_mib']:>21,.0f}"
+                         f"{got['python_mib']:>24,.0f}")  # fmt: skip
+                shutil.rmtree(spec["work"], ignore_errors=True)
+        say(out, "  peak RSS: VmHWM of the driver's JVM and of the driver's Python process")
+        say(out, f"  load average after the runs: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    finally:
+        node.stop(check=False)
+        cluster.stop()
+
+
+def memory_child(spec: dict[str, Any]) -> None:
+    """One driver of ``bench_driver_memory``: mirror the node, print a JSON line of its
+    seconds and peak RSS (this process, and the JVM it started)."""
+    work = Path(spec["work"])
+    spark = cluster_session(spec["url"], 2, "bench-driver-memory", driver_memory="4g")
+    try:
+        options = {"cluster": spec["address"]}
+        df = spark.readStream.format("changefeed").options(
+            maxOffsetsPerTrigger=str(spec["batch"]), partitions="2", format="binary", **options
+        ).load()  # fmt: skip
+        writer = TimedWriter(MirrorWriter(work / "t", options, writer=spec["writer"]), None)
+        query = (df.writeStream.foreachBatch(writer).trigger(availableNow=True)
+                 .option("checkpointLocation", str(work / "c")).start())  # fmt: skip
+        started = time.perf_counter()
+        assert query.awaitTermination(QUERY_DEADLINE_S), "no end in time"
+        seconds = time.perf_counter() - started
+        assert query.exception() is None, query.exception()
+        assert writer.rows == spec["n"], (writer.rows, spec["n"])
+        jvm = max((_peak_rss_mib(pid) for pid in _descendants(os.getpid())
+                   if _command(pid) == "java"), default=0.0)  # fmt: skip
+        print(json.dumps({"seconds": seconds, "batches": writer.batches, "jvm_mib": jvm,
+                          "python_mib": _peak_rss_mib(os.getpid())}), flush=True)  # fmt: skip
+    finally:
+        spark.stop()
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, (parent, _) in _processes().items():
+        children[parent].append(pid)
+    out, stack = [], [root]
+    while stack:  # bounded: each live pid once
+        pid = stack.pop()
+        out.append(pid)
+        stack.extend(children[pid])
+    return out[1:]
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _peak_rss_mib(pid: int) -> float:
+    """VmHWM (peak resident set) of ``pid`` in MiB (0 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 TYPED_FIELDS = 10
@@ -966,6 +1227,16 @@ def parse_args() -> argparse.Namespace:
         "--typed", type=int, default=0,
         help="only typed-column reading of N JSON documents vs spark.read.json (appended)",
     )  # fmt: skip
+    parser.add_argument(
+        "--standalone", type=int, default=0,
+        help="only the mirror of N changes on a standalone cluster, 1 and 2 executors (appended)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--driver-memory", type=int, default=0,
+        help="only the driver's peak RSS mirroring N changes at batches of 250k/1M/2.5M "
+        "(standalone cluster; appended)",
+    )  # fmt: skip
+    parser.add_argument("--memory-child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--output", default="", help="default bench/results_spark.txt (full run)")
     args = parser.parse_args()
     if not args.output and not args.quick:
@@ -981,10 +1252,20 @@ def main() -> None:
     args = parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]  # "" runs the latency part only
     out: list[str] = []
-    if args.typed:
-        work = Path(tempfile.mkdtemp(prefix="bench-typed-"))
+    if args.memory_child:
+        memory_child(json.loads(args.memory_child))
+        return
+    appended: list[tuple[int, Callable[[int, Path, list[str]], None]]] = [
+        (args.typed, bench_typed),
+        (args.standalone, lambda n, work, out: bench_standalone(n, args, work, out)),
+        (args.driver_memory, lambda n, work, out: bench_driver_memory(n, args, work, out)),
+    ]
+    for n, bench in appended:
+        if not n:
+            continue
+        work = Path(tempfile.mkdtemp(prefix="bench-spark-"))
         try:
-            bench_typed(args.typed, work, out)
+            bench(n, work, out)
         finally:
             shutil.rmtree(work, ignore_errors=True)
             if args.output:
