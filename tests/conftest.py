@@ -30,3 +30,19 @@ def rng(request: pytest.FixtureRequest) -> random.Random:
 def nodes(tmp_path: Path) -> Iterator[NodeFactory]:
     with node_factory(tmp_path) as factory:
         yield factory
+
+
+# pytest-xdist (``./run test`` runs the suite on several workers): tests that would fight over
+# the machine run in one worker each — test hosts (namespaces, several etcd members and nodes
+# per test) and Spark (a JVM each). ``--dist loadgroup`` keeps a group on one worker.
+_XDIST_GROUPS = {"hosts": "hosts", "chaos": "hosts", "spark": "spark"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).parent
+    for item in items:
+        parts = Path(item.path).relative_to(tests_dir).parts
+        group = _XDIST_GROUPS.get(parts[0]) if len(parts) > 1 else None
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
