@@ -214,12 +214,14 @@ def test_batch_read_of_a_scope_and_typed(spark: Any, node: NodeProcess, rng: ran
 # -- the mirror -----------------------------------------------------------------------------
 
 
-def run_mirror(spark: Any, node: NodeProcess, root: Path, collections: str) -> list[int]:
+def run_mirror(
+    spark: Any, node: NodeProcess, root: Path, collections: str, writer: str = "distributed"
+) -> list[int]:
     """One availableNow run of readStream -> foreachBatch(MirrorWriter) per collection; the
     ids of the micro-batches it ran."""
     options = node.source_options(
         collections=collections, format="binary", maxOffsetsPerTrigger="600",
-        failOnDataLoss="false", mirrorGroups="2", mirrorTasks="2",
+        failOnDataLoss="false", mirrorGroups="2", mirrorTasks="2", mirrorWriter=writer,
     )  # fmt: skip
     writer = MirrorWriter(root / "tables", options)
     query = (
@@ -250,58 +252,60 @@ def assert_tables_match(tables: Path, path: str, want: dict[str, Doc]) -> None:
     assert {"scope", "collection"}.isdisjoint(logged.column_names)
 
 
+@pytest.mark.parametrize("writer", ["distributed", pytest.param("local", marks=pytest.mark.slow)])
 def test_mirror_per_collection_created_dropped_and_replayed(
-    spark: Any, node: NodeProcess, rng: random.Random, tmp_path: Path
+    spark: Any, node: NodeProcess, rng: random.Random, tmp_path: Path, writer: str
 ) -> None:
-    edit(node, lambda m: m.with_scope("ops").with_collection("ops", "events")
-         .with_scope("web").with_collection("web", "sessions"))  # fmt: skip
-    write(node, "ops.events", rng, 400, keys=150, tag="e")
-    write(node, "web.sessions", rng, 400, keys=150, tag="e")  # same keys: other tables
-    chosen = "ops.events,web.sessions,ops.late"  # ops.late: created while the job runs
-    run_mirror(spark, node, tmp_path, chosen)
+    ops, web = f"ops{writer[0]}", f"web{writer[0]}"  # each run its own collections
+    edit(node, lambda m: m.with_scope(ops).with_collection(ops, "events")
+         .with_scope(web).with_collection(web, "sessions"))  # fmt: skip
+    write(node, f"{ops}.events", rng, 400, keys=150, tag="e")
+    write(node, f"{web}.sessions", rng, 400, keys=150, tag="e")  # same keys: other tables
+    chosen = f"{ops}.events,{web}.sessions,{ops}.late"  # ops.late: created while the job runs
+    run_mirror(spark, node, tmp_path, chosen, writer)
     tables = tmp_path / "tables"
-    assert_tables_match(tables, "ops/events", truth(node, "ops.events"))
-    assert_tables_match(tables, "web/sessions", truth(node, "web.sessions"))
-    assert not (tables / "ops" / "late").exists()
+    assert_tables_match(tables, f"{ops}/events", truth(node, f"{ops}.events"))
+    assert_tables_match(tables, f"{web}/sessions", truth(node, f"{web}.sessions"))
+    assert not (tables / ops / "late").exists()
     assert not (tables / "mirror").exists(), "a collection-aware job keeps no bucket table"
 
     # Between runs: ops.late created (empty), more writes, web.sessions written then dropped:
     # the writes the job had not read before the drop went with the collection, as on the
     # node; what the job had mirrored stays.
-    sessions = truth(node, "web.sessions")
-    edit(node, lambda m: m.with_collection("ops", "late"))
-    write(node, "web.sessions", rng, 100, keys=150, tag="e")
-    edit(node, lambda m: m.without_collection("web", "sessions"))
-    write(node, "ops.events", rng, 200, keys=150, tag="e")
-    run_mirror(spark, node, tmp_path, chosen)
-    assert_tables_match(tables, "ops/events", truth(node, "ops.events"))
-    assert_tables_match(tables, "web/sessions", sessions)  # kept, with its last rows
-    late = DeltaTable(str(tables / "ops" / "late" / "mirror"))
+    sessions = truth(node, f"{web}.sessions")
+    edit(node, lambda m: m.with_collection(ops, "late"))
+    write(node, f"{web}.sessions", rng, 100, keys=150, tag="e")
+    edit(node, lambda m: m.without_collection(web, "sessions"))
+    write(node, f"{ops}.events", rng, 200, keys=150, tag="e")
+    run_mirror(spark, node, tmp_path, chosen, writer)
+    assert_tables_match(tables, f"{ops}/events", truth(node, f"{ops}.events"))
+    assert_tables_match(tables, f"{web}/sessions", sessions)  # kept, with its last rows
+    late = DeltaTable(str(tables / ops / "late" / "mirror"))
     assert late.to_pyarrow_table().num_rows == 0  # its tables exist before its first document
     registry = {e.name: e for e in Registry.load(str(tables)).entries}
-    assert sorted(registry) == ["ops.events", "ops.late", "web.sessions"]
-    assert registry["web.sessions"].dropped is not None
-    assert registry["ops.events"].dropped is None and registry["ops.late"].dropped is None
-    assert json.loads((tables / "web" / "sessions" / DROPPED_FILE).read_text())["collection"] \
-        == "web.sessions"  # fmt: skip
+    assert sorted(registry) == [f"{ops}.events", f"{ops}.late", f"{web}.sessions"]
+    assert registry[f"{web}.sessions"].dropped is not None
+    assert registry[f"{ops}.events"].dropped is None and registry[f"{ops}.late"].dropped is None
+    assert json.loads((tables / web / "sessions" / DROPPED_FILE).read_text())["collection"] \
+        == f"{web}.sessions"  # fmt: skip
 
     # A replay of the last micro-batch (Spark runs a batch again when its commit is missing
     # from the checkpoint) changes nothing; the same run then brings the new collection's
     # first documents.
-    write(node, "ops.late", rng, 150, keys=60, tag="l")
+    write(node, f"{ops}.late", rng, 150, keys=60, tag="l")
     done = (tmp_path / "checkpoint" / "commits").glob("[0-9]*")
     commits = sorted(done, key=lambda p: int(p.name))
     commits[-1].unlink()
     (commits[-1].parent / f".{commits[-1].name}.crc").unlink(missing_ok=True)
-    assert int(commits[-1].name) in run_mirror(spark, node, tmp_path, chosen)  # replayed
-    for path, name in [("ops/events", "ops.events"), ("ops/late", "ops.late")]:
+    assert int(commits[-1].name) in run_mirror(spark, node, tmp_path, chosen, writer)  # replayed
+    for path, name in [(f"{ops}/events", f"{ops}.events"), (f"{ops}/late", f"{ops}.late")]:
         assert_tables_match(tables, path, truth(node, name))
-    assert_tables_match(tables, "web/sessions", sessions)
+    assert_tables_match(tables, f"{web}/sessions", sessions)
 
     statuses = {s.collection: s for s in collection_statuses(tables)}
-    assert sorted(statuses) == ["ops.events", "ops.late", "web.sessions"]
-    assert statuses["web.sessions"].dropped and not statuses["ops.events"].dropped
-    assert statuses["ops.late"].status.rows == len(truth(node, "ops.late"))
+    assert sorted(statuses) == [f"{ops}.events", f"{ops}.late", f"{web}.sessions"]
+    assert statuses[f"{web}.sessions"].dropped and not statuses[f"{ops}.events"].dropped
+    assert statuses[f"{ops}.late"].status.rows == len(truth(node, f"{ops}.late"))
 
 
 # -- the command ----------------------------------------------------------------------------
