@@ -243,7 +243,7 @@ class Agent:
             in_sync, caught_up = cluster_rules.record_candidates(tracker, vb, placed, high)
             reregistered: frozenset[str] = frozenset()
             if aware:
-                self._reconnect_stale(vb, placed)
+                self._reconnect_stale(vb, in_sync)
                 caught_up = frozenset(r for r in caught_up if self._since_registered(vb, r))
                 if keeper.confirmed is not None:
                     reregistered = cluster_rules.registered_since(
@@ -270,11 +270,11 @@ class Agent:
         seen = self.registrations.get(replica)
         return seen is not None and self.node.tracker.progress(vb, replica).opened_s >= seen[1]
 
-    def _reconnect_stale(self, vb: int, placed: set[str]) -> None:
-        """`NodeAgent._reconnect_stale`: close a replica's connections here once per
+    def _reconnect_stale(self, vb: int, in_sync: frozenset[str]) -> None:
+        """`NodeAgent._reconnect_stale`: close an in-sync replica's connections here once per
         registration when its stream opened before the registration was seen."""
         node = self.node
-        for replica in sorted(placed):
+        for replica in sorted(in_sync):
             seen = self.registrations.get(replica)
             if seen is None or self.reconnected.get(replica) == seen[0]:
                 continue

@@ -317,7 +317,7 @@ class NodeAgent:
             placed = {n.name for n in cluster_map.replica_nodes(vb)}
             high = bucket.vbucket(vb).high_seqno
             in_sync, caught_up = record_candidates(tracker, vb, placed, high)
-            self._reconnect_stale(vb, placed)
+            self._reconnect_stale(vb, in_sync)
             caught_up = frozenset(r for r in caught_up if self._streams_since_registered(vb, r))
             reregistered = (
                 registered_since(keeper.confirmed, keeper.revision, revisions)
@@ -353,15 +353,15 @@ class NodeAgent:
             return False
         return tracker.progress(vb, replica).opened_s >= seen[1]
 
-    def _reconnect_stale(self, vb: int, placed: set[str]) -> None:
-        """Close the replica connection of each replica of `vb` whose stream opened before its
-        registration was seen here (it restarted, or only lost its lease and took it again),
-        once per registration: it reconnects at once, and its new stream shows what its
-        process holds, so it can be caught up again, and named in a record again."""
+    def _reconnect_stale(self, vb: int, in_sync: frozenset[str]) -> None:
+        """Close the replica connection of each in-sync replica of `vb` whose stream opened
+        before its registration was seen here (it restarted, or only lost its lease and took
+        it again), once per registration: it reconnects at once, and its new stream shows
+        what its process holds, so it can be caught up again, and named in a record again."""
         tracker = self.node.context.replication
         if tracker is None:
             return
-        for replica in sorted(placed):
+        for replica in sorted(in_sync):
             seen = self.registrations.get(replica)
             if seen is None or self._reconnected.get(replica) == seen[0]:
                 continue
