@@ -22,7 +22,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from changefeed import limits
 from changefeed.producer.producer import DcpProducer
@@ -80,6 +80,7 @@ from changefeed.server.stats import stat_group
 from changefeed.storage.keys import stored_key
 
 T = TypeVar("T")
+_REQUEST: Final = int(Magic.REQUEST)
 log = logging.getLogger("changefeed.server")
 
 SUPPORTED_FEATURES = frozenset(
@@ -412,11 +413,15 @@ class ClientConnection(asyncio.Protocol):
         # connection's keys are qualified as they join (their collection's stored keys).
         window: RequestWindow | None = None
         window_max = limits.SET_RUN_ITEMS_MAX
+        # After a SET with framing extras (a durability level: a run never takes one) the next
+        # request is most likely another: it goes straight to the per-frame path, which serves
+        # a plain SET too (only not batched), instead of an attempt at a run per frame.
+        after_framed_set = False
         try:
             if self._held:
                 self._emit_held()  # a window's replies that backpressure stopped
             while self.writable.is_set() and self._sasl_task is None and not self._held:
-                if runs:  # bounded by the bytes
+                if runs and not after_framed_set:  # bounded by the bytes
                     run = reader.take_set_run(window_max - (len(window) if window else 0))
                     if run:
                         dispatched += len(run)
@@ -440,6 +445,9 @@ class ClientConnection(asyncio.Protocol):
                 if frame is NEED_DATA or frame is CLOSED:
                     break
                 dispatched += 1
+                after_framed_set = (
+                    type(frame) is Frame and frame.opcode == Opcode.SET and frame.magic != _REQUEST
+                )
                 key = self._window_key(frame) if runs and isinstance(frame, Frame) else None
                 if key is not None:
                     assert isinstance(frame, Frame), frame
