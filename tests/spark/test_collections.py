@@ -384,3 +384,43 @@ def test_mirror_command_killed_mid_run_does_not_duplicate(
     assert finished.returncode == 0, finished.stderr[-2000:]
     for path, name in [("kill/a", "kill.a"), ("kill2/b", "kill2.b")]:
         assert_tables_match(tables, path, truth(node, name))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rollback_in_two_collections_rereads_each_collections_keys(
+    spark: Any, nodes: Any, rng: random.Random, tmp_path: Path
+) -> None:
+    """A node restored from an old copy of its data (a diverged history) under a mirror of
+    two collections holding the same keys: both changelogs get the rollback rows, and each
+    mirror, whose voided keys are read again from its own collection, equals its collection."""
+    restored = nodes(vbuckets=VBUCKETS, args=FAST_NODE)
+    old_copy = tmp_path / "old-copy"
+    edit(restored, lambda m: m.with_scope("rb").with_collection("rb", "a")
+         .with_collection("rb", "b"))  # fmt: skip
+    for path in ("rb.a", "rb.b"):
+        write(restored, path, rng, 600, keys=200, tag="k")
+    restored.stop()
+    restored.copy_data(old_copy)
+    restored.start()
+    for path in ("rb.a", "rb.b"):  # W1: updates, deletes and keys only this history has
+        write(restored, path, rng, 500, keys=200, tag="k")
+        write(restored, path, rng, 200, keys=100, tag="lost")
+    run_mirror(spark, restored, tmp_path, "rb.a,rb.b")
+    tables = tmp_path / "tables"
+    for path, name in [("rb/a", "rb.a"), ("rb/b", "rb.b")]:
+        assert_tables_match(tables, path, truth(restored, name))
+
+    restored.stop()
+    restored.restore_data(old_copy)
+    restored.start()  # a restored directory starts a new history branch
+    for path in ("rb.a", "rb.b"):  # W2: another history, some W1-only keys again
+        write(restored, path, rng, 900, keys=260, tag="k")
+        write(restored, path, rng, 60, keys=100, tag="lost")
+    run_mirror(spark, restored, tmp_path, "rb.a,rb.b")
+    for path, name in [("rb/a", "rb.a"), ("rb/b", "rb.b")]:
+        log = DeltaTable(str(tables / path / "changelog")).to_pyarrow_table()
+        assert pc.sum(pc.equal(log.column("op"), "rollback")).as_py(), f"{path}: no rollback"
+        state = table_state(read_mirror(tables / path))
+        want = truth(restored, name)
+        assert state == want, f"{path}: {diff(state, want)}"
