@@ -8,6 +8,7 @@ a real node and reads the flags' effect in the tables.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ from changefeed.cli.mirror_flags import (
 from support.nodes import NodeFactory
 
 from .helpers import write
+from .test_dist_mirror import s3  # noqa: F401  (the fixture: a moto S3 server)
 
 UNREACHABLE = "127.0.0.1:1"  # nothing listens: a check that reached the cluster would say so
 
@@ -124,3 +126,30 @@ def test_groups_and_tasks_reach_the_tables(nodes: NodeFactory, tmp_path: Path) -
     groups = {int(g) for g in files.column("partition._vb_group").to_pylist()}
     assert groups <= {0, 1, 2} and groups, groups
     assert mirror.to_pyarrow_table().num_rows == 600
+
+
+@pytest.mark.slow
+def test_storage_options_reach_s3_tables(
+    nodes: NodeFactory,
+    tmp_path: Path,
+    s3: dict[str, str],  # noqa: F811  (the fixture imported above)
+) -> None:
+    """``--tables s3://...`` with the endpoint and keys given only as ``--storage-option``
+    (none in the environment): the driver's commits and the tasks' files reach the server."""
+    from changefeed.spark.mirror_status import mirror_status
+
+    node = nodes(args=["--no-durable"])
+    write(node.port, [(f"k{i}", b'{"n": %d}' % i) for i in range(500)])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    pairs = [arg for key, value in s3.items() for arg in ("--storage-option", f"{key}={value}")]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "changefeed", "mirror", "--cluster", node.address, "--tables",
+         "s3://mirror/cli/tables", "--checkpoint", str(tmp_path / "ck"), "--once", *pairs],
+        capture_output=True, text=True, timeout=300, check=False, env=env, cwd=cwd,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = mirror_status("s3://mirror/cli/tables", s3)
+    assert status.rows == 500, status
+    assert list(cwd.iterdir()) == [], "no local directory named like the URL"

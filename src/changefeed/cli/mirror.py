@@ -314,7 +314,7 @@ class MirrorJob:
             started = time.perf_counter()
             inferred = _run(lambda: infer_document_fields(SourceOptions.parse(self.options)),
                             self.options["cluster"])  # fmt: skip
-            fields = merge_fields(_table_fields(self.tables), inferred)
+            fields = merge_fields(_table_fields(self.tables, self.storage_options), inferred)
         except (OptionError, ValueError) as error:
             raise click.ClickException(str(error)) from None
         ddl = ddl_of_fields(fields)
@@ -548,20 +548,22 @@ def _committed_offsets(checkpoint: Path, batch: int | None) -> Any:
         ) from None
 
 
-def _table_fields(tables: Path) -> Any:
-    """The document fields of an existing mirror table (empty without one)."""
+def _table_fields(tables: Path, storage_options: dict[str, str] | None = None) -> Any:
+    """The document fields of an existing mirror table (empty without one); ``tables`` may be
+    an object store's URL (given as a Path: ``table_uri`` mends it)."""
     from deltalake import DeltaTable
     from pyarrow import schema as arrow_schema
     from pyspark.sql.pandas.types import from_arrow_schema
     from pyspark.sql.types import StructType
 
+    from changefeed.spark.delta_files import table_uri
     from changefeed.spark.documents import CORRUPT_COLUMN
     from changefeed.spark.merge_source import MIRROR_COLUMNS
 
-    path = tables / "mirror"
-    if not DeltaTable.is_deltatable(str(path)):
+    uri = table_uri(tables, "mirror")
+    if not DeltaTable.is_deltatable(uri, storage_options):
         return StructType([])
-    have = arrow_schema(DeltaTable(str(path)).schema().to_arrow())
+    have = arrow_schema(DeltaTable(uri, storage_options=storage_options).schema().to_arrow())
     fields = [f for f in have if f.name not in MIRROR_COLUMNS and f.name != CORRUPT_COLUMN]
     return from_arrow_schema(arrow_schema(fields))
 
