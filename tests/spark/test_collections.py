@@ -220,7 +220,7 @@ def run_mirror(
     """One availableNow run of readStream -> foreachBatch(MirrorWriter) per collection; the
     ids of the micro-batches it ran."""
     options = node.source_options(
-        collections=collections, format="binary", maxOffsetsPerTrigger="600",
+        collections=collections, format="binary", maxOffsetsPerTrigger="5000",
         failOnDataLoss="false", mirrorGroups="2", mirrorTasks="2", mirrorWriter=writer,
     )  # fmt: skip
     writer = MirrorWriter(root / "tables", options)
