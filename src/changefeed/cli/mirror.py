@@ -46,6 +46,7 @@ from typing import Any, Final
 import click
 
 from changefeed.cli.mirror_collections import (
+    collection_fields,
     collection_options,
     collections_flag,
     show_collections,
@@ -561,8 +562,8 @@ def _table_fields(tables: Path, storage_options: dict[str, str] | None = None) -
     from changefeed.spark.merge_source import MIRROR_COLUMNS
 
     uri = table_uri(tables, "mirror")
-    if not DeltaTable.is_deltatable(uri, storage_options):
-        return StructType([])
+    if not DeltaTable.is_deltatable(uri, storage_options):  # none, or one per collection
+        return collection_fields(tables, storage_options, _table_fields, StructType([]))
     have = arrow_schema(DeltaTable(uri, storage_options=storage_options).schema().to_arrow())
     fields = [f for f in have if f.name not in MIRROR_COLUMNS and f.name != CORRUPT_COLUMN]
     return from_arrow_schema(arrow_schema(fields))

@@ -92,6 +92,22 @@ def _check_exist(parsed: Any, tables: Path | str) -> None:
         )
 
 
+def collection_fields(
+    tables: Path, storage_options: dict[str, str] | None, table_fields: Any, empty: Any
+) -> Any:
+    """The document fields of a collection-aware mirror's tables (``table_fields`` of each
+    collection's directory), merged in the order the collections came: a restart infers
+    the schema over them, so no table's column is dropped or retyped. ``empty`` without any."""
+    from changefeed.spark.collection_registry import Registry
+    from changefeed.spark.delta_files import table_uri
+    from changefeed.spark.documents import merge_fields
+
+    fields = empty
+    for entry in Registry.load(table_uri(tables, ""), storage_options).entries:
+        fields = merge_fields(fields, table_fields(tables / entry.path, storage_options))
+    return fields
+
+
 def show_collections(tables: Path, as_json: bool) -> bool:
     """Print the per-collection tables of a collection-aware mirror under ``tables``; False
     (nothing printed) when it is not one."""
