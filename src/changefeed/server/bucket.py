@@ -112,6 +112,7 @@ class Bucket(VBucketSource):
         self._flush_task: asyncio.Task[None] | None = None
         self._dirty = asyncio.Event()
         self._hurry = asyncio.Event()  # a writer waits for persistence: no gathering gap
+        self._queued_to: set[int] = set()  # vbuckets queued to during a gathering gap
         self.persistence = PersistenceHealth()
         # Told the vbuckets a flush round persisted more of (durable writes wait on it).
         self.persisted_listeners: list[Callable[[list[int]], None]] = []
@@ -164,7 +165,7 @@ class Bucket(VBucketSource):
 
     def start(self) -> None:
         for vb in self.vbuckets.values():
-            vb.manager.wakeup.add_callback(self._dirty.set)
+            vb.manager.wakeup.add_callback(self._queued_callback(vb.vb))
         self._flush_task = asyncio.get_running_loop().create_task(self._flush_loop())
 
     async def close(self) -> int:
@@ -213,13 +214,47 @@ class Bucket(VBucketSource):
             if not wrote:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._dirty.wait(), 1.0)
-            gap_s = FLUSH_GATHER_S
             if wrote >= SMALL_ROUND_ITEMS or any(
                 vb.has_pending_prepares for vb in self.vbuckets.values()
             ):
-                gap_s = FLUSH_IDLE_S
-            with contextlib.suppress(TimeoutError):  # gather a group commit
-                await asyncio.wait_for(self._hurry.wait(), gap_s)
+                with contextlib.suppress(TimeoutError):  # gather a group commit
+                    await asyncio.wait_for(self._hurry.wait(), FLUSH_IDLE_S)
+            else:
+                await self._gather(FLUSH_GATHER_S)
+
+    def _queued_callback(self, vb: int) -> Callable[[], None]:
+        """What a vbucket's queue wakes: the flusher, noting which vbucket (see `_gather`)."""
+
+        def queued() -> None:
+            self._queued_to.add(vb)
+            self._dirty.set()
+
+        return queued
+
+    async def _gather(self, gap_s: float) -> None:
+        """Wait up to `gap_s` before the next round, ending early when a writer hurries it or
+        a vbucket queued to meanwhile holds a pending prepare: a replica's persistence is what
+        a persistToMajority write waits for, and nothing on the replica hurries the round."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + gap_s
+        self._queued_to.clear()  # the caller has just checked every vbucket
+        while not self._hurry.is_set():
+            self._dirty.clear()
+            touched, self._queued_to = self._queued_to, set()
+            if any(self.vbuckets[vb].has_pending_prepares for vb in touched):
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            hurried = loop.create_task(self._hurry.wait())
+            queued = loop.create_task(self._dirty.wait())
+            try:
+                await asyncio.wait(
+                    (hurried, queued), timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                hurried.cancel()
+                queued.cancel()
 
     def _mark_of(self, vb: int) -> VbucketMark | None:
         """What a persistence wait on `vb` checks: its persisted seqno, state and history."""

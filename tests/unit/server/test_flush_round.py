@@ -217,6 +217,27 @@ def test_the_gap_stays_short_while_a_prepare_is_pending(
     run_flush_loop(bucket, steps)
 
 
+def test_a_prepare_queued_during_the_gap_ends_it(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prepare that arrives while the flusher gathers after a small round of plain writes is
+    persisted without waiting out the gap: on a replica nothing else hurries the round, and a
+    persistToMajority write waits for it (the gap used to be decided once, before it began)."""
+    monkeypatch.setattr(bucket_module, "SMALL_ROUND_ITEMS", 100)
+    monkeypatch.setattr(bucket_module, "FLUSH_GATHER_S", 30.0)  # longer than the test runs
+    vbucket = bucket.vbucket(0)
+
+    async def steps(bucket: Bucket) -> None:
+        bucket.hurry_flush()
+        vbucket.set(b"x", b"v")  # a plain write: the round after it gathers 30 s
+        await wait_until(lambda: vbucket.persisted_seqno == 1)
+        await asyncio.sleep(0.05)  # inside the gap
+        vbucket.set(b"p", b"v", level=1)  # a prepare nobody commits here, nobody hurries
+        await wait_until(lambda: vbucket.persisted_seqno == 2)
+
+    run_flush_loop(bucket, steps)
+
+
 async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not condition():
