@@ -266,6 +266,9 @@ def set_collections_manifest(c: Requester, f: Frame) -> None:
     if manifests.proposer is not None:  # a cluster: the change goes to etcd (manifest_store.py)
         c.answer_when_done(f, asyncio.ensure_future(manifests.proposer(new)), lambda _: c.reply(f))
         return
+    if manifests.joining_cluster:  # applied here alone, the nodes' manifests would diverge
+        c.reply(f, Status.ETMPFAIL, value=b"the node has not joined its cluster yet: retry")
+        return
     if new.uid <= manifests.uid:
         c.reply(
             f,

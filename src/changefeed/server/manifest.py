@@ -48,6 +48,9 @@ class ManifestStore:
         self._activation_listeners: list[Callable[[int], object]] = []
         # Set on a cluster: where a client's change goes (etcd), instead of `apply` here.
         self.proposer: Proposer | None = None
+        # True on a node that will join a cluster: until `proposer` is set (the agent connected
+        # to etcd), a change is refused, not applied here alone (the nodes would diverge).
+        self.joining_cluster = False
         self._ever_scopes: dict[int, int] = {}  # every collection this process saw -> scope
         self._refresh_ids()
 

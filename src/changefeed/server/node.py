@@ -434,6 +434,8 @@ class Node:
             companion: started after the listener (it needs the port), stopped first.
         """
         tune_interpreter()
+        if companion is not None:
+            self.context.manifests.joining_cluster = True  # no manifest change before it joins
         await self.start()
         if companion is not None:
             await companion.start()
