@@ -204,6 +204,8 @@ def change_vbucket_state(
         end_streams()
     if Effect.REPLICA_PROGRESS_FORGOTTEN in effects and replication is not None:
         replication.forget(vb)
+    if state.is_active and replication is not None:
+        replication.activated(vb)  # its replicas are connecting: CONNECT_GRACE_S
     # Paired with the effects above: what each one promises is now true.
     assert vbucket.state is state, (vb, state)
     assert Effect.WAITERS_AMBIGUOUS not in effects or (

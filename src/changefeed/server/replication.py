@@ -20,6 +20,13 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
+# How long after a vbucket becomes active here its map's replicas count as reachable before
+# their streams open (they open them once they apply the same map: tens of milliseconds on a
+# quiet machine). Within it a durable write waits for their acks (or its timeout: AMBIGUOUS)
+# instead of being refused DURABILITY_IMPOSSIBLE, which SDKs do not retry: a write right after
+# a failover or a cluster start met that. It only decides refusal; a commit still needs the acks.
+CONNECT_GRACE_S = 3.0
+
 
 @dataclasses.dataclass(slots=True)
 class ReplicaProgress:
@@ -88,6 +95,7 @@ class ReplicationTracker:
         self.lag_max_s = lag_max_s
         self._clock = clock
         self._progress: dict[tuple[int, str], ReplicaProgress] = {}
+        self._activated_s: dict[int, float] = {}  # when each vbucket became active here
         # Told the vbucket whose replicas' progress moved or whose stream closed (the
         # durable-write monitor subscribes: sync_writes.py).
         self.listeners: list[Callable[[int], None]] = []
@@ -173,6 +181,23 @@ class ReplicationTracker:
         """The vbucket is no longer active here: its replicas report elsewhere now."""
         for key in [k for k in self._progress if k[0] == vb]:
             del self._progress[key]
+        self._activated_s.pop(vb, None)
+
+    def activated(self, vb: int) -> None:
+        """The vbucket became active here: its replicas are opening their streams."""
+        self._activated_s[vb] = self._clock()
+
+    def reachable(self, vb: int, replica: str) -> bool:
+        """Whether a durable write may count on `replica` of `vb`: its stream is open, or the
+        vbucket became active here less than CONNECT_GRACE_S ago and the replica has not
+        opened a stream since (it is still connecting; one that opened and closed is gone)."""
+        p = self._progress.get((vb, replica))
+        if p is not None and p.connected:
+            return True
+        since = self._activated_s.get(vb)
+        if since is None or self._clock() - since >= CONNECT_GRACE_S:
+            return False
+        return p is None or p.opened_s < since
 
     def snapshot(self) -> Iterator[ReplicaStatus]:
         now = self._clock()

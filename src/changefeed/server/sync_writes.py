@@ -140,7 +140,7 @@ class DurableWrites:
     def check_possible(self, vb: int) -> None:
         """Raise DurabilityImpossibleError unless a majority of vb's chain is reachable."""
         replicas = self.replicas_of(vb)
-        reachable = 1 + sum(1 for r in replicas if self._connected(vb, r))
+        reachable = 1 + sum(1 for r in replicas if self._reachable(vb, r))
         majority = (1 + len(replicas)) // 2 + 1
         if reachable < majority:
             self.stats.impossible += 1
@@ -287,8 +287,8 @@ class DurableWrites:
                 del self._waiting[waiter.vb]
         waiter.answer(outcome)
 
-    def _connected(self, vb: int, replica: str) -> bool:
-        return self._replication is not None and self._replication.progress(vb, replica).connected
+    def _reachable(self, vb: int, replica: str) -> bool:
+        return self._replication is not None and self._replication.reachable(vb, replica)
 
     def received_ack(self, vb: int, replica: str) -> int:
         """What `replica` of `vb` acknowledged as received (0: no replication)."""
