@@ -30,6 +30,7 @@ from deltalake import DeltaTable
 
 from changefeed.cli.node_process import HOST, NodeProcess
 from changefeed.consumer import read_current_state
+from changefeed.consumer.change_rows import CHANGE_ROW_SCHEMA
 from changefeed.consumer.collections_admin import edit_manifest, get_manifest
 from changefeed.consumer.connection import Connection
 from changefeed.consumer.handshake import call, connect
@@ -39,8 +40,10 @@ from changefeed.protocol.errors import KeyNotFoundError
 from changefeed.protocol.opcode import Feature, Opcode
 from changefeed.spark import MirrorWriter, read_mirror
 from changefeed.spark.collection_registry import DROPPED_FILE, Registry
+from changefeed.spark.merge_source import DELETED
 from changefeed.spark.mirror_status import collection_statuses
 from changefeed.spark.options import OptionError, SourceOptions
+from changefeed.spark.refetch import refetch_source
 from changefeed.vbmap import vbucket_for_key
 from support.clients import BUCKET, PASSWORD, USER, dcp_config
 from support.nodes import node_factory
@@ -170,7 +173,7 @@ def test_batch_read_names_rows_and_keeps_to_its_collections(
         .options(**node.source_options(collections="shop.orders,crm.people", format="binary"))
         .load()
     )
-    assert rows.columns[-2:] == ["scope", "collection"]
+    assert rows.columns[-3:] == ["scope", "collection", "collection_id"]
     table = rows.toArrow()
     got: dict[tuple[str, str], pa.Table] = {}
     for scope, collection in want:
@@ -206,7 +209,7 @@ def test_batch_read_of_a_scope_and_typed(spark: Any, node: NodeProcess, rng: ran
         .options(**node.source_options(collections="fin.ledger", schema="n bigint, tag string"))
         .load()
     )
-    assert typed.columns[-2:] == ["scope", "collection"]
+    assert typed.columns[-3:] == ["scope", "collection", "collection_id"]
     values = {r["key"]: r["n"] for r in typed.select("key", "n").collect()}
     assert values == {k: json.loads(d.value)["n"] for k, d in want[("fin", "ledger")].items()}
 
@@ -218,9 +221,14 @@ def run_mirror(
     spark: Any, node: NodeProcess, root: Path, collections: str, writer: str = "distributed"
 ) -> list[int]:
     """One availableNow run of readStream -> foreachBatch(MirrorWriter) per collection; the
-    ids of the micro-batches it ran."""
+    ids of the micro-batches it ran. ``collections`` ``scope:<name>``: option ``scope``."""
+    chosen = (
+        {"scope": collections.removeprefix("scope:")}
+        if collections.startswith("scope:")
+        else {"collections": collections}
+    )
     options = node.source_options(
-        collections=collections, format="binary", maxOffsetsPerTrigger="5000",
+        **chosen, format="binary", maxOffsetsPerTrigger="5000",
         failOnDataLoss="false", mirrorGroups="2", mirrorTasks="2", mirrorWriter=writer,
     )  # fmt: skip
     writer = MirrorWriter(root / "tables", options)
@@ -249,7 +257,7 @@ def assert_tables_match(tables: Path, path: str, want: dict[str, Doc]) -> None:
     state = table_state(read_mirror(root))
     assert state == want, f"{path}: {diff(state, want)}"
     logged = assert_changelog_once(root)
-    assert {"scope", "collection"}.isdisjoint(logged.column_names)
+    assert {"scope", "collection", "collection_id"}.isdisjoint(logged.column_names)
 
 
 @pytest.mark.parametrize("writer", ["distributed", pytest.param("local", marks=pytest.mark.slow)])
@@ -306,6 +314,68 @@ def test_mirror_per_collection_created_dropped_and_replayed(
     assert sorted(statuses) == [f"{ops}.events", f"{ops}.late", f"{web}.sessions"]
     assert statuses[f"{web}.sessions"].dropped and not statuses[f"{ops}.events"].dropped
     assert statuses[f"{ops}.late"].status.rows == len(truth(node, f"{ops}.late"))
+
+
+@pytest.mark.slow
+def test_mirror_of_a_collection_dropped_and_created_again_keeps_them_apart(
+    spark: Any, node: NodeProcess, rng: random.Random, tmp_path: Path
+) -> None:
+    """``dr.c`` written, mirrored, written again, dropped and created again (a new id), the
+    new one written with the same keys; the next batch has rows of both under one name. A
+    mirror of the scope (its stream still sends a dropped collection's changes made before
+    the drop) routes each by id: the old tables end at the old collection's last state, the
+    new ``dr/c~<id>`` equal the new collection."""
+    first = edit(node, lambda m: m.with_scope("dr").with_collection("dr", "c"))
+    write(node, "dr.c", rng, 300, keys=100, tag="k")
+    run_mirror(spark, node, tmp_path, "scope:dr")
+    tables = tmp_path / "tables"
+    assert_tables_match(tables, "dr/c", truth(node, "dr.c"))
+
+    write(node, "dr.c", rng, 300, keys=100, tag="k")  # rows the mirror reads after the drop
+    old_last = truth(node, "dr.c")
+    edit(node, lambda m: m.without_collection("dr", "c"))
+    second = edit(node, lambda m: m.with_collection("dr", "c"))
+    write(node, "dr.c", rng, 200, keys=100, tag="k")
+    old, new = first.resolve("dr.c")[1], second.resolve("dr.c")[1]
+    assert old is not None and new is not None and old.uid != new.uid
+    run_mirror(spark, node, tmp_path, "scope:dr")
+    assert_tables_match(tables, "dr/c", old_last)  # with its last rows, none of the new one
+    assert_tables_match(tables, f"dr/c~{new.uid:x}", truth(node, "dr.c"))
+    entries = [(e.path, e.cid, e.dropped is not None) for e in Registry.load(str(tables)).entries]
+    assert entries == [("dr/c", old.uid, True), (f"dr/c~{new.uid:x}", new.uid, False)]
+
+
+def test_reread_of_a_dropped_collection_does_not_read_its_successor(
+    node: NodeProcess, rng: random.Random
+) -> None:
+    """The re-read of a table's keys (after a rollback) asks for its collection id: the table
+    of ``s.c`` dropped and created again reads nothing of the new ``s.c`` (the old one has
+    nothing left on the node: every key comes back a tombstone), and the new one's reads its
+    own documents. No Spark: ``refetch_source`` is what the writers call."""
+    first = edit(node, lambda m: m.with_scope("rr").with_collection("rr", "c"))
+    write(node, "rr.c", rng, 150, keys=40, tag="k")
+    edit(node, lambda m: m.without_collection("rr", "c"))
+    second = edit(node, lambda m: m.with_collection("rr", "c"))
+    write(node, "rr.c", rng, 150, keys=40, tag="k")  # the same keys in the new collection
+    old, new = first.resolve("rr.c")[1], second.resolve("rr.c")[1]
+    assert old is not None and new is not None and old.uid != new.uid
+    want = truth(node, "rr.c")
+    assert want, "the new collection has documents"
+    keys = {f"k{i}": vbucket_for_key(f"k{i}".encode(), VBUCKETS) for i in range(40)}
+
+    def reread(cid: int) -> dict[str, bytes | None]:
+        """key -> the document read again (None: a tombstone)."""
+        options = node.source_options(collections="rr.c", collectionId=str(cid))
+        rows = refetch_source(keys, CHANGE_ROW_SCHEMA, options).to_pylist()
+        assert sorted(r["key"] for r in rows) == sorted(keys)
+        return {r["key"]: None if r[DELETED] else r["value"] for r in rows}
+
+    assert reread(new.uid) == {k: want[k].value if k in want else None for k in keys}
+    assert set(reread(old.uid).values()) == {None}, "read the new collection's documents"
+    with pytest.raises(ValueError, match="collectionId: 'x' is not a collection id"):
+        refetch_source(
+            keys, CHANGE_ROW_SCHEMA, node.source_options(collections="rr.c", collectionId="x")
+        )
 
 
 # -- the command ----------------------------------------------------------------------------

@@ -1,20 +1,24 @@
 """The collection-aware mirror: one changelog and one mirror table per collection.
 
 ``MirrorWriter`` hands a batch here when its source is collection-aware (options
-``collections`` / ``scope``): the rows carry ``scope`` and ``collection``. For micro-batch b:
+``collections`` / ``scope``): the rows carry ``scope``, ``collection`` and ``collection_id``.
+For micro-batch b:
 
 1. the driver reads the manifest (one KV request) and brings the registry up to date
    (``collection_registry.py``): a collection the options choose that has no tables yet gets
    an entry, one the manifest no longer has is marked dropped (its tables stay as they are,
    with a marker file beside them; nothing is emptied);
 2. the batch is cached (``persist``: the source is read once, not once per collection) and the
-   collections present in it are listed (one small aggregation);
+   collections present in it are listed (one small aggregation) and routed by collection id
+   (``Registry.route``): rows of ``s.c`` dropped and created again go to the tables of the
+   id they are of, not to the newest tables of that name;
 3. each collection with rows, each new collection (its empty tables are created now, at the
    first batch after it appeared), and, when the batch has rollback rows, every collection
    with tables, is written by its own writer: the same ``MirrorWriter`` as a bucket's (the
    distributed one, or the local one if asked), on ``<tables>/<path>`` with that
    collection's rows, the rollback rows (a rollback voids a vbucket, every collection of it),
-   and the source options narrowed to the collection (its re-reads ask for its keys only).
+   and the source options narrowed to the collection (its re-reads ask for its id's keys
+   only; a dropped collection has none left on the node, ``refetch.py``).
 
 Exactly once per table: each table pair records the batch ids it committed as its own Delta
 app transaction, as a bucket's tables do. A crash after collection A's commit and before B's
@@ -37,7 +41,11 @@ from typing import Any, Protocol
 
 from changefeed.consumer.change_rows import OP_ROLLBACK
 from changefeed.spark.collection_registry import CollectionTables, Registry
-from changefeed.spark.collection_rows import COLLECTION_COLUMN, NAME_COLUMNS, SCOPE_COLUMN
+from changefeed.spark.collection_rows import (
+    COLLECTION_ID_COLUMN,
+    COLLECTION_ID_OPTION,
+    NAME_COLUMNS,
+)
 from changefeed.spark.delta_files import table_uri
 from changefeed.spark.options import SourceOptions
 from changefeed.spark.reading import fetch_manifest_sync
@@ -107,18 +115,16 @@ class CollectionMirrorWriter:
         cached = batch_df.persist(StorageLevel.MEMORY_AND_DISK)
         try:
             present = [
-                (row[0], row[1])
+                (row[0], row[1], row[2])
                 for row in cached.select(*NAME_COLUMNS).distinct().collect()  # a few rows
             ]
-            has_rollback = any(scope is None for scope, _ in present)
+            has_rollback = any(cid is None for _, _, cid in present)
+            routes = registry.route([p for p in present if p[2] is not None], batch_id)
             targets: dict[str, CollectionTables] = {}
-            for scope, collection in present:
-                if scope is None:
-                    continue
-                entry = registry.live(scope, collection)
-                if entry is None:  # rows of a collection no manifest named (dropped long ago)
-                    entry = registry.add(scope, collection, None, batch_id)
+            ids: dict[str, list[int]] = {}  # tables -> the collection ids whose rows go there
+            for cid, entry in routes.items():
                 targets[entry.path] = entry
+                ids.setdefault(entry.path, []).append(cid)
             for entry in registry.entries:
                 is_new = entry.created_batch == batch_id and entry.dropped is None
                 if is_new or (has_rollback and entry.path not in targets):
@@ -128,8 +134,10 @@ class CollectionMirrorWriter:
             self.rows_written = 0
             rollback = F.col("op") == F.lit(OP_ROLLBACK)
             for entry in targets.values():
-                mine = (F.col(SCOPE_COLUMN) == F.lit(entry.scope)) & (
-                    F.col(COLLECTION_COLUMN) == F.lit(entry.collection)
+                mine = (
+                    F.col(COLLECTION_ID_COLUMN).isin(ids[entry.path])
+                    if entry.path in ids
+                    else F.lit(False)  # a new collection's empty tables, or rollback rows only
                 )
                 rows = cached.filter(mine | rollback).drop(*NAME_COLUMNS)
                 writer = self._writer(entry)
@@ -144,8 +152,9 @@ class CollectionMirrorWriter:
             narrowed = {
                 k: v for k, v in self.options.items() if k.lower() not in ("scope", "collections")
             }
-            if entry.cid is not None:  # its re-reads ask for its keys (refetch.py)
+            if entry.cid is not None:  # its re-reads ask for its id's keys (refetch.py)
                 narrowed["collections"] = entry.name
+                narrowed[COLLECTION_ID_OPTION] = str(entry.cid)
             root = table_uri(self.tables, entry.path)
             writer = self.writers[entry.path] = self.make_writer(root, narrowed)
         return writer

@@ -13,11 +13,14 @@ registry that the next batch brings up to date from the manifest.
 
 A collection dropped and created again under the same name has a new id: the old tables stay
 where they are, marked dropped, and the new collection's go to ``<collection>~<id in hex>``.
+Rows are routed to tables by collection id (``route``), never by name: the old collection's
+rows that arrive after the new one has tables still go to the old tables.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -99,10 +102,46 @@ class Registry:
         fs.move(temporary, REGISTRY_FILE)
 
     def live(self, scope: str, collection: str) -> CollectionTables | None:
-        """The tables rows of ``scope.collection`` go to: its newest entry (dropped or not:
-        rows written before a drop still arrive after the manifest lost it)."""
+        """The newest entry named ``scope.collection`` (dropped or not). Names say nothing
+        about which collection rows are of: route rows by id (``route``)."""
         found = [e for e in self.entries if e.scope == scope and e.collection == collection]
         return found[-1] if found else None
+
+    def of_id(self, cid: int) -> CollectionTables | None:
+        """The entry of collection ``cid`` (an id is never reused in a bucket)."""
+        return next((e for e in self.entries if e.cid == cid), None)
+
+    def route(
+        self, present: Iterable[tuple[str, str, int]], batch: int
+    ) -> dict[int, CollectionTables]:
+        """Which tables each collection's rows in a batch go to, by collection id: ``present``
+        is the batch's (scope, collection, collection id) of its rows.
+
+        By id, not by name: ``s.c`` dropped and created again has a new id and new tables,
+        and rows of the old one (written before its drop, read after the mirror saw the new
+        one, or in the same batch) still go to the old tables. An id no entry has gets one:
+        a collection no manifest the mirror read named (created and dropped between two of
+        its batches), or an entry that had only rows' names so far (a registry written before
+        rows carried ids) takes the id.
+        """
+        routes: dict[int, CollectionTables] = {}
+        for scope, collection, cid in present:
+            entry = self.of_id(cid)
+            if entry is None:
+                entry = self._adopt(scope, collection, cid) or self.add(
+                    scope, collection, cid, batch
+                )
+            routes[cid] = entry
+        return routes
+
+    def _adopt(self, scope: str, collection: str, cid: int) -> CollectionTables | None:
+        """The newest entry of these names without an id, now given ``cid`` (None: none)."""
+        entry = self.live(scope, collection)
+        if entry is None or entry.cid is not None:
+            return None
+        adopted = replace(entry, cid=cid)
+        self.entries[self.entries.index(entry)] = adopted
+        return adopted
 
     def add(self, scope: str, collection: str, cid: int | None, batch: int) -> CollectionTables:
         taken = {e.path for e in self.entries}
@@ -133,11 +172,8 @@ class Registry:
         for cid, (scope, collection) in sorted(alive.items()):
             if not wanted(scope.name, collection.name):
                 continue
-            current = self.live(scope.name, collection.name)
-            if current is not None and current.cid in (cid, None):
-                if current.cid is None:  # first seen in rows: now the manifest names it
-                    self.entries[self.entries.index(current)] = replace(current, cid=cid)
-                continue
+            if self.of_id(cid) is not None or self._adopt(scope.name, collection.name, cid):
+                continue  # has tables (an entry of rows' names only takes the manifest's id)
             self.add(scope.name, collection.name, cid, batch)
             added.append(f"{scope.name}.{collection.name}")
         return added, dropped

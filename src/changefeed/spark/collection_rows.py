@@ -1,11 +1,15 @@
-"""Change rows of a collection-aware read: each row's ``scope`` and ``collection`` by name, and
-its key without the collection id the wire puts in front of it.
+"""Change rows of a collection-aware read: each row's ``scope`` and ``collection`` by name, its
+``collection_id``, and its key without the collection id the wire puts in front of it.
 
 A stream that negotiated collections sends every key as ``LEB128(collection id) + key``
 (protocol/collections.py). The reader cuts the prefix off by moving each change's
 ``key_start`` past it (``strip_collection_ids``: no copy of the data; ids below 128 are one
 byte and read with array operations, longer ones by the protocol's decoder), then builds the
-change rows as always (``consumer/change_rows.py``) and appends the names.
+change rows as always (``consumer/change_rows.py``) and appends the names and the id.
+
+The id is what says which collection a row is of: names are reused (``s.c`` dropped and
+created again is a new collection with a new id), so the collection mirror routes rows by id
+(``collection_registry.Registry.route``) and a table's re-reads ask for its id's keys.
 
 Names come from ``CollectionNames``: the manifest read when the read starts (so every
 collection alive then), the names the planner has seen in earlier manifests (a collection
@@ -34,9 +38,17 @@ from changefeed.protocol.collections_manifest import Manifest
 
 SCOPE_COLUMN: Final = "scope"
 COLLECTION_COLUMN: Final = "collection"
-NAME_COLUMNS: Final = (SCOPE_COLUMN, COLLECTION_COLUMN)
-NAME_FIELDS: Final = tuple(pa.field(name, pa.string()) for name in NAME_COLUMNS)
-NAMES_DDL: Final = f"{SCOPE_COLUMN} string, {COLLECTION_COLUMN} string"
+COLLECTION_ID_COLUMN: Final = "collection_id"
+NAME_COLUMNS: Final = (SCOPE_COLUMN, COLLECTION_COLUMN, COLLECTION_ID_COLUMN)
+NAME_FIELDS: Final = (
+    pa.field(SCOPE_COLUMN, pa.string()),
+    pa.field(COLLECTION_COLUMN, pa.string()),
+    pa.field(COLLECTION_ID_COLUMN, pa.int64()),
+)
+NAMES_DDL: Final = f"{SCOPE_COLUMN} string, {COLLECTION_COLUMN} string, {COLLECTION_ID_COLUMN} long"
+# A per-collection table's source options carry its collection id under this (internal)
+# option: its re-reads ask for that id's keys, whatever collection has its name now.
+COLLECTION_ID_OPTION: Final = "collectionId"
 NAMED_ROW_SCHEMA: Final = pa.schema([*CHANGE_ROW_SCHEMA, *NAME_FIELDS])
 UNKNOWN_SCOPE: Final = "_unknown"
 NO_COLLECTION: Final = -1  # a rollback row: it voids the vbucket, every collection of it
@@ -113,9 +125,9 @@ class CollectionNames:
     def from_json(cls, raw: Mapping[str, list[str]]) -> CollectionNames:
         return cls({int(cid): (names[0], names[1]) for cid, names in raw.items()})
 
-    def columns(self, cids: NDArray[np.int64]) -> tuple[pa.Array, pa.Array]:
-        """The ``scope`` and ``collection`` columns of rows of ``cids`` (null for a rollback
-        row): one lookup per distinct id."""
+    def columns(self, cids: NDArray[np.int64]) -> tuple[pa.Array, pa.Array, pa.Array]:
+        """The ``scope``, ``collection`` and ``collection_id`` columns of rows of ``cids``
+        (null for a rollback row): one lookup per distinct id."""
         present, index = np.unique(cids, return_inverse=True)
         scopes: list[str | None] = []
         names: list[str | None] = []
@@ -128,9 +140,11 @@ class CollectionNames:
             scopes.append(found[0])
             names.append(found[1])
         take = pa.array(index.astype(np.int64))
+        ids = pa.array(cids, pa.int64(), mask=cids == NO_COLLECTION)
         return (
             pa.array(scopes, pa.string()).take(take),
             pa.array(names, pa.string()).take(take),
+            ids,
         )
 
 
@@ -175,8 +189,9 @@ class NamedRows:
         batch = self._rows.to_batch()
         cids = np.concatenate(self._cids) if self._cids else np.zeros(0, np.int64)
         assert len(cids) == batch.num_rows, (len(cids), batch.num_rows)
-        scopes, names = self.names.columns(cids)
-        return pa.RecordBatch.from_arrays([*batch.columns, scopes, names], schema=NAMED_ROW_SCHEMA)
+        return pa.RecordBatch.from_arrays(
+            [*batch.columns, *self.names.columns(cids)], schema=NAMED_ROW_SCHEMA
+        )
 
 
 def split_names(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, list[pa.Array]]:

@@ -15,6 +15,7 @@ from changefeed.consumer.change_rows import CHANGE_ROW_SCHEMA, INT64_MAX, OP_DEL
 from changefeed.consumer.current_state import Document, read_current_state
 from changefeed.protocol.collections import encode_leb128
 from changefeed.spark.cluster import client_config, reachable_config
+from changefeed.spark.collection_rows import COLLECTION_ID_OPTION
 from changefeed.spark.documents import DocumentReader
 from changefeed.spark.merge_source import latest_changes, mirror_schema, source_schema
 from changefeed.spark.options import SourceOptions
@@ -30,7 +31,11 @@ def refetch_source(
     for change rows of ``schema``: the document, or a tombstone if it is gone. Typed
     documents are parsed as the source parses them (malformed ones: null fields and, if
     the schema has the column, the corrupt record). The distributed writer's tasks call it too.
-    Options naming one collection (a collection-aware mirror's table) re-read its keys.
+    Options naming one collection (a collection-aware mirror's table) re-read its keys: those
+    of its collection id (``COLLECTION_ID_OPTION``) when the options carry one, so a table of
+    ``s.c`` dropped and created again never reads the new collection's documents. A collection
+    no longer in the manifest has nothing on the node (its documents went with it): each key
+    comes back as a tombstone, and the table deletes what the rollback voided.
     """
     if not keys:
         return source_schema(mirror_schema(schema)).empty_table()
@@ -40,7 +45,15 @@ def refetch_source(
     prefix = b""
     gone = False
     if narrowed:  # one collection's tables: its keys, which arrive with its id in front
-        _, found = fetch_manifest_sync(options).resolve(narrowed[0])
+        cid = _collection_id(source_options)
+        manifest = fetch_manifest_sync(options)
+        if cid is None:  # options of tables whose id was never known: by name
+            _, found = manifest.resolve(narrowed[0])
+        else:  # by id: the name may be another collection's now
+            scope_found = manifest.by_id().get(cid)
+            found = None if scope_found is None else scope_found[1]
+            if scope_found is not None:  # its name now (a rename keeps the id)
+                narrowed = (f"{scope_found[0].name}.{scope_found[1].name}",)
         gone = found is None  # dropped: its documents went with it
         prefix = b"" if found is None else encode_leb128(found.uid)
     raw = {prefix + key.encode("utf-8", "surrogateescape"): key for key in keys}
@@ -69,6 +82,25 @@ def refetch_source(
         reader = DocumentReader(schema, "PERMISSIVE", options.corrupt_column)
         changes = pa.Table.from_batches([reader.convert(changes)])
     return latest_changes(changes)
+
+
+def _collection_id(source_options: dict[str, str]) -> int | None:
+    """The collection id the options carry (``COLLECTION_ID_OPTION``), if any.
+
+    Raises:
+        ValueError: the value is not a collection id (names it).
+    """
+    lowered = {k.lower(): v for k, v in source_options.items()}
+    text = lowered.get(COLLECTION_ID_OPTION.lower())
+    if text is None:
+        return None
+    try:
+        cid = int(text)
+    except ValueError:
+        cid = -1
+    if not 0 <= cid < 2**32:
+        raise ValueError(f"option {COLLECTION_ID_OPTION}: {text!r} is not a collection id")
+    return cid
 
 
 def _document_row(key: str, doc: Document) -> dict[str, Any]:

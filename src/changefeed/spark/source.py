@@ -15,10 +15,10 @@ lag behind them (``lag.py``), so a ``StreamingQueryListener`` sees it in each pr
 (``sources[0].latestOffset``).
 
 Options ``collections`` / ``scope`` make the source collection-aware: rows end with ``scope``
-and ``collection`` (names), keys are the documents' own, and the node streams the chosen
-collections only (``collection_rows.py``). The planner reads the manifest for each batch and
-hands the names it has seen to the reads, so rows of a collection dropped since still carry
-its name.
+and ``collection`` (names) and ``collection_id`` (which collection: names are reused), keys are
+the documents' own, and the node streams the chosen collections only (``collection_rows.py``).
+The planner reads the manifest for each batch and hands the names it has seen to the reads, so
+rows of a collection dropped since still carry its name.
 """
 
 from __future__ import annotations
@@ -356,7 +356,7 @@ class ChangefeedDataSource(DataSource):
 
     def schema(self) -> str:
         """Change rows (``format=binary``), or metadata columns and the documents' fields;
-        collection-aware, then ``scope`` and ``collection``."""
+        collection-aware, then ``scope``, ``collection`` and ``collection_id``."""
         options = SourceOptions.parse(dict(self.options))
         ddl = source_ddl(options)
         if not options.collections_aware:
@@ -365,7 +365,8 @@ class ChangefeedDataSource(DataSource):
         if clash:
             raise DocumentSchemaError(
                 f"document field {clash[0]!r} has the name of a column of a collection-aware "
-                "read (scope, collection); give a schema without it, or read format=binary"
+                "read (scope, collection, collection_id); give a schema without it, or read "
+                "format=binary"
             )
         return f"{ddl}, {NAMES_DDL}"
 
