@@ -65,6 +65,34 @@ def test_registrations_are_node_keys_mod_revisions_and_filter_the_records(
     asyncio.run(body())
 
 
+def test_a_record_is_not_written_over_a_registration_its_writer_has_not_seen(
+    etcd: EtcdServer, cluster_name: str
+) -> None:
+    """The active judges a record by the registrations its watch has shown it. A member that
+    registered again since (a restart the watch has not delivered yet: the active still
+    counts it in sync on its old acks) must not be named by a record written after that
+    registration, which would make it promotable: the write is refused, and lands once the
+    writer judges by the registration etcd holds."""
+
+    async def body() -> None:
+        async with await ClusterMetadata.connect(etcd.endpoint, cluster_name) as md:
+            leadership = await md.campaign("orch", ttl_s=5)
+            first = await md.write_map(_a_map(), None, leadership)
+            assert first is not None
+            await md.register_node(_address("n1"), 30)
+            await md.register_node(_address("n2"), 30)
+            seen = (await md.promotable_in_sync()).registrations
+            assert await md.put_in_sync(0, "n0", ["n1", "n2"], first, seen)
+            await md.register_node(_address("n2"), 30)  # restarted: not yet seen by the writer
+            assert await md.put_in_sync(0, "n0", ["n1", "n2"], first, seen) is None
+            assert (await md.promotable_in_sync()).records[0].members == {"n1"}
+            assert await md.put_in_sync(0, "n0", ["n1"], first, seen)  # n2 not named: fine
+            now = (await md.promotable_in_sync()).registrations
+            assert await md.put_in_sync(0, "n0", ["n1", "n2"], first, now)
+
+    asyncio.run(body())
+
+
 def _address(name: str) -> NodeAddress:
     return NodeAddress(name, "127.0.0.1", 1)
 

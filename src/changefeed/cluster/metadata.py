@@ -857,17 +857,26 @@ class ClusterMetadata:
     # -- in-sync sets and failover requests ---------------------------------------------------
 
     async def put_in_sync(
-        self, vb: int, active: str, members: list[str], map_mod_revision: int
+        self,
+        vb: int,
+        active: str,
+        members: list[str],
+        map_mod_revision: int,
+        registrations: Mapping[str, int] | None = None,
     ) -> int | None:
         """Record `vb`'s confirmed in-sync set (``insync/<vb>``, not on a lease: the
         orchestrator needs it after the active is gone, as Kafka keeps the ISR in the
         controller), only if the map key is still at `map_mod_revision` — the map the active
-        serves by — so a deposed active's record never lands (cluster/rules.py InSyncKeeper).
+        serves by — so a deposed active's record never lands (cluster/rules.py InSyncKeeper) —
+        and, given `registrations` (node name to the mod revision of its registration the
+        writer judged by), only if every member's registration is still that one: a member
+        that registered again unseen (it restarted and may have lost what it acknowledged
+        from memory) would be made promotable by a record written after its registration.
 
         Returns:
             The record's mod revision (truthy) if written (members registered after it are
-            not promotable from it: rules.promotable_members); None when the map changed
-            (the record was not written).
+            not promotable from it: rules.promotable_members); None when the map or a
+            member's registration changed (the record was not written).
 
         Raises:
             MetadataUnavailableError: etcd did not answer (the write may have happened).
@@ -875,9 +884,15 @@ class ClusterMetadata:
         document = {"active": active, "members": sorted(members), "map": map_mod_revision}
         t = self.client.transactions
         key = self.key(f"insync/{vb}")
+        compare = [t.mod(self.key("map")) == map_mod_revision]
+        if registrations is not None:  # an absent key compares as mod revision 0
+            compare += [
+                t.mod(self.key(f"nodes/{member}")) == registrations.get(member, 0)
+                for member in sorted(members)
+            ]
         succeeded, responses = await self._call(
             self.client.transaction(
-                compare=[t.mod(self.key("map")) == map_mod_revision],
+                compare=compare,
                 success=[t.put(key, json.dumps(document).encode()), t.get(key)],
                 failure=[],
             ),

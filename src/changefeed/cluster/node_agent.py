@@ -330,7 +330,7 @@ class NodeAgent:
             keeper.begin(members)
             try:
                 written = await self.metadata.put_in_sync(
-                    vb, self.config.node_name, sorted(members), self.applied_revision
+                    vb, self.config.node_name, sorted(members), self.applied_revision, revisions
                 )
             except BaseException:
                 keeper.failed()
@@ -338,7 +338,9 @@ class NodeAgent:
             if self.keepers.get(vb) is not keeper:
                 continue  # the vbucket changed state meanwhile: the keeper is gone
             if not written:
-                keeper.failed()  # the map moved on: the next map's apply decides
+                # The map moved on (the next map's apply decides), or a member registered
+                # again unseen (the registration watch brings it; the next round judges it).
+                keeper.failed()
                 continue
             keeper.written(members, written)
             if self.node.context.sync_writes is not None:
