@@ -80,6 +80,7 @@ class DcpPump:
         self._idle_timeout_s = idle_timeout_s
         self._work = asyncio.Event()
         self._wakeups: dict[int, Wakeup] = {}
+        self._stream_ids: dict[int, int] = {}  # the tracker's id of each replica stream opened here
         producer.backfill_slots.add_waiter(self.wake)  # a stream may wait for a backfill slot
         self._task = asyncio.get_running_loop().create_task(self._pump_loop())
 
@@ -106,7 +107,9 @@ class DcpPump:
             log.info("%s vb %d: rollback to %d (%s)", self.name, vb, outcome.seqno, outcome.reason)
         if isinstance(outcome, Accepted) and self._tracker is not None:
             assert self.replica_name is not None
-            self._tracker.stream_opened(vb, self.replica_name, outcome.start_seqno)
+            self._stream_ids[vb] = self._tracker.stream_opened(
+                vb, self.replica_name, outcome.start_seqno
+            )
         if isinstance(outcome, Accepted):
             if vb not in self._wakeups:
                 wakeup = self._wakeup_of(vb)
@@ -133,7 +136,7 @@ class DcpPump:
         if self._tracker is not None:
             assert self.replica_name is not None
             for vb in list(self.producer.streams):
-                self._tracker.stream_closed(vb, self.replica_name)
+                self._tracker.stream_closed(vb, self.replica_name, self._stream_ids.get(vb))
         self._task.cancel()
         for wakeup in self._wakeups.values():
             with contextlib.suppress(ValueError):

@@ -58,6 +58,7 @@ class ReplicaProgress:
     catchups_finished: int = 0
     catchup_seconds_last: float = 0.0
     items_acked: int = 0
+    stream_id: int = 0  # which of its streams is the current one (stream_opened's answer)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,6 +97,7 @@ class ReplicationTracker:
         self._clock = clock
         self._progress: dict[tuple[int, str], ReplicaProgress] = {}
         self._activated_s: dict[int, float] = {}  # when each vbucket became active here
+        self._streams_opened = 0
         # Told the vbucket whose replicas' progress moved or whose stream closed (the
         # durable-write monitor subscribes: sync_writes.py).
         self.listeners: list[Callable[[int], None]] = []
@@ -107,7 +109,7 @@ class ReplicationTracker:
             found = self._progress[key] = ReplicaProgress(replica)
         return found
 
-    def stream_opened(self, vb: int, replica: str, start_seqno: int) -> None:
+    def stream_opened(self, vb: int, replica: str, start_seqno: int) -> int:
         """A replica stream starts at `start_seqno`: the replica holds that much, and no more.
         What it acknowledged on earlier streams does not count: a replica that restarted asks
         from what its disk kept and has lost what it held only in memory, so its acks start
@@ -122,10 +124,16 @@ class ReplicationTracker:
             p.catchup_started_s = self._clock()
             p.catchups_started += 1
         self._observe(vb, p, p.received_seqno)
+        self._streams_opened += 1  # node-wide: unique across forget() too
+        p.stream_id = self._streams_opened
+        return p.stream_id
 
-    def stream_closed(self, vb: int, replica: str) -> None:
+    def stream_closed(self, vb: int, replica: str, stream_id: int | None = None) -> None:
+        """A replica stream ended. Given its `stream_id` (what `stream_opened` answered), only
+        if it is still the current one: an old connection of the replica that closes after
+        a newer one opened its stream must not mark the new stream disconnected."""
         p = self._progress.get((vb, replica))
-        if p is not None:
+        if p is not None and (stream_id is None or stream_id == p.stream_id):
             p.connected = False
         self._tell(vb)
 

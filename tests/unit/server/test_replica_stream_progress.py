@@ -76,3 +76,20 @@ def test_received_is_the_current_streams_start_raised_by_its_acks(
         if held is not None:
             assert tracker.progress(0, "r").received_seqno == held
             assert tracker.progress(0, "r").persisted_seqno == persisted
+
+
+def test_an_old_connection_closing_late_does_not_disconnect_the_new_stream() -> None:
+    """A replica that reconnects (its new connection took its name) may have its old
+    connection's close arrive after the new stream opened: only the current stream's close
+    marks it disconnected (before, the late close did, and durable writes then counted it
+    unreachable and the in-sync set dropped it until its next stream)."""
+    tracker = ReplicationTracker(lambda vb: 40, lag_max_s=10.0, clock=lambda: 1.0)
+    old = tracker.stream_opened(0, "r1", 40)
+    new = tracker.stream_opened(0, "r1", 40)
+    assert old != new
+    tracker.stream_closed(0, "r1", old)
+    assert tracker.progress(0, "r1").connected and tracker.in_sync(0, "r1")
+    tracker.stream_closed(0, "r1", new)
+    assert not tracker.progress(0, "r1").connected
+    tracker.forget(0)  # ids stay unique after the vbucket's progress is forgotten
+    assert tracker.stream_opened(0, "r1", 40) not in (old, new)
