@@ -580,6 +580,16 @@ class Store:
             raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} disagrees with record")
         return record
 
+    def _scan_snapshot(self, vb: int, start_seqno: int, end_seqno: int) -> lmdb.Transaction[bytes]:
+        """The read transaction a scan of vb's seqnos start..end holds, after the checks every
+        scan shares (open store, vb and seqnos in range; see `scan` for what it raises)."""
+        self._require_open()
+        _check_vb(vb)
+        if not (0 <= start_seqno <= limits.SEQNO_MAX and 0 <= end_seqno <= limits.SEQNO_MAX):
+            raise ValueError(f"scan range {start_seqno}..{end_seqno} outside 0..SEQNO_MAX")
+        with _translated_errors(self._map_size_bytes):
+            return self._env.begin()
+
     def scan(self, vb: int, start_seqno: int, end_seqno: int) -> Iterator[Record]:
         """Records of `vb` with start_seqno <= seqno <= end_seqno, in seqno order.
 
@@ -594,12 +604,7 @@ class Store:
             CorruptRecordError: (while iterating) a record does not decode.
             StorageError: no reader slot is free, or the store was closed during the scan.
         """
-        self._require_open()
-        _check_vb(vb)
-        if not (0 <= start_seqno <= limits.SEQNO_MAX and 0 <= end_seqno <= limits.SEQNO_MAX):
-            raise ValueError(f"scan range {start_seqno}..{end_seqno} outside 0..SEQNO_MAX")
-        with _translated_errors(self._map_size_bytes):
-            txn = self._env.begin()
+        txn = self._scan_snapshot(vb, start_seqno, end_seqno)
         return _scan(txn, self._by_seqno, vb, start_seqno, end_seqno)
 
     def scan_bodies(self, vb: int, start_seqno: int, end_seqno: int) -> BodyScan:
@@ -613,12 +618,7 @@ class Store:
             ValueError: vb outside 0..VBUCKETS_MAX-1, a seqno outside 0..SEQNO_MAX.
             StorageError: no reader slot is free, or LMDB failed.
         """
-        self._require_open()
-        _check_vb(vb)
-        if not (0 <= start_seqno <= limits.SEQNO_MAX and 0 <= end_seqno <= limits.SEQNO_MAX):
-            raise ValueError(f"scan range {start_seqno}..{end_seqno} outside 0..SEQNO_MAX")
-        with _translated_errors(self._map_size_bytes):
-            txn = self._env.begin()
+        txn = self._scan_snapshot(vb, start_seqno, end_seqno)
         return BodyScan(txn, self._by_seqno, vb, start_seqno, end_seqno)
 
     def find_expired(
@@ -712,12 +712,7 @@ class Store:
             ValueError: vb outside 0..VBUCKETS_MAX-1, a seqno outside 0..SEQNO_MAX.
             StorageError: no reader slot is free, or LMDB failed.
         """
-        self._require_open()
-        _check_vb(vb)
-        if not (0 <= start_seqno <= limits.SEQNO_MAX and 0 <= end_seqno <= limits.SEQNO_MAX):
-            raise ValueError(f"scan range {start_seqno}..{end_seqno} outside 0..SEQNO_MAX")
-        with _translated_errors(self._map_size_bytes):
-            txn = self._env.begin()
+        txn = self._scan_snapshot(vb, start_seqno, end_seqno)
         return KeyedBodyScan(
             txn, self._by_seqno, self._by_key, vb, start_seqno, end_seqno, key_ranges
         )
