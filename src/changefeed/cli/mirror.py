@@ -51,7 +51,7 @@ from changefeed.cli.mirror_collections import (
     collections_flag,
     show_collections,
 )
-from changefeed.cli.mirror_flags import GROUPS_MAX
+from changefeed.cli.mirror_flags import GROUPS_MAX, key_values
 
 STOP_WAIT_S: Final = 300.0  # for the running micro-batch to end after SIGTERM
 PROGRESS_INTERVAL_S: Final = 1.0
@@ -241,13 +241,7 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
 
 def spark_settings(pairs: tuple[str, ...]) -> dict[str, str]:
     """``--conf KEY=VALUE`` pairs as a dict (a bad one is a usage error naming it)."""
-    settings = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq or not key.strip():
-            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--conf")
-        settings[key.strip()] = value
-    return settings
+    return key_values(pairs, "--conf")
 
 
 def check_directory(path: Path, flag: str) -> None:

@@ -77,15 +77,21 @@ def writer_flags(
     return WriterFlags(writer, tasks, groups, storage)
 
 
-def storage_options(pairs: tuple[str, ...]) -> dict[str, str]:
-    """``--storage-option KEY=VALUE`` pairs as a dict (a bad one is a usage error naming it)."""
+def key_values(pairs: tuple[str, ...], flag: str) -> dict[str, str]:
+    """A repeatable ``flag KEY=VALUE`` option's pairs as a dict (a bad one is a usage error
+    naming it and the flag)."""
     out = {}
     for pair in pairs:
         key, eq, value = pair.partition("=")
         if not eq or not key.strip():
-            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--storage-option")
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint=flag)
         out[key.strip()] = value
     return out
+
+
+def storage_options(pairs: tuple[str, ...]) -> dict[str, str]:
+    """``--storage-option KEY=VALUE`` pairs as a dict (a bad one is a usage error naming it)."""
+    return key_values(pairs, "--storage-option")
 
 
 def mended(tables: str) -> str:
