@@ -245,10 +245,7 @@ class Agent:
             if aware:
                 self._reconnect_stale(vb, in_sync)
                 caught_up = frozenset(r for r in caught_up if self._since_registered(vb, r))
-                if keeper.confirmed is not None:
-                    reregistered = cluster_rules.registered_since(
-                        keeper.confirmed, keeper.revision, revisions
-                    )
+                reregistered = keeper.registered_since(revisions)
             members = keeper.target(in_sync, caught_up, reregistered)
             if members is None:
                 continue

@@ -41,7 +41,6 @@ from changefeed.cluster.rules import (
     membership_valid_until,
     record_candidates,
     recovered_state,
-    registered_since,
     serving_state,
     wanted_state,
 )
@@ -319,12 +318,7 @@ class NodeAgent:
             in_sync, caught_up = record_candidates(tracker, vb, placed, high)
             self._reconnect_stale(vb, in_sync)
             caught_up = frozenset(r for r in caught_up if self._streams_since_registered(vb, r))
-            reregistered = (
-                registered_since(keeper.confirmed, keeper.revision, revisions)
-                if keeper.confirmed is not None
-                else frozenset()
-            )
-            members = keeper.target(in_sync, caught_up, reregistered)
+            members = keeper.target(in_sync, caught_up, keeper.registered_since(revisions))
             if members is None:
                 continue
             keeper.begin(members)

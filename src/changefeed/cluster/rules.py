@@ -176,6 +176,13 @@ class InSyncKeeper:
             return None  # nothing changed, and nobody to make promotable again
         return wanted - (reregistered - caught_up)
 
+    def registered_since(self, registrations: Mapping[str, int]) -> frozenset[str]:
+        """The members of the confirmed record registered after it was written (none before
+        this active wrote one): `target`'s `reregistered`."""
+        if self.confirmed is None:
+            return frozenset()
+        return registered_since(self.confirmed, self.revision, registrations)
+
     def begin(self, members: frozenset[str]) -> None:
         """A write of `members` is about to start: newcomers are required from now on."""
         assert self.writing is None, self.writing

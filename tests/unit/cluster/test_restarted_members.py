@@ -118,12 +118,7 @@ def test_a_record_never_vouches_for_a_process_that_did_not_catch_up_and_catching
                 for r, reg in caught_up_process.items()
                 if reg == registered[r] and r not in behind
             )
-            since = (
-                registered_since(keeper.confirmed, keeper.revision, registered)
-                if keeper.confirmed is not None
-                else frozenset()
-            )
-            members = keeper.target(replicas, caught_up, since)
+            members = keeper.target(replicas, caught_up, keeper.registered_since(registered))
             if members is None:
                 continue
             keeper.begin(members)
@@ -145,12 +140,7 @@ def test_a_record_never_vouches_for_a_process_that_did_not_catch_up_and_catching
         caught_up_process[name] = registered[name]
     behind.clear()
     for _ in range(2):
-        since = (
-            registered_since(keeper.confirmed, keeper.revision, registered)
-            if keeper.confirmed is not None
-            else frozenset()
-        )
-        members = keeper.target(replicas, replicas, since)
+        members = keeper.target(replicas, replicas, keeper.registered_since(registered))
         if members is None:
             break
         keeper.begin(members)
