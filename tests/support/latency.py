@@ -110,9 +110,11 @@ class Delayer:
                     continue
                 while held and held[0][0] <= loop.time():
                     _, packet = held.popleft()
+                    # Counted before the write: a test that saw the packet arrive must see it
+                    # counted (the other order raced the receiver, and once lost in CI).
+                    self.forwarded += 1
                     with contextlib.suppress(OSError):  # e.g. a destination gone meanwhile
                         os.write(self.fd, packet)
-                    self.forwarded += 1
         finally:
             loop.remove_reader(self.fd)
 
