@@ -32,6 +32,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 ETCD: list[str] = []  # the module's etcd endpoint
+DOCUMENTS = 64
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +52,22 @@ def sdk(three: list[NodeProcess]) -> Iterator[Cluster]:
         cluster.close()
 
 
-def test_the_sdk_routes_by_the_map_and_reads_every_replica(
-    sdk: Cluster, three: list[NodeProcess]
-) -> None:
+@pytest.fixture(scope="module")
+def documents(sdk: Cluster, three: list[NodeProcess]) -> int:
+    """doc-0..doc-63 written through the SDK (every vbucket, so every node's actives are
+    written) and replicated to every copy. A fixture, not the first test's side effect: under
+    pytest-xdist a module's tests may run on two workers, each with its own cluster, and the
+    failover test read doc-0 as DocumentNotFound on a cluster where nothing wrote it."""
     collection = sdk.bucket("default").default_collection()
-    for i in range(64):  # every vbucket, so every node's actives are written
+    for i in range(DOCUMENTS):
         collection.upsert(f"doc-{i}", {"n": i})
     asyncio.run(wait_replicated(three))
-    for i in range(0, 64, 7):
+    return DOCUMENTS
+
+
+def test_the_sdk_routes_by_the_map_and_reads_every_replica(sdk: Cluster, documents: int) -> None:
+    collection = sdk.bucket("default").default_collection()
+    for i in range(0, documents, 7):
         assert collection.get(f"doc-{i}").content_as[dict] == {"n": i}
         replica = collection.get_any_replica(f"doc-{i}")
         assert replica.content_as[dict] == {"n": i}
@@ -88,7 +97,7 @@ def test_a_durable_write_is_acknowledged_once_a_majority_holds_it(sdk: Cluster) 
         assert all(c.content_as[dict] == {"x": i} for c in copies)
 
 
-def test_the_sdk_follows_a_failover(sdk: Cluster, three: list[NodeProcess]) -> None:
+def test_the_sdk_follows_a_failover(sdk: Cluster, three: list[NodeProcess], documents: int) -> None:
     collection = sdk.bucket("default").default_collection()
     before = asyncio.run(cluster_map(three[1]))
     # Until the actives have published their in-sync sets a failover is refused (no replica
@@ -111,7 +120,7 @@ def test_the_sdk_follows_a_failover(sdk: Cluster, three: list[NodeProcess]) -> N
         (a := after.active(vb)) is not None and a.port != victim.port
         for vb in range(after.vbuckets)
     )
-    for i in range(0, 64, 5):
+    for i in range(0, documents, 5):
         assert collection.get(f"doc-{i}").content_as[dict] == {"n": i}
 
 
