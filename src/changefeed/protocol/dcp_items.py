@@ -26,6 +26,7 @@ from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import ALT_HEADER, HEADER, HEADER_FORMAT, Frame, encode_frame
 from changefeed.protocol.frame_info import encode_stream_id
 from changefeed.protocol.opcode import Magic, Opcode
+from changefeed.protocol.quick_init import quick_init
 
 # The extras layouts, declared once, one format character per field. Everything else that reads
 # or writes these bytes builds its struct from these strings: the header + extras structs below,
@@ -369,6 +370,7 @@ assert PREPARE_EXTRAS.size == 31
 assert ABORT_EXTRAS.size == 16
 
 
+@quick_init  # built per item: see quick_init.py
 @dataclass(frozen=True, slots=True)
 class Prepare:
     """DCP_PREPARE: a durable write pending on the active (its document, not yet visible)."""
@@ -388,6 +390,7 @@ class Prepare:
     delete_time: int = 0
 
 
+@quick_init  # built per item: see quick_init.py
 @dataclass(frozen=True, slots=True)
 class Abort:
     """DCP_ABORT: the prepare at `prepared_seqno` ended unseen, at `abort_seqno`."""
@@ -399,6 +402,7 @@ class Abort:
     abort_seqno: int
 
 
+@quick_init  # built per item: see quick_init.py
 @dataclass(frozen=True, slots=True)
 class Commit:
     """DCP_COMMIT: the prepare at `prepared_seqno` is committed at `commit_seqno` (the replica

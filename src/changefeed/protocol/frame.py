@@ -25,6 +25,7 @@ from changefeed import limits
 from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame_info import decode_frame_infos, stream_id_of
 from changefeed.protocol.opcode import DATATYPE_MASK, Magic
+from changefeed.protocol.quick_init import quick_init
 from changefeed.protocol.status import Status
 
 # The classic header, one format character per row of the layout above. The one declaration of
@@ -51,6 +52,7 @@ ALT_MAGICS = frozenset((Magic.ALT_REQUEST, Magic.ALT_RESPONSE))
 REQUEST_MAGICS = frozenset((Magic.REQUEST, Magic.ALT_REQUEST, Magic.SERVER_REQUEST))
 
 
+@quick_init  # built per item: see quick_init.py
 @dataclass(frozen=True, slots=True)
 class Frame:
     """One packet, split into its parts. For responses ``vbucket`` holds the status.

@@ -26,6 +26,7 @@ from changefeed import limits
 from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import Frame, encode_frame
 from changefeed.protocol.opcode import Magic, Opcode
+from changefeed.protocol.quick_init import quick_init
 from changefeed.protocol.status import Status
 
 STORE_EXTRAS = struct.Struct(">II")
@@ -105,6 +106,7 @@ def encode_hello_features(features: list[int]) -> bytes:
 # -- SET / ADD / REPLACE / GET / DELETE -------------------------------------------------------
 
 
+@quick_init  # built per item: see quick_init.py
 @dataclass(frozen=True, slots=True)
 class StoreCommand:
     """SET, ADD or REPLACE: write ``value`` at ``key``; ``cas`` != 0 means compare-and-swap."""
@@ -168,6 +170,7 @@ def decode_key_only(frame: Frame) -> bytes:
     return frame.key
 
 
+@quick_init  # built per item: see quick_init.py
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MutationResult:
     """What a write answers, on both sides of the wire: the vbucket it went to, the seqno and
