@@ -42,6 +42,7 @@ from changefeed.protocol.dcp_items import decode_seqno_advanced
 from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import Frame, encode_response
 from changefeed.protocol.opcode import Magic, Opcode
+from changefeed.protocol.quick_init import quick_init
 from changefeed.protocol.snapshot_marker import MarkerFlag, SnapshotMarker, decode_snapshot_marker
 
 
@@ -53,6 +54,7 @@ class StreamStatus(enum.Enum):
     ENDED = "ended"  # refused, rolled back, or ended by the producer: request again to go on
 
 
+@quick_init  # built per item: see protocol/quick_init.py
 @dataclasses.dataclass(frozen=True, slots=True)
 class Run:
     """Changes ``start``..``stop`` of the batch (its ``changes`` columns), with no control frame
@@ -79,6 +81,7 @@ class StreamEnded:
     reason: StreamEndReason
 
 
+@quick_init  # built per item: see protocol/quick_init.py
 @dataclasses.dataclass(frozen=True, slots=True)
 class MarkerReceived:
     """A snapshot marker for ``vb`` (already acked on the wire when it asked for an ack)."""
@@ -87,6 +90,7 @@ class MarkerReceived:
     marker: SnapshotMarker
 
 
+@quick_init  # built per item: see protocol/quick_init.py
 @dataclasses.dataclass(frozen=True, slots=True)
 class SyncFrame:
     """DCP_PREPARE, DCP_COMMIT or DCP_ABORT (only replica streams carry them); the shell

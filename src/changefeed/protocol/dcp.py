@@ -21,6 +21,7 @@ from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import Frame, encode_frame
 from changefeed.protocol.frame_info import encode_stream_id
 from changefeed.protocol.opcode import Datatype, Magic, Opcode
+from changefeed.protocol.quick_init import quick_init
 from changefeed.protocol.status import Status
 
 OPEN_EXTRAS = struct.Struct(">II")  # reserved seqno (send 0), flags
@@ -377,6 +378,7 @@ SEQNO_ACK_EXTRAS = struct.Struct(">Q")  # dcp-wire.md §7.15: the prepared seqno
 SEQNO_ACK_EXTRAS_WITH_PERSISTED = struct.Struct(">QQ")
 
 
+@quick_init  # built per item: see protocol/quick_init.py
 @dataclass(frozen=True, slots=True)
 class SeqnoAcknowledged:
     """DCP_SEQNO_ACKNOWLEDGED, consumer to producer: what a replica holds of a vbucket.

@@ -24,6 +24,7 @@ from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import Frame, encode_frame
 from changefeed.protocol.frame_info import encode_stream_id
 from changefeed.protocol.opcode import Magic, Opcode
+from changefeed.protocol.quick_init import quick_init
 from changefeed.protocol.status import Status
 
 V1 = struct.Struct(">QQI")
@@ -54,6 +55,7 @@ class MarkerVersion(IntEnum):
     V2_2 = 0x102
 
 
+@quick_init  # built per item: see protocol/quick_init.py
 @dataclass(frozen=True, slots=True)
 class SnapshotMarker:
     """A snapshot ``[snap_start, snap_end]`` announced to a consumer."""
