@@ -20,6 +20,13 @@ Under the fencing rules (rules.py `FencedRules`, fae8c28), as the agent does sin
   `written`, `failed`); the record is written in a transaction fenced by the mod revision of
   the map the node applied, and the keeper's `required` replicas are the ones each commit
   must hear from (durability.py).
+
+Under the rules that judge activations (rules.py `refuses_stale_activation`), as the agent
+does since: the map is read with its activations (one read: etcd stores them in the map's
+document), and a vbucket the map makes active here on an earlier process's registration is
+not taken unless the disk vouches for the copy (`cluster.rules.refuses_activation`,
+`holds_branch` judged at start by `copy_holds_its_branch`); it waits as a REPLICA and the
+agent asks for its failover (``vbfailover/<vb>``).
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ if TYPE_CHECKING:
 STATUS_INTERVAL_S = 0.25  # node_agent.STATUS_INTERVAL_S
 FENCE_POLL_S = 0.05  # node_agent.FENCE_POLL_S
 ETCD_CALL_TIMEOUT_S = 1.0  # an etcd call not answered by then failed (outcome unknown)
+# A restarted node refused an activation decided on its earlier process (scenario
+# `promoted_while_dead`, docs/simulator.md).
+DECLINED_ACTIVATION = "declined_activation"
 
 
 class Agent:
@@ -60,6 +70,12 @@ class Agent:
         # `NodeAgent.registrations`: each node's registration revision, and when first seen.
         self.registrations: dict[str, tuple[int, float]] = {}
         self.reconnected: dict[str, int] = {}
+        # `NodeAgent`: this process's first registration, what the disk vouches for per
+        # vbucket (set by the node at start), the applied map's activations, the refusals.
+        self.registration = 0
+        self.holds_branch: dict[int, bool] = {}
+        self.activations: dict[int, Any] = {}
+        self.declined: dict[int, bool] = {}
 
     def start(self) -> None:
         self._register()
@@ -105,7 +121,10 @@ class Agent:
             return  # renewed by a keep-alive sent before the fence: not proof enough
         self.rereading = True
         self.node.timer(ETCD_CALL_TIMEOUT_S, self._reread_timeout)
-        self._call("get", (keys.MAP,), self._reread)
+        if self.node.rules.refuses_stale_activation:
+            self._call("read_many", ((keys.MAP, keys.ACTIVATIONS), ()), self._reread)
+        else:
+            self._call("get", (keys.MAP,), lambda found: self._reread({keys.MAP: found}))
 
     def _next_poll(self) -> None:
         delay = FENCE_POLL_S
@@ -118,14 +137,15 @@ class Agent:
     def _reread_timeout(self) -> None:
         self.rereading = False
 
-    def _reread(self, found: Any) -> None:
+    def _reread(self, found: dict[str, Any]) -> None:
         self.rereading = False
         if self.fenced_at is None or not self.membership_valid():
             return
         self.fenced_at = None
         self.node.sched.record("unfenced", self.node.name)
-        if found is not None:
-            self.apply(found.value, found.mod_revision, force=True)
+        stored = found[keys.MAP]
+        if stored is not None:
+            self.apply(stored.value, stored.mod_revision, self._activations(found), force=True)
 
     def _call(self, op: str, args: tuple[Any, ...], reply: Any = None) -> None:
         self.meta.call(self.node.name, op, args, None if reply is None else self.node.bound(reply))
@@ -154,7 +174,16 @@ class Agent:
         self.lost = False
         self.last_status = None
         self.node.sched.record("registered", self.node.name, lease)
-        self._call("put", (keys.node(self.node.name), self.node.name, lease))
+        put = (keys.node(self.node.name), self.node.name, lease)
+        if self.node.rules.refuses_stale_activation:
+            self._call("put", put, self._put_node)
+        else:  # the older rule sets asked for no answer (their seeds replay as recorded)
+            self._call("put", put)
+
+    def _put_node(self, revision: int | None) -> None:
+        """`ClusterMetadata.register_node`'s put answered: the process's first registration."""
+        if revision is not None and not self.registration:
+            self.registration = revision
 
     def _keep_alive(self) -> None:
         self.node.timer(self.ttl_s / 3, self._keep_alive)
@@ -186,7 +215,10 @@ class Agent:
     def _tick(self) -> None:
         self.node.timer(STATUS_INTERVAL_S, self._tick)
         self._publish()
-        self._call("get", (keys.MAP,), self._map_read)
+        if self.node.rules.refuses_stale_activation:  # the map with its activations
+            self._call("read_many", ((keys.MAP, keys.ACTIVATIONS), ()), self._map_read)
+        else:
+            self._call("get", (keys.MAP,), lambda found: self._map_read({keys.MAP: found}))
         if self.node.rules.registration_aware:  # `NodeAgent._follow_registrations` (a watch)
             self._call("read_many", ((), (keys.NODES,)), self._registrations_read)
 
@@ -217,6 +249,7 @@ class Agent:
             self._call("put", (keys.status(node.name), status, self.lease))
             self.last_status = status
         if node.rules.fencing:
+            self._ask_failovers()
             self._confirm_in_sync()
             return
         for vb, members in sorted(self.in_sync_sets().items()):
@@ -227,6 +260,14 @@ class Agent:
                     (keys.in_sync(vb), record, 0),
                     lambda _, vb=vb, members=members: self.published.__setitem__(vb, members),
                 )
+
+    def _ask_failovers(self) -> None:
+        """`NodeAgent._ask_failovers`: one request per vbucket refused here."""
+        for vb, asked in sorted(self.declined.items()):
+            if not asked:
+                request = {"node": self.node.name, "registration": self.registration}
+                self._call("put", (keys.vb_failover(vb), request, 0))
+                self.declined[vb] = True
 
     def _confirm_in_sync(self) -> None:
         """`NodeAgent._confirm_in_sync`: each active vbucket's record through its keeper,
@@ -317,17 +358,34 @@ class Agent:
                 found[vb] = tuple(r for r in node.tracker.in_sync_set(vb) if r in placed)
         return found
 
-    def _map_read(self, found: Any) -> None:
-        if found is not None:
-            self.apply(found.value, found.mod_revision)
+    def _map_read(self, found: dict[str, Any]) -> None:
+        stored = found[keys.MAP]
+        if stored is None:
+            return
+        if self.node.rules.refuses_stale_activation and not self.registration:
+            return  # `NodeAgent.start` registers before it watches the map
+        self.apply(stored.value, stored.mod_revision, self._activations(found))
 
-    def apply(self, cluster_map: ClusterMap, revision: int = 0, *, force: bool = False) -> None:
+    @staticmethod
+    def _activations(found: dict[str, Any]) -> dict[int, Any]:
+        stored = found.get(keys.ACTIVATIONS)
+        return dict(stored.value) if stored is not None else {}
+
+    def apply(
+        self,
+        cluster_map: ClusterMap,
+        revision: int = 0,
+        activations: dict[int, Any] | None = None,
+        *,
+        force: bool = False,
+    ) -> None:
         """`NodeAgent.apply`: each copy's state from the map, then the replica feeds."""
         node = self.node
         if node.applied is not None and cluster_map.rev <= node.applied.rev and not force:
             return
         node.applied = cluster_map
         self.applied_revision = max(revision, self.applied_revision)
+        self.activations = dict(activations or {})
         self._apply_states(cluster_map)
         sources: dict[str, set[int]] = {}
         for vb in range(cluster_map.vbuckets):
@@ -346,6 +404,11 @@ class Agent:
         for vb in range(cluster_map.vbuckets):
             wanted = cluster_rules.wanted_state(cluster_map, node.name, vb)
             state = cluster_rules.serving_state(wanted, fenced=self.fenced) if fencing else wanted
+            if node.rules.refuses_stale_activation:
+                if wanted.is_active and self._refuses(vb):
+                    state = VBucketState.REPLICA  # waits, fed by no one, for the next decision
+                elif not wanted.is_active:
+                    self.declined.pop(vb, None)
             node.set_vbucket_state(vb, state)
             if not fencing:
                 continue
@@ -355,3 +418,22 @@ class Agent:
                     self.keepers[vb] = cluster_rules.InSyncKeeper(placed)
             else:
                 self.keepers.pop(vb, None)
+
+    def _refuses(self, vb: int) -> bool:
+        """`NodeAgent._refuses`: whether this process refuses to be `vb`'s active."""
+        if vb in self.declined:
+            return True
+        activation = self.activations.get(vb)
+        name = self.node.name
+        judged = activation.registration if activation and activation.node == name else None
+        if not cluster_rules.refuses_activation(
+            judged,
+            self.applied_revision,
+            self.registration,
+            holds_branch=self.holds_branch.get(vb, False),
+        ):
+            return False
+        self.declined[vb] = False
+        self.node.sched.record("declined", name, vb, judged, self.registration)
+        self.node.cluster.note(DECLINED_ACTIVATION)
+        return True

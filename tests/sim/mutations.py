@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from changefeed.cluster import failover as cluster_failover
+from changefeed.cluster import rules as cluster_rules
 from changefeed.server import sync_writes
 
 
@@ -49,7 +50,19 @@ def promote_out_of_sync(real: Callable[..., Any]) -> Callable[..., Any]:
     return mutant
 
 
+def take_any_activation(real: Callable[..., bool]) -> Callable[..., bool]:
+    """`refuses_activation` that never refuses: a node restarted after the map made it a
+    vbucket's active takes the vbucket with whatever its disk kept (issue 25's crash race)."""
+
+    def mutant(*args: Any, **kw: Any) -> bool:
+        return False
+
+    mutant.__wrapped__ = real  # type: ignore[attr-defined]
+    return mutant
+
+
 MUTANTS: dict[str, tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = {
     "commit_one_ack_short": (sync_writes, "durability_met", commit_one_ack_short),
     "promote_out_of_sync": (cluster_failover, "plan_failover", promote_out_of_sync),
+    "take_any_activation": (cluster_rules, "refuses_activation", take_any_activation),
 }

@@ -135,6 +135,13 @@ class SimNode(VBucketSource):
         self.applied = None
         self.agent = Agent(self)
         self.candidate = Candidate(self)
+        clean = self.store.was_clean_shutdown
+        self.agent.holds_branch = {  # `NodeAgent.__init__`, before any state changes
+            vb: cluster_rules.copy_holds_its_branch(
+                v.state, clean, v.failover_log.entries, v.high_seqno
+            )
+            for vb, v in sorted(self.vbuckets.items())
+        }
         if self.rules.recovered_pending:  # `NodeAgent.__init__`: no active before a map
             for vb in sorted(self.vbuckets):
                 recovered = cluster_rules.recovered_state(self.vbuckets[vb].state)

@@ -23,6 +23,13 @@ confirmed by refused connections (`cluster.rules.CrashConfirmer`, probes every
 node's leases, so its failover runs without waiting out the lease. A probe is refused only
 when the target is down and the prober's packets reach its host: a partition or a pause
 gives a timeout, which proves nothing.
+
+Under the rules that judge activations: every map is written with its activations
+(`cluster.metadata.activations_of`, in the same transaction, comparing the registrations the
+new ones were judged by), and the per-vbucket failover requests of nodes that refused a
+vbucket are answered: the vbucket's active counts as failed for it (`plan_failover`'s
+`refusals`), and the request is deleted in the transaction of the map that moves it (or at
+once when the map no longer makes that node its active).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from changefeed.cluster import failover as cluster_failover
+from changefeed.cluster import metadata as cluster_metadata
 from changefeed.cluster import placement
 from changefeed.cluster import rules as cluster_rules
 from changefeed.vbmap import ClusterMap, NodeAddress
@@ -62,6 +70,7 @@ class Candidate:
         self.live: set[str] = set()
         self.in_sync_guard: dict[int, int] = {}  # the records a failover map was planned from
         self.registration_guard: dict[str, int] = {}  # the promoted nodes' registrations
+        self.answered: set[int] = set()  # per-vbucket requests the next map answers
 
     @property
     def leading(self) -> bool:
@@ -136,7 +145,10 @@ class Candidate:
             if not self.campaigning:
                 self._call("get", (keys.LEADER,), self._leader_seen)
             return
-        reads = ((keys.MAP, keys.LEADER), (keys.NODES, keys.IN_SYNC, keys.STATUS))
+        reads = (
+            (keys.MAP, keys.LEADER, keys.ACTIVATIONS),
+            (keys.NODES, keys.IN_SYNC, keys.STATUS, keys.VB_FAILOVER),
+        )
         token = self.token
         self._call("read_many", reads, lambda found: self._decide(token, found))
 
@@ -161,15 +173,16 @@ class Candidate:
                 return
             addresses = [NodeAddress(n, "sim", 0) for n in sorted(live_names)]
             new = placement.initial_map(addresses, config.replicas, config.vbuckets, rev=1)
-            self._write(new, 0, token)
+            self._write(new, 0, token, found=found)
             return
         self.last_map = stored.value
         self.in_sync_guard = {}
         self.registration_guard = {}
+        self.answered = set()
         new = self._fail_over(stored.value, live_names, found)
         if new is not None:
             absent = [n.name for n in stored.value.nodes if n.name not in live_names]
-            self._write(new, stored.mod_revision, token, absent)
+            self._write(new, stored.mod_revision, token, absent, found)
 
     def _fail_over(
         self, current: ClusterMap, live: set[str], found: dict[str, Any]
@@ -186,7 +199,8 @@ class Candidate:
             -1 in chain and any(n in live and names.index(n) not in chain for n in names)
             for chain in current.chains
         )
-        if not (gone or unplaced):
+        refusals = self._refusals(current, found)
+        if not (gone or unplaced or refusals):
             return None
         # A registration's revision is the node key's mod revision (`ClusterMetadata
         # .registrations`): a restart within the old lease puts over the key, which keeps its
@@ -203,7 +217,8 @@ class Candidate:
             k[len(keys.STATUS) :]: {int(vb): int(h) for vb, h in v.value.get("high", {}).items()}
             for k, v in found[keys.STATUS].items()
         }
-        plan = self.node.rules.plan_failover(current, live, in_sync, highs, hold)
+        plan = self.node.rules.plan_failover(current, live, in_sync, highs, hold, refusals)
+        self.answered = {vb for vb in plan.promoted if vb in refusals}
         # `Orchestrator._in_sync_guard`: the map is written only while each promoted vbucket's
         # record is still the one read (its active may be dropping the promoted replica).
         records = found[keys.IN_SYNC]
@@ -221,6 +236,20 @@ class Candidate:
                 self.node.cluster.note(PROMOTED_AFTER_RESTART)
         return plan.new_map
 
+    def _refusals(self, current: ClusterMap, found: dict[str, Any]) -> dict[int, str]:
+        """`Orchestrator._refusals`: the requests to answer; stale ones deleted."""
+        pending: dict[int, str] = {}
+        if not self.node.rules.refuses_stale_activation:
+            return pending
+        for key, kv in sorted(found[keys.VB_FAILOVER].items()):
+            vb, node = int(key[len(keys.VB_FAILOVER) :]), kv.value["node"]
+            active = current.active(vb) if vb < current.vbuckets else None
+            if active is not None and active.name == node:
+                pending[vb] = node
+            else:
+                self._call("txn", ([], [("delete", key)], []))
+        return pending
+
     def _may_fail_over(self, names: list[str], live: set[str]) -> bool:
         up = sum(1 for n in names if n in live)
         if up * 2 <= len(names):
@@ -230,18 +259,40 @@ class Candidate:
         return self.node.sched.now - self.term_started >= self.ttl_s
 
     def _write(
-        self, new: ClusterMap, map_revision: int, token: int, absent: list[str] | None = None
+        self,
+        new: ClusterMap,
+        map_revision: int,
+        token: int,
+        absent: list[str] | None = None,
+        found: dict[str, Any] | None = None,
     ) -> None:
         compares = [("mod", keys.MAP, map_revision), ("create", keys.LEADER, token)]
+        puts: list[tuple[Any, ...]] = [("put", keys.MAP, new, 0)]
+        guard = dict(self.registration_guard)
+        if self.node.rules.refuses_stale_activation and found is not None:
+            # `ClusterMetadata.write_map`: the activations with the map, exact by compare.
+            stored_map, stored = found[keys.MAP], found[keys.ACTIVATIONS]
+            before = (
+                cluster_metadata.StoredMap(
+                    stored_map.value, stored_map.mod_revision, stored.value if stored else {}
+                )
+                if stored_map is not None
+                else None
+            )
+            registered = {
+                k[len(keys.NODES) :]: v.mod_revision for k, v in found[keys.NODES].items()
+            }
+            activations, judged = cluster_metadata.activations_of(new, before, registered)
+            guard = {**judged, **guard}
+            puts.append(("put", keys.ACTIVATIONS, activations, 0))
+            puts += [("delete", keys.vb_failover(vb)) for vb in sorted(self.answered)]
         if self.node.rules.fencing:
             compares += [("create", keys.node(n), 0) for n in sorted(absent or ())]
             compares += [
                 ("mod", keys.in_sync(vb), r) for vb, r in sorted(self.in_sync_guard.items())
             ]
-            compares += [
-                ("mod", keys.node(n), r) for n, r in sorted(self.registration_guard.items())
-            ]
-        self._call("txn", (compares, [("put", keys.MAP, new, 0)], []), self._written)
+            compares += [("mod", keys.node(n), r) for n, r in sorted(guard.items())]
+        self._call("txn", (compares, puts, []), self._written)
 
     def _written(self, result: tuple[bool, int | None]) -> None:
         if result[0]:

@@ -35,6 +35,10 @@ class TodayRules:
     # Members registered again since their in-sync record are not promoted from it, and an
     # active writes its record again once such a member caught up (agent.py, orchestrator.py).
     registration_aware = False
+    # A node does not take a vbucket whose activation was decided on an earlier process of
+    # it, unless its disk vouches for the copy; it asks for that vbucket's failover instead
+    # (`cluster.rules.refuses_activation`, agent.py, orchestrator.py).
+    refuses_stale_activation = False
 
     def may_serve(self, node: SimNode, vb: int) -> bool:
         """An active serves until it applies a newer map (node_agent.py): always."""
@@ -57,7 +61,12 @@ class TodayRules:
         in_sync: Mapping[int, cluster_failover.InSyncRecord],
         highs: Mapping[str, Mapping[int, int]],
         hold: Set[str],
+        refusals: Mapping[int, str] | None = None,
     ) -> cluster_failover.FailoverPlan:
+        if refusals:  # only the rules that refuse make requests: older plans are unchanged
+            return cluster_failover.plan_failover(
+                current, set(live), in_sync, highs, hold=hold, refusals=refusals
+            )
         return cluster_failover.plan_failover(current, set(live), in_sync, highs, hold=hold)
 
 
@@ -74,12 +83,19 @@ class FencedRules(TodayRules):
     have lost what it acknowledged from memory) is not promoted from it
     (`promotable_members`, the node key's mod revision against the record's); the active
     writes the record again once such a member is caught up on a stream opened since its
-    registration was seen (`InSyncKeeper.target`'s `reregistered`, agent.py)."""
+    registration was seen (`InSyncKeeper.target`'s `reregistered`, agent.py).
+
+    And a node whose process registered after the map made it a vbucket's active (promoted
+    while its lease still ran, then restarted after the map landed) does not take the
+    vbucket unless its disk vouches for the copy (`refuses_activation`,
+    `copy_holds_its_branch`): it waits as a replica and asks for the vbucket's failover, and
+    the orchestrator promotes another promotable member (`plan_failover`'s `refusals`)."""
 
     name = "fenced"
     fencing = True
     recovered_pending = True  # `cluster.rules.recovered_state` (416253a)
     registration_aware = True
+    refuses_stale_activation = True
 
     def in_sync_members(
         self, members: frozenset[str], record_revision: int, registered: Mapping[str, int]
@@ -97,6 +113,15 @@ class FencedRules(TodayRules):
         return keeper.required if keeper is not None else frozenset()
 
 
+class FencedRulesTrusting(FencedRules):
+    """The fencing rules before activations were judged against the activated process: a
+    member promoted while its lease still ran, dead already, that restarts after the map
+    landed takes the vbucket with what its disk kept (scenario `promoted_while_dead`)."""
+
+    name = "fenced-trusting"
+    refuses_stale_activation = False
+
+
 class FencedRulesUnaware(FencedRules):
     """The fencing rules before members registered since their record were told apart
     (before c787bdc): any member of the record may be promoted, and a record is written only
@@ -104,6 +129,7 @@ class FencedRulesUnaware(FencedRules):
 
     name = "fenced-unaware"
     registration_aware = False
+    refuses_stale_activation = False
 
     def in_sync_members(
         self, members: frozenset[str], record_revision: int, registered: Mapping[str, int]
@@ -132,5 +158,5 @@ def rules_for_tree() -> TodayRules:
 
 def rule_sets() -> dict[str, type[TodayRules]]:
     """Every rule set by name (`python -m tests.sim.run --rules NAME`)."""
-    kinds = (TodayRules, FencedRules, FencedRulesUnaware, FencedRulesFirstCut)
+    kinds = (TodayRules, FencedRules, FencedRulesTrusting, FencedRulesUnaware, FencedRulesFirstCut)
     return {kind.name: kind for kind in kinds}

@@ -56,8 +56,30 @@ def restart_before_map() -> tuple[SimConfig, list[Fault]]:
     return config, [Fault.parse("crash:n1@1.92+0.34")]
 
 
+def promoted_while_dead() -> tuple[SimConfig, list[Fault]]:
+    """3 nodes, 2 replicas; vb 1's chain is n1, n2, n0 and n0 orchestrates. n0 cannot reach
+    n2 (its crash probes time out: not confirmed), n2's disk is slow (it acknowledges from
+    memory well before it persists) and n0 lags n1 a little (n2 publishes the higher seqno).
+    n1 and n2 crash together: n1's crash is confirmed and it is failed over to n2, whose
+    lease still runs; n2 restarts after the map landed and its old lease ran out."""
+    config = SimConfig(
+        nodes=3, replicas=2, vbuckets=4, clients=2, think_s=BUSY_S, work_s=6.0, settle_s=7.0
+    )
+    return config, [
+        Fault.parse(text)
+        for text in (
+            "slow_disk:n2@1.00+1.00*1.5",
+            "slow_link:n1,n0@1.00+1.00*0.1",
+            "oneway:n0,n2@1.95+0.85",
+            "crash:n1@2.00+3.50",
+            "crash:n2@2.00+0.80",
+        )
+    ]
+
+
 SCENARIOS: dict[str, Callable[[], tuple[SimConfig, list[Fault]]]] = {
     "split": split,
     "etcd_cut": etcd_cut,
     "restart_before_map": restart_before_map,
+    "promoted_while_dead": promoted_while_dead,
 }

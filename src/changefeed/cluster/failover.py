@@ -55,6 +55,7 @@ def plan_failover(
     failed: Set[str] = frozenset(),
     force: bool = False,
     hold: Set[str] = frozenset(),
+    refusals: Mapping[int, str] | None = None,
 ) -> FailoverPlan:
     """Plan promotions for vbuckets whose active is not live (or is in `failed`), and rejoins.
 
@@ -67,7 +68,15 @@ def plan_failover(
         force: promote a replica that was not in sync when no in-sync one is live.
         hold: nodes that are not live but must not be failed over yet (the orchestrator's
             guards); their actives stay, and they are not given slots.
+        refusals: per vbucket, the node that refused to become its active (its process
+            registered after the activation: rules.refuses_activation) and asked for this
+            vbucket's failover; it counts as failed for that vbucket only, and is never
+            promoted back by this plan. The record may then be an earlier active's: the node
+            wrote none since it never acted, and an active that wrote none required every
+            replica placed with it (rules.InSyncKeeper), so each member still holds every
+            write either committed.
     """
+    refusals = refusals or {}
     names = [n.name for n in current.nodes]
     usable = {n for n in live if n not in failed}
     # Actives each node leads (kept or promoted so far): between replicas equally caught up,
@@ -85,7 +94,8 @@ def plan_failover(
         active = chain[0]
         # Replicas stay in the chain while down (they resume when back).
         replicas = [i for i in chain[1:] if i != -1]
-        if active != -1 and (names[active] in usable or names[active] in hold):
+        declined = active != -1 and names[active] == refusals.get(vb)
+        if active != -1 and (names[active] in usable or names[active] in hold) and not declined:
             new_chain = [active, *replicas]
         else:
             lost = names[active] if active != -1 else "nobody"
@@ -94,7 +104,9 @@ def plan_failover(
             eligible = [
                 i
                 for i in candidates
-                if record is not None and record.active == lost and names[i] in record.members
+                if record is not None
+                and (record.active == lost or declined)
+                and names[i] in record.members
             ]
             if not eligible and force:
                 eligible = candidates
@@ -103,6 +115,8 @@ def plan_failover(
                 refused[vb] = f"vb {vb}: no live replica was in sync with {lost}: " + (
                     why if candidates else "no live replica"
                 )
+                if declined:
+                    refused[vb] += f" ({lost} declined it: it restarted since it was made active)"
                 new_chain = list(chain)  # unchanged: it serves again when its active returns
             else:
                 best = max(

@@ -363,10 +363,19 @@ class Membership:
             rejoin) or after ``close``.
     """
 
-    def __init__(self, metadata: ClusterMetadata, node: NodeAddress, lease: _KeptLease) -> None:
+    def __init__(
+        self,
+        metadata: ClusterMetadata,
+        node: NodeAddress,
+        lease: _KeptLease,
+        registration: int = 0,
+    ) -> None:
         self.metadata = metadata
         self.node = node
         self._lease = lease
+        # The etcd revision of this registration's put: the mod revision of nodes/<name> it
+        # left (rules.refuses_activation compares activations with a process's first one).
+        self.registration = registration
 
     @property
     def lost(self) -> asyncio.Event:
@@ -451,6 +460,50 @@ class Leadership:
                 "resign",
             )
         await self._lease.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Activation:
+    """Who a map made a vbucket's active, and the registration (the etcd mod revision of its
+    ``nodes/<name>``) it had then: the process that decision vouched for."""
+
+    node: str
+    registration: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMap:
+    """The map as stored: the map, its key's mod revision, its activations by vbucket."""
+
+    map: ClusterMap
+    revision: int
+    activations: dict[int, Activation]
+
+
+def activations_of(
+    new: ClusterMap, stored: StoredMap | None, registrations: Mapping[str, int]
+) -> tuple[dict[int, Activation], dict[str, int]]:
+    """The activations to store with `new` over `stored` (None: the first map): each vbucket
+    whose active is unchanged keeps its activation; one whose active changes (or has none
+    recorded) gets the new active's current registration (0 when it is not registered: no
+    process of it is vouched for). Also the registrations those new activations were judged
+    by, which the map's write compares."""
+    activations: dict[int, Activation] = {}
+    judged: dict[str, int] = {}
+    for vb in range(new.vbuckets):
+        active = new.active(vb)
+        if active is None:
+            continue
+        kept = stored.activations.get(vb) if stored is not None else None
+        before = stored.map.active(vb) if stored is not None else None
+        if kept is not None and before is not None and before.name == active.name == kept.node:
+            activations[vb] = kept
+            continue
+        registration = registrations.get(active.name, 0)
+        activations[vb] = Activation(active.name, registration)
+        if registration:
+            judged[active.name] = registration
+    return activations, judged
 
 
 @dataclass(frozen=True, slots=True)
@@ -643,7 +696,7 @@ class ClusterMetadata:
         document = {"name": node.name, "host": node.host, "port": node.port}
         if node.tls_port:
             document["tls_port"] = node.tls_port
-        await self._call(
+        put = await self._call(
             self.client.put(
                 self.key(f"nodes/{node.name}"), json.dumps(document).encode(), lease=lease_id
             ),
@@ -653,8 +706,12 @@ class ClusterMetadata:
             self, lease_id, ttl_s, f"member {node.name} of {self.cluster}", granted_s=granted_s
         )
         self._leases.append(lease)
-        log.info("node %s (%s) joined cluster %s", node.name, node.server, self.cluster)
-        return Membership(self, node, lease)
+        registration = int(put.header.revision)
+        log.info(
+            "node %s (%s) joined cluster %s (registration: etcd revision %d)",
+            node.name, node.server, self.cluster, registration,
+        )  # fmt: skip
+        return Membership(self, node, lease, registration)
 
     async def live_nodes(self) -> dict[str, NodeAddress]:
         """The registered nodes, by name (sorted)."""
@@ -739,6 +796,16 @@ class ClusterMetadata:
         except (ValueError, RecursionError) as error:  # RecursionError: absurd nesting
             raise ValueError(f"cluster map at {self.prefix}map: {error!r}"[:500]) from None
 
+    def _parse_activations(self, value: bytes) -> dict[int, Activation]:
+        """The map document's ``activations`` (`write_map`); {} for a map written without."""
+        try:
+            found = json.loads(value).get("activations", {})
+            return {
+                int(vb): Activation(str(entry[0]), int(entry[1])) for vb, entry in found.items()
+            }
+        except (ValueError, TypeError, AttributeError, IndexError, KeyError) as error:
+            raise ValueError(f"cluster map at {self.prefix}map: activations {error!r}") from None
+
     async def read_map(self) -> tuple[ClusterMap, int] | None:
         """The current map and the mod revision of its key, or None before the first map.
 
@@ -746,16 +813,29 @@ class ClusterMetadata:
             MetadataUnavailableError: etcd did not answer.
             ValueError: the stored map is malformed.
         """
+        found = await self.read_map_activations()
+        return None if found is None else (found.map, found.revision)
+
+    async def read_map_activations(self) -> StoredMap | None:
+        """`read_map`, with the activations stored with it (`write_map`)."""
         kv = await self._call(self.client.get(self.key("map")), "read map")
         if kv is None:
             return None
-        return self._parse_map(kv.value), int(kv.mod_revision)
+        return self._stored_map(kv.value, int(kv.mod_revision))
+
+    def _stored_map(self, value: bytes, revision: int) -> StoredMap:
+        return StoredMap(self._parse_map(value), revision, self._parse_activations(value))
 
     async def watch_map(self) -> AsyncGenerator[tuple[ClusterMap, int], None]:
         """The current map (waiting for the first one), then each later map, in order, with the
         mod revision of its key. Never ends. After a disconnect or a compaction it re-reads
         the map, so maps written meanwhile may be skipped but never reordered: revisions only
         increase."""
+        async for stored in self.watch_map_activations():
+            yield stored.map, stored.revision
+
+    async def watch_map_activations(self) -> AsyncGenerator[StoredMap, None]:
+        """`watch_map`, each map with the activations stored with it."""
         key = self.key("map")
         last = 0
         async for state in self._follow(key, key + b"\0"):
@@ -763,7 +843,7 @@ class ClusterMetadata:
             if kv is None or kv.mod_revision <= last:
                 continue
             last = kv.mod_revision
-            yield self._parse_map(kv.value), int(kv.mod_revision)
+            yield self._stored_map(kv.value, int(kv.mod_revision))
 
     async def write_map(
         self,
@@ -774,6 +854,7 @@ class ClusterMetadata:
         absent: Collection[str] = (),
         in_sync_revisions: Mapping[int, int] | None = None,
         registrations: Mapping[str, int] | None = None,
+        answered: Collection[int] = (),
     ) -> int | None:
         """Store ``new`` if the map key is still at ``expected_mod_revision`` (None: there is no
         map yet), ``leadership`` still holds the leader key (its create revision and value),
@@ -785,6 +866,14 @@ class ClusterMetadata:
         registered at that mod revision: a node promoted must not have registered again (a
         restart) between the plan and the write (rules.promotable_members). One etcd
         transaction.
+
+        The map document also carries its *activations*: per vbucket, the active and the
+        registration (its ``nodes/<name>`` mod revision) it had when a map first made it that
+        vbucket's active — read here for every vbucket whose active changes, carried over
+        from the stored map for the others, and compared in the transaction, so it is exact.
+        A node whose process registered after its activation does not take the vbucket from
+        it (rules.refuses_activation). The per-vbucket failover requests of the vbuckets in
+        `answered` (``vbfailover/<vb>``) are deleted in the same transaction.
 
         Returns:
             the map key's new mod revision (truthy), or None when the map changed meanwhile or
@@ -798,24 +887,32 @@ class ClusterMetadata:
         """
         if new.rev < 1:
             raise ValueError(f"map rev {new.rev} must be at least 1")
-        data = json.dumps(new.to_json(), separators=(",", ":")).encode()
-        if len(data) > limits.CLUSTER_MAP_BYTES_MAX:
-            raise ValueError(f"cluster map of {len(data)} bytes exceeds the limit")
         if leadership.lost.is_set() or leadership.metadata.cluster != self.cluster:
             return None
         key, leader = self.key("map"), self.key("leader")
         t = self.client.transactions
+        stored: StoredMap | None = None
         if expected_mod_revision is None:
             map_compare = t.create(key) == 0
         else:
-            stored = await self.read_map()
-            if stored is None or stored[1] != expected_mod_revision:
+            stored = await self.read_map_activations()
+            if stored is None or stored.revision != expected_mod_revision:
                 return None
-            if new.rev <= stored[0].rev:
+            if new.rev <= stored.map.rev:
                 raise ValueError(
-                    f"map rev {new.rev} is not above the stored map's rev {stored[0].rev}"
+                    f"map rev {new.rev} is not above the stored map's rev {stored.map.rev}"
                 )
             map_compare = t.mod(key) == expected_mod_revision
+        activations, activated = activations_of(
+            new, stored, await self.registrations() if new.vbuckets else {}
+        )
+        document = {
+            **new.to_json(),
+            "activations": {str(vb): [a.node, a.registration] for vb, a in activations.items()},
+        }
+        data = json.dumps(document, separators=(",", ":")).encode()
+        if len(data) > limits.CLUSTER_MAP_BYTES_MAX:
+            raise ValueError(f"cluster map of {len(data)} bytes exceeds the limit")
         succeeded, responses = await self._call(
             self.client.transaction(
                 compare=[
@@ -829,10 +926,14 @@ class ClusterMetadata:
                     ),
                     *(
                         t.mod(self.key(f"nodes/{name}")) == revision
-                        for name, revision in sorted((registrations or {}).items())
+                        for name, revision in sorted({**activated, **(registrations or {})}.items())
                     ),
                 ],
-                success=[t.put(key, data), t.get(key)],
+                success=[
+                    t.put(key, data),
+                    t.get(key),
+                    *(t.delete(self.key(f"vbfailover/{vb}")) for vb in sorted(set(answered))),
+                ],
                 failure=[],
             ),
             "write map",
@@ -1004,6 +1105,33 @@ class ClusterMetadata:
 
     async def clear_failover_request(self, node: str) -> None:
         await self._call(self.client.delete(self.key(f"failover/{node}")), "failover clear")
+
+    async def request_vbucket_failover(self, vb: int, node: str, registration: int) -> None:
+        """`node` (whose process registered at etcd revision `registration`) asks for `vb`'s
+        failover: it refused to become its active (rules.refuses_activation). Kept until the
+        orchestrator answers it (`write_map`'s `answered`) or finds it stale."""
+        _check_name("node", node)
+        if vb < 0:
+            raise ValueError(f"vbucket {vb} is negative")
+        document = json.dumps({"node": node, "registration": registration}).encode()
+        await self._call(
+            self.client.put(self.key(f"vbfailover/{vb}"), document), "vbucket failover"
+        )
+
+    async def vbucket_failover_requests(self) -> dict[int, str]:
+        """Pending per-vbucket failover requests: vbucket -> the node that refused it."""
+        got = await self._call(
+            self.client.get_prefix(self.key("vbfailover/")), "vbucket failover list"
+        )
+        found: dict[int, str] = {}
+        for kv in got:
+            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+                vb = int(kv.key.decode().rpartition("/")[2])
+                found[vb] = str(json.loads(kv.value)["node"])
+        return found
+
+    async def clear_vbucket_failover_request(self, vb: int) -> None:
+        await self._call(self.client.delete(self.key(f"vbfailover/{vb}")), "vbucket failover clear")
 
     # -- the orchestrator's election ----------------------------------------------------------
 

@@ -18,7 +18,11 @@ it sees (etcd watch), it:
 - runs one `ReplicaFeed` per active node it replicates from, restarting a feed only when its
   set of vbuckets or its source changed (a running catch-up is not disturbed by unrelated
   map changes);
-- publishes the map to the node's `ServerContext` (GET_CLUSTER_CONFIG, NOT_MY_VBUCKET bodies).
+- publishes the map to the node's `ServerContext` (GET_CLUSTER_CONFIG, NOT_MY_VBUCKET bodies);
+- refuses to become the active of a vbucket whose activation (stored with the map) was
+  decided on an earlier process of this node, unless its disk vouches for the copy
+  (`rules.refuses_activation`): the copy waits as a REPLICA and the agent asks for that
+  vbucket's failover (``vbfailover/<vb>``), so the orchestrator promotes another member.
 
 A map older than one applied already is ignored (revisions only move forward).
 """
@@ -33,20 +37,23 @@ import time
 from collections.abc import Iterator
 
 from changefeed.cluster.manifest_store import ClusterManifest
-from changefeed.cluster.metadata import ClusterMetadata, EtcdTls, Membership
+from changefeed.cluster.metadata import Activation, ClusterMetadata, EtcdTls, Membership
 from changefeed.cluster.orchestrator import Orchestrator
 from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
 from changefeed.cluster.rules import (
     InSyncKeeper,
+    copy_holds_its_branch,
     membership_valid_until,
     record_candidates,
     recovered_state,
+    refuses_activation,
     serving_state,
     wanted_state,
 )
 from changefeed.server.config import NodeConfig
 from changefeed.server.node import Node
 from changefeed.vbmap import ClusterMap, NodeAddress
+from changefeed.vbucket_state import VBucketState
 
 log = logging.getLogger("changefeed.cluster")
 
@@ -81,6 +88,9 @@ class NodeAgent:
         self.membership: Membership | None = None
         self.applied: ClusterMap | None = None
         self.applied_revision = 0  # etcd mod revision of the applied map: in-sync records' fence
+        self.activations: dict[int, Activation] = {}  # stored with the applied map
+        self.registration = 0  # etcd revision of this process's first registration
+        self.declined: dict[int, bool] = {}  # vbuckets refused here -> failover asked for
         self.fenced_at: float | None = None  # monotonic time the membership went invalid
         self.fences = 0  # times this node fenced itself (STAT, tests)
         self.removed = False  # the map no longer lists this node: it leaves the cluster
@@ -94,6 +104,13 @@ class NodeAgent:
         # Before the node listens: nothing recovered from disk acts as active until a map
         # (read after registering) says so, and the fence is checked from the first request.
         context = node.context
+        clean = context.bucket.store.was_clean_shutdown
+        # What each recovered copy's disk vouches for (rules.copy_holds_its_branch), judged
+        # before anything changes its state.
+        self.holds_branch = {
+            vb: copy_holds_its_branch(v.state, clean, v.failover_log.entries, v.high_seqno)
+            for vb, v in context.bucket.vbuckets.items()
+        }
         for vb, vbucket in sorted(context.bucket.vbuckets.items()):
             context.set_vbucket_state(vb, recovered_state(vbucket.state))
         context.fence_check = self.check_fence
@@ -115,6 +132,7 @@ class NodeAgent:
         cfg = self.config
         self.metadata = await ClusterMetadata.connect(cfg.etcd, cfg.cluster, tls=etcd_tls(cfg))
         self.membership = await self.metadata.register_node(self.me, cfg.failover_timeout_s)
+        self.registration = self.membership.registration
         orchestrator = Orchestrator(
             self.metadata,
             cfg.node_name,
@@ -184,7 +202,7 @@ class NodeAgent:
             if membership.renewal_sent_s <= fenced_at:
                 continue  # renewed by a keep-alive sent before the fence: not proof enough
             try:
-                stored = await self.metadata.read_map()
+                stored = await self.metadata.read_map_activations()
             except (ConnectionError, ValueError) as error:
                 log.warning("re-reading the map after a fence: %s", error)
                 continue
@@ -193,7 +211,7 @@ class NodeAgent:
             self.fenced_at = None
             log.warning("membership renewed: serving by the map again")
             if stored is not None:
-                self.apply(*stored, force=True)
+                self.apply(stored.map, stored.revision, stored.activations, force=True)
 
     def required_replicas(self, vb: int) -> frozenset[str]:
         """The replicas every commit on `vb` must hear from (its InSyncKeeper)."""
@@ -234,8 +252,8 @@ class NodeAgent:
         assert self.metadata is not None
         while True:  # the watch; restarted after an etcd hiccup, ended by cancellation
             try:
-                async for cluster_map, revision in self.metadata.watch_map():
-                    self.apply(cluster_map, revision)
+                async for stored in self.metadata.watch_map_activations():
+                    self.apply(stored.map, stored.revision, stored.activations)
             except (ConnectionError, TimeoutError) as error:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
@@ -297,9 +315,21 @@ class NodeAgent:
                 ):
                     await membership.put_status(status)
                     last_status = status
+                await self._ask_failovers()
                 await self._confirm_in_sync()
             except ConnectionError as error:
                 log.warning("publishing status: %s", error)
+
+    async def _ask_failovers(self) -> None:
+        """Ask once for the failover of each vbucket refused here (kept in etcd until the
+        orchestrator answers it: another member promoted, or the map moved it)."""
+        assert self.metadata is not None
+        for vb, asked in sorted(self.declined.items()):
+            if not asked:
+                await self.metadata.request_vbucket_failover(
+                    vb, self.config.node_name, self.registration
+                )
+                self.declined[vb] = True
 
     async def _confirm_in_sync(self) -> None:
         """Write each active vbucket's in-sync record where it changed, through its keeper
@@ -412,10 +442,17 @@ class NodeAgent:
             status["copies"] = copies
         return status
 
-    def apply(self, cluster_map: ClusterMap, revision: int = 0, *, force: bool = False) -> None:
+    def apply(
+        self,
+        cluster_map: ClusterMap,
+        revision: int = 0,
+        activations: dict[int, Activation] | None = None,
+        *,
+        force: bool = False,
+    ) -> None:
         """Make the node's vbucket states and replica feeds what `cluster_map` says
-        (`revision`: its key's etcd mod revision; `force`: apply it even if not newer, after
-        a fence)."""
+        (`revision`: its key's etcd mod revision; `activations`: stored with it; `force`:
+        apply it even if not newer, after a fence)."""
         if self.applied is not None and cluster_map.rev <= self.applied.rev and not force:
             return
         if cluster_map.vbuckets != self.config.vbuckets:
@@ -432,6 +469,7 @@ class NodeAgent:
             and cluster_map.node_index(name) is None
         )
         self.applied, self.applied_revision = cluster_map, max(revision, self.applied_revision)
+        self.activations = dict(activations or {})
         self._apply_states(cluster_map)
         sources: dict[str, set[int]] = {}
         addresses: dict[str, NodeAddress] = {}
@@ -464,6 +502,10 @@ class NodeAgent:
             wanted = wanted_state(cluster_map, name, vb)
             actives += wanted.is_active
             state = serving_state(wanted, fenced=self.fenced)
+            if wanted.is_active and self._refuses(vb):
+                state = VBucketState.REPLICA  # waits, fed by no one, for the next decision
+            elif not wanted.is_active:
+                self.declined.pop(vb, None)  # moved away: the request is answered
             context.set_vbucket_state(vb, state)
             if state.is_active:
                 if vb not in self.keepers:
@@ -472,6 +514,30 @@ class NodeAgent:
             else:
                 self.keepers.pop(vb, None)
         return actives
+
+    def _refuses(self, vb: int) -> bool:
+        """Whether this process refuses to be `vb`'s active under the applied map
+        (rules.refuses_activation); logs and records a new refusal (`_ask_failovers`)."""
+        if vb in self.declined:
+            return True
+        activation = self.activations.get(vb)
+        name = self.config.node_name
+        judged = activation.registration if activation and activation.node == name else None
+        if not refuses_activation(
+            judged,
+            self.applied_revision,
+            self.registration,
+            holds_branch=self.holds_branch.get(vb, False),
+        ):
+            return False
+        self.declined[vb] = False
+        log.warning(
+            "vb %d: not taking it as active: it was made active here on registration %s, "
+            "before this process registered (etcd revision %d), and this copy may lack what "
+            "the node acknowledged then; asking for its failover",
+            vb, judged if judged is not None else "unknown", self.registration,
+        )  # fmt: skip
+        return True
 
     def _place_feeds(self, sources: dict[str, set[int]], addresses: dict[str, NodeAddress]) -> None:
         for source_name in list(self.feeds):

@@ -121,6 +121,7 @@ class Orchestrator:
         # registrations, which must not change before the map lands (rules.promotable_members).
         self._in_sync_guard: dict[int, int] = {}
         self._registration_guard: dict[str, int] = {}
+        self._answered: set[int] = set()  # per-vbucket requests the next map answers
         self._held_back_logged: dict[int, frozenset[str]] = {}
 
     @property
@@ -244,12 +245,15 @@ class Orchestrator:
         self._last_map = current
         new = self.plan(live, current)
         requests: dict[str, bool] = {}
+        refusals: dict[int, str] = {}
         self._in_sync_guard = {}
         self._registration_guard = {}
+        self._answered = set()
         if current is not None:
             requests = await self.metadata.failover_requests()
-            new = await self._fail_over(live, current, requests)
-            if new is None and not requests:
+            refusals = await self._refusals(current)
+            new = await self._fail_over(live, current, requests, refusals)
+            if new is None and not requests and not refusals:
                 new = await self.rebalancer.step(live, current)
         if new is None:
             for node in requests:  # done earlier (or nothing to move): the request is answered
@@ -263,6 +267,7 @@ class Orchestrator:
             absent=absent,
             in_sync_revisions=self._in_sync_guard,
             registrations=self._registration_guard,
+            answered=self._answered,
         )
         if written is None:
             log.info(
@@ -284,11 +289,29 @@ class Orchestrator:
         if self.on_change is not None:
             self.on_change(new)
 
+    async def _refusals(self, current: ClusterMap) -> dict[int, str]:
+        """The per-vbucket failover requests still to answer: vbucket -> the node that refused
+        to become its active (rules.refuses_activation). A request whose vbucket the map no
+        longer makes that node's (another step moved it) is answered: deleted."""
+        pending: dict[int, str] = {}
+        for vb, node in sorted((await self.metadata.vbucket_failover_requests()).items()):
+            active = current.active(vb) if vb < current.vbuckets else None
+            if active is not None and active.name == node:
+                pending[vb] = node
+            else:
+                await self.metadata.clear_vbucket_failover_request(vb)
+        return pending
+
     async def _fail_over(
-        self, live: Mapping[str, NodeAddress], current: ClusterMap, requests: Mapping[str, bool]
+        self,
+        live: Mapping[str, NodeAddress],
+        current: ClusterMap,
+        requests: Mapping[str, bool],
+        refusals: Mapping[int, str],
     ) -> ClusterMap | None:
-        """Promote in-sync replicas of actives that are gone (or failed over by hand) and give
-        returning nodes their replica slots back (failover.py); None when nothing changes."""
+        """Promote in-sync replicas of actives that are gone (or failed over by hand, or that
+        refused the vbucket: `refusals`) and give returning nodes their replica slots back
+        (failover.py); None when nothing changes."""
         names = [n.name for n in current.nodes]
         hold: set[str] = set()
         if any(n not in live for n in names) and not self._may_fail_over(names, live):
@@ -296,7 +319,7 @@ class Orchestrator:
             hold = {n for n in names if n not in live and n not in requests}
         silent = self._silent_to_fail(names, live)
         failed = set(requests) | silent
-        gone = any(
+        gone = bool(refusals) or any(
             c[0] == -1
             or (names[c[0]] not in live and names[c[0]] not in hold)
             or names[c[0]] in failed
@@ -324,7 +347,9 @@ class Orchestrator:
             failed=failed,
             force=any(requests.values()),
             hold=hold,
+            refusals=refusals,
         )
+        self._answered = {vb for vb in plan.promoted if vb in refusals}
         self._in_sync_guard = {vb: view.revisions.get(vb, 0) for vb in plan.promoted}
         self._registration_guard = {
             node: view.registrations[node]

@@ -8,7 +8,7 @@ orchestrator's decision is `failover.plan_failover`; the commit rule is
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 from changefeed.server.replication import ReplicationTracker
 from changefeed.vbmap import ClusterMap
@@ -114,6 +114,70 @@ def registered_since(
     written: live, but not promotable from it until the active writes a newer record that
     names them (`InSyncKeeper.target`'s `reregistered`)."""
     return frozenset(m for m in members if registrations.get(m, 0) > record_revision)
+
+
+# -- activations decided before this process registered ----------------------------------------
+
+# The race the rule above leaves open: a member promoted while its lease still runs (its crash
+# not confirmed yet, or `--no-crash-failover`) may already be dead, and restart after the map
+# landed. The orchestrator vouched for the process it judged (the registration it read, which
+# the map write compares), not for the one that comes back, which holds only what its disk
+# kept. So every map carries, per vbucket, the registration of the active as the orchestrator
+# judged it when it made that copy active (`ClusterMetadata.write_map`'s ``activations``); a
+# node whose current process registered later does not become active from it unless its own
+# disk vouches for the copy (`copy_holds_its_branch`), and asks for that vbucket's failover
+# instead (``vbfailover/<vb>``): the orchestrator promotes another promotable member, or waits.
+# Both sides compare etcd revisions and what a store says about itself; no clock is involved.
+
+
+def copy_holds_its_branch(
+    state: VBucketState, clean: bool, entries: Sequence[tuple[int, int]], high_seqno: int
+) -> bool:
+    """Whether a copy recovered from disk (`state`, its failover log `entries` newest first,
+    its recovered `high_seqno`; `clean`: the previous process persisted everything it queued)
+    holds everything its previous process acknowledged, so that it may stay active on an
+    activation decided before this process registered.
+
+    Only a copy that was active (or PENDING: an active fenced, taken over, or recovered) can:
+    as an active it acknowledges a durable write only once it persisted it
+    (`sync_writes.durability_met`), so what it may lose is what it held when its branch
+    began (what it acknowledged as a replica before its promotion). Its branch began at the
+    newest failover entry it had before this start (after an unclean shutdown an active's
+    recovery adds one more, at the persisted end: the one before it); the disk holds the
+    branch's start when that entry's seqno is at most what the disk holds. A copy that was a
+    replica (or DEAD) may have acknowledged from memory what a crash lost; it is refused even
+    after a clean stop, because a copy that refused an activation waits as a replica, and a
+    clean stop of that process proves nothing about the crashed one before it.
+    """
+    if state not in (VBucketState.ACTIVE, VBucketState.PENDING):
+        return False
+    if clean:
+        return True
+    if state is VBucketState.ACTIVE:
+        if len(entries) < 2:
+            return True  # a fresh log: the recovery's own entry is the only branch
+        return entries[1][1] <= entries[0][1]  # the branch start vs the recovered end
+    return bool(entries) and entries[0][1] <= high_seqno
+
+
+def refuses_activation(
+    activated_registration: int | None,
+    map_revision: int,
+    registration: int,
+    *,
+    holds_branch: bool,
+) -> bool:
+    """Whether a node whose current process first registered at etcd revision `registration`
+    refuses to become active for a vbucket the map (etcd mod revision `map_revision`) makes
+    active on it. `activated_registration`: the registration the orchestrator judged when it
+    made this copy active (None: the map does not say, then the map's own revision stands for
+    it); `holds_branch`: `copy_holds_its_branch` for this copy when the process started.
+
+    An activation decided on this process's registration (or a later one of it: a lease lost
+    and taken again keeps the memory) stands. One decided on an earlier process's does not,
+    unless the disk vouches for the copy."""
+    decided = activated_registration if activated_registration is not None else map_revision
+    return decided < registration and not holds_branch
 
 
 class InSyncKeeper:
