@@ -4,9 +4,12 @@ writes at a durability level, a consumer streams and the Spark mirror mirrors; t
 counts must all be zero (``nemesis.checker``).
 
 * ``test_chaos_short`` (default suite, CI): 3 nodes, 2 replicas, schedule A (one node at a
-  time), ``CHANGEFEED_CHAOS_SHORT_S`` (default 40) seconds of faults, with the mirror. Its
-  default seed is fixed (SHORT_SEED: restarts, pauses and kills, the active among them), so
-  a CI run is one known schedule; the long runs draw a fresh seed each time.
+  time), ``CHANGEFEED_CHAOS_SHORT_S`` (default 20) seconds of faults, with the mirror. Its
+  default seed is fixed (SHORT_SEED), so a CI run is one known schedule: in 20 s a pause
+  past the lease (a failover, and the paused active's return as a replica), a clean restart,
+  a short pause and a kill; the long runs draw a fresh seed each time.
+* ``test_chaos_short_full`` (``-m slow``): the same seed's 40 s schedule (the default suite's
+  until 28 November: two more kills, a restart and a pause).
 * ``test_chaos_long`` (``-m slow``): ``CHANGEFEED_CHAOS_S`` (default 120) seconds per
   schedule: A on 3 nodes, B (a minority together: 2 of 5) on 5 nodes; with the mirror.
 
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from nemesis.harness import (
+    FAILOVER_TIMEOUT_S,
     ChaosConfig,
     DurabilityUnsupportedError,
     env_durability,
@@ -31,7 +35,7 @@ from nemesis.harness import (
     run_chaos,
 )
 from nemesis.history import Outcome
-from nemesis.schedule import Targets
+from nemesis.schedule import Targets, describe, make_schedule
 
 from changefeed.cluster.etcd_server import EtcdServer
 from support.etcd import cluster_name, etcd
@@ -39,6 +43,7 @@ from support.nodes import NodeFactory
 
 __all__ = ["cluster_name", "etcd"]  # the cluster tests' fixtures, used here too
 SHORT_SEED = 766956336
+SHORT_S = "20"  # the default suite's seconds of faults (CHANGEFEED_CHAOS_SHORT_S)
 
 
 def play(
@@ -66,6 +71,28 @@ def play(
     assert not report.failed, f"chaos checker failed:\n{report.render()}"
 
 
+def short_config(duration_s: float) -> ChaosConfig:
+    return ChaosConfig(
+        seed=env_seed(SHORT_SEED),
+        durability=env_durability(),
+        duration_s=duration_s,
+        targets="one",
+        nodes=3,
+        replicas=2,
+        mirror=os.environ.get("CHANGEFEED_CHAOS_MIRROR", "1") != "0",
+    )
+
+
+def test_the_short_schedule_has_every_kind_of_fault() -> None:
+    """What the default suite's short run plays (the seed is fixed): each kind of fault, and
+    a pause longer than the lease, so a failover happens and the old active rejoins."""
+    steps = make_schedule(SHORT_SEED, nodes=3, duration_s=float(SHORT_S), targets="one")
+    assert {step.kind for step in steps} == {"kill", "restart", "pause"}, describe(steps)
+    assert any(step.kind == "pause" and step.down_s > FAILOVER_TIMEOUT_S for step in steps), (
+        describe(steps)
+    )
+
+
 @pytest.mark.timeout(600)
 def test_chaos_short(
     nodes: NodeFactory,
@@ -74,16 +101,20 @@ def test_chaos_short(
     tmp_path: Path,
     request: pytest.FixtureRequest,
 ) -> None:
-    config = ChaosConfig(
-        seed=env_seed(SHORT_SEED),
-        durability=env_durability(),
-        duration_s=float(os.environ.get("CHANGEFEED_CHAOS_SHORT_S", "40")),
-        targets="one",
-        nodes=3,
-        replicas=2,
-        mirror=os.environ.get("CHANGEFEED_CHAOS_MIRROR", "1") != "0",
-    )
-    play(config, nodes, etcd, cluster_name, tmp_path, request)
+    duration_s = float(os.environ.get("CHANGEFEED_CHAOS_SHORT_S", SHORT_S))
+    play(short_config(duration_s), nodes, etcd, cluster_name, tmp_path, request)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_chaos_short_full(
+    nodes: NodeFactory,
+    etcd: EtcdServer,
+    cluster_name: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    play(short_config(40.0), nodes, etcd, cluster_name, tmp_path, request)
 
 
 @pytest.mark.slow
