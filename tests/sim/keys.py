@@ -20,6 +20,7 @@ def status(name: str) -> str:
 def in_sync(vb: int) -> str:
     return f"{IN_SYNC}{vb}"
 
+
 # The map's activations (cluster/metadata.py stores them in the map's document; here a key of
 # their own written in the map's transaction) and the per-vbucket failover requests.
 ACTIVATIONS = "activations"
