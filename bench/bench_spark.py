@@ -224,6 +224,8 @@ class TimedWriter:
         self.done = (0, 0)  # rows and batches when target_rows was reached
         self.target_rows = 0
         self.committed_at: list[tuple[int, float]] = []  # distributed writer: (batch, commit)
+        self.phases: list[dict[str, float]] = []  # distributed writer: its timings per batch
+        self.in_driver = 0  # batches the distributed writer wrote from the driver
 
     def replay_commits(self) -> None:
         """For the distributed writer, once the query stopped: each batch's committed rows
@@ -243,6 +245,8 @@ class TimedWriter:
             collected = started
             self.writer(batch_df, batch_id)
             count = self.writer.rows_written
+            self.phases.append(self.writer.last_timings)
+            self.in_driver += self.writer.last_in_driver
             committed_at = time.time()
             if self.on_batch is not None:  # the rows stay in the tasks: read back at the end
                 self.committed_at.append((batch_id, committed_at))
@@ -362,7 +366,7 @@ def run_to_mirror(
     """Run ``df -> foreachBatch(MirrorWriter)``: availableNow to the end, or until ``rows``.
     ``writer_kind``: the local writer (the batch collected with ``toArrow``, written by the
     driver) or the distributed one (Spark's tasks write the files)."""
-    writer = TimedWriter(MirrorWriter(tables, options, writer=writer_kind), None)
+    writer = TimedWriter(mirror_writer(tables, options, writer_kind), None)
     writer.target_rows = rows
     stream = df.writeStream.foreachBatch(writer).option("checkpointLocation", str(checkpoint))
     if available_now:
@@ -615,6 +619,17 @@ def write_growth(run: Run) -> str:
     )
 
 
+def mirror_writer(tables: Path, options: dict[str, str], kind: str) -> MirrorWriter:
+    """``kind``: ``local`` (toArrow + the driver's delta-rs writer), ``distributed`` (every
+    batch in Spark's write tasks) or ``adaptive`` (the distributed writer's default: batches
+    planned at most ``mirrorDriverBatchMax`` changes written from the driver)."""
+    if kind == "adaptive":
+        return MirrorWriter(tables, options, writer="distributed")
+    if kind == "distributed":
+        return MirrorWriter(tables, {**options, "mirrorDriverBatchMax": "0"}, writer=kind)
+    return MirrorWriter(tables, options, writer=kind)
+
+
 class LatencyProbe:
     """``on_batch`` hook: for each row written inside the window (its write time is the first
     20 bytes of its value; 0 = untimed), (commit time of its batch) - (its write time)."""
@@ -649,7 +664,7 @@ def bench_latency(spark: Any, args: argparse.Namespace, work: Path, out: list[st
         kinds = args.mirror_writers.split(",")
 
         def writer_of(kind: str) -> Callable[[Path], Any]:
-            return lambda at: MirrorWriter(at / "tables", options, writer=kind)
+            return lambda at: mirror_writer(at / "tables", options, kind)
 
         rows: list[tuple[str, Any, bool, Callable[[Path], Any]]] = [
             (f"changefeed -> mirror [{kind}]", changefeed_df(spark, node, args.max_offsets),
@@ -684,7 +699,7 @@ def bench_latency(spark: Any, args: argparse.Namespace, work: Path, out: list[st
             )
             used = [after - before for after, before in zip(cpu.sample(), used_before, strict=True)]
             results.append((name, trigger_ms, probe.seconds, used, write_s))
-            shown = ", ".join(f"{k} {v:,.0f}" for k, v in phases.items() if v >= 5)
+            shown = ", ".join(f"{k} {v:,.0f}" for k, v in phases.items() if v >= 1)
             notes.append(f"  {name}: Spark durationMs p50 per batch (ms): {shown}")
         say(out, "")
         say(out, head)
@@ -782,6 +797,11 @@ def _latency_query(
         phase: percentile([float(p["durationMs"].get(phase, 0)) for p in batches], 50)
         for phase in sorted({k for p in batches for k in p["durationMs"]})
     }  # Spark's durationMs, p50 per phase: where a batch's time goes
+    if isinstance(sink, TimedWriter) and sink.phases[seen_writes:]:
+        ours = sink.phases[seen_writes:]
+        for phase in sorted({k for p in ours for k in p}):
+            phases[f"writer {phase}"] = 1000 * percentile([p.get(phase, 0.0) for p in ours], 50)
+        phases["writer batches from the driver"] = sink.in_driver
     return trigger_ms, write_s, phases
 
 
@@ -1014,7 +1034,7 @@ def memory_child(spec: dict[str, Any]) -> None:
         df = spark.readStream.format("changefeed").options(
             maxOffsetsPerTrigger=str(spec["batch"]), partitions="2", format="binary", **options
         ).load()  # fmt: skip
-        writer = TimedWriter(MirrorWriter(work / "t", options, writer=spec["writer"]), None)
+        writer = TimedWriter(mirror_writer(work / "t", options, spec["writer"]), None)
         query = (df.writeStream.foreachBatch(writer).trigger(availableNow=True)
                  .option("checkpointLocation", str(work / "c")).start())  # fmt: skip
         started = time.perf_counter()

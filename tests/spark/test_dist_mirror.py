@@ -6,10 +6,18 @@ mirror's rows, the changelog's ``_change_type``/``_commit_version``, each vbucke
 position and the watermark. A crash between the two commits is finished by the replay; a second
 job on the same tables is refused in one line; and the same round trip runs on S3 (a
 ``moto_server`` on loopback). Rollbacks with a real node: ``test_pipeline.py``.
+
+The writer's two paths: a small batch written from the driver must leave exactly the tables
+the write tasks leave (the same stream through both into two table pairs: mirrors equal on
+every column, changelogs on every column but ``_commit_timestamp``, the same versions, app
+transactions, files per group and watermark), and the path is picked per batch by the seqnos
+it was planned at (a real stream with ``mirrorDriverBatchMax`` between its batch sizes: the
+planned count equals the span Spark's progress shows, both paths taken, mirror == store).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -27,6 +35,7 @@ import pytest
 from deltalake import DeltaTable
 
 from changefeed.spark import ARROW_SCHEMA, MirrorWriter, read_mirror
+from changefeed.spark.batch_size import planned_changes
 from changefeed.spark.delta_files import GROUP_COLUMN
 from changefeed.spark.dist_mirror import (
     DistributedMirrorWriter,
@@ -35,9 +44,14 @@ from changefeed.spark.dist_mirror import (
 )
 from changefeed.spark.mirror import APP_ID
 from changefeed.spark.mirror_status import changes, mirror_status
+from changefeed.spark.mirror_tasks import COMMIT_TIMESTAMP
 from changefeed.spark.table_lease import MirrorBusyError
 from changefeed.spark.watermark import hlc_ns
 from changefeed.vbmap import vbucket_for_key
+from support.nodes import NodeFactory
+
+from .helpers import Model, assert_changelog_once, assert_mirror_matches, workload, write
+from .test_pipeline import FAST_NODE, seqno_span
 
 VBUCKETS = 16
 OPTIONS = {"cluster": "127.0.0.1:1", "mirrorGroups": "4", "mirrorTasks": "2"}  # no rollbacks
@@ -285,3 +299,102 @@ def test_a_new_column_is_refused_or_merged_and_commit_versions_stay_true(
         logged.filter(pc.equal(logged.column("batch_id"), 1)).column("_commit_version").to_pylist()
         == [changelog.version()] * rows.num_rows
     )
+
+
+def sorted_rows(table: pa.Table, keys: list[str]) -> list[dict[str, Any]]:
+    return table.sort_by([(k, "ascending") for k in keys]).to_pylist()
+
+
+def layout(table: DeltaTable) -> list[tuple[str, int]]:
+    """Each file's group and row count (names carry a random part)."""
+    files = pa.table(table.get_add_actions(flatten=True))
+    return sorted(zip(files.column("partition._vb_group").to_pylist(),
+                      files.column("num_records").to_pylist(), strict=True))  # fmt: skip
+
+
+def test_the_driver_path_writes_the_tables_the_tasks_write(
+    spark: Any, tmp_path: Path, rng: random.Random
+) -> None:
+    roots = {path: str(tmp_path / path) for path in ("tasks", "driver")}
+    writers = {
+        path: DistributedMirrorWriter(root, OPTIONS, APP_ID, merge_schema=False)
+        for path, root in roots.items()
+    }
+    stream = Stream(rng)
+    try:
+        for batch_id in range(5):
+            rows, _ = stream.batch(0 if batch_id == 2 else rng.randrange(1, 60))
+            df = spark.createDataFrame(rows)
+            for path, writer in writers.items():
+                writer.write_batch(df, batch_id, in_driver=path == "driver")
+                assert writer.last_in_driver == (path == "driver")
+            writers["driver"].write_batch(df, batch_id, in_driver=True)  # a replay: skipped
+    finally:
+        for writer in writers.values():
+            writer.close()
+
+    tables = {
+        path: {name: DeltaTable(f"{root}/{name}") for name in ("mirror", "changelog")}
+        for path, root in roots.items()
+    }
+    tasks, driver = tables["tasks"], tables["driver"]
+    mirror_keys = ["key"]
+    assert sorted_rows(driver["mirror"].to_pyarrow_table(), mirror_keys) == sorted_rows(
+        tasks["mirror"].to_pyarrow_table(), mirror_keys
+    )
+    assert set(stream.live) == set(driver["mirror"].to_pyarrow_table().column("key").to_pylist())
+    log_keys = ["batch_id", "vbucket", "seqno"]
+    logged = {
+        path: t["changelog"].to_pyarrow_table().drop_columns([COMMIT_TIMESTAMP])
+        for path, t in tables.items()
+    }
+    assert logged["driver"].schema == logged["tasks"].schema
+    assert sorted_rows(logged["driver"], log_keys) == sorted_rows(logged["tasks"], log_keys)
+    for name in ("mirror", "changelog"):
+        assert driver[name].version() == tasks[name].version(), name
+        assert driver[name].transaction_version(APP_ID) == 4, name
+        assert driver[name].schema().to_arrow() == tasks[name].schema().to_arrow(), name
+        assert layout(driver[name]) == layout(tasks[name]), name
+    status = {path: mirror_status(root) for path, root in roots.items()}
+    assert status["driver"].positions == status["tasks"].positions == stream.last
+    assert status["driver"].resolved_hlc_ns == status["tasks"].resolved_hlc_ns
+
+
+def test_the_path_follows_the_planned_batch_size(
+    spark: Any, nodes: NodeFactory, tmp_path: Path, rng: random.Random
+) -> None:
+    node = nodes(args=FAST_NODE)
+    model: Model = {}
+    write(node.port, workload(rng, 3500, keys=2000, delete_ratio=0.1), model)
+    options = node.source_options(
+        format="binary", maxOffsetsPerTrigger="1500", mirrorDriverBatchMax="1000"
+    )
+    writer = MirrorWriter(tmp_path / "tables", options)
+    seen: list[tuple[int, int | None, bool]] = []
+
+    def sink(batch_df: Any, batch_id: int) -> None:
+        planned = planned_changes(batch_df, batch_id)
+        writer(batch_df, batch_id)
+        seen.append((batch_id, planned, writer.last_in_driver))
+
+    query = (
+        spark.readStream.format("changefeed").options(**options).load()
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True).start()
+    )  # fmt: skip
+    try:
+        assert query.awaitTermination(180), "the availableNow query did not finish in 180 s"
+    finally:
+        query.stop()
+        writer.close()
+    assert query.exception() is None, query.exception()
+    progress = [json.loads(p.json) if hasattr(p, "json") else p for p in query.recentProgress]
+    spans = {p["batchId"]: seqno_span(p) for p in progress if p["numInputRows"]}
+    print(f"batches (id, planned, from the driver): {seen}; spans {spans}")
+    assert {b: planned for b, planned, _ in seen if b in spans} == spans
+    assert all(in_driver == (planned is not None and planned <= 1000)
+               for _, planned, in_driver in seen), seen  # fmt: skip
+    assert {in_driver for _, _, in_driver in seen} == {True, False}, seen
+    assert_mirror_matches(tmp_path / "tables", node, model)
+    assert_changelog_once(tmp_path / "tables")

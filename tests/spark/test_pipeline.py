@@ -170,8 +170,11 @@ def test_rollback_reaches_changelog_and_mirror_equals_store(
             w2_ops.append((f"k-{rng.randrange(4000):05d}", f"W2-{i}".encode()))
     write(node.port, w2_ops, model)
 
+    # These batches are small: the driver writes them (dist_mirror.py), except with
+    # ``crash``, where the write tasks do (both paths must roll back alike).
+    tasks_only = {"mirrorDriverBatchMax": "0"} if restart == "crash" else {}
     progress = run_mirror(
-        spark, node, tmp_path, maxOffsetsPerTrigger="2000", failOnDataLoss="false"
+        spark, node, tmp_path, maxOffsetsPerTrigger="2000", failOnDataLoss="false", **tasks_only
     )
     print(f"rows per batch {[p['numInputRows'] for p in progress]}")
     log = changelog(tmp_path / "tables")

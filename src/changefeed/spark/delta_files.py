@@ -52,6 +52,7 @@ ACTION_DDL: Final = (
     "stats string, vbucket int, seqno long, cas long"
 )
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+_LOCAL: Final = pafs.LocalFileSystem()
 _STRING_STAT_CHARS: Final = 32  # string bounds are cut to this prefix, as Delta writers do
 
 
@@ -82,7 +83,7 @@ def table_fs(uri: str, storage_options: dict[str, str] | None) -> pafs.FileSyste
     if not is_remote(uri):
         local = uri.removeprefix("file://")
         Path(local).mkdir(parents=True, exist_ok=True)
-        return pafs.SubTreeFileSystem(local, pafs.LocalFileSystem())
+        return pafs.SubTreeFileSystem(local, _LOCAL)
     scheme, _, rest = uri.partition("://")
     if scheme not in ("s3", "s3a"):
         raise ValueError(f"tables {uri}: only local paths and s3:// are supported, not {scheme}://")
@@ -110,11 +111,15 @@ def write_data_file(
     returns its ``add`` action row."""
     assert GROUP_COLUMN not in rows.column_names, rows.column_names
     path = f"{GROUP_COLUMN}={group}/part-{batch_id:08d}-{uuid.uuid4().hex}.parquet"
-    fs.create_dir(f"{GROUP_COLUMN}={group}", recursive=True)  # local paths; a no-op on S3
-    with fs.open_output_stream(path) as out:
+    try:
+        out = fs.open_output_stream(path)
+    except FileNotFoundError:  # a local table's new partition (S3 has no directories)
+        fs.create_dir(f"{GROUP_COLUMN}={group}", recursive=True)
+        out = fs.open_output_stream(path)
+    with out:
         pq.write_table(rows, out, compression="snappy")
-    size = fs.get_file_info(path).size
-    assert size is not None and size > 0, path
+        size = out.tell()
+    assert size > 0, path
     return {
         "table_name": table_name, "kind": KIND_ADD, "path": path, "size": size, "grp": group,
         "num_records": rows.num_rows, "stats": file_stats(rows),

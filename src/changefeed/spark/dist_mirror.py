@@ -15,6 +15,16 @@ the single-process writer. For micro-batch b:
    ``create_write_transaction`` with ``app_transactions``); the mirror's commit also records
    every vbucket's position and the resolved watermark (``watermark.py``).
 
+Small batches take a shorter path to the same commits (an adaptive writer): a batch whose
+offsets span at most ``driver_batch_max`` seqnos (option ``mirrorDriverBatchMax``, default
+``DEFAULT_DRIVER_BATCH_MAX``; 0: never; ``batch_size.py`` reads the span from Spark's offset log
+before the batch runs) is collected to the driver (``toArrow``: one Spark stage, the read) and
+its groups go through the same ``run_group`` there, one after the other (``run_groups_here``).
+The files, actions, positions and commits are the same as the tasks' would be; what it saves is
+the shuffle, the second stage and its Python workers, about a second per batch, which is most
+of the latency of a steady stream's small batches. The driver then holds one small batch at a
+time (bounded by the option), and the mirror files' key hashes it caches (as a worker does).
+
 A crash anywhere leaves either nothing or whole commits: files written by tasks of a batch that
 did not commit are in no table (orphans for a vacuum), and the replay writes new ones. The
 changelog commits first, so a replay finds one of: neither committed, the changelog only (the
@@ -34,9 +44,11 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction
@@ -44,8 +56,10 @@ from deltalake.schema import Schema as DeltaSchema
 from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 
 from changefeed.spark import watermark
+from changefeed.spark.batch_size import planned_changes
 from changefeed.spark.delta_files import (
     ACTION_DDL,
+    ACTION_SCHEMA,
     GROUP_COLUMN,
     KIND_ADD,
     KIND_POSITION,
@@ -61,6 +75,8 @@ log = logging.getLogger("changefeed.mirror")
 
 DEFAULT_GROUPS: Final = 16
 GROUPS_MAX: Final = 1024
+# A batch planned at most this many changes is written by the driver (``mirrorDriverBatchMax``).
+DEFAULT_DRIVER_BATCH_MAX: Final = 50_000
 
 
 class SchemaMismatchError(RuntimeError):
@@ -99,6 +115,9 @@ class DistributedMirrorWriter:
         lowered = {k.lower(): v for k, v in self.options.items()}
         self.tasks = _positive(lowered, "mirrortasks")
         self.groups_wanted = _positive(lowered, "mirrorgroups") or DEFAULT_GROUPS
+        self.driver_batch_max = _count(lowered, "mirrordriverbatchmax", DEFAULT_DRIVER_BATCH_MAX)
+        self.last_in_driver = False  # which path the last batch took
+        self.timings: dict[str, float] = {}  # the last batch's phases (seconds; a profile)
         if self.groups_wanted > GROUPS_MAX:
             raise ValueError(f"mirrorGroups {self.groups_wanted} is above {GROUPS_MAX}")
         self.lease = TablesLease(table_uri(tables, ""), storage_options)
@@ -108,6 +127,26 @@ class DistributedMirrorWriter:
         self._positions_at: tuple[int, dict[int, watermark.Position]] | None = None
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
+        self.write_batch(batch_df, batch_id)
+
+    def write_batch(self, batch_df: Any, batch_id: int, in_driver: bool | None = None) -> None:
+        """Write micro-batch ``batch_id``; ``in_driver`` picks the path (None: by the batch's
+        planned size, ``driver_batch_max``; see the module docstring)."""
+        if in_driver is None:
+            in_driver = self.small(batch_df, batch_id)
+        self.last_in_driver = in_driver
+        self._write(batch_df, batch_id, in_driver)
+
+    def small(self, batch_df: Any, batch_id: int) -> bool:
+        """Whether the batch is planned at most ``driver_batch_max`` changes (unknown: no)."""
+        if self.driver_batch_max == 0:
+            return False
+        planned = planned_changes(batch_df, batch_id)
+        return planned is not None and planned <= self.driver_batch_max
+
+    def _write(self, batch_df: Any, batch_id: int, in_driver: bool) -> None:
+        lap = _Laps()
+        self.timings = lap.seconds
         self.lease.hold()
         changelog = self._load(self.changelog_uri)
         mirror = self._load(self.mirror_uri)
@@ -142,16 +181,23 @@ class DistributedMirrorWriter:
             commit_timestamp_ms=now_ms(), mirror_schema=mirror_target,
             changelog_schema=changelog_target, mirror_files=_files_by_group(mirror),
         )  # fmt: skip
-        tasks = min(groups, self.tasks or _default_parallelism(batch_df))
-        keyed = batch_df.withColumn(POSITION, F.monotonically_increasing_id()).withColumn(
-            GROUP_COLUMN, F.pmod(F.col("vbucket"), F.lit(groups)).cast("int")
-        )
-        actions = (
-            keyed.repartition(tasks, GROUP_COLUMN)
-            .groupBy(GROUP_COLUMN)
-            .applyInArrow(_group_function(plan), ACTION_DDL)
-            .toArrow()
-        )
+        lap("prepare")
+        if in_driver:
+            rows = batch_df.toArrow()
+            lap("read")
+            actions = run_groups_here(plan, rows, groups)
+        else:
+            tasks = min(groups, self.tasks or _default_parallelism(batch_df))
+            keyed = batch_df.withColumn(POSITION, F.monotonically_increasing_id()).withColumn(
+                GROUP_COLUMN, F.pmod(F.col("vbucket"), F.lit(groups)).cast("int")
+            )
+            actions = (
+                keyed.repartition(tasks, GROUP_COLUMN)
+                .groupBy(GROUP_COLUMN)
+                .applyInArrow(_group_function(plan), ACTION_DDL)
+                .toArrow()
+            )
+        lap("files")
         if write_changelog:
             logged = actions.filter(pc.equal(actions.column("table_name"), "changelog"))
             self.rows_written = int(pc.sum(logged.column("num_records")).as_py() or 0)
@@ -162,6 +208,7 @@ class DistributedMirrorWriter:
             assert committed is not None and committed.version() == expected, (
                 "another writer committed to the changelog", expected,
             )  # fmt: skip
+            lap("changelog commit")
         before = self._positions(mirror)
         batch_positions = actions.filter(pc.equal(actions.column("kind"), KIND_POSITION))
         after = watermark.advance(
@@ -175,6 +222,7 @@ class DistributedMirrorWriter:
         committed_mirror = self._load(self.mirror_uri)
         assert committed_mirror is not None, self.mirror_uri
         self._positions_at = (committed_mirror.version(), after)
+        lap("mirror commit")
 
     def _commit(
         self, table: DeltaTable | None, uri: str, name: str, actions: pa.Table,
@@ -310,6 +358,37 @@ def _group_function(plan: GroupPlan) -> Callable[[tuple[pa.Scalar, ...], pa.Tabl
     return run
 
 
+class _Laps:
+    """Seconds between calls, by name: where a batch's time went (``timings``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._at = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._at
+        self._at = now
+
+
+def run_groups_here(plan: GroupPlan, rows: pa.Table, groups: int) -> pa.Table:
+    """What the write tasks would return for ``rows`` (the whole batch, in stream order, as
+    ``toArrow`` collects it: partition by partition), computed in this process: each group's
+    rows go to ``run_group`` as a task would get them, with their place in the batch as the
+    stream position."""
+    vbuckets = rows.column("vbucket").to_numpy()
+    group_of = np.mod(vbuckets, groups).astype(np.int32)
+    if GROUP_COLUMN in rows.column_names:  # a document field of that name: ours wins
+        rows = rows.drop_columns([GROUP_COLUMN])
+    keyed = rows.append_column(POSITION, pa.array(np.arange(rows.num_rows, dtype=np.int64)))
+    keyed = keyed.append_column(GROUP_COLUMN, pa.array(group_of))
+    parts = [ACTION_SCHEMA.empty_table()]
+    for group in np.unique(group_of).tolist():
+        mine = keyed.filter(pa.array(group_of == group))
+        parts.append(run_group(plan, int(group), mine))
+    return pa.concat_tables(parts)
+
+
 def _files_by_group(mirror: DeltaTable | None) -> dict[int, list[FileRef]]:
     if mirror is None:
         return {}
@@ -348,6 +427,19 @@ def _positive(options: dict[str, str], name: str) -> int | None:
         value = 0
     if value < 1:
         raise ValueError(f"option {name}: {text!r} is not a positive integer")
+    return value
+
+
+def _count(options: dict[str, str], name: str, default: int) -> int:
+    text = options.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"option {name}: {text!r} is not a count (0 or more)")
     return value
 
 

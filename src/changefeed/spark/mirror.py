@@ -221,6 +221,17 @@ class MirrorWriter:
             return
         self.write(batch_df.toArrow(), batch_id)
 
+    @property
+    def last_timings(self) -> dict[str, float]:
+        """Where the last batch's time went, by phase (seconds; the distributed writer's
+        ``timings``; empty for the local writer): the profile the benchmark prints."""
+        return dict(self._distributed.timings) if self._distributed is not None else {}
+
+    @property
+    def last_in_driver(self) -> bool:
+        """Whether the distributed writer wrote the last batch from the driver (a small one)."""
+        return self._distributed is not None and self._distributed.last_in_driver
+
     def _use_distributed(self) -> bool:
         """The distributed writer unless asked for the local one or the tables are the local
         writer's (a mirror partitioned by vbucket, or an unpartitioned one)."""

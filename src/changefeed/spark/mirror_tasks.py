@@ -73,6 +73,7 @@ SMALL_FILES_MAX: Final = 16
 FILE_BYTES_SMALL: Final = 32 * 1024 * 1024
 _HASH_CACHE_MAX: Final = 32 * 1024 * 1024  # hashes (8 bytes each) kept per worker process
 _hash_cache: OrderedDict[str, Hashes] = OrderedDict()
+_hash_cache_total = 0  # hashes in _hash_cache (summing them per file read cost O(files))
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,11 @@ def run_group(plan: GroupPlan, group: int, rows: pa.Table) -> pa.Table:
             [conform(kept, plan.mirror_schema), conform(live, plan.mirror_schema)]
         )
         if merged.num_rows:
-            actions.append(write_data_file(mirror_fs, "mirror", merged, group, plan.batch_id))
+            added = write_data_file(mirror_fs, "mirror", merged, group, plan.batch_id)
+            actions.append(added)
+            # The next batch asks which files hold its keys: this one's are known now (in the
+            # driver's path, and in a worker that gets the group again, no read back).
+            _remember(added["path"], np.sort(key_hashes(merged.column("key"))))
         actions += [remove_row("mirror", f.path, f.size, group) for f in touched]
     if plan.write_changelog:
         assert plan.write_mirror, "the changelog commits first: a batch it holds skips it"
@@ -265,12 +270,18 @@ def _file_hashes(fs: pafs.FileSystem, path: str) -> Hashes:
         return cached
     keys = pq.read_table(path, columns=["key"], filesystem=fs).column("key")
     hashes: Hashes = np.sort(key_hashes(keys))
-    _hash_cache[path] = hashes
-    total = sum(len(h) for h in _hash_cache.values())
-    while total > _HASH_CACHE_MAX and len(_hash_cache) > 1:
-        _, dropped = _hash_cache.popitem(last=False)
-        total -= len(dropped)
+    _remember(path, hashes)
     return hashes
+
+
+def _remember(path: str, hashes: Hashes) -> None:
+    """Cache a file's sorted key hashes, dropping the least recently used past the bound."""
+    global _hash_cache_total
+    _hash_cache[path] = hashes
+    _hash_cache_total += len(hashes)
+    while _hash_cache_total > _HASH_CACHE_MAX and len(_hash_cache) > 1:
+        _, dropped = _hash_cache.popitem(last=False)
+        _hash_cache_total -= len(dropped)
 
 
 def _history(
@@ -307,4 +318,4 @@ def _array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 def hash_cache_size() -> int:
     """Hashes cached in this process (the tests look)."""
-    return sum(len(h) for h in _hash_cache.values())
+    return _hash_cache_total
