@@ -180,6 +180,12 @@ class Agent:
         else:  # the older rule sets asked for no answer (their seeds replay as recorded)
             self._call("put", put)
 
+    def _own_key_read(self, found: Any) -> None:
+        """The registration read back when the put's answer never came (a later one of this
+        process, if the lease was lost meanwhile: refusing more, never less)."""
+        if found is not None and found.lease == self.lease and not self.registration:
+            self.registration = found.mod_revision
+
     def _put_node(self, revision: int | None) -> None:
         """`ClusterMetadata.register_node`'s put answered: the process's first registration."""
         if revision is not None and not self.registration:
@@ -216,6 +222,8 @@ class Agent:
         self.node.timer(STATUS_INTERVAL_S, self._tick)
         self._publish()
         if self.node.rules.refuses_stale_activation:  # the map with its activations
+            if not self.registration and not self.lost:  # the put's answer was lost
+                self._call("get", (keys.node(self.node.name),), self._own_key_read)
             self._call("read_many", ((keys.MAP, keys.ACTIVATIONS), ()), self._map_read)
         else:
             self._call("get", (keys.MAP,), lambda found: self._map_read({keys.MAP: found}))
