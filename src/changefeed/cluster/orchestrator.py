@@ -253,7 +253,7 @@ class Orchestrator:
             requests = await self.metadata.failover_requests()
             refusals = await self._refusals(current)
             new = await self._fail_over(live, current, requests, refusals)
-            if new is None and not requests and not refusals:
+            if new is None and not requests:  # a refusal no member can answer yet waits
                 new = await self.rebalancer.step(live, current)
         if new is None:
             for node in requests:  # done earlier (or nothing to move): the request is answered
