@@ -1,0 +1,70 @@
+"""The map's activations and the per-vbucket failover requests in etcd (`ClusterMetadata`:
+`write_map`, `read_map_activations`, `request_vbucket_failover`; rules.refuses_activation).
+
+Real etcd on loopback. An activation records the registration the active had when a map first
+made it the vbucket's active; it carries over while the active stays (a later registration of
+that node does not refresh it: the orchestrator never judged that process for this vbucket),
+and is judged anew when the active changes. A map that answers a request deletes it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from changefeed.cluster.etcd_server import EtcdServer
+from changefeed.cluster.metadata import Activation, ClusterMetadata
+from changefeed.cluster.rules import refuses_activation
+from changefeed.vbmap import ClusterMap, NodeAddress
+
+NODES = tuple(NodeAddress(f"n{i}", "127.0.0.1", 1 + i) for i in range(3))
+
+
+def _map(rev: int, chains: tuple[tuple[int, ...], ...]) -> ClusterMap:
+    return ClusterMap(rev, NODES, chains, 2)
+
+
+def test_activations_are_judged_when_the_active_changes_and_carried_over_otherwise(
+    etcd: EtcdServer, cluster_name: str
+) -> None:
+    async def body() -> None:
+        async with await ClusterMetadata.connect(etcd.endpoint, cluster_name) as md:
+            leadership = await md.campaign("orch", ttl_s=5)
+            for node in NODES:
+                await md.register_node(node, 30)
+            first_regs = await md.registrations()
+            rev1 = await md.write_map(_map(1, ((0, 1, 2), (1, 2, 0))), None, leadership)
+            assert rev1 is not None
+            stored = await md.read_map_activations()
+            assert stored is not None and stored.revision == rev1
+            assert stored.activations == {
+                0: Activation("n0", first_regs["n0"]),
+                1: Activation("n1", first_regs["n1"]),
+            }
+            # n0 restarts (registers again): the map still makes it vb 0's active, on the
+            # registration judged before, which its new process refuses (unless its disk
+            # vouches for the copy).
+            again = await md.register_node(NODES[0], 30)
+            assert again.registration > first_regs["n0"]
+            rev2 = await md.write_map(_map(2, ((0, 1, 2), (2, 1, 0))), rev1, leadership)
+            assert rev2 is not None
+            stored = await md.read_map_activations()
+            assert stored is not None
+            assert stored.activations[0] == Activation("n0", first_regs["n0"])
+            assert stored.activations[1] == Activation("n2", first_regs["n2"])
+            kept = stored.activations[0].registration
+            assert refuses_activation(kept, rev2, again.registration, holds_branch=False)
+            assert not refuses_activation(kept, rev2, again.registration, holds_branch=True)
+
+            # It refuses and asks; the map that moves vb 0 away answers (deletes) the request,
+            # and vb 0's new active is judged on its current registration.
+            await md.request_vbucket_failover(0, "n0", again.registration)
+            assert await md.vbucket_failover_requests() == {0: "n0"}
+            rev3 = await md.write_map(
+                _map(3, ((1, 2, 0), (2, 1, 0))), rev2, leadership, answered=[0]
+            )
+            assert rev3 is not None
+            assert await md.vbucket_failover_requests() == {}
+            stored = await md.read_map_activations()
+            assert stored is not None
+            assert stored.activations[0] == Activation("n1", first_regs["n1"])
+
+    asyncio.run(body())
