@@ -182,9 +182,15 @@ class Agent:
 
     def _own_key_read(self, found: Any) -> None:
         """The registration read back when the put's answer never came (a later one of this
-        process, if the lease was lost meanwhile: refusing more, never less)."""
-        if found is not None and found.lease == self.lease and not self.registration:
+        process, if the lease was lost meanwhile: refusing more, never less); put again when
+        the put itself was lost (`ClusterMetadata.register_node` fails and is retried)."""
+        if self.registration or self.lost:
+            return
+        if found is not None and found.lease == self.lease:
             self.registration = found.mod_revision
+            return
+        put = (keys.node(self.node.name), self.node.name, self.lease)
+        self._call("put", put, self._put_node)
 
     def _put_node(self, revision: int | None) -> None:
         """`ClusterMetadata.register_node`'s put answered: the process's first registration."""
