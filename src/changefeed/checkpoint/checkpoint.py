@@ -44,6 +44,7 @@ Slot = Item | MetaItem | None
 _FIRST_ITEM_INDEX = 2  # after DUMMY and CHECKPOINT_START
 SYNC_OPS: Final = frozenset((Op.PREPARE, Op.ABORT))
 _ABORT: Final = Op.ABORT
+_PREPARE: Final = Op.PREPARE
 _MUTATION: Final = Op.MUTATION
 
 
@@ -216,6 +217,46 @@ class Checkpoint:
             run = items[start:stop]
             prepared = max(item.prepared_seqno for item in run if isinstance(item, CommitItem))
             self.high_completed = max(self.high_completed, prepared)
+        self.memory_bytes = memory_bytes + delta
+        self._maybe_compact()
+        return stop, delta
+
+    def add_prepares(
+        self, items: Sequence[SyncItem], start: int, full_bytes: int
+    ) -> tuple[int, int]:
+        """`add` for the prepares `items[start:]` in order (seqnos rising) until this
+        checkpoint holds `full_bytes`, or until the next prepare's key already has a prepare
+        here (the manager closes the checkpoint then, as `queue` does: that namespace holds a
+        key once). At least one is added; the first's key must not have a prepare here.
+
+        Returns:
+            (index in `items` of the first item not added, change in accounted bytes).
+        """
+        assert self.is_open, self
+        assert start < len(items), (start, len(items))
+        assert items[start].seqno > self.snap_end, (items[start].seqno, self.snap_end)
+        slots = self.items
+        if len(slots) == 1:
+            slots.append(CHECKPOINT_START)
+        prepared_index = self.prepared_index
+        memory_bytes = self.memory_bytes
+        delta = 0
+        stop = start
+        count = len(items)
+        while stop < count:  # bounded by the run; one item per round
+            item = items[stop]
+            if item.key in prepared_index:
+                assert stop > start, (item, self)  # the manager's rule
+                break
+            assert item.op is _PREPARE, item
+            stop += 1
+            slots.append(item)
+            prepared_index[item.key] = len(slots) - 1
+            delta += item_size_bytes(item)
+            if memory_bytes + delta >= full_bytes:
+                break
+        self.live_count += stop - start
+        self.snap_end = items[stop - 1].seqno
         self.memory_bytes = memory_bytes + delta
         self._maybe_compact()
         return stop, delta

@@ -31,7 +31,7 @@ from typing import Final, NamedTuple, cast
 from changefeed import limits
 from changefeed.checkpoint.checkpoint import SYNC_OPS, Checkpoint
 from changefeed.checkpoint.cursor import Cursor, CursorKind, Event
-from changefeed.checkpoint.item import CHECKPOINT_START, Item
+from changefeed.checkpoint.item import CHECKPOINT_START, Item, SyncItem
 from changefeed.checkpoint.memory import (
     ITEM_OVERHEAD_BYTES,
     MUTATION_BODY_OVERHEAD_BYTES,
@@ -307,6 +307,47 @@ class CheckpointManager:
             self._charge(delta_bytes)
             # Before a checkpoint after this one is made: it starts past what is queued.
             self._visible_high = self._high_seqno = items[done - 1].seqno
+        self.wakeup.notify()
+        if self._budget.over_upper_mark:
+            self._budget.recover()
+        return len(items)
+
+    def queue_prepares(self, items: Sequence[SyncItem]) -> int:
+        """`queue` each of the prepares `items` in order (seqnos rising) with one budget check,
+        one charge per checkpoint and one wakeup: a replica's received run of DCP_PREPAREs.
+        The open checkpoint is closed where `queue` would close it: a cursor inside, full,
+        or a prepare of the key already in it.
+
+        Returns:
+            How many were queued (all, unless checkpoint memory ran out part of the way).
+
+        Raises:
+            CheckpointMemoryFullError: not even the first item fits; nothing was changed.
+        """
+        if not items:
+            return 0
+        assert items[0].seqno > self._high_seqno, (items[0].seqno, self._high_seqno)
+        assert items[-1].seqno <= limits.SEQNO_MAX, items[-1].seqno
+        bound = sum(map(len, map(_body_of, items))) + len(items) * ITEM_OVERHEAD_BYTES
+        try:
+            self._budget.make_room(bound)
+        except CheckpointMemoryFullError:
+            return self._queue_while_room(items)
+        done = 0
+        while done < len(items):  # bounded: each round adds >= 1 item
+            open_checkpoint = self._open
+            if open_checkpoint.has_items and (
+                open_checkpoint.cursor_count > 0
+                or open_checkpoint.memory_bytes >= self._checkpoint_max_bytes
+                or items[done].key in open_checkpoint.prepared_index
+            ):
+                self._close_open()
+                open_checkpoint = self._open
+            done, delta_bytes = open_checkpoint.add_prepares(
+                items, done, self._checkpoint_max_bytes
+            )
+            self._charge(delta_bytes)
+            self._high_seqno = items[done - 1].seqno  # a prepare is not visible: no _visible_high
         self.wakeup.notify()
         if self._budget.over_upper_mark:
             self._budget.recover()

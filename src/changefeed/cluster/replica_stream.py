@@ -94,6 +94,7 @@ SEQNO_FOREVER: Final = 0xFFFF_FFFF_FFFF_FFFF
 _MUTATION: Final = Op.MUTATION
 _OPCODE_MUTATION: Final = int(Opcode.DCP_MUTATION)
 _MUTATION_BODY_EXTRAS: Final = MUTATION_EXTRAS.size  # a DCP_MUTATION body's extras
+_SYNC_RUN_OPCODES: Final = frozenset((int(Opcode.DCP_PREPARE), int(Opcode.DCP_COMMIT)))
 _OP_OF_OPCODE: Final = {
     Opcode.DCP_MUTATION: Op.MUTATION,
     Opcode.DCP_DELETION: Op.DELETION,
@@ -131,6 +132,10 @@ class ReplicaVBucket(Protocol):
     def queue_replicated_columns(self, run: ReplicatedColumns) -> int: ...
 
     def replica_commit(self, key: bytes, prepared_seqno: int, commit_seqno: int) -> None: ...
+
+    def queue_replicated_prepares(self, prepares: Sequence[SyncItem]) -> int: ...
+
+    def replica_commit_many(self, commits: Sequence[tuple[bytes, int, int]]) -> int: ...
 
 
 class FeedLink(Protocol):
@@ -457,11 +462,24 @@ class ReplicaFeed:
             view = _BatchView(batch.changes) if len(batch.changes) else None
             # By type, the most frequent first: a durable write is a SyncFrame each (its
             # prepare and its commit), and `match` tried every other pattern before it.
+            # Consecutive SyncFrames of one vbucket and opcode are taken as one run.
+            sync_run: list[Frame] = []
+            sync_vb = sync_opcode = -1
             for event in self._session.receive(batch):
                 kind = type(event)
                 if kind is SyncFrame:
-                    self._on_sync(event.vb, event.frame)  # type: ignore[union-attr]
-                elif kind is Run:
+                    frame: Frame = event.frame  # type: ignore[union-attr]
+                    vb: int = event.vb  # type: ignore[union-attr]
+                    if sync_run and (vb != sync_vb or frame.opcode != sync_opcode):
+                        self._on_sync_run(sync_vb, sync_run)
+                        sync_run = []
+                    sync_run.append(frame)
+                    sync_vb, sync_opcode = vb, frame.opcode
+                    continue
+                if sync_run:
+                    self._on_sync_run(sync_vb, sync_run)
+                    sync_run = []
+                if kind is Run:
                     assert view is not None and isinstance(event, Run), event
                     self._apply(view, event.start, event.stop)
                 elif kind is MarkerReceived:
@@ -477,6 +495,8 @@ class ReplicaFeed:
                         event.vb, self.source.name, event.reason.name,
                     )  # fmt: skip
                     self._retry_later(event.vb)
+            if sync_run:
+                self._on_sync_run(sync_vb, sync_run)
             self.stats.bytes = self._session.received_bytes
             self._flush_owed()
             if self._prepared:
@@ -540,7 +560,7 @@ class ReplicaFeed:
             items = items[taken:]
         self._hold_back(vb, items)
 
-    def _hold_back(self, vb: int, items: list[Item]) -> None:
+    def _hold_back(self, vb: int, items: Sequence[Item | Commit]) -> None:
         """Keep `items` for when the flusher has freed memory; stop reading meanwhile."""
         if not self._backlog and self._conn is not None:
             self._conn.pause_reading()
@@ -579,6 +599,61 @@ class ReplicaFeed:
     def _on_marker(self, vb: int, marker: SnapshotMarker) -> None:
         self._settle_backlog()
         self.bucket.vbucket(vb).replica_snapshot(marker.snap_start, marker.snap_end)
+
+    def _on_sync_run(self, vb: int, frames: list[Frame]) -> None:
+        """Consecutive DCP_PREPAREs (or DCP_COMMITs) of `vb`: decoded, then queued as one run
+        (`queue_replicated_prepares`, `replica_commit_many`). A frame that does not decode
+        raises after the ones before it are queued, as one at a time would."""
+        opcode = frames[0].opcode
+        if len(frames) == 1 or opcode not in _SYNC_RUN_OPCODES:
+            for frame in frames:
+                self._on_sync(vb, frame)
+            return
+        error: ProtocolError | None = None
+        if opcode == Opcode.DCP_PREPARE:
+            prepares: list[SyncItem] = []
+            try:
+                for frame in frames:  # bounded by the run
+                    prepares.append(_prepare_item(decode_prepare(frame)))
+            except ProtocolError as bad:
+                error = bad
+            if prepares:
+                self._prepared = True
+                self._queue_prepares(vb, prepares)
+            self.stats.items += len(prepares)
+        else:
+            commits: list[Commit] = []
+            try:
+                for frame in frames:  # bounded by the run
+                    commits.append(decode_commit(frame))
+            except ProtocolError as bad:
+                error = bad
+            if commits:
+                self._queue_commits(vb, commits)
+            self.stats.items += len(commits)
+        if error is not None:
+            raise error
+
+    def _queue_prepares(self, vb: int, prepares: list[SyncItem]) -> None:
+        taken = 0
+        if not self._backlog:
+            try:
+                taken = self.bucket.vbucket(vb).queue_replicated_prepares(prepares)
+            except CheckpointMemoryFullError:
+                taken = 0
+        if taken < len(prepares):  # memory ran out (or a backlog waits): the rest wait
+            self._hold_back(vb, prepares[taken:])
+
+    def _queue_commits(self, vb: int, commits: list[Commit]) -> None:
+        taken = 0
+        if not self._backlog:
+            runs = [(c.key, c.prepared_seqno, c.commit_seqno) for c in commits]
+            try:
+                taken = self.bucket.vbucket(vb).replica_commit_many(runs)
+            except CheckpointMemoryFullError:
+                taken = 0
+        if taken < len(commits):
+            self._hold_back(vb, commits[taken:])
 
     def _on_sync(self, vb: int, frame: Frame) -> None:
         opcode = frame.opcode

@@ -434,6 +434,32 @@ class VBucket:
         """
         self._role.replica_commit(key, prepared_seqno, commit_seqno)
 
+    def queue_replicated_prepares(self, prepares: Sequence[SyncItem]) -> int:
+        """`queue_replicated` for a run of DCP_PREPAREs (seqnos rising), queued as one run.
+
+        Returns:
+            How many were queued (the first ones; memory may run out part of the way).
+
+        Raises:
+            NotMyVbucketError, InvalidArgumentsError, CheckpointMemoryFullError: as
+                `queue_replicated`; on a bad prepare the ones before it are queued (as one
+                call each would), memory full only if not even the first fits.
+        """
+        return self._role.queue_replicated_prepares(prepares)
+
+    def replica_commit_many(self, commits: Sequence[tuple[bytes, int, int]]) -> int:
+        """`replica_commit` for a run of DCP_COMMITs: (key, prepared seqno, commit seqno)
+        each, commit seqnos rising, queued as one run.
+
+        Returns:
+            How many were queued (the first ones; memory may run out part of the way).
+
+        Raises:
+            NotMyVbucketError, InvalidArgumentsError, CheckpointMemoryFullError: as
+                `replica_commit`; on a bad commit the ones before it are queued.
+        """
+        return self._role.replica_commit_many(commits)
+
     def replica_snapshot(self, snap_start: int, snap_end: int) -> None:
         """The active's snapshot marker: items up to `snap_end` follow, in their own checkpoint.
 

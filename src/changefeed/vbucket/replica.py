@@ -140,6 +140,89 @@ class ReplicaRole(Role):
                     retain_pending(manager, pending)
         return queued
 
+    def queue_replicated_prepares(self, prepares: Sequence[SyncItem]) -> int:
+        """`queue_replicated` for a run of DCP_PREPAREs (seqnos rising), queued with one
+        `CheckpointManager.queue_prepares`. The prepares before the first bad one are queued
+        and then its error is raised, as one call each would.
+
+        Returns:
+            How many were queued (the first ones; memory may run out part of the way).
+        """
+        core = self.core
+        manager = core.manager
+        snapshot_end = manager.snapshot_end
+        previous = core.high_seqno
+        good = 0
+        for item in prepares:  # the checks of queue_replicated, in order
+            seqno = item.seqno
+            if not previous < seqno <= snapshot_end or not 0 < item.cas <= limits.SEQNO_MAX:
+                break
+            try:
+                check_fields(item.key, item.value, item.flags, item.expiry, item.datatype)
+            except InvalidArgumentsError:
+                break
+            assert item.op is Op.PREPARE, item
+            previous = seqno
+            good += 1
+        queued = self._queue_prepares(prepares[:good]) if good else 0
+        if queued == good < len(prepares):
+            self.queue_replicated(prepares[good])  # raises, naming the bad prepare
+            raise AssertionError(f"the run's checks refused {prepares[good]!r}, queue did not")
+        return queued
+
+    def _queue_prepares(self, prepares: Sequence[SyncItem]) -> int:
+        core = self.core
+        manager = core.manager
+        queued = manager.queue_prepares(prepares)
+        core.advanced(prepares[queued - 1].seqno, max(item.cas for item in prepares[:queued]))
+        pending = self.pending
+        for item in prepares[:queued]:
+            pending.pop(item.key, None)  # an older one, its end deduplicated away
+            pending[item.key] = item
+        retain_pending(manager, pending)
+        return queued
+
+    def replica_commit_many(self, commits: Sequence[tuple[bytes, int, int]]) -> int:
+        """`replica_commit` for a run of DCP_COMMITs, (key, prepared seqno, commit seqno) each,
+        commit seqnos rising: queued with one `CheckpointManager.queue_run(commits=True)`.
+        The commits before the first bad one are queued and then its error is raised, as one
+        call each would.
+
+        Returns:
+            How many were queued (the first ones; memory may run out part of the way).
+        """
+        core = self.core
+        manager = core.manager
+        snapshot_end = manager.snapshot_end
+        pending = self.pending
+        previous = core.high_seqno
+        items: list[Item] = []
+        taken: set[bytes] = set()  # a key commits once: its prepare ends with the commit
+        for key, prepared_seqno, commit_seqno in commits:  # replica_commit's checks, in order
+            prepare = pending.get(key)
+            if (
+                prepare is None
+                or prepare.seqno != prepared_seqno
+                or key in taken
+                or not previous < commit_seqno <= snapshot_end
+            ):
+                break
+            # The prepare's fields and CAS were checked when it was taken (queue_replicated,
+            # the active's write, or the store at warmup): the commit carries the same ones.
+            items.append(prepare.committed(commit_seqno))
+            taken.add(key)
+            previous = commit_seqno
+        queued = manager.queue_run(items, commits=True) if items else 0
+        if queued:
+            core.advanced(items[queued - 1].seqno, max(item.cas for item in items[:queued]))
+            for item in items[:queued]:
+                del pending[item.key]
+            retain_pending(manager, pending)
+        if queued == len(items) < len(commits):
+            self.replica_commit(*commits[len(items)])  # raises, naming the bad commit
+            raise AssertionError(f"the run's checks refused {commits[len(items)]!r}")
+        return queued
+
     def _refuse_replicated(self, item: Item, previous: int) -> None:
         """Raise the error `queue_replicated_run` found in `item` (after `previous`)."""
         vb = self.core.vb

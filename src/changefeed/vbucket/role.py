@@ -134,7 +134,13 @@ class Role:
     def queue_replicated_columns(self, run: ReplicatedColumns) -> int:
         self._refuse("a replica")
 
+    def queue_replicated_prepares(self, prepares: Sequence[SyncItem]) -> int:
+        self._refuse("a replica")
+
     def replica_commit(self, key: bytes, prepared_seqno: int, commit_seqno: int) -> None:
+        self._refuse("a replica")
+
+    def replica_commit_many(self, commits: Sequence[tuple[bytes, int, int]]) -> int:
         self._refuse("a replica")
 
     def replica_snapshot(self, snap_start: int, snap_end: int) -> None:
