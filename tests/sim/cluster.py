@@ -38,6 +38,9 @@ from .workload import Client
 
 MAP_WAIT_S = 5.0  # the first map must exist by then
 TEMPLATE_SHARE = 0.2  # random seeds that instantiate a dangerous pattern (faults.template_faults)
+# Random seeds that instantiate issue 25's crash race instead (scenarios.crash_race_faults),
+# drawn from a stream of their own so that every other seed keeps its schedule.
+CRASH_RACE_SHARE = 0.05
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -200,6 +203,11 @@ def run(
             faults = template_faults(rng, nodes, clients, config.work_s, victim)
         else:
             faults = random_faults(rng, nodes, clients, config.work_s, config.faults_max, victim)
+        race = Scheduler(seed).stream("crash-race")
+        if race.random() < CRASH_RACE_SHARE:
+            from .scenarios import crash_race_faults  # scenarios builds on this module
+
+            faults = crash_race_faults(race, config) or faults
     root = Path(tempfile.mkdtemp(prefix=f"sim-{seed}-", dir=_scratch()))
     cluster = SimCluster(seed, config, root, rules if rules is not None else rules_for_tree())
     logger = logging.getLogger("changefeed")

@@ -22,6 +22,7 @@ Found by the simulator on the fencing rules (fae8c28), random seed 611:
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 from changefeed.cluster import placement
@@ -75,6 +76,34 @@ def promoted_while_dead() -> tuple[SimConfig, list[Fault]]:
             "crash:n2@2.00+0.80",
         )
     ]
+
+
+def crash_race_faults(
+    rng: random.Random, config: SimConfig, orchestrator: str = "n0"
+) -> list[Fault]:
+    """A random instance of `promoted_while_dead` for the random seeds (cluster.run): on a
+    chain whose active and first replica are not `orchestrator`, the replica's disk is slow
+    and the third copy lags, the orchestrator loses its way to the replica just before the
+    active and the replica crash together, and the replica restarts after its failover."""
+    chains = [
+        chain
+        for chain in placement.chains(config.nodes, config.replicas, config.vbuckets)
+        if len(chain) > 2 and orchestrator not in (f"n{chain[0]}", f"n{chain[1]}")
+    ]
+    if not chains:
+        return []
+    active, replica, third = (f"n{i}" for i in rng.choice(chains)[:3])
+    crash = round(rng.uniform(1.5, 3.0), 2)
+    slow = round(rng.uniform(0.8, 1.2), 2)
+    back = round(rng.uniform(0.6, 1.0), 2)
+    before = round(crash - slow, 2)
+    return [
+        Fault("slow_disk", before, slow, (replica,), round(rng.uniform(1.0, 2.0), 2)),
+        Fault("slow_link", before, slow, (active, third), round(rng.uniform(0.05, 0.15), 3)),
+        Fault("oneway", round(crash - 0.05, 2), round(back + 0.05, 2), (orchestrator, replica)),
+        Fault("crash", crash, round(rng.uniform(2.5, 3.5), 2), (active,)),
+        Fault("crash", crash, back, (replica,)),
+    ]  # fmt: skip
 
 
 SCENARIOS: dict[str, Callable[[], tuple[SimConfig, list[Fault]]]] = {
