@@ -12,6 +12,10 @@ and the best run is shown; the node's interpreter settings, ``server/node.py``
 * peer, decode only: ``decode_batch`` of the same buffers, all a DCP consumer does per item
   before its application sees the change (the catch-up goal of issue 11 compares a replica
   with such a consumer).
+* replica apply, durable writes: the same feed given what a majority write sends a replica,
+  per vbucket windows of 64 DCP_PREPAREs then their 64 DCP_COMMITs (taken as runs of a kind,
+  ``VBucket.queue_replicated_prepares`` / ``replica_commit_many``), then the flush; the peer is
+  ``decode_batch`` of the same buffers. CPU per durable write (its prepare and its commit).
 * client SETs: ``Bucket.set_run`` of runs of 1,000 plain SETs spread over 64 vbuckets (what the
   node does with a received buffer of SETs, minus parsing and replies), then the flush.
 
@@ -23,6 +27,7 @@ bench_cluster.py (catch-up) and bench_node.py (ingest against Redis).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -34,7 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
 from changefeed.protocol.batch import decode_batch
-from changefeed.protocol.dcp_items import Mutation, encode_mutation
+from changefeed.protocol.dcp_items import (
+    Commit,
+    Mutation,
+    Prepare,
+    encode_commit,
+    encode_mutation,
+    encode_prepare,
+)
 from changefeed.protocol.set_run import SetRun
 from changefeed.protocol.snapshot_marker import (
     MarkerFlag,
@@ -51,6 +63,7 @@ REPLICA_VBUCKETS = 16
 CLIENT_VBUCKETS = 64
 SET_RUN_ITEMS = 1000
 VALUE = b"x" * 100
+SYNC_WINDOW = 64  # a window of 4,096 durable writes over 64 vbuckets: ~64 per vbucket
 
 
 @contextmanager
@@ -73,6 +86,45 @@ def replica_buffers(items: int) -> list[bytes]:
         ]
         buffers.append(b"".join(frames))
     return buffers
+
+
+def durable_buffers(writes: int) -> list[bytes]:
+    """Per vbucket, a marker then windows of SYNC_WINDOW prepares followed by their commits."""
+    per = writes // REPLICA_VBUCKETS
+    buffers = []
+    for vb in range(REPLICA_VBUCKETS):
+        frames = [encode_snapshot_marker(SnapshotMarker(vb, 1, 1, 2 * per, MarkerFlag.MEMORY))]
+        seqno = 0
+        for first in range(0, per, SYNC_WINDOW):
+            keys = [b"key-%d-%d" % (vb, n) for n in range(first, min(per, first + SYNC_WINDOW))]
+            prepared = []
+            for key in keys:
+                seqno += 1
+                prepared.append(seqno)
+                prepare = Prepare(vb, 1, seqno, key, VALUE, 1000 + seqno, 1, 0, 0, False, 1)
+                frames.append(encode_prepare(prepare))
+            for key, at in zip(keys, prepared, strict=True):
+                seqno += 1
+                frames.append(encode_commit(Commit(vb, 1, key, at, seqno)))
+        buffers.append(b"".join(frames))
+    return buffers
+
+
+def durable_run(buffers: list[bytes], writes: int) -> tuple[float, float, float]:
+    decode = timed(lambda: [decode_batch(buffer) for buffer in buffers])
+    batches = [decode_batch(buffer) for buffer in buffers]
+    with fresh_bucket(REPLICA_VBUCKETS) as bucket:
+        for vb in range(REPLICA_VBUCKETS):
+            bucket.vbucket(vb).set_state(VBucketState.REPLICA)
+        source = NodeAddress("active", "127.0.0.1", 1)
+        feed = ReplicaFeed(bucket, source, set(range(REPLICA_VBUCKETS)), FeedOptions("me"))
+        apply = timed(lambda: [feed._on_push(batch) for batch in batches])
+        assert feed._failure is None, feed._failure
+        flush = timed(lambda: [vbucket.flush() for vbucket in bucket.vbuckets.values()])
+        held = sum(vbucket.high_seqno for vbucket in bucket.vbuckets.values())
+        assert held == 2 * writes, (held, writes)
+        assert not any(vbucket.pending_prepares for vbucket in bucket.vbuckets.values())
+    return decode, apply, flush
 
 
 def timed(step: Callable[[], object]) -> float:
@@ -135,7 +187,11 @@ def main() -> None:
     buffers, runs = replica_buffers(items), set_runs(items)
     replica = [replica_run(buffers, items) for _ in range(args.repeat)]
     client = [client_run(runs, items) for _ in range(args.repeat)]
+    writes = items // 2 - (items // 2) % REPLICA_VBUCKETS
+    durable = durable_buffers(writes)
+    sync = [durable_run(durable, writes) for _ in range(args.repeat)]
     columns = [*zip(*replica, strict=True), *zip(*client, strict=True)]
+    sync_best = [min(column) * 1e6 / writes for column in zip(*sync, strict=True)]
     best = [min(column) * 1e6 / items for column in columns]
     rows = [
         ("peer: decode only (a DCP consumer)", best[0]),
@@ -150,6 +206,11 @@ def main() -> None:
     replica_total = best[1] + best[2]
     print(f"  replica apply + flush: {replica_total:.2f} us, {replica_total / best[0]:.1f}x "
           "the decode-only peer")  # fmt: skip
+    print(f"{writes:,} durable writes (a prepare and a commit each), CPU us per write")
+    print(f"  {'peer: decode only (a DCP consumer)':40s} {sync_best[0]:6.2f}")
+    print(f"  {'replica apply (prepare / commit runs)':40s} {sync_best[1]:6.2f}")
+    print(f"  {'replica flush':40s} {sync_best[2]:6.2f}")
+    print(f"  load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
