@@ -111,7 +111,15 @@ class PositionMoved:
 
 Event = Run | StreamAnswered | StreamEnded | MarkerReceived | SyncFrame | PositionMoved
 
-_SYNC_OPCODES = frozenset({Opcode.DCP_PREPARE, Opcode.DCP_COMMIT, Opcode.DCP_ABORT})
+_SYNC_OPCODES = frozenset(map(int, (Opcode.DCP_PREPARE, Opcode.DCP_COMMIT, Opcode.DCP_ABORT)))
+_RESPONSE_MAGICS = frozenset((int(Magic.RESPONSE), int(Magic.ALT_RESPONSE)))
+_OP_STREAM_REQ = int(Opcode.DCP_STREAM_REQ)
+_OP_NOOP = int(Opcode.DCP_NOOP)
+_OP_SNAPSHOT_MARKER = int(Opcode.DCP_SNAPSHOT_MARKER)
+_OP_STREAM_END = int(Opcode.DCP_STREAM_END)
+_OP_SET_VBUCKET_STATE = int(Opcode.DCP_SET_VBUCKET_STATE)
+_OP_SYSTEM_EVENT = int(Opcode.DCP_SYSTEM_EVENT)
+_OP_SEQNO_ADVANCED = int(Opcode.DCP_SEQNO_ADVANCED)
 
 
 class DcpSession:
@@ -211,9 +219,11 @@ class DcpSession:
     # -- inside ---------------------------------------------------------------------------------
 
     def _control(self, frame: Frame) -> Event | None:
+        # Plain ints (_RESPONSE_MAGICS, _OP_*): an Enum member's lookup costs ~0.25 us on
+        # 3.11 and this runs per control frame (twice per durable write on a replica).
         opcode = frame.opcode
-        if frame.magic in (Magic.RESPONSE, Magic.ALT_RESPONSE):
-            if opcode != Opcode.DCP_STREAM_REQ:
+        if frame.magic in _RESPONSE_MAGICS:
+            if opcode != _OP_STREAM_REQ:
                 return None  # other responses (controls after open) are the shell's
             vb = self._opaque_vb.pop(frame.opaque, None)
             if vb is None:
@@ -222,29 +232,29 @@ class DcpSession:
             ok = frame.status == 0
             self._status[vb] = StreamStatus.STREAMING if ok else StreamStatus.ENDED
             return StreamAnswered(vb, frame)
-        if opcode == Opcode.DCP_NOOP:
+        if opcode == _OP_NOOP:
             self._outbox.append(encode_response(frame))  # not counted by flow control
             return None
         self._consumed(frame.wire_size)
         vb = frame.vbucket
-        if opcode == Opcode.DCP_SNAPSHOT_MARKER:
+        if opcode in _SYNC_OPCODES:
+            return SyncFrame(vb, frame)
+        if opcode == _OP_SNAPSHOT_MARKER:
             marker = decode_snapshot_marker(frame)
             if marker.flags & MarkerFlag.ACK:
                 self._outbox.append(encode_response(frame))
             return MarkerReceived(vb, marker)
-        if opcode == Opcode.DCP_STREAM_END:
+        if opcode == _OP_STREAM_END:
             if self._status.get(vb) is StreamStatus.STREAMING:
                 self._status[vb] = StreamStatus.ENDED
             return StreamEnded(vb, decode_stream_end(frame).reason)
-        if opcode == Opcode.DCP_SET_VBUCKET_STATE:
+        if opcode == _OP_SET_VBUCKET_STATE:
             self._outbox.append(encode_response(frame))
             return None
-        if opcode in _SYNC_OPCODES:
-            return SyncFrame(vb, frame)
-        if opcode == Opcode.DCP_SYSTEM_EVENT:
+        if opcode == _OP_SYSTEM_EVENT:
             message = decode_system_event(frame)
             return PositionMoved(vb, message.seqno, message)
-        if opcode == Opcode.DCP_SEQNO_ADVANCED:
+        if opcode == _OP_SEQNO_ADVANCED:
             return PositionMoved(vb, decode_seqno_advanced(frame).seqno)
         return None  # what a consumer may ignore (OSO markers, ...)
 
