@@ -41,6 +41,8 @@ BACKUP_CURSOR_NAME: Final = "persistence-backup"
 _RUN_ITEMS_MAX: Final = 4096  # items taken from the persistence cursor per call
 _PLAIN: Final = {Item}  # a batch of only these is written by one put_bodies call
 _body_of: Final = operator.attrgetter("body")
+_ABORT: Final = Op.ABORT
+_PREPARE: Final = Op.PREPARE
 
 
 @dataclasses.dataclass(slots=True)
@@ -270,7 +272,7 @@ class Flusher:
         for item in items:  # each item's DCP body was encoded once, when it was queued
             if item.op in SYNC_OPS:
                 self._write_sync(batch, vb, item)
-                if item.op is Op.ABORT:
+                if item.op is _ABORT:
                     assert isinstance(item, SyncItem), item
                     completed = max(completed, item.prepared_seqno)
                 continue
@@ -292,7 +294,7 @@ class Flusher:
 
     def _write_sync(self, batch: WriteBatch, vb: int, item: Item) -> None:
         assert isinstance(item, SyncItem), item
-        if item.op is Op.PREPARE:
+        if item.op is _PREPARE:
             batch.put_prepare(
                 vb, item.key, item.seqno, item.doc_op, level=item.level,
                 datatype=item.datatype, cas=item.cas, body=item.body,

@@ -32,6 +32,9 @@ from changefeed.storage import Op, Record
 from changefeed.storage.record import DELETION_EXTRAS_SIZE, MUTATION_EXTRAS_SIZE
 
 _MUTATION: Final = Op.MUTATION
+_ABORT: Final = Op.ABORT
+_DELETION: Final = Op.DELETION
+_PREPARE: Final = Op.PREPARE
 _pack_mutation_extras: Final = MUTATION_EXTRAS.pack
 _pack_tombstone_extras: Final = DELETION_V2_EXTRAS.pack  # record.py stores tombstones so
 
@@ -121,7 +124,7 @@ class Item:
     @property
     def deleted(self) -> bool:
         """True for a tombstone (deletion or expiration)."""
-        return self.op is not Op.MUTATION
+        return self.op is not _MUTATION
 
     def _fields(self) -> tuple[object, ...]:
         return (
@@ -232,8 +235,8 @@ class SyncItem(Item):
         level: int = 0,
         prepared_seqno: int = 0,
     ) -> None:
-        assert op in (Op.PREPARE, Op.ABORT), op
-        assert doc_op in (Op.MUTATION, Op.DELETION), doc_op
+        assert op in (_PREPARE, _ABORT), op
+        assert doc_op in (_MUTATION, _DELETION), doc_op
         super().__init__(
             seqno, key, doc_op, value, cas, flags, expiry, datatype, rev_seqno, delete_time
         )
@@ -252,7 +255,7 @@ class SyncItem(Item):
 
     @property
     def deleted(self) -> bool:
-        return self.doc_op is not Op.MUTATION
+        return self.doc_op is not _MUTATION
 
     def _fields(self) -> tuple[object, ...]:
         return (*super()._fields(), self.doc_op, self.level, self.prepared_seqno)
@@ -264,7 +267,7 @@ class SyncItem(Item):
 
     def committed(self, seqno: int) -> CommitItem:
         """The item that commits this prepare at `seqno`: the same document and CAS."""
-        assert self.op is Op.PREPARE, self
+        assert self.op is _PREPARE, self
         item = CommitItem(
             seqno, self.key, self.doc_op, self.value, self.cas, self.flags, self.expiry,
             self.datatype, self.rev_seqno, self.delete_time,

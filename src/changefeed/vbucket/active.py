@@ -49,6 +49,10 @@ from changefeed.vbucket.values import (
 )
 
 _MUTATION: Final = Op.MUTATION
+_ABORT: Final = Op.ABORT
+_DELETION: Final = Op.DELETION
+_EXPIRATION: Final = Op.EXPIRATION
+_PREPARE: Final = Op.PREPARE
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,7 +95,7 @@ class ActiveRole(Role):
     def on_expired(self, found: Item | Record) -> None:
         # Memory full: it still reads as missing, and the next access queues the expiration.
         with contextlib.suppress(CheckpointMemoryFullError, SyncWriteInProgressError):
-            self._queue_write(found.key, Op.EXPIRATION, b"", rev_seqno=found.rev_seqno + 1)
+            self._queue_write(found.key, _EXPIRATION, b"", rev_seqno=found.rev_seqno + 1)
 
     def expire_if_due(self, key: bytes) -> bool:
         core = self.core
@@ -161,7 +165,7 @@ class ActiveRole(Role):
             return 0
         seqno = core.high_seqno + 1
         abort = SyncItem(
-            seqno, key, Op.ABORT, Op.DELETION, b"", prepare.cas, prepared_seqno=prepare.seqno
+            seqno, key, _ABORT, _DELETION, b"", prepare.cas, prepared_seqno=prepare.seqno
         )
         core.manager.queue(abort)
         del self.pending[key]
@@ -196,7 +200,7 @@ class ActiveRole(Role):
             self._check_cas(key, current, cas)
         rev_seqno = current.rev_seqno + 1 if current is not None else 1
         return self._queue_write(
-            key, Op.MUTATION, value, flags=flags, expiry=expiry, datatype=datatype,
+            key, _MUTATION, value, flags=flags, expiry=expiry, datatype=datatype,
             rev_seqno=rev_seqno, level=level,
         )  # fmt: skip
 
@@ -220,14 +224,12 @@ class ActiveRole(Role):
 
     def delete(self, key: bytes, *, cas: int = 0, level: int = 0) -> MutationResult:
         current = self._existing(key, cas)
-        return self._queue_write(
-            key, Op.DELETION, b"", rev_seqno=current.rev_seqno + 1, level=level
-        )
+        return self._queue_write(key, _DELETION, b"", rev_seqno=current.rev_seqno + 1, level=level)
 
     def touch(self, key: bytes, expiry: int, *, cas: int = 0) -> MutationResult:
         current = self._existing(key, cas)
         return self._queue_write(
-            key, Op.MUTATION, current.value, flags=current.flags, expiry=expiry,
+            key, _MUTATION, current.value, flags=current.flags, expiry=expiry,
             datatype=current.datatype, rev_seqno=current.rev_seqno + 1,
         )  # fmt: skip
 
@@ -316,11 +318,11 @@ class ActiveRole(Role):
         check_fields(key, value, flags, expiry, datatype)
         seqno = core.high_seqno + 1
         cas = core.next_cas()
-        delete_time = 0 if op is Op.MUTATION else min(int(core.now()), U32_MAX)
+        delete_time = 0 if op is _MUTATION else min(int(core.now()), U32_MAX)
         item: Item
         if level:
             item = SyncItem(
-                seqno, key, Op.PREPARE, Op.DELETION if op is Op.EXPIRATION else op, value, cas,
+                seqno, key, _PREPARE, _DELETION if op is _EXPIRATION else op, value, cas,
                 flags, expiry, datatype, rev_seqno, delete_time, level=level,
             )  # fmt: skip
         else:
@@ -445,12 +447,12 @@ class ActiveRole(Role):
                 current: Item | Record | None = found_in_memory[key]
                 if current is None:
                     current = stored[key] if key in stored else store.get(vb, key)
-                if current is not None and current.op is not Op.MUTATION:
+                if current is not None and current.op is not _MUTATION:
                     current = None
                 elif current is not None and current.expiry and current.expiry <= now:
                     seqno, cas = seqno + 1, max(now_cas, cas + 1)
                     expired = Item(
-                        seqno, key, Op.EXPIRATION, b"", cas,
+                        seqno, key, _EXPIRATION, b"", cas,
                         rev_seqno=current.rev_seqno + 1, delete_time=min(int(now), U32_MAX),
                     )  # fmt: skip
                     items.append(expired)
@@ -476,7 +478,7 @@ class ActiveRole(Role):
                 continue
             seqno, cas = seqno + 1, max(now_cas, cas + 1)
             rev_seqno = current.rev_seqno + 1 if current is not None else 1
-            item = Item(seqno, key, Op.MUTATION, value, cas, flag, expiry, datatype, rev_seqno)
+            item = Item(seqno, key, _MUTATION, value, cas, flag, expiry, datatype, rev_seqno)
             items.append(item)
             answers.append(index)
             found_in_memory[key] = item  # the next write of the key in this run follows it

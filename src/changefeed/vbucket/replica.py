@@ -32,6 +32,7 @@ from changefeed.vbucket.values import (
 )
 
 _MUTATION: Final = Op.MUTATION
+_PREPARE: Final = Op.PREPARE
 _MUTATION_EXTRAS: Final = EXTRAS_SIZE[Op.MUTATION]
 
 
@@ -55,7 +56,7 @@ class ReplicaRole(Role):
         manager.queue(item)
         core.advanced(item.seqno, item.cas)
         pending = self.pending
-        if item.op is Op.PREPARE:
+        if item.op is _PREPARE:
             assert isinstance(item, SyncItem), item
             pending.pop(item.key, None)  # an older one, its end deduplicated away
             pending[item.key] = item
@@ -161,7 +162,7 @@ class ReplicaRole(Role):
                 check_fields(item.key, item.value, item.flags, item.expiry, item.datatype)
             except InvalidArgumentsError:
                 break
-            assert item.op is Op.PREPARE, item
+            assert item.op is _PREPARE, item
             previous = seqno
             good += 1
         queued = self._queue_prepares(prepares[:good]) if good else 0
