@@ -3,7 +3,9 @@
 - a range ends exactly at its end seqno, also when a disk snapshot runs far past it;
 - a range whose node history fell behind its start offset (a restored node on a new branch:
   end < start) gets its rollback row and then the new history, instead of ERANGE;
-- a rollback to 0 is a DataLossError under failOnDataLoss=true, and a rollback row otherwise.
+- a rollback to 0 is a DataLossError under failOnDataLoss=true, and a rollback row otherwise;
+- the streaming planner's kept connections (``LatestPoller``) answer as a fresh
+  ``fetch_latest`` does, across a node restart, and its long poll says whether anything is new.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 
 from changefeed import limits
 from changefeed.cli.node_process import NodeProcess
-from changefeed.spark.node_state import fetch_latest_sync
+from changefeed.spark.node_state import LatestPoller, fetch_latest_sync
 from changefeed.spark.offsets import VbOffset
 from changefeed.spark.options import SourceOptions
 from changefeed.spark.reading import DataLossError, VbRange, read_chunks_sync, read_ranges_sync
@@ -152,3 +154,25 @@ def test_chunks_name_the_vbuckets_whose_rows_are_all_taken(
     assert any(c.finished for c in chunks[:-1]), "some vbuckets finish before the last chunk"
     rows = sum(c.batch.num_rows for c in chunks)
     assert rows == sum(o.seqno for o in latest.values())
+
+
+@pytest.mark.timeout(120)
+def test_a_kept_planner_answers_as_a_fresh_one_and_long_polls(nodes: NodeFactory) -> None:
+    node = nodes(vbuckets=8, args=FAST_NODE)
+    unique_keys(node, 200, "a")
+    options = SourceOptions.parse(node.source_options())
+    poller = LatestPoller(options)
+    try:
+        seen, total = poller.fetch()
+        assert (seen, total) == fetch_latest_sync(options)
+        assert not poller.wait_for_change(seen, window_s=0.2, every_s=0.02)  # nothing written
+        unique_keys(node, 1, "b")
+        assert poller.wait_for_change(seen, window_s=30.0, every_s=0.02)
+        now, _ = poller.fetch()
+        assert sum(o.seqno for o in now.values()) == sum(o.seqno for o in seen.values()) + 1
+        node.stop()
+        node.start()  # the kept connections are dead: the next call starts over from the seed
+        unique_keys(node, 3, "c")
+        assert poller.fetch() == fetch_latest_sync(options)
+    finally:
+        poller.close()
