@@ -1,8 +1,8 @@
 """``changefeed mirror``'s writer flags (``--writer``, ``--mirror-tasks``, ``--mirror-groups``,
-``--storage-option``): each in ``--help``; a bad value, or one that does not fit the others or
-the tables, is one line naming it, before Spark starts and before any directory is made (no
-node is needed to refuse them: the checks come first). The slow test runs the command against
-a real node and reads the flags' effect in the tables.
+``--driver-batch-max``, ``--storage-option``): each in ``--help``; a bad value, or one that
+does not fit the others or the tables, is one line naming it, before Spark starts and before
+any directory is made (no node is needed to refuse them: the checks come first). The slow
+test runs the command against a real node and reads the flags' effect in the tables.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def run(*args: str) -> tuple[int, str]:
 def test_help_lists_every_writer_flag() -> None:
     code, text = run("--help")
     assert code == 0, text
-    for flag in ("--writer", "--mirror-tasks", "--mirror-groups", "--storage-option"):
+    for flag in ("--writer", "--mirror-tasks", "--mirror-groups", "--driver-batch-max",
+                 "--storage-option"):  # fmt: skip
         assert flag in text, flag
 
 
@@ -55,12 +56,14 @@ def test_help_lists_every_writer_flag() -> None:
         (["--mirror-groups", "0"], "0"),
         (["--mirror-tasks", "0"], "0"),
         (["--mirror-tasks", "two"], "two"),
+        (["--driver-batch-max", "-1"], "-1"),
         (["--writer", "fast"], "fast"),
         (["--storage-option", "novalue"], "novalue"),
         (["--storage-option", "=x", "--tables", "s3://b/t", "--checkpoint", "ck"], "=x"),
         (["--storage-option", "AWS_REGION=x"], "AWS_REGION"),  # local tables
         (["--writer", "local", "--mirror-tasks", "2"], "--mirror-tasks"),
         (["--writer", "local", "--mirror-groups", "4"], "--mirror-groups"),
+        (["--writer", "local", "--driver-batch-max", "5"], "--driver-batch-max"),
         (["--writer", "local", "--tables", "s3://b/t", "--checkpoint", "ck"], "s3://b/t"),
         (["--tables", "s3://b/t"], "--checkpoint"),
     ],
@@ -85,6 +88,8 @@ def test_flags_become_the_writer_options() -> None:
         "mirrorWriter": "distributed", "mirrorTasks": "3", "mirrorGroups": "8",
     }  # fmt: skip
     assert flags.storage_options == {"AWS_REGION": "eu", "AWS_ALLOW_HTTP": "true"}
+    never = writer_flags(None, None, None, (), "/t", driver_batch_max=0)
+    assert never.source_options() == {"mirrorDriverBatchMax": "0"}
     assert WriterFlags().source_options() == {}
 
 

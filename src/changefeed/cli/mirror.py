@@ -122,9 +122,10 @@ def _common(f: Any) -> Any:
 @click.option("--merge-schema", is_flag=True, help="Add new document fields to the tables.")
 @click.option(
     "--trigger",
-    default="1 second",
+    default="0 seconds",
     show_default=True,
-    help="Micro-batch interval (Spark processingTime).",
+    help="Micro-batch interval (Spark processingTime); 0: a micro-batch as soon as changes "
+    "are there (the source waits for them while idle).",
 )
 @click.option(
     "--max-offsets-per-trigger",
@@ -175,6 +176,13 @@ def _common(f: Any) -> Any:
     help="Vbucket groups (the tables' partitions), when the tables are created [default: 16].",
 )
 @click.option(
+    "--driver-batch-max",
+    type=click.IntRange(min=0),
+    default=None,
+    help="The distributed writer writes a micro-batch planned at most N changes from the "
+    "driver, without a shuffle (lower latency); 0: never [default: 50,000].",
+)
+@click.option(
     "--storage-option",
     "storage_pairs",
     multiple=True,
@@ -195,7 +203,8 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
            infer_schema: bool, doc_format: str, mode: str, merge_schema: bool, trigger: str,
            max_offsets_per_trigger: int, master: str | None, spark_conf: tuple[str, ...],
            partitions: int | None, writer: str | None, mirror_tasks: int | None,
-           mirror_groups: int | None, storage_pairs: tuple[str, ...], once: bool,
+           mirror_groups: int | None, driver_batch_max: int | None,
+           storage_pairs: tuple[str, ...], once: bool,
            fail_on_data_loss: bool, collection_list: str | None) -> None:  # fmt: skip
     """Mirror a bucket into Delta tables with Spark, exactly once (status: see below)."""
     if ctx.invoked_subcommand is not None:
@@ -204,7 +213,8 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
         raise click.UsageError("--tables is required")
     from changefeed.cli.mirror_flags import is_url, mended, writer_flags
 
-    flags = writer_flags(writer, mirror_tasks, mirror_groups, storage_pairs, mended(str(tables)))
+    flags = writer_flags(writer, mirror_tasks, mirror_groups, storage_pairs, mended(str(tables)),
+                         driver_batch_max)  # fmt: skip
     if is_url(str(tables)) and checkpoint is None:
         raise click.BadParameter(
             f"{mended(str(tables))} is an object store: give --checkpoint, a local or shared "

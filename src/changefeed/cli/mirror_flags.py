@@ -10,6 +10,8 @@ that a bad value is one line naming it:
   parallelism, at most the groups);
 - ``--mirror-groups N``: vbucket groups (partitions of both tables), fixed when the tables are
   created (1..``GROUPS_MAX``);
+- ``--driver-batch-max N``: the distributed writer writes a micro-batch planned at most N
+  changes from the driver (``spark/dist_mirror.py``; 0: never);
 - ``--storage-option KEY=VALUE``: deltalake storage options for ``s3://`` tables (repeatable).
 """
 
@@ -31,6 +33,7 @@ class WriterFlags:
     tasks: int | None = None
     groups: int | None = None
     storage_options: dict[str, str] = field(default_factory=dict)
+    driver_batch_max: int | None = None
 
     def source_options(self) -> dict[str, str]:
         """The options ``MirrorWriter`` reads from the source's options."""
@@ -41,6 +44,8 @@ class WriterFlags:
             out["mirrorTasks"] = str(self.tasks)
         if self.groups is not None:
             out["mirrorGroups"] = str(self.groups)
+        if self.driver_batch_max is not None:
+            out["mirrorDriverBatchMax"] = str(self.driver_batch_max)
         return out
 
 
@@ -50,6 +55,7 @@ def writer_flags(
     groups: int | None,
     storage_pairs: tuple[str, ...],
     tables: str,
+    driver_batch_max: int | None = None,
 ) -> WriterFlags:
     """Check the writer's flags together.
 
@@ -57,7 +63,8 @@ def writer_flags(
         click.BadParameter: a flag that does not fit the others or the tables, naming it.
     """
     if writer == "local":
-        for flag, value in (("--mirror-tasks", tasks), ("--mirror-groups", groups)):
+        for flag, value in (("--mirror-tasks", tasks), ("--mirror-groups", groups),
+                            ("--driver-batch-max", driver_batch_max)):  # fmt: skip
             if value is not None:
                 raise click.BadParameter(
                     f"{value} applies to the distributed writer only, not --writer local",
@@ -74,7 +81,7 @@ def writer_flags(
             "(storage options are for s3:// tables)",
             param_hint="--storage-option",
         )
-    return WriterFlags(writer, tasks, groups, storage)
+    return WriterFlags(writer, tasks, groups, storage, driver_batch_max)
 
 
 def key_values(pairs: tuple[str, ...], flag: str) -> dict[str, str]:
