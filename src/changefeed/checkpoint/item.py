@@ -268,10 +268,21 @@ class SyncItem(Item):
     def committed(self, seqno: int) -> CommitItem:
         """The item that commits this prepare at `seqno`: the same document and CAS."""
         assert self.op is _PREPARE, self
-        item = CommitItem(
-            seqno, self.key, self.doc_op, self.value, self.cas, self.flags, self.expiry,
-            self.datatype, self.rev_seqno, self.delete_time,
+        # The prepare's body is in its document's layout: only the extras (the seqno among
+        # them) change; key and value are taken as they are, not sliced out and encoded again.
+        doc_op, body, rev_seqno = self.doc_op, self.body, self.rev_seqno
+        try:
+            if doc_op is _MUTATION:
+                extras = _pack_mutation_extras(seqno, rev_seqno, self.flags, self.expiry, 0, 0, 0)
+            else:
+                extras = _pack_tombstone_extras(seqno, rev_seqno, self.delete_time, 0)
+        except struct.error as error:
+            raise ValueError(f"item seqno {seqno}: a field does not fit: {error}") from None
+        item = CommitItem.of_body(
+            seqno, self.key, doc_op, extras + body[len(extras) :], self.cas, self.flags,
+            self.expiry, self.datatype, rev_seqno, self.delete_time,
         )  # fmt: skip
+        assert isinstance(item, CommitItem), item
         item.prepared_seqno = self.seqno
         return item
 

@@ -140,7 +140,12 @@ class DurableWrites:
     def check_possible(self, vb: int) -> None:
         """Raise DurabilityImpossibleError unless a majority of vb's chain is reachable."""
         replicas = self.replicas_of(vb)
-        reachable = 1 + sum(1 for r in replicas if self._reachable(vb, r))
+        if not replicas:
+            return  # a copy alone is its own majority (asked per write: no generator then)
+        reachable = 1
+        for replica in replicas:
+            if self._reachable(vb, replica):
+                reachable += 1
         majority = (1 + len(replicas)) // 2 + 1
         if reachable < majority:
             self.stats.impossible += 1
@@ -171,7 +176,8 @@ class DurableWrites:
 
     def is_waiting(self, waiter: Waiter) -> bool:
         """Whether `waiter` still waits for its outcome."""
-        return self._waiting.get(waiter.vb, {}).get(waiter.key) is waiter
+        waiting = self._waiting.get(waiter.vb)
+        return waiting is not None and waiting.get(waiter.key) is waiter
 
     def on_progress(self, vb: int) -> None:
         """A replica of `vb` acknowledged more (or its stream closed)."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from changefeed.checkpoint.item import CHECKPOINT_START, DUMMY, Item
+from changefeed.checkpoint.item import CHECKPOINT_START, DUMMY, CommitItem, Item, SyncItem
 from changefeed.storage import Op, Record
 
 
@@ -62,3 +64,33 @@ def test_items_compare_by_value_and_refuse_fields_that_do_not_fit() -> None:
         fields = dict(seqno=1, key=b"k", op=Op.MUTATION, value=b"", cas=1) | bad
         with pytest.raises(ValueError):
             Item(**fields)  # type: ignore[arg-type]
+
+
+@given(
+    st.integers(1, 2**40), st.binary(min_size=1, max_size=30),
+    st.sampled_from([Op.MUTATION, Op.DELETION]),
+    st.binary(max_size=60), st.integers(1, 2**63), st.integers(0, 2**32 - 1),
+    st.integers(0, 2**32 - 1), st.integers(0, 7), st.integers(1, 2**40), st.integers(0, 2**32 - 1),
+    st.integers(1, 2**20),
+)  # fmt: skip
+def test_committed_is_the_document_encoded_at_the_commit_seqno(
+    seqno: int, key: bytes, doc_op: Op, value: bytes, cas: int, flags: int, expiry: int,
+    datatype: int, rev_seqno: int, delete_time: int, later: int,
+) -> None:  # fmt: skip
+    """`committed` re-packs only the extras of the prepare's body; the item equals the one
+    built from the fields (every field, the body, the prepared seqno)."""
+    if doc_op is Op.DELETION:
+        flags = expiry = 0
+    else:
+        delete_time = 0
+    prepare = SyncItem(
+        seqno, key, Op.PREPARE, doc_op, value, cas, flags, expiry, datatype, rev_seqno,
+        delete_time, level=1,
+    )  # fmt: skip
+    got = prepare.committed(seqno + later)
+    want = CommitItem(
+        seqno + later, key, doc_op, value, cas, flags, expiry, datatype, rev_seqno, delete_time
+    )
+    want.prepared_seqno = seqno
+    assert type(got) is CommitItem and got == want and got.body == want.body
+    assert got.value == value and got.prepared_seqno == seqno
