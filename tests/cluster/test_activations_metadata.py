@@ -66,5 +66,14 @@ def test_activations_are_judged_when_the_active_changes_and_carried_over_otherwi
             stored = await md.read_map_activations()
             assert stored is not None
             assert stored.activations[0] == Activation("n1", first_regs["n1"])
+            # An activation set explicitly (a record's writer reinstated on the record's
+            # revision: its own disk decides) is stored as given.
+            rev4 = await md.write_map(
+                _map(4, ((1, 2, 0), (0, 1, 2))), rev3, leadership,
+                reinstated={1: Activation("n0", rev3)},
+            )  # fmt: skip
+            assert rev4 is not None
+            stored = await md.read_map_activations()
+            assert stored is not None and stored.activations[1] == Activation("n0", rev3)
 
     asyncio.run(body())

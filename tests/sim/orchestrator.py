@@ -71,6 +71,7 @@ class Candidate:
         self.in_sync_guard: dict[int, int] = {}  # the records a failover map was planned from
         self.registration_guard: dict[str, int] = {}  # the promoted nodes' registrations
         self.answered: set[int] = set()  # per-vbucket requests the next map answers
+        self.reinstated: dict[int, Any] = {}  # `Orchestrator._reinstated`
 
     @property
     def leading(self) -> bool:
@@ -179,6 +180,7 @@ class Candidate:
         self.in_sync_guard = {}
         self.registration_guard = {}
         self.answered = set()
+        self.reinstated = {}
         new = self._fail_over(stored.value, live_names, found)
         if new is not None:
             absent = [n.name for n in stored.value.nodes if n.name not in live_names]
@@ -226,13 +228,17 @@ class Candidate:
             vb: records[keys.in_sync(vb)].mod_revision if keys.in_sync(vb) in records else 0
             for vb in plan.promoted
         }
+        self.reinstated = {  # judged on the record's revision: the node's disk decides
+            vb: cluster_metadata.Activation(node, self.in_sync_guard[vb])
+            for vb, node in plan.reinstated.items()
+        }
         if self.node.rules.registration_aware:  # `Orchestrator._registration_guard`
             self.registration_guard = {
                 to: registered[to] for to in plan.promoted.values() if to in registered
             }
         for vb, to in sorted(plan.promoted.items()):
             self.node.sched.record("promote", vb, to)
-            if registered.get(to, 0) > self.in_sync_guard[vb]:
+            if vb not in plan.reinstated and registered.get(to, 0) > self.in_sync_guard[vb]:
                 self.node.cluster.note(PROMOTED_AFTER_RESTART)
         return plan.new_map
 
@@ -283,6 +289,7 @@ class Candidate:
                 k[len(keys.NODES) :]: v.mod_revision for k, v in found[keys.NODES].items()
             }
             activations, judged = cluster_metadata.activations_of(new, before, registered)
+            activations.update(self.reinstated)
             guard = {**judged, **guard}
             puts.append(("put", keys.ACTIVATIONS, activations, 0))
             puts += [("delete", keys.vb_failover(vb)) for vb in sorted(self.answered)]

@@ -44,6 +44,12 @@ class FailoverPlan:
     promoted: dict[int, str]
     refused: dict[int, str]
     rejoined: dict[int, str]
+    # Of `promoted`, the vbuckets given back to the active that wrote their record, after the
+    # node made active since declined them and no member was promotable: that active's
+    # commits were persisted before they were acknowledged, so its copy holds them if its
+    # disk still holds its branch — which it judges itself (its activation is stored on the
+    # record's revision: rules.refuses_activation).
+    reinstated: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def plan_failover(
@@ -90,6 +96,7 @@ def plan_failover(
     promoted: dict[int, str] = {}
     refused: dict[int, str] = {}
     rejoined: dict[int, str] = {}
+    reinstated: dict[int, str] = {}
     for vb, chain in enumerate(current.chains):
         active = chain[0]
         # Replicas stay in the chain while down (they resume when back).
@@ -110,6 +117,11 @@ def plan_failover(
             ]
             if not eligible and force:
                 eligible = candidates
+            if not eligible and declined and record is not None:
+                writer = names.index(record.active) if record.active in names else -1
+                if writer in candidates:  # see FailoverPlan.reinstated
+                    eligible = [writer]
+                    reinstated[vb] = record.active
             if not eligible:
                 why = "promoting one could lose durable writes (force to accept)"
                 refused[vb] = f"vb {vb}: no live replica was in sync with {lost}: " + (
@@ -140,4 +152,4 @@ def plan_failover(
     new_map = None
     if tuple(chains) != current.chains:
         new_map = ClusterMap(current.rev + 1, current.nodes, tuple(chains), current.replicas)
-    return FailoverPlan(new_map, promoted, refused, rejoined)
+    return FailoverPlan(new_map, promoted, refused, rejoined, reinstated)

@@ -855,6 +855,7 @@ class ClusterMetadata:
         in_sync_revisions: Mapping[int, int] | None = None,
         registrations: Mapping[str, int] | None = None,
         answered: Collection[int] = (),
+        reinstated: Mapping[int, Activation] | None = None,
     ) -> int | None:
         """Store ``new`` if the map key is still at ``expected_mod_revision`` (None: there is no
         map yet), ``leadership`` still holds the leader key (its create revision and value),
@@ -872,8 +873,10 @@ class ClusterMetadata:
         vbucket's active — read here for every vbucket whose active changes, carried over
         from the stored map for the others, and compared in the transaction, so it is exact.
         A node whose process registered after its activation does not take the vbucket from
-        it (rules.refuses_activation). The per-vbucket failover requests of the vbuckets in
-        `answered` (``vbfailover/<vb>``) are deleted in the same transaction.
+        it (rules.refuses_activation); `reinstated` sets some explicitly (failover.FailoverPlan
+        .reinstated: judged on the record's revision, so that node's disk decides). The
+        per-vbucket failover requests of the vbuckets in `answered` (``vbfailover/<vb>``) are
+        deleted in the same transaction.
 
         Returns:
             the map key's new mod revision (truthy), or None when the map changed meanwhile or
@@ -906,6 +909,7 @@ class ClusterMetadata:
         activations, activated = activations_of(
             new, stored, await self.registrations() if new.vbuckets else {}
         )
+        activations.update(reinstated or {})
         document = {
             **new.to_json(),
             "activations": {str(vb): [a.node, a.registration] for vb, a in activations.items()},

@@ -23,7 +23,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from changefeed import limits
 from changefeed.cluster.failover import plan_failover
-from changefeed.cluster.metadata import ClusterMetadata, Leadership, MetadataUnavailableError
+from changefeed.cluster.metadata import (
+    Activation,
+    ClusterMetadata,
+    Leadership,
+    MetadataUnavailableError,
+)
 from changefeed.cluster.placement import initial_map
 from changefeed.cluster.rebalance import STEP_INTERVAL_S as REBALANCE_STEP_INTERVAL_S
 from changefeed.cluster.rebalance import Rebalancer
@@ -122,6 +127,7 @@ class Orchestrator:
         self._in_sync_guard: dict[int, int] = {}
         self._registration_guard: dict[str, int] = {}
         self._answered: set[int] = set()  # per-vbucket requests the next map answers
+        self._reinstated: dict[int, Activation] = {}  # FailoverPlan.reinstated, judged
         self._held_back_logged: dict[int, frozenset[str]] = {}
 
     @property
@@ -249,6 +255,7 @@ class Orchestrator:
         self._in_sync_guard = {}
         self._registration_guard = {}
         self._answered = set()
+        self._reinstated = {}
         if current is not None:
             requests = await self.metadata.failover_requests()
             refusals = await self._refusals(current)
@@ -268,6 +275,7 @@ class Orchestrator:
             in_sync_revisions=self._in_sync_guard,
             registrations=self._registration_guard,
             answered=self._answered,
+            reinstated=self._reinstated,
         )
         if written is None:
             log.info(
@@ -350,6 +358,9 @@ class Orchestrator:
             refusals=refusals,
         )
         self._answered = {vb for vb in plan.promoted if vb in refusals}
+        self._reinstated = {
+            vb: Activation(node, view.revisions.get(vb, 0)) for vb, node in plan.reinstated.items()
+        }
         self._in_sync_guard = {vb: view.revisions.get(vb, 0) for vb in plan.promoted}
         self._registration_guard = {
             node: view.registrations[node]

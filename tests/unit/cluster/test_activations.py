@@ -132,10 +132,19 @@ def test_a_refused_vbucket_goes_to_a_promotable_member_of_the_record_never_back(
     assert plan.promoted == {0: "n0"}
     assert plan.new_map is not None and plan.new_map.chains[0][0] == 0
     assert 2 in plan.new_map.chains[0][1:]
-    # Without a promotable member the vbucket waits where it is, and says why.
+    assert not plan.reinstated
+    # Without a promotable member, the active that wrote the record gets it back when live
+    # (its commits were persisted first; its own disk decides, on the record's revision)...
+    back = plan_failover(
+        current, {"n0", "n1", "n2"}, {0: InSyncRecord("n1", frozenset())}, highs,
+        refusals={0: "n2"},
+    )  # fmt: skip
+    assert back.promoted == {0: "n1"} and back.reinstated == {0: "n1"}
+    # ...else the vbucket waits where it is, and says why.
     waiting = plan_failover(
         current, {"n0", "n2"}, {0: InSyncRecord("n1", frozenset())}, highs, refusals={0: "n2"}
     )
     assert waiting.new_map is None and "n2 declined it" in waiting.refused[0]
+    assert not waiting.reinstated
     # A request from a node that is not the vbucket's active changes nothing.
     assert plan_failover(current, {"n0", "n2"}, record, highs, refusals={0: "n0"}).new_map is None
