@@ -27,6 +27,7 @@ No per-key state outlives the task except the hash cache; the driver holds none.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -74,6 +75,7 @@ FILE_BYTES_SMALL: Final = 32 * 1024 * 1024
 _HASH_CACHE_MAX: Final = 32 * 1024 * 1024  # hashes (8 bytes each) kept per worker process
 _hash_cache: OrderedDict[str, Hashes] = OrderedDict()
 _hash_cache_total = 0  # hashes in _hash_cache (summing them per file read cost O(files))
+_hash_cache_lock = threading.Lock()  # the driver runs a small batch's groups in threads
 
 
 @dataclass(frozen=True)
@@ -264,10 +266,11 @@ def _touched_files(
 
 
 def _file_hashes(fs: pafs.FileSystem, path: str) -> Hashes:
-    cached = _hash_cache.get(path)
-    if cached is not None:
-        _hash_cache.move_to_end(path)
-        return cached
+    with _hash_cache_lock:
+        cached = _hash_cache.get(path)
+        if cached is not None:
+            _hash_cache.move_to_end(path)
+            return cached
     keys = pq.read_table(path, columns=["key"], filesystem=fs).column("key")
     hashes: Hashes = np.sort(key_hashes(keys))
     _remember(path, hashes)
@@ -277,11 +280,14 @@ def _file_hashes(fs: pafs.FileSystem, path: str) -> Hashes:
 def _remember(path: str, hashes: Hashes) -> None:
     """Cache a file's sorted key hashes, dropping the least recently used past the bound."""
     global _hash_cache_total
-    _hash_cache[path] = hashes
-    _hash_cache_total += len(hashes)
-    while _hash_cache_total > _HASH_CACHE_MAX and len(_hash_cache) > 1:
-        _, dropped = _hash_cache.popitem(last=False)
-        _hash_cache_total -= len(dropped)
+    with _hash_cache_lock:
+        if path in _hash_cache:
+            return
+        _hash_cache[path] = hashes
+        _hash_cache_total += len(hashes)
+        while _hash_cache_total > _HASH_CACHE_MAX and len(_hash_cache) > 1:
+            _, dropped = _hash_cache.popitem(last=False)
+            _hash_cache_total -= len(dropped)
 
 
 def _history(
