@@ -23,7 +23,7 @@ NAMES = ("n0", "n1", "n2")
 NODES = tuple(NodeAddress(n, "127.0.0.1", 1000 + i) for i, n in enumerate(NAMES))
 
 
-@settings(max_examples=300)
+@settings(max_examples=100)
 @given(
     judged=st.one_of(st.none(), st.integers(1, 50)),
     map_revision=st.integers(1, 50),
@@ -53,7 +53,7 @@ def test_the_crash_race_is_refused_and_a_restart_of_a_caught_up_active_is_not() 
 entries = st.lists(st.tuples(st.integers(1, 2**64 - 1), st.integers(0, 100)), min_size=1)
 
 
-@settings(max_examples=300)
+@settings(max_examples=100)
 @given(
     state=st.sampled_from(VBucketState),
     clean=st.booleans(),
@@ -89,7 +89,7 @@ def _map(rev: int, chains: tuple[tuple[int, ...], ...]) -> ClusterMap:
 chains = st.lists(st.permutations([0, 1, 2]).map(tuple), min_size=1, max_size=6)
 
 
-@settings(max_examples=200)
+@settings(max_examples=60)
 @given(
     before=chains,
     after_chains=chains,
