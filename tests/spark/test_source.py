@@ -1,6 +1,7 @@
-"""``source`` helpers without Spark: grouping vbuckets into Spark partitions, the batch
-read's reduction of change rows to each key's newest live version, and its release of a
-finished vbucket's rows while the others stream (``PendingRows``)."""
+"""``source`` helpers without Spark: grouping vbuckets into Spark partitions (a small
+micro-batch in one), the batch read's reduction of change rows to each key's newest live
+version, and its release of a finished vbucket's rows while the others stream
+(``PendingRows``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from changefeed.spark.options import SourceOptions
 from changefeed.spark.reading import VbRange
 from changefeed.spark.schema import ARROW_SCHEMA
 from changefeed.spark.source import (
+    ONE_TASK_SEQNOS_MAX,
     ChangefeedBatchReader,
+    ChangefeedStreamReader,
     PendingRows,
     group_ranges,
     latest_live_rows,
@@ -150,3 +153,18 @@ def test_a_snapshot_release_is_handed_on_in_even_bounded_batches(
     keys = [k for b in batches for k in b.column("key").to_pylist()]
     assert sorted(keys) == sorted(table.column("key").to_pylist())
     assert list(reader._convert(table.slice(0, 0))) == []
+
+
+@pytest.mark.parametrize("span", [1, ONE_TASK_SEQNOS_MAX, ONE_TASK_SEQNOS_MAX + 1])
+def test_a_small_micro_batch_is_read_in_one_task(span: int) -> None:
+    options = SourceOptions.parse({"partitions": "4"})
+    reader = ChangefeedStreamReader(options)
+    start = {str(vb): VbOffset(7, 100, 100, 100).to_dict() for vb in range(8)}
+    end = {vb: dict(o) for vb, o in start.items()}
+    for i in range(span):  # spread over the vbuckets
+        end[str(i % 8)]["seqno"] += 1
+    end = {vb: o | {"snap_start": o["seqno"], "snap_end": o["seqno"]} for vb, o in end.items()}
+    parts = reader.partitions(start, end)
+    assert len(parts) == (1 if span <= ONE_TASK_SEQNOS_MAX else 4), [len(parts), span]
+    covered = sorted(r.vbucket for p in parts for r in p.ranges)  # type: ignore[attr-defined]
+    assert covered == sorted({i % 8 for i in range(span)})

@@ -71,7 +71,9 @@ def test_pipeline_on_a_standalone_cluster(
     model: Model = {}
     write_ops(node.port, workload(rng, 8000, keys=4000, delete_ratio=0.1), model)
 
-    progress = run_mirror(spark, node, tmp_path, maxOffsetsPerTrigger="4000", partitions="4")
+    # The write tasks, not the driver, write these small batches: that is what runs here.
+    progress = run_mirror(spark, node, tmp_path, maxOffsetsPerTrigger="4000", partitions="4",
+                          mirrorDriverBatchMax="0")  # fmt: skip
     rows = [p["numInputRows"] for p in progress]
     print(f"rows per batch {rows}")
     assert len(rows) >= 2, rows
@@ -102,7 +104,8 @@ def test_pipeline_survives_losing_a_worker(
 
     killer = threading.Thread(target=kill_later, daemon=True)
     killer.start()
-    progress = run_mirror(spark, node, tmp_path, maxOffsetsPerTrigger="6000", partitions="4")
+    progress = run_mirror(spark, node, tmp_path, maxOffsetsPerTrigger="6000", partitions="4",
+                          mirrorDriverBatchMax="0")  # fmt: skip
     ended = time.monotonic()
     killer.join()
     print(f"rows per batch {[p['numInputRows'] for p in progress]}")
