@@ -19,7 +19,7 @@ Small batches take a shorter path to the same commits (an adaptive writer): a ba
 offsets span at most ``driver_batch_max`` seqnos (option ``mirrorDriverBatchMax``, default
 ``DEFAULT_DRIVER_BATCH_MAX``; 0: never; ``batch_size.py`` reads the span from Spark's offset log
 before the batch runs) is collected to the driver (``toArrow``: one Spark stage, the read) and
-its groups go through the same ``run_group`` there, one after the other (``run_groups_here``).
+its groups go through the same ``run_group`` there, in two threads (``run_groups_here``).
 The files, actions, positions and commits are the same as the tasks' would be; what it saves is
 the shuffle, the second stage and its Python workers, about a second per batch, which is most
 of the latency of a steady stream's small batches. The driver then holds one small batch at a
