@@ -21,6 +21,7 @@ from changefeed.spark.offsets import VbOffset
 from changefeed.spark.options import SourceOptions
 from changefeed.spark.reading import DataLossError, VbRange, read_chunks_sync, read_ranges_sync
 from changefeed.spark.schema import ARROW_SCHEMA
+from changefeed.vbmap import vbucket_for_key
 from support.nodes import NodeFactory
 
 from .helpers import write
@@ -167,6 +168,9 @@ def test_a_kept_planner_answers_as_a_fresh_one_and_long_polls(nodes: NodeFactory
         assert (seen, total) == fetch_latest_sync(options)
         assert not poller.wait_for_change(seen, window_s=0.2, every_s=0.02)  # nothing written
         unique_keys(node, 1, "b")
+        written = vbucket_for_key(b"b-000000", 8)
+        others = {vb: o for vb, o in seen.items() if vb != written}
+        assert not poller.wait_for_change(others, window_s=0.2, every_s=0.02)  # not ours
         assert poller.wait_for_change(seen, window_s=30.0, every_s=0.02)
         now, _ = poller.fetch()
         assert sum(o.seqno for o in now.values()) == sum(o.seqno for o in seen.values()) + 1

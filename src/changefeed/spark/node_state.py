@@ -304,7 +304,8 @@ class LatestPoller:
                 if not retriable(error):
                     raise
                 return True  # a full fetch finds out what changed
-            if any(seqno > seen.get(vb, VbOffset()).seqno for vb, seqno in highs.items()):
+            # Only the vbuckets the query reads (``seen``'s): writes elsewhere wake no one.
+            if any(seqno > seen[vb].seqno for vb, seqno in highs.items() if vb in seen):
                 return True
             await asyncio.sleep(every_s)
         return False
