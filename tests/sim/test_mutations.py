@@ -22,8 +22,8 @@ from .mutations import MUTANTS
 
 # The seed budget a mutant must be caught within (the CI seeds of the simulator's first runs).
 MUTANT_SEEDS = 2000
-# Where each mutant was first caught searching from seed 0 (docs/simulator.md, at 06ad091).
-CAUGHT_AT = {"commit_one_ack_short": 95, "promote_out_of_sync": 379, "take_any_activation": 147}
+# Where each mutant is first caught searching from seed 0 (docs/simulator.md; 1073 at 21a2910).
+CAUGHT_AT = {"commit_one_ack_short": 95, "promote_out_of_sync": 1073, "take_any_activation": 147}
 
 
 def assert_caught(name: str, seeds: Iterable[int], monkeypatch: pytest.MonkeyPatch) -> int:
@@ -45,19 +45,20 @@ def assert_caught(name: str, seeds: Iterable[int], monkeypatch: pytest.MonkeyPat
     pytest.fail(f"{name}: no seed of {MUTANT_SEEDS} told the mutant from the real rule")
 
 
-def test_every_mutant_has_a_known_seed() -> None:
-    assert sorted(CAUGHT_AT) == sorted(MUTANTS)
+def test_the_known_seeds_are_of_mutants_within_the_budget() -> None:
+    assert set(CAUGHT_AT) <= set(MUTANTS), sorted(set(CAUGHT_AT) - set(MUTANTS))
     assert all(seed < MUTANT_SEEDS for seed in CAUGHT_AT.values()), (CAUGHT_AT, MUTANT_SEEDS)
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_a_broken_rule_is_caught(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    known = CAUGHT_AT[name]
+    known = CAUGHT_AT.get(name)  # a new mutant has none yet: searched from seed 0
+    first = [] if known is None else [known]
     seed = assert_caught(
-        name, [known, *(s for s in range(MUTANT_SEEDS) if s != known)], monkeypatch
+        name, [*first, *(s for s in range(MUTANT_SEEDS) if s != known)], monkeypatch
     )
     if seed != known:
-        print(f"{name}: seed {known} no longer catches it; update CAUGHT_AT to {seed}")
+        print(f"{name}: caught at {seed}, not at {known}: put {seed} in CAUGHT_AT")
 
 
 @pytest.mark.slow
