@@ -5,10 +5,15 @@
   end < start) gets its rollback row and then the new history, instead of ERANGE;
 - a rollback to 0 is a DataLossError under failOnDataLoss=true, and a rollback row otherwise;
 - the streaming planner's kept connections (``LatestPoller``) answer as a fresh
-  ``fetch_latest`` does, across a node restart, and its long poll says whether anything is new.
+  ``fetch_latest`` does, across a node restart, and its long poll says whether anything is new;
+- a long poll on a node that stopped answering ends with its window (not the connection's
+  30 s request deadline) and drops the kept connection.
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -178,5 +183,25 @@ def test_a_kept_planner_answers_as_a_fresh_one_and_long_polls(nodes: NodeFactory
         node.start()  # the kept connections are dead: the next call starts over from the seed
         unique_keys(node, 3, "c")
         assert poller.fetch() == fetch_latest_sync(options)
+    finally:
+        poller.close()
+
+
+@pytest.mark.timeout(25)  # the window is 0.3 s; the connection's request deadline was 30 s
+def test_a_long_poll_on_a_silent_node_ends_with_its_window(nodes: NodeFactory) -> None:
+    node = nodes(vbuckets=4, args=FAST_NODE)
+    unique_keys(node, 20, "a")
+    options = SourceOptions.parse(node.source_options(nodeTimeoutS="10"))
+    poller = LatestPoller(options)
+    try:
+        seen, _ = poller.fetch()
+        os.kill(node.pid, signal.SIGSTOP)  # kept connection open, nothing answers
+        try:
+            assert poller.wait_for_change(seen, window_s=0.3, every_s=0.02)  # ask again
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        unique_keys(node, 1, "b")
+        now, _ = poller.fetch()  # from the seeds again: the silent connection was dropped
+        assert sum(o.seqno for o in now.values()) == sum(o.seqno for o in seen.values()) + 1
     finally:
         poller.close()

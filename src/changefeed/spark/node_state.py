@@ -114,22 +114,25 @@ class _Planner:
             await self.map.refresh()
         raise AssertionError("unreachable: the deadline ends the loop")
 
-    async def high_seqnos(self) -> dict[int, int]:
+    async def high_seqnos(self, timeout_s: float) -> dict[int, int]:
         """The high seqnos of the vbuckets the nodes asked last hold active (all they hold,
-        without a map): one request per connection, no failover logs."""
-        answers = await asyncio.gather(*(self._all_seqnos(c) for c in list(self.conns.values())))
+        without a map): one request per connection, no failover logs, each answered within
+        ``timeout_s`` (a paused node must not hold a long poll past its window)."""
+        answers = await asyncio.gather(
+            *(self._all_seqnos(c, timeout_s) for c in list(self.conns.values()))
+        )
         highs: dict[int, int] = {}
         for answer in answers:
             highs.update(answer)
         return highs
 
-    async def _all_seqnos(self, conn: Connection) -> dict[int, int]:
+    async def _all_seqnos(self, conn: Connection, timeout_s: float) -> dict[int, int]:
         state = ALL_STATES if self.map.cluster_map is None else WireVbucketState.ACTIVE
         opaque = conn.next_opaque()
         request = encode_request(
             Opcode.GET_ALL_VB_SEQNOS, opaque=opaque, extras=struct.pack(">I", state)
         )
-        answer = await conn.request(request, opaque)
+        answer = await conn.request(request, opaque, timeout_s=timeout_s)
         if answer.status != Status.SUCCESS:
             raise error_for_status(answer.status, "vbucket seqnos")
         return dict(decode_vb_seqnos(answer.value))
@@ -297,13 +300,17 @@ class LatestPoller:
             return True
         loop = asyncio.get_running_loop()
         until = loop.time() + window_s
-        while loop.time() < until:  # bounded by the window
+        while (left_s := until - loop.time()) > 0:  # bounded by the window
             try:
-                highs = await self._planner.high_seqnos()
+                highs = await self._planner.high_seqnos(min(left_s, self.options.node_timeout_s))
             except Exception as error:
                 if not retriable(error):
                     raise
-                return True  # a full fetch finds out what changed
+                # A node gone or silent: its kept connection is dropped with the planner, and
+                # a full fetch from the seeds finds out what changed.
+                planner, self._planner = self._planner, None
+                await planner.close()
+                return True
             # Only the vbuckets the query reads (``seen``'s): writes elsewhere wake no one.
             if any(seqno > seen[vb].seqno for vb, seqno in highs.items() if vb in seen):
                 return True
