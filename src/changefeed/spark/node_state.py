@@ -88,7 +88,8 @@ class _Planner:
         if cluster_map is not None:
             total = cluster_map.vbuckets
         else:  # a node without a map: it holds the whole bucket
-            seqnos = await self._all_seqnos(await self._conn(self.map.bootstrap))
+            conn = await self._conn(self.map.bootstrap)
+            seqnos = await self._all_seqnos(conn, options.node_timeout_s)
             total = max(seqnos) + 1 if seqnos else 0
         missing = options.vbucket_ids(total)
         latest: Offsets = {}
