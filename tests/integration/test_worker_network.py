@@ -1,5 +1,6 @@
 """``support.netns.own_network``, which gives each pytest-xdist worker a network of its own: a
-port bound inside is not bound outside, and the loopback inside works."""
+port bound inside is not bound outside, and the loopback inside works, also on a machine
+without iproute2 (a PATH with no ``ip``: the loopback is brought up by ioctl)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ sys.stdin.read()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="unshare(CLONE_NEWNET) needs root")
-def test_a_port_bound_in_a_workers_network_is_free_outside_it() -> None:
+@pytest.mark.parametrize("path", ["machine", "no-iproute2"])
+def test_a_port_bound_in_a_workers_network_is_free_outside_it(path: str) -> None:
+    search = os.environ["PATH"] if path == "machine" else str(Path(sys.executable).parent)
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env={**os.environ, "PYTHONPATH": str(TESTS), "PATH": search},
     )  # fmt: skip
     try:
         assert child.stdout is not None

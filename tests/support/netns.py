@@ -19,11 +19,17 @@ thread (execnet's ``main_thread_only``), the thread that calls this from
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
-import subprocess
+import socket
+import struct
 import warnings
 
 CLONE_NEWNET = 0x40000000
+SIOCGIFFLAGS = 0x8913  # <linux/sockios.h>
+SIOCSIFFLAGS = 0x8914
+IFF_UP = 0x1
+IFREQ = struct.Struct("16sh22x")  # struct ifreq: the name, then ifr_flags in a 24-byte union
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -35,7 +41,7 @@ def own_network() -> bool:
         refuses): the worker then shares the machine's loopback, as before.
 
     Raises:
-        subprocess.CalledProcessError: the loopback of the new namespace could not be set up.
+        OSError: the loopback of the new namespace could not be brought up.
     """
     if os.geteuid() != 0:
         warnings.warn(
@@ -48,5 +54,14 @@ def own_network() -> bool:
             f"xdist worker shares the loopback: unshare: {os.strerror(errno)}", stacklevel=2
         )
         return False
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True)
+    loopback_up()
     return True
+
+
+def loopback_up() -> None:
+    """``ip link set lo up`` by ioctl: a fresh machine need not have iproute2 (the test-host
+    tests skip without it, the rest of the suite must not depend on it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        answer = fcntl.ioctl(sock, SIOCGIFFLAGS, IFREQ.pack(b"lo", 0))
+        _, flags = IFREQ.unpack(answer)
+        fcntl.ioctl(sock, SIOCSIFFLAGS, IFREQ.pack(b"lo", flags | IFF_UP))
