@@ -80,7 +80,8 @@ def plan_failover(
             promoted back by this plan. The record may then be an earlier active's: the node
             wrote none since it never acted, and an active that wrote none required every
             replica placed with it (rules.InSyncKeeper), so each member still holds every
-            write either committed.
+            write either committed. With no record at all (no active ever wrote one: a node
+            restarted before it applied the first map) every live replica is eligible.
     """
     refusals = refusals or {}
     names = [n.name for n in current.nodes]
@@ -115,6 +116,10 @@ def plan_failover(
                 and (record.active == lost or declined)
                 and names[i] in record.members
             ]
+            if not eligible and declined and record is None:
+                # No active ever wrote a record, so any that committed required every replica
+                # placed with it (rules.InSyncKeeper): each live one holds every commit.
+                eligible = candidates
             if not eligible and force:
                 eligible = candidates
             if not eligible and declined and record is not None:

@@ -148,3 +148,16 @@ def test_a_refused_vbucket_goes_to_a_promotable_member_of_the_record_never_back(
     assert not waiting.reinstated
     # A request from a node that is not the vbucket's active changes nothing.
     assert plan_failover(current, {"n0", "n2"}, record, highs, refusals={0: "n0"}).new_map is None
+
+
+def test_a_declined_vbucket_with_no_record_goes_to_a_live_replica() -> None:
+    """A fresh cluster: n1, made vb 0's active by the first map, restarted before applying it
+    and declined (its new empty copy is DEAD). No active ever wrote a record, so none could
+    commit without every placed replica: a live one takes the vbucket (it waited forever)."""
+    current = _map(1, ((1, 0, 2),))
+    plan = plan_failover(current, {"n0", "n1", "n2"}, {}, {}, refusals={0: "n1"})
+    assert plan.new_map is not None, plan.refused
+    assert plan.promoted[0] in {"n0", "n2"} and not plan.reinstated
+    assert plan.new_map.chains[0][-1] == 1  # the decliner stays, as a replica
+    # Without a refusal, a dead active with no record still waits (nothing says who holds what).
+    assert plan_failover(current, {"n0", "n2"}, {}, {}).promoted == {}
