@@ -77,3 +77,28 @@ def test_activations_are_judged_when_the_active_changes_and_carried_over_otherwi
             assert stored is not None and stored.activations[1] == Activation("n0", rev3)
 
     asyncio.run(body())
+
+
+def test_a_request_is_deleted_only_if_still_the_one_read_and_by_the_term_that_leads(
+    etcd: EtcdServer, cluster_name: str
+) -> None:
+    """The orchestrator deletes a request it finds stale; one the node put again since (a
+    later map made the vbucket its again) must survive, and a deposed term deletes nothing."""
+
+    async def body() -> None:
+        async with await ClusterMetadata.connect(etcd.endpoint, cluster_name) as md:
+            leadership = await md.campaign("orch", ttl_s=5)
+            await md.request_vbucket_failover(3, "n1", 40)
+            read = (await md.stored_vbucket_failover_requests())[3]
+            assert (read.node, read.registration) == ("n1", 40)
+            await md.request_vbucket_failover(3, "n1", 40)  # put again after the read
+            assert not await md.clear_vbucket_failover_request(3, read.revision, leadership)
+            assert await md.vbucket_failover_requests() == {3: "n1"}
+            again = (await md.stored_vbucket_failover_requests())[3]
+            await leadership.resign()
+            assert not await md.clear_vbucket_failover_request(3, again.revision, leadership)
+            assert await md.vbucket_failover_requests() == {3: "n1"}
+            assert await md.clear_vbucket_failover_request(3, again.revision)  # the node's own
+            assert await md.vbucket_failover_requests() == {}
+
+    asyncio.run(body())

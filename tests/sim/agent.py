@@ -75,7 +75,7 @@ class Agent:
         self.registration = 0
         self.holds_branch: dict[int, bool] = {}
         self.activations: dict[int, Any] = {}
-        self.declined: dict[int, bool] = {}
+        self.refused_activations: dict[int, int] = {}  # vb -> the activation refused
 
     def start(self) -> None:
         self._register()
@@ -276,12 +276,19 @@ class Agent:
                 )
 
     def _ask_failovers(self) -> None:
-        """`NodeAgent._ask_failovers`: one request per vbucket refused here."""
-        for vb, asked in sorted(self.declined.items()):
-            if not asked:
-                request = {"node": self.node.name, "registration": self.registration}
+        """`NodeAgent._ask_failovers`: a request per activation refused here, put again each
+        round while it is missing (one the orchestrator deleted as stale)."""
+        if not self.refused_activations:
+            return
+        self._call("read_many", ((), (keys.VB_FAILOVER,)), self._requests_read)
+
+    def _requests_read(self, found: dict[str, Any]) -> None:
+        name = self.node.name
+        for vb in sorted(self.refused_activations):
+            kv = found[keys.VB_FAILOVER].get(keys.vb_failover(vb))
+            if kv is None or kv.value["node"] != name:
+                request = {"node": name, "registration": self.registration}
                 self._call("put", (keys.vb_failover(vb), request, 0))
-                self.declined[vb] = True
 
     def _confirm_in_sync(self) -> None:
         """`NodeAgent._confirm_in_sync`: each active vbucket's record through its keeper,
@@ -422,7 +429,7 @@ class Agent:
                 if wanted.is_active and self._refuses(vb):
                     state = VBucketState.REPLICA  # waits, fed by no one, for the next decision
                 elif not wanted.is_active:
-                    self.declined.pop(vb, None)
+                    self.refused_activations.pop(vb, None)
             node.set_vbucket_state(vb, state)
             if not fencing:
                 continue
@@ -435,19 +442,21 @@ class Agent:
 
     def _refuses(self, vb: int) -> bool:
         """`NodeAgent._refuses`: whether this process refuses to be `vb`'s active."""
-        if vb in self.declined:
-            return True
         activation = self.activations.get(vb)
         name = self.node.name
         judged = activation.registration if activation and activation.node == name else None
+        decided = judged if judged is not None else self.applied_revision
+        if self.refused_activations.get(vb) == decided:
+            return True
         if not cluster_rules.refuses_activation(
             judged,
             self.applied_revision,
             self.registration,
             holds_branch=self.holds_branch.get(vb, False),
         ):
+            self.refused_activations.pop(vb, None)
             return False
-        self.declined[vb] = False
+        self.refused_activations[vb] = decided
         self.node.sched.record("declined", name, vb, judged, self.registration)
         self.node.cluster.note(DECLINED_ACTIVATION)
         return True

@@ -243,7 +243,8 @@ class Candidate:
         return plan.new_map
 
     def _refusals(self, current: ClusterMap, found: dict[str, Any]) -> dict[int, str]:
-        """`Orchestrator._refusals`: the requests to answer; stale ones deleted."""
+        """`Orchestrator._refusals`: the requests to answer; stale ones deleted if still the
+        ones read and this term still leads."""
         pending: dict[int, str] = {}
         if not self.node.rules.refuses_stale_activation:
             return pending
@@ -253,7 +254,8 @@ class Candidate:
             if active is not None and active.name == node:
                 pending[vb] = node
             else:
-                self._call("txn", ([], [("delete", key)], []))
+                compares = [("mod", key, kv.mod_revision), ("create", keys.LEADER, self.token)]
+                self._call("txn", (compares, [("delete", key)], []))
         return pending
 
     def _may_fail_over(self, names: list[str], live: set[str]) -> bool:

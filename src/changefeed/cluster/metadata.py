@@ -472,6 +472,17 @@ class Activation:
 
 
 @dataclass(frozen=True, slots=True)
+class VbucketFailoverRequest:
+    """A stored ``vbfailover/<vb>``: the node that refused to become the vbucket's active, its
+    process's registration then, and the key's etcd mod revision (a delete compares it, so a
+    request put again since is not lost)."""
+
+    node: str
+    registration: int
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
 class StoredMap:
     """The map as stored: the map, its key's mod revision, its activations by vbucket."""
 
@@ -1124,18 +1135,45 @@ class ClusterMetadata:
 
     async def vbucket_failover_requests(self) -> dict[int, str]:
         """Pending per-vbucket failover requests: vbucket -> the node that refused it."""
+        return {vb: r.node for vb, r in (await self.stored_vbucket_failover_requests()).items()}
+
+    async def stored_vbucket_failover_requests(self) -> dict[int, VbucketFailoverRequest]:
+        """Pending per-vbucket failover requests as stored, with their mod revisions."""
         got = await self._call(
             self.client.get_prefix(self.key("vbfailover/")), "vbucket failover list"
         )
-        found: dict[int, str] = {}
+        found: dict[int, VbucketFailoverRequest] = {}
         for kv in got:
             with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
                 vb = int(kv.key.decode().rpartition("/")[2])
-                found[vb] = str(json.loads(kv.value)["node"])
+                document = json.loads(kv.value)
+                found[vb] = VbucketFailoverRequest(
+                    str(document["node"]), int(document["registration"]), int(kv.mod_revision)
+                )
         return found
 
-    async def clear_vbucket_failover_request(self, vb: int) -> None:
-        await self._call(self.client.delete(self.key(f"vbfailover/{vb}")), "vbucket failover clear")
+    async def clear_vbucket_failover_request(
+        self, vb: int, revision: int, leadership: Leadership | None = None
+    ) -> bool:
+        """Delete `vb`'s request if it is still the one read (etcd mod revision `revision`)
+        and, when `leadership` is given, that term still holds the leader key (the
+        orchestrator's deletes are fenced like its map writes). Returns whether it was
+        deleted: False when it was put again since or the term is over."""
+        t = self.client.transactions
+        key, leader = self.key(f"vbfailover/{vb}"), self.key("leader")
+        compare = [t.mod(key) == revision]
+        if leadership is not None:
+            if leadership.lost.is_set():
+                return False
+            compare += [
+                t.create(leader) == leadership.token,
+                t.value(leader) == leadership.candidate.encode(),
+            ]
+        succeeded, _ = await self._call(
+            self.client.transaction(compare=compare, success=[t.delete(key)], failure=[]),
+            "vbucket failover clear",
+        )
+        return bool(succeeded)
 
     # -- the orchestrator's election ----------------------------------------------------------
 

@@ -90,7 +90,10 @@ class NodeAgent:
         self.applied_revision = 0  # etcd mod revision of the applied map: in-sync records' fence
         self.activations: dict[int, Activation] = {}  # stored with the applied map
         self.registration = 0  # etcd revision of this process's first registration
-        self.declined: dict[int, bool] = {}  # vbuckets refused here -> failover asked for
+        # Vbuckets refused here -> the activation refused (the registration it was decided on:
+        # rules.refuses_activation's); a later map's activation is judged afresh.
+        self.refused_activations: dict[int, int] = {}
+        self._asked: set[int] = set()  # vbuckets this process put a failover request for
         self.fenced_at: float | None = None  # monotonic time the membership went invalid
         self.fences = 0  # times this node fenced itself (STAT, tests)
         self.removed = False  # the map no longer lists this node: it leaves the cluster
@@ -321,15 +324,25 @@ class NodeAgent:
                 log.warning("publishing status: %s", error)
 
     async def _ask_failovers(self) -> None:
-        """Ask once for the failover of each vbucket refused here (kept in etcd until the
-        orchestrator answers it: another member promoted, or the map moved it)."""
+        """Keep a failover request in etcd for each vbucket refused here, every round (the
+        orchestrator deletes one it finds stale, which a later map may make current again),
+        and delete this node's requests for vbuckets it no longer refuses (a later map's
+        activation was decided on this process): an answered request is deleted by the map."""
         assert self.metadata is not None
-        for vb, asked in sorted(self.declined.items()):
-            if not asked:
-                await self.metadata.request_vbucket_failover(
-                    vb, self.config.node_name, self.registration
-                )
-                self.declined[vb] = True
+        if not self.refused_activations and not self._asked:
+            return
+        name = self.config.node_name
+        stored = await self.metadata.stored_vbucket_failover_requests()
+        for vb in sorted(self._asked - set(self.refused_activations)):
+            request = stored.get(vb)
+            if request is not None and request.node == name:
+                await self.metadata.clear_vbucket_failover_request(vb, request.revision)
+        self._asked = set()
+        for vb in sorted(self.refused_activations):
+            request = stored.get(vb)
+            if request is None or request.node != name:
+                await self.metadata.request_vbucket_failover(vb, name, self.registration)
+            self._asked.add(vb)
 
     async def _confirm_in_sync(self) -> None:
         """Write each active vbucket's in-sync record where it changed, through its keeper
@@ -505,7 +518,7 @@ class NodeAgent:
             if wanted.is_active and self._refuses(vb):
                 state = VBucketState.REPLICA  # waits, fed by no one, for the next decision
             elif not wanted.is_active:
-                self.declined.pop(vb, None)  # moved away: the request is answered
+                self.refused_activations.pop(vb, None)  # moved away: the request is answered
             context.set_vbucket_state(vb, state)
             if state.is_active:
                 if vb not in self.keepers:
@@ -517,20 +530,23 @@ class NodeAgent:
 
     def _refuses(self, vb: int) -> bool:
         """Whether this process refuses to be `vb`'s active under the applied map
-        (rules.refuses_activation); logs and records a new refusal (`_ask_failovers`)."""
-        if vb in self.declined:
-            return True
+        (rules.refuses_activation), judged once per activation (a later map's, decided on
+        this process, stands); logs and records a new refusal (`_ask_failovers`)."""
         activation = self.activations.get(vb)
         name = self.config.node_name
         judged = activation.registration if activation and activation.node == name else None
+        decided = judged if judged is not None else self.applied_revision
+        if self.refused_activations.get(vb) == decided:
+            return True
         if not refuses_activation(
             judged,
             self.applied_revision,
             self.registration,
             holds_branch=self.holds_branch.get(vb, False),
         ):
+            self.refused_activations.pop(vb, None)
             return False
-        self.declined[vb] = False
+        self.refused_activations[vb] = decided
         log.warning(
             "vb %d: not taking it as active: it was made active here on registration %s, "
             "before this process registered (etcd revision %d), and this copy may lack what "

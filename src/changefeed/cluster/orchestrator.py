@@ -258,7 +258,7 @@ class Orchestrator:
         self._reinstated = {}
         if current is not None:
             requests = await self.metadata.failover_requests()
-            refusals = await self._refusals(current)
+            refusals = await self._refusals(current, leadership)
             new = await self._fail_over(live, current, requests, refusals)
             if new is None and not requests:  # a refusal no member can answer yet waits
                 new = await self.rebalancer.step(live, current)
@@ -297,17 +297,19 @@ class Orchestrator:
         if self.on_change is not None:
             self.on_change(new)
 
-    async def _refusals(self, current: ClusterMap) -> dict[int, str]:
+    async def _refusals(self, current: ClusterMap, leadership: Leadership) -> dict[int, str]:
         """The per-vbucket failover requests still to answer: vbucket -> the node that refused
         to become its active (rules.refuses_activation). A request whose vbucket the map no
-        longer makes that node's (another step moved it) is answered: deleted."""
+        longer makes that node's (another step moved it) is answered: deleted, if it is still
+        the request read and this term still leads (one put again since stays)."""
         pending: dict[int, str] = {}
-        for vb, node in sorted((await self.metadata.vbucket_failover_requests()).items()):
+        stored = await self.metadata.stored_vbucket_failover_requests()
+        for vb, request in sorted(stored.items()):
             active = current.active(vb) if vb < current.vbuckets else None
-            if active is not None and active.name == node:
-                pending[vb] = node
+            if active is not None and active.name == request.node:
+                pending[vb] = request.node
             else:
-                await self.metadata.clear_vbucket_failover_request(vb)
+                await self.metadata.clear_vbucket_failover_request(vb, request.revision, leadership)
         return pending
 
     async def _fail_over(
