@@ -237,7 +237,7 @@ class FailoverLog:
     Not thread-safe; one vbucket (or one consumer stream) owns it.
     """
 
-    __slots__ = ("_capacity", "_entries", "_rng")
+    __slots__ = ("_capacity", "_entries", "_rng", "dropped_above")
 
     def __init__(
         self,
@@ -265,6 +265,10 @@ class FailoverLog:
         self._capacity = _require_capacity(capacity)
         self._entries = _validated_entries(entries, self._capacity)
         self._rng: random.Random = random.SystemRandom() if rng is None else rng
+        # The entries the last `create_entry` dropped because they lay above its seqno: a
+        # recovery reports so that its branch began past what the disk kept (a crashed
+        # active's copy may lack what it acknowledged before: rules.copy_holds_its_branch).
+        self.dropped_above: tuple[tuple[int, int], ...] = ()
         assert 1 <= len(self._entries) <= self._capacity, (len(self._entries), self._capacity)
 
     @classmethod
@@ -352,8 +356,9 @@ class FailoverLog:
         """Start a new branch at ``high_seqno`` (the vbucket became active) and return its uuid.
 
         Entries with seqno above ``high_seqno`` are dropped first: they describe a branch this
-        vbucket no longer holds (kv_engine ``createEntry``). The new entry goes in front; past
-        ``capacity`` the oldest entry is dropped.
+        vbucket no longer holds (kv_engine ``createEntry``); they are kept in ``dropped_above``
+        until the next call. The new entry goes in front; past ``capacity`` the oldest entry
+        is dropped.
 
         Args:
             high_seqno: the seqno the new branch starts after.
@@ -370,6 +375,7 @@ class FailoverLog:
         _require_u64("high_seqno", high_seqno)
         vb_uuid = _draw_vb_uuid(self._rng, {entry_uuid for entry_uuid, _ in self._entries})
         kept = [entry for entry in self._entries if entry[1] <= high_seqno]
+        self.dropped_above = tuple(entry for entry in self._entries if entry[1] > high_seqno)
         self._entries = [(vb_uuid, high_seqno), *kept][: self._capacity]
         assert self._entries[0] == (vb_uuid, high_seqno), self._entries[0]
         assert len(self._entries) <= self._capacity, (len(self._entries), self._capacity)

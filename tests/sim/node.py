@@ -138,7 +138,7 @@ class SimNode(VBucketSource):
         clean = self.store.was_clean_shutdown
         self.agent.holds_branch = {  # `NodeAgent.__init__`, before any state changes
             vb: cluster_rules.copy_holds_its_branch(
-                v.state, clean, v.failover_log.entries, v.high_seqno
+                v.state, clean, bool(v.failover_log.dropped_above)
             )
             for vb, v in sorted(self.vbuckets.items())
         }

@@ -111,7 +111,7 @@ class NodeAgent:
         # What each recovered copy's disk vouches for (rules.copy_holds_its_branch), judged
         # before anything changes its state.
         self.holds_branch = {
-            vb: copy_holds_its_branch(v.state, clean, v.failover_log.entries, v.high_seqno)
+            vb: copy_holds_its_branch(v.state, clean, bool(v.failover_log.dropped_above))
             for vb, v in context.bucket.vbuckets.items()
         }
         for vb, vbucket in sorted(context.bucket.vbuckets.items()):

@@ -8,7 +8,7 @@ orchestrator's decision is `failover.plan_failover`; the commit rule is
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 
 from changefeed.server.replication import ReplicationTracker
 from changefeed.vbmap import ClusterMap
@@ -130,34 +130,31 @@ def registered_since(
 # Both sides compare etcd revisions and what a store says about itself; no clock is involved.
 
 
-def copy_holds_its_branch(
-    state: VBucketState, clean: bool, entries: Sequence[tuple[int, int]], high_seqno: int
-) -> bool:
-    """Whether a copy recovered from disk (`state`, its failover log `entries` newest first,
-    its recovered `high_seqno`; `clean`: the previous process persisted everything it queued)
-    holds everything its previous process acknowledged, so that it may stay active on an
-    activation decided before this process registered.
+def copy_holds_its_branch(state: VBucketState, clean: bool, branch_start_lost: bool) -> bool:
+    """Whether a copy recovered from disk (`state`; `clean`: the previous process persisted
+    everything it queued; `branch_start_lost`: the recovery's new failover entry dropped
+    entries above the persisted end, `FailoverLog.dropped_above`) holds everything its
+    previous process acknowledged, so that it may stay active on an activation decided
+    before this process registered.
 
-    Only a copy that was active (or PENDING: an active fenced, taken over, or recovered) can:
-    as an active it acknowledges a durable write only once it persisted it
-    (`sync_writes.durability_met`), so what it may lose is what it held when its branch
-    began (what it acknowledged as a replica before its promotion). Its branch began at the
-    newest failover entry it had before this start (after an unclean shutdown an active's
-    recovery adds one more, at the persisted end: the one before it); the disk holds the
-    branch's start when that entry's seqno is at most what the disk holds. A copy that was a
-    replica (or DEAD) may have acknowledged from memory what a crash lost; it is refused even
-    after a clean stop, because a copy that refused an activation waits as a replica, and a
-    clean stop of that process proves nothing about the crashed one before it.
+    Only a copy stored ACTIVE can: a process stores ACTIVE only once it took the vbucket
+    (a refusal waits as a replica; a node with no map yet stores PENDING), and as an active
+    it acknowledges a durable write only once it persisted it (`sync_writes.durability_met`),
+    so what it may lose is what it held when its branch began (what it acknowledged as a
+    replica before its promotion). After a clean stop the disk holds all it held. After a
+    crash its recovery starts a new branch at the persisted end, dropping the entries above
+    it: if it dropped any, the branch began past what the disk kept (the recovered log no
+    longer shows it, so only the recovery can tell). PENDING is refused: it is a fenced
+    active, but also a replica promoted while fenced (no branch entry) or a copy recovered
+    after a crash whose next process crashed before a map (its recovery's report is gone).
+    A copy that was a replica (or DEAD) may have acknowledged from memory what a crash
+    lost; it is refused even after a clean stop, because a copy that refused an activation
+    waits as a replica, and a clean stop of that process proves nothing about the one
+    before it. Refusing is safe: the vbucket goes to another member (`plan_failover`).
     """
-    if state not in (VBucketState.ACTIVE, VBucketState.PENDING):
+    if state is not VBucketState.ACTIVE:
         return False
-    if clean:
-        return True
-    if state is VBucketState.ACTIVE:
-        if len(entries) < 2:
-            return True  # a fresh log: the recovery's own entry is the only branch
-        return entries[1][1] <= entries[0][1]  # the branch start vs the recovered end
-    return bool(entries) and entries[0][1] <= high_seqno
+    return clean or not branch_start_lost
 
 
 def refuses_activation(
