@@ -108,10 +108,14 @@ class _Planner:
             missing = [vb for vb in missing if vb not in latest]
             if not missing:
                 return latest, total
-            delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
-            if loop.time() + delay > self.deadline:
+            left_s = self.deadline - loop.time()
+            if left_s <= 0:
                 raise NodeUnavailableError(_unavailable(options, missing, self.why))
-            await asyncio.sleep(delay)
+            # The last attempt is at the deadline: giving up when the next backoff would pass
+            # it stopped after ~1 s of a 2 s nodeTimeoutS on a slow machine.
+            await asyncio.sleep(
+                min(RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)], left_s)
+            )
             await self.map.refresh()
         raise AssertionError("unreachable: the deadline ends the loop")
 
