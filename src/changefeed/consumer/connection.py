@@ -32,6 +32,7 @@ from changefeed.protocol.kv_pipeline import OPAQUE_MASK, StoreReplies, complete_
 from changefeed.protocol.opcode import Magic
 
 READ_CHUNK_BYTES = 256 * 1024
+CLOSE_FLUSH_S = 2.0  # what close() waits for queued bytes to reach a peer that reads nothing
 # Compact the receive buffer once this many consumed bytes sit in front of it (FrameReader's
 # rule): parsing stays linear without a memmove per read.
 COMPACT_THRESHOLD_BYTES = 64 * 1024
@@ -323,8 +324,15 @@ class Connection:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._writer.close()
-        with contextlib.suppress(OSError):
-            await self._writer.wait_closed()
+        try:
+            async with asyncio.timeout(CLOSE_FLUSH_S):
+                await self._writer.wait_closed()
+        except TimeoutError:
+            # The peer reads nothing (a node holding back while its replies go unread): what
+            # is still queued would never drain, and nobody waits for its answers any more.
+            self._writer.transport.abort()
+        except OSError:
+            pass
 
     async def _read_loop(self) -> None:
         try:
