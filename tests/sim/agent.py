@@ -426,9 +426,10 @@ class Agent:
             wanted = cluster_rules.wanted_state(cluster_map, node.name, vb)
             state = cluster_rules.serving_state(wanted, fenced=self.fenced) if fencing else wanted
             if node.rules.refuses_stale_activation:
-                if wanted.is_active and self._refuses(vb):
+                leads = cluster_map.role_of(node.name, vb) == 0
+                if leads and self._refuses(vb):
                     state = VBucketState.REPLICA  # waits, fed by no one, for the next decision
-                elif not wanted.is_active:
+                elif not leads:
                     self.refused_activations.pop(vb, None)
             node.set_vbucket_state(vb, state)
             if not fencing:

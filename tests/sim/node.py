@@ -144,7 +144,9 @@ class SimNode(VBucketSource):
         }
         if self.rules.recovered_pending:  # `NodeAgent.__init__`: no active before a map
             for vb in sorted(self.vbuckets):
-                recovered = cluster_rules.recovered_state(self.vbuckets[vb].state)
+                recovered = cluster_rules.recovered_state(
+                    self.vbuckets[vb].state, holds_branch=self.agent.holds_branch[vb]
+                )
                 self.set_vbucket_state(vb, recovered)
         self.sched.record("start", self.name)
         self.agent.start()

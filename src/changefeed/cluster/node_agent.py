@@ -115,7 +115,8 @@ class NodeAgent:
             for vb, v in context.bucket.vbuckets.items()
         }
         for vb, vbucket in sorted(context.bucket.vbuckets.items()):
-            context.set_vbucket_state(vb, recovered_state(vbucket.state))
+            recovered = recovered_state(vbucket.state, holds_branch=self.holds_branch[vb])
+            context.set_vbucket_state(vb, recovered)
         context.fence_check = self.check_fence
         self._tasks: list[asyncio.Task[None]] = []
         self.map_applied = asyncio.Event()
@@ -515,9 +516,11 @@ class NodeAgent:
             wanted = wanted_state(cluster_map, name, vb)
             actives += wanted.is_active
             state = serving_state(wanted, fenced=self.fenced)
-            if wanted.is_active and self._refuses(vb):
+            # Judged as its active, ACTIVE or PENDING (in takeover): a refused copy never
+            # goes PENDING, which a later start would read as one a process took.
+            if cluster_map.role_of(name, vb) == 0 and self._refuses(vb):
                 state = VBucketState.REPLICA  # waits, fed by no one, for the next decision
-            elif not wanted.is_active:
+            elif cluster_map.role_of(name, vb) != 0:
                 self.refused_activations.pop(vb, None)  # moved away: the request is answered
             context.set_vbucket_state(vb, state)
             if state.is_active:

@@ -61,12 +61,17 @@ def serving_state(wanted: VBucketState, *, fenced: bool) -> VBucketState:
     return wanted
 
 
-def recovered_state(state: VBucketState) -> VBucketState:
+def recovered_state(state: VBucketState, *, holds_branch: bool) -> VBucketState:
     """The state a clustered node gives a vbucket it recovered from disk, before it has a
-    membership and a map: a copy that was active waits PENDING until a map read after
-    registering says it still is (it may have been failed over while it was down, and with no
-    map its durable writes would count a chain of one). Other states stay as they were."""
-    return VBucketState.PENDING if state.is_active else state
+    membership and a map: a copy that was active (or PENDING) waits PENDING until a map read
+    after registering says it still is (it may have been failed over while it was down, and
+    with no map its durable writes would count a chain of one) — if its disk vouches for it
+    (`holds_branch`: `copy_holds_its_branch`), else it waits a REPLICA, as a refused copy
+    does, so that a later start never reads PENDING from a copy no process took. Other
+    states stay as they were."""
+    if state not in (VBucketState.ACTIVE, VBucketState.PENDING):
+        return state
+    return VBucketState.PENDING if holds_branch else VBucketState.REPLICA
 
 
 # -- the confirmed in-sync set ------------------------------------------------------------------
@@ -137,24 +142,25 @@ def copy_holds_its_branch(state: VBucketState, clean: bool, branch_start_lost: b
     previous process acknowledged, so that it may stay active on an activation decided
     before this process registered.
 
-    Only a copy stored ACTIVE can: a process stores ACTIVE only once it took the vbucket
-    (a refusal waits as a replica; a node with no map yet stores PENDING), and as an active
-    it acknowledges a durable write only once it persisted it (`sync_writes.durability_met`),
-    so what it may lose is what it held when its branch began (what it acknowledged as a
-    replica before its promotion). After a clean stop the disk holds all it held. After a
-    crash its recovery starts a new branch at the persisted end, dropping the entries above
-    it: if it dropped any, the branch began past what the disk kept (the recovered log no
-    longer shows it, so only the recovery can tell). PENDING is refused: it is a fenced
-    active, but also a replica promoted while fenced (no branch entry) or a copy recovered
-    after a crash whose next process crashed before a map (its recovery's report is gone).
-    A copy that was a replica (or DEAD) may have acknowledged from memory what a crash
-    lost; it is refused even after a clean stop, because a copy that refused an activation
-    waits as a replica, and a clean stop of that process proves nothing about the one
-    before it. Refusing is safe: the vbucket goes to another member (`plan_failover`).
+    Only a copy a process took as active can: stored ACTIVE, or PENDING (an active fenced or
+    in takeover, a promotion taken while fenced, or a vouched recovery: a copy that was
+    refused or not vouched for is stored REPLICA, `recovered_state`, and a refused one is
+    never made PENDING by a takeover, `NodeAgent._apply_states`). After a clean stop its
+    disk holds all it held. After a crash, an ACTIVE copy acknowledged a durable write only
+    once it persisted it (`sync_writes.durability_met`), so what it may lose is what it held
+    when its branch began (what it acknowledged as a replica before its promotion): its
+    recovery starts a new branch at the persisted end, dropping the entries above it, and if
+    it dropped any the branch began past what the disk kept (the recovered log no longer
+    shows it; only the recovery can tell). A crashed PENDING copy is refused: it may be a
+    replica promoted while fenced (no branch entry), which acknowledged from memory. A copy
+    that was a replica (or DEAD) may have too; it is refused even after a clean stop,
+    because a refused copy waits as a replica, and a clean stop of that process proves
+    nothing about the one before it. Refusing is safe: the vbucket goes to another member
+    (`plan_failover`).
     """
-    if state is not VBucketState.ACTIVE:
-        return False
-    return clean or not branch_start_lost
+    if state is VBucketState.ACTIVE:
+        return clean or not branch_start_lost
+    return state is VBucketState.PENDING and clean
 
 
 def refuses_activation(

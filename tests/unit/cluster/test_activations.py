@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from changefeed.cluster.failover import InSyncRecord, plan_failover
 from changefeed.cluster.metadata import Activation, StoredMap, activations_of
-from changefeed.cluster.rules import copy_holds_its_branch, refuses_activation
+from changefeed.cluster.rules import copy_holds_its_branch, recovered_state, refuses_activation
 from changefeed.failover import FailoverLog
 from changefeed.vbmap import ClusterMap, NodeAddress
 from changefeed.vbucket_state import VBucketState
@@ -59,12 +59,20 @@ def test_a_copy_holds_its_branch_only_if_it_was_active_and_kept_the_branch_start
     state: VBucketState, clean: bool, lost: bool
 ) -> None:
     holds = copy_holds_its_branch(state, clean, lost)
-    if state is not VBucketState.ACTIVE:
-        # A replica acknowledged from memory; PENDING may be one promoted while fenced, or a
-        # copy whose crashed recovery was not judged: refused even after a clean stop.
-        assert not holds
-    else:
+    if state is VBucketState.ACTIVE:
         assert holds == (clean or not lost)
+    elif state is VBucketState.PENDING:
+        # Taken by a process (a fenced active, a promotion while fenced): a clean stop kept
+        # all it held; after a crash it may be a promoted replica that acked from memory.
+        assert holds == clean
+    else:
+        assert not holds  # a replica acknowledged from memory; even a clean stop is refused
+    # What a start stores: a copy not vouched for waits as a replica, never PENDING.
+    recovered = recovered_state(state, holds_branch=holds)
+    if state in (VBucketState.ACTIVE, VBucketState.PENDING):
+        assert recovered is (VBucketState.PENDING if holds else VBucketState.REPLICA)
+    else:
+        assert recovered is state
 
 
 @settings(max_examples=100)

@@ -58,17 +58,35 @@ def test_an_active_killed_before_its_branch_start_was_persisted_is_not_vouched_f
 
 
 def test_a_crash_loop_before_any_map_is_not_vouched_for(tmp_path: Path) -> None:
-    """The second start stores PENDING before registering (recovered_state) and is killed
-    again: the third start must not take the copy, which still lacks 2..3."""
-    _promoted_with_unflushed_acks(tmp_path)
-    store, vbucket, holds = _open(tmp_path, killed=True)
-    assert not holds
-    vbucket.set_state(recovered_state(vbucket.state))
+    """The second start stores its recovered state before registering (recovered_state)
+    and is killed, or stopped cleanly, before any map: the third start must not take the
+    copy, which still lacks 2..3 (it stored PENDING, which the third start vouched for)."""
+    for killed in (True, False):
+        path = tmp_path / str(killed)
+        _promoted_with_unflushed_acks(path)
+        store, vbucket, holds = _open(path, killed=True)
+        assert not holds
+        vbucket.set_state(recovered_state(vbucket.state, holds_branch=holds))
+        store.close()
+        store, vbucket, holds = _open(path, killed=killed)
+        assert vbucket.state is VBucketState.REPLICA and vbucket.high_seqno == 1
+        assert not holds, vbucket.failover_log.entries
+        store.close()
+
+
+def test_a_vouched_copy_waits_pending_and_stays_vouched_for(tmp_path: Path) -> None:
+    """A clean stop while active, then a start that stores PENDING (no map yet) and stops
+    cleanly again (a whole cluster restarted twice while etcd is away): still vouched for."""
+    store, vbucket, _ = _open(tmp_path, killed=False)
+    vbucket.set(b"a", b"1")
+    vbucket.flush()
     store.close()
-    store, vbucket, holds = _open(tmp_path, killed=True)
-    assert vbucket.state is VBucketState.PENDING and vbucket.high_seqno == 1
-    assert not holds, vbucket.failover_log.entries
-    store.close()
+    for _ in range(2):
+        store, vbucket, holds = _open(tmp_path, killed=False)
+        assert holds, vbucket.state
+        vbucket.set_state(recovered_state(vbucket.state, holds_branch=holds))
+        assert vbucket.state is VBucketState.PENDING
+        store.close()
 
 
 def test_an_active_whose_branch_start_was_persisted_is_vouched_for(tmp_path: Path) -> None:
