@@ -9,9 +9,11 @@ and is judged anew when the active changes. A map that answers a request deletes
 from __future__ import annotations
 
 import asyncio
+import types
 
 from changefeed.cluster.etcd_server import EtcdServer
 from changefeed.cluster.metadata import Activation, ClusterMetadata
+from changefeed.cluster.node_agent import NodeAgent
 from changefeed.cluster.rules import refuses_activation
 from changefeed.vbmap import ClusterMap, NodeAddress
 
@@ -100,5 +102,41 @@ def test_a_request_is_deleted_only_if_still_the_one_read_and_by_the_term_that_le
             assert await md.vbucket_failover_requests() == {3: "n1"}
             assert await md.clear_vbucket_failover_request(3, again.revision)  # the node's own
             assert await md.vbucket_failover_requests() == {}
+
+    asyncio.run(body())
+
+
+def test_a_node_keeps_a_request_per_refused_vbucket_and_deletes_the_others_it_left(
+    etcd: EtcdServer, cluster_name: str
+) -> None:
+    """`NodeAgent._ask_failovers` against real etcd (the agent built without a node: the
+    round reads only its refusals and etcd). A request an earlier process of the node left
+    is deleted (the orchestrator would fail that vbucket over although this process took
+    it); one the orchestrator deleted while the vbucket is still refused is put again (it
+    was put once only before); another node's request is left alone."""
+
+    async def body() -> None:
+        async with await ClusterMetadata.connect(etcd.endpoint, cluster_name) as md:
+            agent = NodeAgent.__new__(NodeAgent)
+            agent.metadata = md
+            agent.config = types.SimpleNamespace(node_name="n1")  # type: ignore[assignment]
+            agent.registration = 50
+            agent.refused_activations = {}
+            agent._swept = False
+            await md.request_vbucket_failover(2, "n1", 40)  # an earlier process's
+            await md.request_vbucket_failover(3, "n0", 45)
+            await agent._ask_failovers()
+            assert await md.vbucket_failover_requests() == {3: "n0"}
+            agent.refused_activations = {4: 7}
+            await agent._ask_failovers()
+            assert await md.vbucket_failover_requests() == {3: "n0", 4: "n1"}
+            stored = (await md.stored_vbucket_failover_requests())[4]
+            assert stored.registration == 50
+            assert await md.clear_vbucket_failover_request(4, stored.revision)  # found stale
+            await agent._ask_failovers()
+            assert await md.vbucket_failover_requests() == {3: "n0", 4: "n1"}
+            agent.refused_activations = {}  # a later map's activation was taken
+            await agent._ask_failovers()
+            assert await md.vbucket_failover_requests() == {3: "n0"}
 
     asyncio.run(body())

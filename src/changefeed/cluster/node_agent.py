@@ -93,7 +93,7 @@ class NodeAgent:
         # Vbuckets refused here -> the activation refused (the registration it was decided on:
         # rules.refuses_activation's); a later map's activation is judged afresh.
         self.refused_activations: dict[int, int] = {}
-        self._asked: set[int] = set()  # vbuckets this process put a failover request for
+        self._swept = False  # requests left by an earlier process of this node deleted
         self.fenced_at: float | None = None  # monotonic time the membership went invalid
         self.fences = 0  # times this node fenced itself (STAT, tests)
         self.removed = False  # the map no longer lists this node: it leaves the cluster
@@ -327,23 +327,24 @@ class NodeAgent:
     async def _ask_failovers(self) -> None:
         """Keep a failover request in etcd for each vbucket refused here, every round (the
         orchestrator deletes one it finds stale, which a later map may make current again),
-        and delete this node's requests for vbuckets it no longer refuses (a later map's
-        activation was decided on this process): an answered request is deleted by the map."""
+        and delete this node's requests for vbuckets it does not refuse (a later map's
+        activation was decided on this process, or an earlier process of it asked): the
+        orchestrator would fail such a vbucket over. An answered request is deleted by the
+        map that answers it."""
         assert self.metadata is not None
-        if not self.refused_activations and not self._asked:
+        if not self.refused_activations and self._swept:
             return
         name = self.config.node_name
         stored = await self.metadata.stored_vbucket_failover_requests()
-        for vb in sorted(self._asked - set(self.refused_activations)):
-            request = stored.get(vb)
-            if request is not None and request.node == name:
+        for vb, request in sorted(stored.items()):
+            if request.node == name and vb not in self.refused_activations:
                 await self.metadata.clear_vbucket_failover_request(vb, request.revision)
-        self._asked = set()
         for vb in sorted(self.refused_activations):
-            request = stored.get(vb)
-            if request is None or request.node != name:
+            asked = stored.get(vb)
+            if asked is None or asked.node != name:
                 await self.metadata.request_vbucket_failover(vb, name, self.registration)
-            self._asked.add(vb)
+        # Swept once with nothing refused: later rounds read only while something is.
+        self._swept = not self.refused_activations
 
     async def _confirm_in_sync(self) -> None:
         """Write each active vbucket's in-sync record where it changed, through its keeper
