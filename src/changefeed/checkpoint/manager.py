@@ -283,34 +283,12 @@ class CheckpointManager:
         Raises:
             CheckpointMemoryFullError: not even the first item fits; nothing was changed.
         """
-        if not items:
-            return 0
-        assert items[0].seqno > self._high_seqno, (items[0].seqno, self._high_seqno)
-        assert items[-1].seqno <= limits.SEQNO_MAX, items[-1].seqno
-        bound = sum(map(len, map(_body_of, items))) + len(items) * ITEM_OVERHEAD_BYTES
-        try:
-            self._budget.make_room(bound)
-        except CheckpointMemoryFullError:
-            return self._queue_while_room(items)
-        done = 0
-        while done < len(items):  # bounded: each round adds >= 1 item
-            open_checkpoint = self._open
-            if open_checkpoint.has_items and (
-                open_checkpoint.cursor_count > 0
-                or open_checkpoint.memory_bytes >= self._checkpoint_max_bytes
-            ):
-                self._close_open()
-                open_checkpoint = self._open
-            done, delta_bytes = open_checkpoint.add_run(
-                items, done, self._checkpoint_max_bytes, commits=commits
-            )
-            self._charge(delta_bytes)
-            # Before a checkpoint after this one is made: it starts past what is queued.
-            self._visible_high = self._high_seqno = items[done - 1].seqno
-        self.wakeup.notify()
-        if self._budget.over_upper_mark:
-            self._budget.recover()
-        return len(items)
+        full_bytes = self._checkpoint_max_bytes
+
+        def add(checkpoint: Checkpoint, done: int) -> tuple[int, int]:
+            return checkpoint.add_run(items, done, full_bytes, commits=commits)
+
+        return self._queue_in_runs(items, add, keyed=False)
 
     def queue_prepares(self, items: Sequence[SyncItem]) -> int:
         """`queue` each of the prepares `items` in order (seqnos rising) with one budget check,
@@ -324,6 +302,24 @@ class CheckpointManager:
         Raises:
             CheckpointMemoryFullError: not even the first item fits; nothing was changed.
         """
+        full_bytes = self._checkpoint_max_bytes
+
+        def add(checkpoint: Checkpoint, done: int) -> tuple[int, int]:
+            return checkpoint.add_prepares(items, done, full_bytes)
+
+        return self._queue_in_runs(items, add, keyed=True)
+
+    def _queue_in_runs(
+        self,
+        items: Sequence[Item],
+        add: Callable[[Checkpoint, int], tuple[int, int]],
+        *,
+        keyed: bool,
+    ) -> int:
+        """`queue_run` and `queue_prepares`: one budget check, then `add(open checkpoint,
+        first index left)` per checkpoint the run fills, one wakeup. `keyed`: the items are
+        prepares, which close the open checkpoint when it holds their key's prepare already
+        and are not visible (no `_visible_high`)."""
         if not items:
             return 0
         assert items[0].seqno > self._high_seqno, (items[0].seqno, self._high_seqno)
@@ -339,15 +335,16 @@ class CheckpointManager:
             if open_checkpoint.has_items and (
                 open_checkpoint.cursor_count > 0
                 or open_checkpoint.memory_bytes >= self._checkpoint_max_bytes
-                or items[done].key in open_checkpoint.prepared_index
+                or (keyed and items[done].key in open_checkpoint.prepared_index)
             ):
                 self._close_open()
                 open_checkpoint = self._open
-            done, delta_bytes = open_checkpoint.add_prepares(
-                items, done, self._checkpoint_max_bytes
-            )
+            done, delta_bytes = add(open_checkpoint, done)
             self._charge(delta_bytes)
-            self._high_seqno = items[done - 1].seqno  # a prepare is not visible: no _visible_high
+            self._high_seqno = items[done - 1].seqno
+            if not keyed:  # a prepare is not visible
+                # Before a checkpoint after this one is made: it starts past what is queued.
+                self._visible_high = self._high_seqno
         self.wakeup.notify()
         if self._budget.over_upper_mark:
             self._budget.recover()
