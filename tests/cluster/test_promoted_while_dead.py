@@ -24,7 +24,7 @@ from changefeed.cluster.etcd_server import EtcdServer
 from changefeed.cluster.metadata import ClusterMetadata
 from changefeed.consumer import KvClient
 from changefeed.vbmap import ClusterMap
-from support.cluster import start_cluster, wait_in_sync_published
+from support.cluster import fail_over_by_request, start_cluster, wait_in_sync_published
 from support.nodes import NodeFactory
 
 pytestmark = pytest.mark.timeout(180)
@@ -56,7 +56,7 @@ def test_a_member_promoted_while_dead_asks_for_the_vbuckets_failover_when_it_res
 
     a.kill()
     b.kill()  # its lease runs on for LEASE_S: it counts as live
-    promoted = asyncio.run(_fail_over(etcd.endpoint, cluster_name, a_name))
+    promoted = asyncio.run(fail_over_by_request(etcd.endpoint, cluster_name, a_name))
     to_b = [vb for vb in leads[a_name] if getattr(promoted.active(vb), "name", None) == b_name]
     assert to_b, promoted.chains  # equally caught up: B gets some of A's vbuckets
 
@@ -110,19 +110,6 @@ async def _write_majority(
         for key, value in items.items():
             await kv.upsert(key, value, durability="majority")
         return items
-
-
-async def _fail_over(endpoint: str, cluster: str, name: str) -> ClusterMap:
-    """Ask the orchestrator to fail `name` over; the map once it answered the request."""
-    async with await ClusterMetadata.connect(endpoint, cluster) as md:
-        await md.request_failover(name)
-        deadline = time.monotonic() + WAIT_S
-        while await md.failover_requests():
-            assert time.monotonic() < deadline, f"the failover of {name} was never answered"
-            await asyncio.sleep(0.05)
-        stored = await md.read_map()
-        assert stored is not None
-        return stored[0]
 
 
 async def _wait_active(endpoint: str, cluster: str, vb: int, name: str) -> ClusterMap:

@@ -24,7 +24,7 @@ from changefeed.cluster.etcd_server import EtcdServer
 from changefeed.cluster.metadata import ClusterMetadata, PromotableInSync
 from changefeed.consumer import KvClient
 from changefeed.vbmap import ClusterMap, NodeAddress
-from support.cluster import start_cluster, wait_in_sync_published
+from support.cluster import fail_over_by_request, start_cluster, wait_in_sync_published
 from support.etcd import running_etcd
 from support.nodes import NodeFactory
 
@@ -140,7 +140,7 @@ def test_a_replica_restarted_since_its_record_is_promoted_only_once_caught_up_ag
         assert view.held_back[vb] == {b_name}
 
         # A failover of A now must leave vb where it is: its only replica restarted since.
-        after = asyncio.run(_fail_over(etcd.endpoint, cluster_name, a_name))
+        after = asyncio.run(fail_over_by_request(etcd.endpoint, cluster_name, a_name))
         assert after.active(vb) is not None
         assert after.active(vb).name == a_name, after.chains  # type: ignore[union-attr]
         logs = other.log_text()
@@ -152,7 +152,7 @@ def test_a_replica_restarted_since_its_record_is_promoted_only_once_caught_up_ag
     # record again: B is promotable, and the next failover of A promotes it.
     asyncio.run(_wait_promotable(etcd.endpoint, cluster_name, vb, b_name))
     a.kill()
-    moved = asyncio.run(_fail_over(etcd.endpoint, cluster_name, a_name))
+    moved = asyncio.run(fail_over_by_request(etcd.endpoint, cluster_name, a_name))
     promoted = moved.active(vb)
     assert promoted is not None and promoted.name == b_name, moved.chains
     asyncio.run(_read_all(b, written))
@@ -240,17 +240,3 @@ async def _wait_promotable(endpoint: str, cluster: str, vb: int, name: str) -> N
         while name not in (await md.promotable_in_sync()).records[vb].members:
             assert time.monotonic() < deadline, f"vb {vb}: {name} never named in a newer record"
             await asyncio.sleep(0.05)
-
-
-async def _fail_over(endpoint: str, cluster: str, name: str) -> ClusterMap:
-    """Ask the orchestrator to fail `name` over and wait until it answered the request (it
-    clears it once a step finds nothing more to change); the map then."""
-    async with await ClusterMetadata.connect(endpoint, cluster) as md:
-        await md.request_failover(name)
-        deadline = time.monotonic() + WAIT_S
-        while await md.failover_requests():
-            assert time.monotonic() < deadline, f"the failover of {name} was never answered"
-            await asyncio.sleep(0.05)
-        stored = await md.read_map()
-        assert stored is not None
-        return stored[0]

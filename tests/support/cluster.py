@@ -256,3 +256,22 @@ async def wait_in_sync_published(endpoint: str, cluster: str, *, timeout_s: floa
             if time.monotonic() > deadline:
                 raise TimeoutError(f"in-sync sets not published for vbuckets {missing[:8]}")
             await asyncio.sleep(0.1)
+
+
+async def fail_over_by_request(
+    endpoint: str, cluster: str, name: str, *, timeout_s: float = 30.0
+) -> ClusterMap:
+    """Ask the orchestrator to fail `name` over (`cluster failover`'s request) and wait until
+    it answered (it clears the request once a step finds nothing more to change); the map
+    then."""
+    from changefeed.cluster.metadata import ClusterMetadata
+
+    async with await ClusterMetadata.connect(endpoint, cluster) as md:
+        await md.request_failover(name)
+        deadline = time.monotonic() + timeout_s
+        while await md.failover_requests():
+            assert time.monotonic() < deadline, f"the failover of {name} was never answered"
+            await asyncio.sleep(0.05)
+        stored = await md.read_map()
+        assert stored is not None
+        return stored[0]
