@@ -18,6 +18,10 @@ and the best run is shown; the node's interpreter settings, ``server/node.py``
   ``decode_batch`` of the same buffers. CPU per durable write (its prepare and its commit).
 * client SETs: ``Bucket.set_run`` of runs of 1,000 plain SETs spread over 64 vbuckets (what the
   node does with a received buffer of SETs, minus parsing and replies), then the flush.
+* active, framing: what the active's DCP producer spends turning checkpoint runs into frames
+  (``ItemFramer.items``, producer/item_encoding.py): runs of 1,000 plain mutations (any stream),
+  and a replica stream's durable writes (windows of 64 prepares then their 64 commits, framed
+  as DCP_PREPARE / DCP_COMMIT), CPU per item and per durable write.
 
 Command: ``.venv/bin/python bench/bench_apply.py`` (``--items``, ``--repeat``, ``--quick``);
 docs/benchmarks.md has results. The end-to-end rows with peers in the same run are
@@ -37,7 +41,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from changefeed.checkpoint import Item, SyncItem
+from changefeed.checkpoint.item import CommitItem
 from changefeed.cluster.replica_stream import FeedOptions, ReplicaFeed
+from changefeed.producer.item_encoding import ItemFramer, ItemOptions
 from changefeed.protocol.batch import decode_batch
 from changefeed.protocol.dcp_items import (
     Commit,
@@ -47,6 +54,7 @@ from changefeed.protocol.dcp_items import (
     encode_mutation,
     encode_prepare,
 )
+from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.set_run import SetRun
 from changefeed.protocol.snapshot_marker import (
     MarkerFlag,
@@ -55,6 +63,7 @@ from changefeed.protocol.snapshot_marker import (
 )
 from changefeed.server.bucket import Bucket
 from changefeed.server.node import tune_interpreter
+from changefeed.storage import Op
 from changefeed.vbmap import NodeAddress
 from changefeed.vbucket_state import VBucketState
 from support.buckets import ManualClock, open_bucket
@@ -174,6 +183,49 @@ def client_run(runs: list[SetRun], items: int) -> tuple[float, float]:
     return apply, flush
 
 
+FRAMED_RUN = 1000
+
+
+def framing_runs(items: int) -> tuple[list[list[Item]], list[list[Item]]]:
+    """Runs of plain mutations, and durable windows (prepares then their commits)."""
+    plain = [
+        [Item(s, b"key-%d" % s, Op.MUTATION, VALUE, 1000 + s) for s in range(f, f + FRAMED_RUN)]
+        for f in range(1, items + 1, FRAMED_RUN)
+    ]
+    durable: list[list[Item]] = []
+    seqno = 0
+    for first in range(0, items // 2, SYNC_WINDOW):
+        prepares = []
+        for n in range(first, first + SYNC_WINDOW):
+            seqno += 1
+            prepares.append(
+                SyncItem(seqno, b"key-%d" % n, Op.PREPARE, Op.MUTATION, VALUE, 1000 + seqno,
+                         level=1)
+            )  # fmt: skip
+        commits = []
+        for prepare in prepares:
+            seqno += 1
+            commits.append(prepare.committed(seqno))
+        durable += [prepares, commits]  # two checkpoint runs: a commit closes the prepare's
+    return plain, durable
+
+
+def framing_run(plain: list[list[Item]], durable: list[list[Item]]) -> tuple[float, float]:
+    def frame(runs: list[list[Item]], options: ItemOptions) -> None:
+        framer = ItemFramer(3, 7, options)
+        for run in runs:
+            framed, count, _ = framer.items(run, 1 << 30)
+            assert count == len(run), (count, len(run))
+            if type(run[0]) is CommitItem:  # the replica holds the prepares: DCP_COMMITs
+                assert framed[1] == Opcode.DCP_COMMIT, framed[:24]
+
+    options = ItemOptions(delete_times=True)
+    return (
+        timed(lambda: frame(plain, options)),
+        timed(lambda: frame(durable, ItemOptions(delete_times=True, sync_writes=True))),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=100_000)
@@ -190,6 +242,16 @@ def main() -> None:
     writes = items // 2 - (items // 2) % REPLICA_VBUCKETS
     durable = durable_buffers(writes)
     sync = [durable_run(durable, writes) for _ in range(args.repeat)]
+    plain_runs, sync_runs = framing_runs(items)
+    framing = [framing_run(plain_runs, sync_runs) for _ in range(args.repeat)]
+    plain_framed = sum(map(len, plain_runs))
+    sync_framed = sum(map(len, sync_runs)) // 2
+    framing_best = [
+        min(column) * 1e6 / count
+        for column, count in zip(
+            zip(*framing, strict=True), (plain_framed, sync_framed), strict=True
+        )
+    ]
     columns = [*zip(*replica, strict=True), *zip(*client, strict=True)]
     sync_best = [min(column) * 1e6 / writes for column in zip(*sync, strict=True)]
     best = [min(column) * 1e6 / items for column in columns]
@@ -210,6 +272,9 @@ def main() -> None:
     print(f"  {'peer: decode only (a DCP consumer)':40s} {sync_best[0]:6.2f}")
     print(f"  {'replica apply (prepare / commit runs)':40s} {sync_best[1]:6.2f}")
     print(f"  {'replica flush':40s} {sync_best[2]:6.2f}")
+    print("active, framing for a DCP stream (ItemFramer.items), CPU us")
+    print(f"  {'plain mutations, per item':40s} {framing_best[0]:6.2f}")
+    print(f"  {'replica stream, per durable write':40s} {framing_best[1]:6.2f}")
     print(f"  load average {os.getloadavg()[0]:.1f}")
 
 
