@@ -41,11 +41,15 @@ from typing import Final
 
 from changefeed.checkpoint.item import CommitItem, Item, SyncItem
 from changefeed.protocol.dcp_items import (
+    ABORT_EXTRAS,
     DELETION_V1_EXTRAS,
     DELETION_V2_EXTRAS,
+    ENDING_PREFIX,
     EXPIRATION_EXTRAS,
     HEADER_FRONT,
     MUTATION_EXTRAS,
+    PREPARE_EXTRAS,
+    PREPARE_PREFIX,
     Abort,
     Commit,
     Prepare,
@@ -57,7 +61,7 @@ from changefeed.protocol.dcp_items import (
     expiration_body,
 )
 from changefeed.protocol.frame import HEADER
-from changefeed.protocol.opcode import Magic, Opcode
+from changefeed.protocol.opcode import DATATYPE_MASK, Magic, Opcode
 from changefeed.storage import Op
 from changefeed.storage.record import (
     EXTRAS_SIZE_BY_OP,
@@ -78,6 +82,19 @@ _OP_DCP_EXPIRATION: Final = int(Opcode.DCP_EXPIRATION)
 _MUTATION: Final = Op.MUTATION
 _EXPIRATION: Final = Op.EXPIRATION
 _SYNC_OPS: Final = frozenset((Op.PREPARE, Op.ABORT))
+_ABORT: Final = Op.ABORT
+_OP_DCP_PREPARE: Final = int(Opcode.DCP_PREPARE)
+_OP_DCP_COMMIT: Final = int(Opcode.DCP_COMMIT)
+_OP_DCP_ABORT: Final = int(Opcode.DCP_ABORT)
+_pack_prepare: Final = PREPARE_PREFIX.pack
+_pack_ending: Final = ENDING_PREFIX.pack
+_PREPARE_EXTRAS_SIZE: Final = PREPARE_EXTRAS.size
+_ENDING_EXTRAS_SIZE: Final = ABORT_EXTRAS.size
+_MUTATION_EXTRAS_SIZE: Final = MUTATION_EXTRAS.size  # a prepare's body: its document's layout
+_TOMBSTONE_EXTRAS_SIZE: Final = DELETION_V2_EXTRAS.size
+_KEY_LEN_MAX: Final = 0xFFFF  # the classic header's key length
+assert EXTRAS_SIZE_BY_OP[Op.MUTATION] == _MUTATION_EXTRAS_SIZE
+assert EXTRAS_SIZE_BY_OP[Op.DELETION] == _TOMBSTONE_EXTRAS_SIZE
 _HEADER_SIZE: Final = HEADER.size
 _FRONT_SIZE: Final = HEADER_FRONT.size
 _pack_header: Final = HEADER.pack
@@ -237,13 +254,26 @@ class ItemFramer:
         parts: list[bytes] = []
         written = 0
         count = 0
+        sync_writes = self.options.sync_writes
+        opcodes, extras = self._opcode_by_op, self._extras_by_op
         for item in items:  # bounded by the run
-            if item.op in _SYNC_OPS or (self.options.sync_writes and type(item) is CommitItem):
-                pieces = self._sync_frame(item) if self.options.sync_writes else []
+            if item.op in _SYNC_OPS or (sync_writes and type(item) is CommitItem):
+                pieces = self._sync_frame(item) if sync_writes else []
             else:
                 if self._prepares_sent:
                     self._prepares_sent.pop(item.key, None)
-                pieces = self.frame(item.op, len(item.key), item.datatype, item.cas, item.body)
+                op = item.op
+                if opcodes is not None and extras is not None and opcodes[op] is not None:
+                    # The fast path's frame (items()): a replica run holding a commit comes
+                    # here whole, and its plain items need no more than a header.
+                    body = item.body
+                    head = _pack_header(
+                        _MAGIC_REQUEST, opcodes[op], len(item.key), extras[op], item.datatype,
+                        self.vb, len(body), self.opaque, item.cas,
+                    )  # fmt: skip
+                    pieces = [head, body]
+                else:
+                    pieces = self.frame(op, len(item.key), item.datatype, item.cas, item.body)
             parts += pieces
             written += sum(map(len, pieces))
             count += 1
@@ -252,8 +282,52 @@ class ItemFramer:
         return b"".join(parts), count, written
 
     def _sync_frame(self, item: Item) -> list[bytes]:
+        """A sync item's frame for a replica stream: header and extras in one `struct` pack
+        (`PREPARE_PREFIX`, `ENDING_PREFIX`) in front of the item's own key and value, byte for
+        byte what `encode_prepare` / `encode_commit` / `encode_abort` build (tested)."""
         if self.stream_id is not None:
             raise ValueError("stream-ids and sync writes do not combine (dcp-wire.md §8)")
+        key = item.key
+        key_len = len(key)
+        if key_len > _KEY_LEN_MAX or item.datatype & ~DATATYPE_MASK:
+            return self._sync_frame_encoded(item)  # the encoders raise, naming the field
+        if type(item) is CommitItem:
+            sent = self._prepares_sent.pop(key, None)
+            if sent == item.prepared_seqno:
+                head = _pack_ending(
+                    _MAGIC_REQUEST, _OP_DCP_COMMIT, key_len, _ENDING_EXTRAS_SIZE, 0, self.vb,
+                    _ENDING_EXTRAS_SIZE + key_len, self.opaque, 0, item.prepared_seqno,
+                    item.seqno,
+                )  # fmt: skip
+                return [head, key]
+            return self.frame(item.op, key_len, item.datatype, item.cas, item.body)
+        assert isinstance(item, SyncItem), item
+        if item.op is _ABORT:
+            self._prepares_sent.pop(key, None)
+            head = _pack_ending(
+                _MAGIC_REQUEST, _OP_DCP_ABORT, key_len, _ENDING_EXTRAS_SIZE, 0, self.vb,
+                _ENDING_EXTRAS_SIZE + key_len, self.opaque, 0, item.prepared_seqno, item.seqno,
+            )  # fmt: skip
+            return [head, key]
+        # The prepare's body is its document's: extras (31 or 21 bytes) | key | value; the
+        # frame carries the prepare's extras (31 bytes) instead, then the same key and value.
+        deleted = item.doc_op is not _MUTATION
+        tail = item.body[_TOMBSTONE_EXTRAS_SIZE if deleted else _MUTATION_EXTRAS_SIZE :]
+        try:
+            head = _pack_prepare(
+                _MAGIC_REQUEST, _OP_DCP_PREPARE, key_len, _PREPARE_EXTRAS_SIZE, item.datatype,
+                self.vb, _PREPARE_EXTRAS_SIZE + len(tail), self.opaque, item.cas, item.seqno,
+                item.rev_seqno, item.flags, item.delete_time if deleted else item.expiry, 0, 0,
+                deleted, item.level,
+            )  # fmt: skip
+        except struct.error:
+            return self._sync_frame_encoded(item)  # a field out of range: the encoder says which
+        self._prepares_sent[key] = item.seqno
+        return [head, tail]
+
+    def _sync_frame_encoded(self, item: Item) -> list[bytes]:
+        """`_sync_frame` through the message encoders (the reference; they raise ValueError
+        on a field they cannot encode, which is our bug, not the peer's)."""
         if isinstance(item, CommitItem):
             sent = self._prepares_sent.pop(item.key, None)
             if sent == item.prepared_seqno:

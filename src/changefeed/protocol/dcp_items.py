@@ -368,6 +368,11 @@ PREPARE_EXTRAS = struct.Struct(">QQIIIBBB")  # by_seqno rev flags exp lock_time 
 ABORT_EXTRAS = struct.Struct(">QQ")  # prepared_seqno, abort_seqno (COMMIT's layout too)
 assert PREPARE_EXTRAS.size == 31
 assert ABORT_EXTRAS.size == 16
+# Header and extras in one struct, as MUTATION_PREFIX: the producer packs each with one call.
+PREPARE_PREFIX = _header_then(PREPARE_EXTRAS.format)
+ENDING_PREFIX = _header_then(ABORT_EXTRAS.format)  # DCP_COMMIT and DCP_ABORT
+assert PREPARE_PREFIX.size == limits.HEADER_SIZE + PREPARE_EXTRAS.size
+assert ENDING_PREFIX.size == limits.HEADER_SIZE + ABORT_EXTRAS.size
 
 
 @quick_init  # built per item: see quick_init.py
