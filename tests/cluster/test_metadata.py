@@ -259,6 +259,42 @@ def test_campaign_waits_for_the_leader_to_go(
     run(body())
 
 
+def test_a_watch_whose_cancellation_etcds_client_swallowed_still_ends(
+    etcd: EtcdServer, cluster_name: str
+) -> None:
+    """aetcd creates a watch through 3.11's ``wait_for``, which loses a cancellation racing
+    with its result (it hung the orchestrator's node watch, and a test, once in a CI-sized
+    run): the follower must end when cancelled even then, not wait for the next event."""
+
+    async def body() -> None:
+        async with await ClusterMetadata.connect(etcd.endpoint, cluster_name) as md:
+            create_watch = md.client.watch
+            created = asyncio.Event()
+
+            async def watch_losing_a_cancel(*args: Any, **kwargs: Any) -> Any:
+                watch = await create_watch(*args, **kwargs)
+                created.set()
+                # swallowed, as wait_for does when it races with the result
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(30)
+                return watch
+
+            md.client.watch = watch_losing_a_cancel  # type: ignore[method-assign]
+
+            async def follow() -> None:
+                async with contextlib.aclosing(md.watch_nodes()) as changes:
+                    async for _ in changes:
+                        pass
+
+            follower = asyncio.create_task(follow())
+            await asyncio.wait_for(created.wait(), 10)
+            follower.cancel()
+            await asyncio.wait({follower}, timeout=10)
+            assert follower.cancelled()
+
+    run(body())
+
+
 def test_watch_map_sees_every_change_in_order(etcd: EtcdServer, cluster_name: str) -> None:
     async def body() -> None:
         async with await ClusterMetadata.connect(etcd.endpoint, cluster_name) as md:

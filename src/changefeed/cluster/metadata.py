@@ -672,7 +672,12 @@ class ClusterMetadata:
             # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a cancellation that
             # races with the result, and a loop around it would then never stop
             async with asyncio.timeout(timeout_s):
-                return await awaitable
+                result = await awaitable
+            # A library may swallow our cancellation and return (aetcd creates a watch through
+            # 3.11's wait_for, which loses a cancel racing with its result): stop anyway, or
+            # a caller's loop would wait on forever in a task asked to end.
+            _stop_if_cancelled()
+            return result
         except TimeoutError:
             self._fail_over(used)
             raise MetadataUnavailableError(
