@@ -637,3 +637,7 @@ def _say(text: str) -> None:
 from changefeed.cli.mirror_purge import purge  # noqa: E402  (a subcommand of ``mirror``)
 
 mirror.add_command(purge)
+
+from changefeed.cli.mirror_compact import compact  # noqa: E402  (a subcommand of ``mirror``)
+
+mirror.add_command(compact)
