@@ -68,6 +68,7 @@ from changefeed.spark.delta_files import (
     now_ms,
     table_uri,
 )
+from changefeed.spark.maintenance import TableMaintenance
 from changefeed.spark.merge_source import mirror_schema
 from changefeed.spark.mirror_tasks import CHANGEFEED_FIELDS, POSITION, FileRef, GroupPlan, run_group
 from changefeed.spark.table_lease import TablesLease
@@ -123,6 +124,7 @@ class DistributedMirrorWriter:
         if self.groups_wanted > GROUPS_MAX:
             raise ValueError(f"mirrorGroups {self.groups_wanted} is above {GROUPS_MAX}")
         self.lease = TablesLease(table_uri(tables, ""), storage_options)
+        self.maintenance = TableMaintenance(tables, self.options, storage_options)
         self._first_batch = True
         self.rows_written = 0  # change rows the last batch logged (0 when it was skipped)
         self._tables: dict[str, DeltaTable] = {}
@@ -225,6 +227,8 @@ class DistributedMirrorWriter:
         assert committed_mirror is not None, self.mirror_uri
         self._positions_at = (committed_mirror.version(), after)
         lap("mirror commit")
+        self.maintenance.after_batch()  # purge and compaction when due (maintenance.py)
+        lap("maintenance")
 
     def _commit(
         self, table: DeltaTable | None, uri: str, name: str, actions: pa.Table,

@@ -22,7 +22,8 @@ column), so there is nothing of it to purge.
 
 The purge is a writer of the tables, so it holds the tables' lease (``table_lease.py``): it is
 refused while a mirror job runs (whose commits expect the changelog's next version), and a job
-starting meanwhile waits for it to release.
+starting meanwhile waits for it to release. A running job purges by itself, between its
+batches, under the lease it holds (``maintenance.py``, ``purge(..., lease_held=True)``).
 """
 
 from __future__ import annotations
@@ -227,18 +228,32 @@ def purge_tables(
     lease = TablesLease(table_uri(tables, ""), storage_options)
     lease.hold()
     try:
-        return [_purge_table(tables, name, limits, storage_options) for name in TABLES]
+        return purge_held(tables, limits, storage_options)
     finally:
         lease.release()
 
 
+def purge_held(
+    tables: str, limits: Mapping[int, int], storage_options: dict[str, str] | None = None
+) -> list[TablePurge]:
+    """``purge_tables`` by a caller that holds the tables' lease (a running mirror job between
+    its batches: taking the lease again would release it at the end)."""
+    return [_purge_table(tables, name, limits, storage_options) for name in TABLES]
+
+
 def purge(
-    tables: str, options: SourceOptions, storage_options: dict[str, str] | None = None
+    tables: str,
+    options: SourceOptions,
+    storage_options: dict[str, str] | None = None,
+    *,
+    lease_held: bool = False,
 ) -> PurgeReport:
-    """``purge_tables`` at the limits of the store's purge points and the mirror's position."""
+    """``purge_tables`` at the limits of the store's purge points and the mirror's position
+    (``lease_held``: ``purge_held``, for the job that holds the lease)."""
     points = purge_points_sync(options)
     limits = purge_limits(points, committed_seqnos(tables, storage_options))
-    return PurgeReport(limits, purge_tables(tables, limits, storage_options))
+    write = purge_held if lease_held else purge_tables
+    return PurgeReport(limits, write(tables, limits, storage_options))
 
 
 def _purge_table(

@@ -1,0 +1,168 @@
+"""Purge and compaction inside a running mirror job (``spark/maintenance.py``).
+
+- The options: a bad interval names its option; a negative one means never.
+- The schedule, on real tables with a clock the test moves: nothing before the interval, the
+  compaction once it has passed, and not again until the next interval.
+- A running streaming query (real node, Spark local mode) with both intervals 0: deletions are
+  mirrored, the node compacts its vbuckets (tombstones purged, purge seqnos raised), more writes
+  come; the job's own batches then purge exactly the changelog's tombstones at or below each
+  vbucket's purge seqno (and the mirror's position) in one commit, and compact the tables'
+  small files in commits that change no row, every column compared at the versions before and
+  after each. The mirror still equals the store; every change is logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from deltalake import DeltaTable
+
+from changefeed.consumer import KvClient
+from changefeed.spark import MirrorWriter
+from changefeed.spark.compaction import COMPACT_METADATA_KEY
+from changefeed.spark.maintenance import (
+    OPTION_COMPACT,
+    OPTION_PURGE,
+    MaintenanceError,
+    TableMaintenance,
+    interval,
+)
+from changefeed.spark.node_state import fetch_latest_sync
+from changefeed.spark.options import SourceOptions
+from changefeed.spark.purge import PURGE_METADATA_KEY, TOMBSTONES, committed_seqnos
+from support.nodes import NodeFactory
+
+from .helpers import Model, assert_changelog_once, assert_mirror_matches, write
+from .test_compaction import build_table
+
+WAIT_S = 180.0
+
+
+def test_intervals_are_checked_and_negative_is_never() -> None:
+    assert interval({}, OPTION_PURGE, 600.0) == 600.0
+    assert interval({"mirrorpurgeintervals": "0"}, OPTION_PURGE, 600.0) == 0.0
+    assert interval({OPTION_COMPACT: "-1"}, OPTION_COMPACT, 300.0) is None
+    for bad in ("soon", "nan"):
+        with pytest.raises(MaintenanceError, match=f"{OPTION_PURGE}: '{bad}'"):
+            interval({OPTION_PURGE: bad}, OPTION_PURGE, 600.0)
+    with pytest.raises(MaintenanceError, match="mirrorcompactfilesmin"):
+        TableMaintenance("/nowhere", {"mirrorCompactFilesMin": "0"})
+
+
+def test_compaction_runs_at_its_interval(tmp_path: Path) -> None:
+    tables = tmp_path / "tables"
+    build_table(str(tables / "changelog"), "changelog", [[(0, 2)]] * 4)
+    now = [100.0]
+    upkeep = TableMaintenance(
+        str(tables), {OPTION_PURGE: "-1", OPTION_COMPACT: "10", "mirrorCompactFilesMin": "2"},
+        clock=lambda: now[0],
+    )  # fmt: skip
+    now[0] = 109.0
+    assert upkeep.after_batch().compacted is None  # not yet due
+    assert DeltaTable(str(tables / "changelog")).version() == 3
+    now[0] = 110.0
+    done = upkeep.after_batch()
+    assert done.purged is None and not done.errors  # the purge is off
+    assert done.compacted is not None and done.compacted.files_removed == 4
+    build_table(str(tables / "changelog"), "changelog", [])  # nothing new
+    now[0] = 115.0
+    assert upkeep.after_batch().compacted is None  # the next interval starts at 110
+
+
+async def _compact_node(port: int) -> tuple[dict[int, int], int]:
+    async with await KvClient.connect("127.0.0.1", port) as kv:
+        points, purged = {}, 0
+        for vb in range(kv.vbuckets):
+            summary = await kv.compact(vb, drop_deletes=True)
+            points[vb] = summary.purge_seqno
+            purged += summary.purged
+        return points, purged
+
+
+def _wait_committed(tables: Path, options: dict[str, str], what: str) -> None:
+    """Until the mirror has committed every vbucket up to the node's high seqno."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        latest, _ = fetch_latest_sync(SourceOptions.parse(options))
+        high = {vb: o.seqno for vb, o in latest.items() if o.seqno}
+        committed = committed_seqnos(str(tables), None)
+        if all(committed.get(vb, 0) >= seqno for vb, seqno in high.items()):
+            return
+        assert time.monotonic() < deadline, f"{what}: not committed in {WAIT_S} s"
+        time.sleep(0.2)
+
+
+def _commits(uri: str, key: str) -> list[int]:
+    """Versions of the table's commits whose info holds ``key``, oldest first."""
+    return sorted(c["version"] for c in DeltaTable(uri).history() if key in c)
+
+
+def _rows(uri: str, version: int) -> list[dict[str, Any]]:
+    """Every row of the table at ``version``, every column, in a stable order."""
+    table = DeltaTable(uri, version=version).to_pyarrow_table()
+    return sorted(table.to_pylist(), key=lambda r: (r["vbucket"], r["seqno"], str(r["op"])))
+
+
+def _sorted(table: pa.Table) -> pa.Table:
+    keys = [c for c in ("vbucket", "seqno", "op") if c in table.column_names]
+    return table.sort_by([(c, "ascending") for c in keys])
+
+
+def test_a_running_job_purges_and_compacts(spark: Any, nodes: NodeFactory, tmp_path: Path) -> None:
+    node = nodes(args=["--no-durable"])
+    model: Model = {}
+    first = [(f"a{i}", f"v{i}".encode()) for i in range(240)]
+    write(node.port, first + [(f"a{i}", None) for i in range(0, 240, 3)], model)
+    tables = tmp_path / "tables"
+    options = node.source_options(
+        format="binary", maxOffsetsPerTrigger="100", mirrorCompactFilesMin="2",
+        **{OPTION_PURGE: "0", OPTION_COMPACT: "0"},
+    )  # fmt: skip
+    query = (
+        spark.readStream.format("changefeed").options(**options).load()
+        .writeStream.foreachBatch(MirrorWriter(tables, options))
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(processingTime="0 seconds").start()
+    )  # fmt: skip
+    try:
+        _wait_committed(tables, options, "the first writes")
+        points, purged = asyncio.run(_compact_node(node.port))
+        assert purged > 0, points
+        later = [(f"b{i}", b"x") for i in range(60)] + [(f"b{i}", None) for i in range(0, 60, 2)]
+        write(node.port, later, model)  # above every purge point: they stay
+        _wait_committed(tables, options, "the later writes")
+        changelog_uri = str(tables / "changelog")
+        deadline = time.monotonic() + WAIT_S
+        while not _commits(changelog_uri, PURGE_METADATA_KEY):  # the batch after the writes
+            assert time.monotonic() < deadline, "no purge in the job"
+            time.sleep(0.2)
+    finally:
+        query.stop()
+    assert query.exception() is None, query.exception()
+
+    # The purge: exactly the tombstones at or below the store's purge points, in one commit.
+    purges = _commits(changelog_uri, PURGE_METADATA_KEY)
+    assert len(purges) == 1, purges  # later purges found nothing more to do
+    before, after = _rows(changelog_uri, purges[0] - 1), _rows(changelog_uri, purges[0])
+    gone = [r for r in before if r["op"] in TOMBSTONES and r["seqno"] <= points[r["vbucket"]]]
+    assert len(gone) == purged  # what the store purged, nothing newer
+    assert after == [r for r in before if r not in gone]
+    # Compaction: commits that change no row, every column; the tables hold fewer files.
+    for name in ("changelog", "mirror"):
+        uri = str(tables / name)
+        compactions = _commits(uri, COMPACT_METADATA_KEY)
+        assert compactions, f"{name}: never compacted"
+        for version in compactions:
+            old = _sorted(DeltaTable(uri, version=version - 1).to_pyarrow_table())
+            new = _sorted(DeltaTable(uri, version=version).to_pyarrow_table())
+            assert new.num_rows and new.equals(old), (name, version)
+    assert_mirror_matches(tables, node, model)
+    logged = assert_changelog_once(tables)
+    deletions = pc.sum(pc.is_in(logged.column("op"), pa.array(TOMBSTONES))).as_py()
+    assert deletions == 80 + 30 - purged
