@@ -1,12 +1,19 @@
-"""A run of plain SET requests taken from a receive buffer in one pass, as columns. No I/O.
+"""A run of SET requests taken from a receive buffer in one pass, as columns. No I/O.
 
 Pipelined ingest is a buffer of many SETs back to back. Decoding each into a ``Frame`` and
 dispatching it alone costs more than applying the write, so the server takes the longest
-prefix of the buffer made of *plain* SETs (classic magic, so no framing extras and no
-durability; 8 bytes of extras; no CAS; a key and a value within the limits `decode_store`
-enforces; valid datatype bits) and hands it over as columns. Anything else ends the run and
-goes through the ordinary per-frame path, which also reports every malformed header: a run
-never consumes a frame it did not fully check.
+prefix of the buffer made of SETs of one kind and hands it over as columns:
+
+* *plain* SETs: classic magic (so no framing extras and no durability); 8 bytes of extras; no
+  CAS; a key and a value within the limits `decode_store` enforces; valid datatype bits;
+* *durable* SETs: the same, but flexible magic whose framing extras are exactly one
+  durability frame info (dcp-wire.md §1.3, id 1: a known level, optionally a u16 timeout),
+  byte for byte the same for the whole run (one level and timeout), so the run is one
+  `SetRun` whose `framing_extras` hold it.
+
+The first frame decides the kind. Anything else ends the run and goes through the ordinary
+per-frame path, which also reports every malformed header: a run never consumes a frame it
+did not fully check.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import numpy as np
 from changefeed import limits
 from changefeed.protocol.errors import StatusError
 from changefeed.protocol.frame import HEADER_FORMAT
+from changefeed.protocol.frame_info import FRAME_INFO_DURABILITY, DurabilityLevel
 from changefeed.protocol.kv import MUTATION_TOKEN
 from changefeed.protocol.opcode import DATATYPE_MASK, Magic, Opcode
 
@@ -30,6 +38,7 @@ _HEAD_SIZE: Final = _SET_HEAD.size
 _HEADER_SIZE: Final = limits.HEADER_SIZE
 _EXTRAS_SIZE: Final = 8
 _REQUEST: Final = int(Magic.REQUEST)
+_ALT_REQUEST: Final = int(Magic.ALT_REQUEST)
 _RESPONSE: Final = int(Magic.RESPONSE)
 _SET: Final = int(Opcode.SET)
 _DATATYPE_INVALID: Final = ~DATATYPE_MASK
@@ -39,6 +48,26 @@ _VALUE_SIZE_MAX: Final = limits.VALUE_SIZE_MAX
 # (storage/keys.py; server/collection_commands.py `escape_default_key`). Never a UTF-8 key.
 _STORED_KEY_MARKER: Final = 0xFF
 assert _HEAD_SIZE == _HEADER_SIZE + _EXTRAS_SIZE
+# A durable SET's head: the alt header (framing length and key length one byte each), its
+# framing extras (one durability frame info: 2 bytes, or 4 with a timeout), flags, expiry.
+_ALT_FORMAT: Final = ">BBBBBBHIIQ"
+_DURABLE_HEADS: Final = {
+    2: struct.Struct(_ALT_FORMAT + "2sII"),
+    4: struct.Struct(_ALT_FORMAT + "4sII"),
+}
+_LEVELS: Final = frozenset(int(level) for level in DurabilityLevel)
+assert all(head.size == _HEADER_SIZE + n + _EXTRAS_SIZE for n, head in _DURABLE_HEADS.items())
+
+
+def durability_framing(framing: bytes) -> bool:
+    """Whether `framing` (a request's framing extras) is exactly one durability frame info
+    with a known level: `frame_info.durability_of` reads it without error, and nothing else."""
+    size = len(framing)
+    return (
+        size in _DURABLE_HEADS
+        and framing[0] == (FRAME_INFO_DURABILITY << 4 | (size - 1))
+        and framing[1] in _LEVELS
+    )
 
 
 @dataclass(slots=True)
@@ -54,7 +83,8 @@ class SetRunAnswers:
 
 @dataclass(slots=True)
 class SetRun:
-    """Plain SETs in arrival order, one entry per request in each column."""
+    """SETs in arrival order, one entry per request in each column: plain ones, or (with
+    `framing_extras`, one durability frame info) durable ones all asking the same."""
 
     vbuckets: list[int] = field(default_factory=list)
     opaques: list[int] = field(default_factory=list)
@@ -68,12 +98,14 @@ class SetRun:
     # value within VALUE_SIZE_MAX, valid datatype bits, u32 flags and expiry): the applier
     # need not check them again. `take_set_run` checks them; a run built otherwise is not.
     checked: bool = False
+    framing_extras: bytes = b""  # the durability frame info of every write, or b"": plain
 
     def __len__(self) -> int:
         return len(self.opaques)
 
     def extend(self, other: SetRun) -> None:
-        """Append `other`'s writes (it follows this run on the wire)."""
+        """Append `other`'s writes (it follows this run on the wire; of the same kind)."""
+        assert other.framing_extras == self.framing_extras, (other.framing_extras, self)
         self.vbuckets += other.vbuckets
         self.opaques += other.opaques
         self.keys += other.keys
@@ -95,15 +127,18 @@ class SetRun:
             [self.expiries[i] for i in indexes],
             [self.datatypes[i] for i in indexes],
             checked=self.checked,
+            framing_extras=self.framing_extras,
         )
 
 
 def take_set_run(
     buffer: bytes | bytearray, start: int, frame_size_max: int, items_max: int
 ) -> SetRun:
-    """The plain SETs at ``buffer[start:]``, up to ``items_max`` (empty if the first frame is
-    anything else or incomplete). ``frame_size_max`` is the reader's body limit: a larger
-    frame ends the run (the per-frame path answers it)."""
+    """The SETs of one kind (module docstring) at ``buffer[start:]``, up to ``items_max``
+    (empty if the first frame is anything else or incomplete). ``frame_size_max`` is the
+    reader's body limit: a larger frame ends the run (the per-frame path answers it)."""
+    if len(buffer) - start >= _HEADER_SIZE and buffer[start] == _ALT_REQUEST:
+        return _take_durable_run(buffer, start, frame_size_max, items_max)
     run = SetRun()
     end = len(buffer)
     pos = start
@@ -145,6 +180,68 @@ def take_set_run(
         view.release()  # the caller may resize the buffer next
     run.consumed = pos - start
     run.checked = True
+    return run
+
+
+def _take_durable_run(
+    buffer: bytes | bytearray, start: int, frame_size_max: int, items_max: int
+) -> SetRun:
+    """`take_set_run` of durable SETs: every frame's framing extras are the first one's, and
+    that is one durability frame info (`durability_framing`)."""
+    run = SetRun()
+    end = len(buffer)
+    framing_size = buffer[start + 2]
+    head = _DURABLE_HEADS.get(framing_size)
+    if head is None:
+        return run
+    head_size = head.size
+    fixed = framing_size + _EXTRAS_SIZE  # body bytes before the key
+    pos = start
+    view = memoryview(buffer)
+    unpack = head.unpack_from
+    vbuckets, opaques, keys, values = run.vbuckets, run.opaques, run.keys, run.values
+    flags_out, expiries, datatypes = run.flags, run.expiries, run.datatypes
+    framing = b""
+    try:
+        while len(opaques) < items_max and end - pos >= head_size:  # bounded by the buffer
+            (magic, opcode, framelen, keylen, extlen, datatype, vb, bodylen, opaque, cas,
+             frame_infos, flags, expiry) = unpack(buffer, pos)  # fmt: skip
+            total = _HEADER_SIZE + bodylen
+            if (
+                magic != _ALT_REQUEST
+                or opcode != _SET
+                or framelen != framing_size
+                or extlen != _EXTRAS_SIZE
+                or cas
+                or not 0 < keylen <= _KEY_SIZE_MAX
+                or bodylen - fixed - keylen > _VALUE_SIZE_MAX
+                or datatype & _DATATYPE_INVALID
+                or bodylen > frame_size_max
+                or fixed + keylen > bodylen
+                or end - pos < total
+                or buffer[pos + head_size] == _STORED_KEY_MARKER
+            ):
+                break
+            if frame_infos != framing:
+                if framing or not durability_framing(frame_infos):
+                    break  # another level or timeout: the next run's
+                framing = frame_infos
+            key_at = pos + head_size
+            value_at = key_at + keylen
+            pos += total
+            vbuckets.append(vb)
+            opaques.append(opaque)
+            keys.append(bytes(view[key_at:value_at]))
+            values.append(bytes(view[value_at:pos]))
+            flags_out.append(flags)
+            expiries.append(expiry)
+            datatypes.append(datatype)
+    finally:
+        view.release()  # the caller may resize the buffer next
+    run.consumed = pos - start
+    run.checked = True
+    run.framing_extras = framing
+    assert bool(framing) == bool(opaques), (framing, len(opaques))
     return run
 
 

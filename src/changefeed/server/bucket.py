@@ -335,10 +335,10 @@ class Bucket(VBucketSource):
             level=level,
         )
 
-    def set_run(self, run: SetRun) -> SetRunAnswers:
+    def set_run(self, run: SetRun, *, level: int = 0) -> SetRunAnswers:
         """The plain SETs of one received batch (no CAS), answered as columns in run order:
         each vbucket's writes are applied together (`VBucket.set_many`), in their order
-        within it."""
+        within it. A durability `level` queues each as a prepare (`store_command`'s)."""
         count = len(run)
         try:
             self.persistence.check_writable()
@@ -396,6 +396,7 @@ class Bucket(VBucketSource):
                 [datatypes[i] for i in indexes],
                 lookup=RunLookup(in_memory[vb], stored[vb]) if vb in in_memory else None,
                 fields_checked=fields_checked,
+                level=level,
             )
             vb_uuid = outcome.vb_uuid
             for index, seqno, cas in zip(indexes, outcome.seqnos, outcome.cases, strict=True):

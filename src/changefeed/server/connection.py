@@ -68,7 +68,13 @@ from changefeed.protocol.set_run import (
     pack_set_successes,
 )
 from changefeed.protocol.status import Status
-from changefeed.server import collection_commands, collection_seqnos, kv_commands, subdoc
+from changefeed.server import (
+    collection_commands,
+    collection_seqnos,
+    durable_run,
+    kv_commands,
+    subdoc,
+)
 from changefeed.server.admission import Admission
 from changefeed.server.authenticator import SaslAuthenticator, node_identity
 from changefeed.server.compactor import answer_compact_db
@@ -413,9 +419,10 @@ class ClientConnection(asyncio.Protocol):
         # connection's keys are qualified as they join (their collection's stored keys).
         window: RequestWindow | None = None
         window_max = limits.SET_RUN_ITEMS_MAX
-        # After a SET with framing extras (a durability level: a run never takes one) the next
-        # request is most likely another: it goes straight to the per-frame path, which serves
-        # a plain SET too (only not batched), instead of an attempt at a run per frame.
+        # After a SET with framing extras that no run took (a CAS, PreserveTTL, levels that
+        # change from one SET to the next) the next request is most likely another: it goes
+        # straight to the per-frame path, which serves a plain SET too (only not batched),
+        # instead of an attempt at a run per frame.
         after_framed_set = False
         try:
             if self._held:
@@ -425,6 +432,12 @@ class ClientConnection(asyncio.Protocol):
                     run = reader.take_set_run(window_max - (len(window) if window else 0))
                     if run:
                         dispatched += len(run)
+                        if run.framing_extras:  # durable SETs: after the window, as a run
+                            if window is not None:
+                                self._settle(window)
+                                window = None
+                            self._durable_run(run)
+                            continue
                         if self.collections and not self._qualify_run(run):
                             if window is not None:  # the run is served after it, frame by frame
                                 self._settle(window)
@@ -751,6 +764,34 @@ class ClientConnection(asyncio.Protocol):
                 self._held.append(frame)
             else:
                 self._dispatch(frame)
+
+    def _durable_run(self, run: SetRun) -> None:
+        """Apply a run of durable SETs (durable_run.py) behind held replies, if any (then one
+        frame at a time, in their turn); a collections connection's keys are qualified first,
+        and a run with a key that cannot be is served frame by frame (each its own answer)."""
+        if self._held or (self.collections and not self._qualify_run(run)):
+            self._serve_frames(durable_run.run_frames(run))
+            return
+        durable_run.store_durable_run(self, run)
+
+    @property
+    def closing(self) -> bool:
+        """No reply can be sent any more (a durable run's answers check it)."""
+        return self.transport is None or self.transport.is_closing()
+
+    def reply_error(self, request: Frame, error: ProtocolError | StatusError) -> None:
+        """Answer `request` with `error`, as `_dispatch` answers a handler's."""
+        self._reply_error(request, error)
+
+    def answers_expected(self, count: int) -> None:
+        """`count` requests are answered later (a durable run's): not idle until then."""
+        assert count > 0, count
+        self._answers_pending += count
+
+    def answered(self) -> None:
+        """One request counted by `answers_expected` was answered."""
+        self._answers_pending -= 1
+        assert self._answers_pending >= 0, self._answers_pending
 
     def _store_run(self, run: SetRun) -> None:
         """Apply a run of plain SETs (a collections connection's qualified, `_qualify_run`) and

@@ -36,6 +36,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from itertools import repeat
 from typing import Final, Protocol
 
 from changefeed.checkpoint import CheckpointMemoryFullError
@@ -137,8 +138,9 @@ class DurableWrites:
         """How many durable writes wait on `vb`."""
         return len(self._waiting.get(vb, ()))
 
-    def check_possible(self, vb: int) -> None:
-        """Raise DurabilityImpossibleError unless a majority of vb's chain is reachable."""
+    def check_possible(self, vb: int, writes: int = 1) -> None:
+        """Raise DurabilityImpossibleError unless a majority of vb's chain is reachable
+        (`writes`: how many writes the answer is for, as the stats count them)."""
         replicas = self.replicas_of(vb)
         if not replicas:
             return  # a copy alone is its own majority (asked per write: no generator then)
@@ -148,7 +150,7 @@ class DurableWrites:
                 reachable += 1
         majority = (1 + len(replicas)) // 2 + 1
         if reachable < majority:
-            self.stats.impossible += 1
+            self.stats.impossible += writes
             raise DurabilityImpossibleError(
                 f"vb {vb}: {reachable} of {1 + len(replicas)} copies reachable, "
                 f"a majority is {majority}; the write was not applied"
@@ -173,6 +175,29 @@ class DurableWrites:
             return  # just queued, not yet persisted here: no level is met (`durability_met`)
         if _Acks(self, waiter.vb).met(waiter, persisted_here):
             self._commit(waiter.vb, vbucket, [waiter])
+
+    def add_many(self, vb: int, waiters: Sequence[Waiter]) -> None:
+        """`add` of each of `waiters` (the prepares of `vb` just queued as one run, seqnos
+        rising) with one look at the vbucket: a prepare just queued is not persisted here yet,
+        so none is met unless the flusher ran meanwhile (then `check` decides)."""
+        if not waiters:
+            return
+        waiting = self._waiting.get(vb)
+        if waiting is None:
+            waiting = self._waiting[vb] = {}
+        assert not waiting or next(reversed(waiting.values())).seqno < waiters[0].seqno, vb
+        before = len(waiting)
+        for waiter in waiters:  # bounded by the run; in seqno order, as `check` relies on
+            waiting[waiter.key] = waiter
+        assert len(waiting) == before + len(waiters), "a key waits once per vbucket"
+        assert all(waiter.vb == vb for waiter in waiters), vb
+        self.stats.prepared += len(waiters)
+        vbucket = self._vbucket_of(vb)
+        if not vbucket.state.is_active:
+            self._answer_all_ambiguous(vb, waiting)
+            return
+        if vbucket.persisted_seqno >= waiters[0].seqno:
+            self.check(vb)
 
     def is_waiting(self, waiter: Waiter) -> bool:
         """Whether `waiter` still waits for its outcome."""
@@ -367,9 +392,9 @@ class SyncWriteMonitor:
         """How many durable writes wait on `vb`."""
         return self.decisions.waiting_on(vb)
 
-    def check_possible(self, vb: int) -> None:
+    def check_possible(self, vb: int, writes: int = 1) -> None:
         """Raise DurabilityImpossibleError unless a majority of vb's chain is reachable."""
-        self.decisions.check_possible(vb)
+        self.decisions.check_possible(vb, writes)
 
     def track(
         self, vb: int, key: bytes, prepared: MutationResult, requirement: DurabilityRequirement
@@ -379,15 +404,44 @@ class SyncWriteMonitor:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[MutationResult] = loop.create_future()
         waiter = Waiter(vb, key, prepared.seqno, requirement.level, partial(_settle, future))
-        timeout_s = (
-            max(TIMEOUT_MIN_S, requirement.timeout_ms / 1000)
-            if requirement.timeout_ms
-            else self._default_timeout_s
-        )
-        self._arm(loop, timeout_s, waiter)
+        self._arm(loop, self._timeout_s(requirement), waiter)
         self._bucket.hurry_flush()  # every level waits for this node's persistence
         self.decisions.add(waiter)
         return future
+
+    def track_run(
+        self,
+        vb: int,
+        keys: Sequence[bytes],
+        seqnos: Sequence[int],
+        requirement: DurabilityRequirement,
+        answers: Sequence[Answer],
+    ) -> None:
+        """`track` of each prepare of a run just queued on `vb` (seqnos rising), with no
+        future: write i's outcome goes to `answers[i]` (a run's one record of answers)."""
+        assert len(keys) == len(seqnos) == len(answers), (len(keys), len(seqnos), len(answers))
+        level = requirement.level
+        waiters = list(map(Waiter, repeat(vb, len(keys)), keys, seqnos, repeat(level), answers))
+        loop = asyncio.get_running_loop()
+        self._arm_many(loop, self._timeout_s(requirement), waiters)
+        self._bucket.hurry_flush()  # every level waits for this node's persistence
+        self.decisions.add_many(vb, waiters)
+
+    def _timeout_s(self, requirement: DurabilityRequirement) -> float:
+        if requirement.timeout_ms:
+            return max(TIMEOUT_MIN_S, requirement.timeout_ms / 1000)
+        return self._default_timeout_s
+
+    def _arm_many(
+        self, loop: asyncio.AbstractEventLoop, timeout_s: float, waiters: list[Waiter]
+    ) -> None:
+        """`_arm` of each of `waiters`, with one deadline (they were queued together)."""
+        if not waiters:
+            return
+        self._arm(loop, timeout_s, waiters[0])
+        queue = self._deadlines[timeout_s]
+        deadline = queue[-1][0]
+        queue.extend(zip(repeat(deadline), waiters[1:]))
 
     def _arm(self, loop: asyncio.AbstractEventLoop, timeout_s: float, waiter: Waiter) -> None:
         deadline = loop.time() + timeout_s

@@ -343,11 +343,13 @@ class ActiveRole(Role):
     def set_many(
         self, keys: Sequence[bytes], values: Sequence[bytes], flags: Sequence[int],
         expiries: Sequence[int], datatypes: Sequence[int], *, lookup: RunLookup | None = None,
-        fields_checked: bool = False,
+        fields_checked: bool = False, level: int = 0,
     ) -> SetManyResult:  # fmt: skip
         """See `VBucket.set_many`."""
         core = self.core
         count = len(keys)
+        if level and len(set(keys)) != count:  # a key's second prepare is refused: one by one
+            return self._prepare_one_by_one((keys, values, flags, expiries, datatypes), level)
         if lookup is None:
             in_memory = core.manager.find_many(keys)
             missing = [key for key, item in zip(keys, in_memory, strict=True) if item is None]
@@ -360,12 +362,16 @@ class ActiveRole(Role):
         writes = (keys, values, flags, expiries, datatypes)
         revs = self._clean_run_revs(writes, in_memory, stored, now, fields_checked)
         if revs is None:
+            if level:
+                return self._prepare_one_by_one(writes, level)
             found = dict(zip(keys, in_memory, strict=True))
             return self._set_one_by_one(writes, found, stored, now)
         first_seqno = core.high_seqno + 1
         first_cas = max(int(now * NS_PER_S), core.last_cas + 1)  # then one up per write
         seqnos = range(first_seqno, first_seqno + count)
         cases = range(first_cas, first_cas + count)
+        if level:
+            return self._queue_prepares(writes, seqnos, cases, revs, level)
         items = list(
             map(Item, seqnos, keys, itertools.repeat(_MUTATION), values, cases, flags, expiries,
                 datatypes, revs)
@@ -373,6 +379,60 @@ class ActiveRole(Role):
         errors: dict[int, StatusError] = {}
         self._queue_answered(items, range(count), errors)
         return SetManyResult(core.vb, core.vb_uuid, seqnos, cases, errors)
+
+    def _queue_prepares(
+        self, writes: SetColumns, seqnos: range, cases: range, revs: list[int], level: int
+    ) -> SetManyResult:
+        """A clean run of distinct keys as prepares (`_queue_write` with `level`, each), queued
+        with one `queue_prepares`: one budget check, one wakeup, one `retain_pending`."""
+        core = self.core
+        keys, values, flags, expiries, datatypes = writes
+        items = [
+            SyncItem(seqno, key, _PREPARE, _MUTATION, value, cas, flag, expiry, datatype, rev,
+                     level=level)
+            for seqno, key, value, cas, flag, expiry, datatype, rev in zip(
+                seqnos, keys, values, cases, flags, expiries, datatypes, revs, strict=True)
+        ]  # fmt: skip
+        errors: dict[int, StatusError] = {}
+        try:
+            queued = core.manager.queue_prepares(items)
+        except CheckpointMemoryFullError as error:
+            queued = 0
+            errors = dict.fromkeys(range(len(items)), error)
+        if 0 < queued < len(items):  # memory ran out part of the way: the rest take no seqno
+            full = CheckpointMemoryFullError(f"vb {core.vb}: checkpoint memory is full")
+            errors = dict.fromkeys(range(queued, len(items)), full)
+        if queued:
+            pending = self.pending
+            for item in items[:queued]:  # in seqno order, as `pending` keeps them
+                pending[item.key] = item
+            retain_pending(core.manager, pending)
+            core.advanced(items[queued - 1].seqno, items[queued - 1].cas)
+        if errors:
+            seqnos_out = [seqno if at < queued else 0 for at, seqno in enumerate(seqnos)]
+            cases_out = [cas if at < queued else 0 for at, cas in enumerate(cases)]
+            return SetManyResult(core.vb, core.vb_uuid, seqnos_out, cases_out, errors)
+        return SetManyResult(core.vb, core.vb_uuid, seqnos, cases, errors)
+
+    def _prepare_one_by_one(self, writes: SetColumns, level: int) -> SetManyResult:
+        """A run of prepares that is not clean, write by write through `set` (each checked and
+        queued exactly as a durable SET alone is)."""
+        keys, values, flags, expiries, datatypes = writes
+        seqnos = [0] * len(keys)
+        cases = [0] * len(keys)
+        errors: dict[int, StatusError] = {}
+        for index, (key, value, flag, expiry, datatype) in enumerate(
+            zip(keys, values, flags, expiries, datatypes, strict=True)
+        ):  # bounded by the run
+            try:
+                result = self.set(
+                    key, value, flags=flag, expiry=expiry, datatype=datatype, level=level
+                )
+            except StatusError as error:
+                errors[index] = error
+                continue
+            seqnos[index], cases[index] = result.seqno, result.cas
+        return SetManyResult(self.core.vb, self.core.vb_uuid, seqnos, cases, errors)
 
     def _clean_run_revs(
         self,

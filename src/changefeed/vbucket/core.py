@@ -303,6 +303,7 @@ class VBucket:
         *,
         lookup: RunLookup | None = None,
         fields_checked: bool = False,
+        level: int = 0,
     ) -> SetManyResult:
         """`set` without CAS of each write, in order, as a received batch of SETs: the stored
         versions of the keys are looked up in one read transaction, and the writes are queued
@@ -320,10 +321,15 @@ class VBucket:
         lookup of the rest since (a bucket looks up every vbucket's keys at once).
         `fields_checked`: the caller checked every field is within limits
         (`fields_in_range`); the clean path does not check again.
+        `level`: a durability level (SyncWrites): each write queues a prepare, as `set` with
+        that level does (a key written twice in the run: SyncWriteInProgressError for the
+        second, its first prepare is pending); a clean run is queued with one
+        `CheckpointManager.queue_prepares`.
         """
         return self._role.set_many(
-            keys, values, flags, expiries, datatypes, lookup=lookup, fields_checked=fields_checked
-        )
+            keys, values, flags, expiries, datatypes, lookup=lookup,
+            fields_checked=fields_checked, level=level,
+        )  # fmt: skip
 
     def lookup_memory(self, keys: Sequence[bytes]) -> tuple[list[Item | None], list[bytes]]:
         """The newest version of each key still in memory, and the keys memory has none of

@@ -76,7 +76,7 @@ class Role:
     def set_many(
         self, keys: Sequence[bytes], values: Sequence[bytes], flags: Sequence[int],
         expiries: Sequence[int], datatypes: Sequence[int], *, lookup: RunLookup | None = None,
-        fields_checked: bool = False,
+        fields_checked: bool = False, level: int = 0,
     ) -> SetManyResult:  # fmt: skip
         """Every write of the run refused (a run answers per write, it does not raise)."""
         core, count = self.core, len(keys)
