@@ -166,3 +166,19 @@ def test_a_running_job_purges_and_compacts(spark: Any, nodes: NodeFactory, tmp_p
     logged = assert_changelog_once(tables)
     deletions = pc.sum(pc.is_in(logged.column("op"), pa.array(TOMBSTONES))).as_py()
     assert deletions == 80 + 30 - purged
+
+
+def test_mirror_flags_are_checked_before_spark(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from changefeed.cli.main import cli
+    from changefeed.cli.mirror_maintenance import maintenance_options
+
+    result = CliRunner().invoke(
+        cli, ["mirror", "--tables", str(tmp_path / "t"), "--purge-every", "soon"]
+    )
+    assert result.exit_code == 2 and "'soon' is not a number of seconds" in result.output
+    assert not (tmp_path / "t").exists()
+    assert maintenance_options("-1", None) == {OPTION_PURGE: "-1"}
+    assert interval(maintenance_options("-1", "0.0"), OPTION_PURGE, 600.0) is None
+    assert interval(maintenance_options("-1", "0.0"), OPTION_COMPACT, 300.0) == 0.0

@@ -52,6 +52,7 @@ from changefeed.cli.mirror_collections import (
     show_collections,
 )
 from changefeed.cli.mirror_flags import GROUPS_MAX, key_values
+from changefeed.cli.mirror_maintenance import maintenance_flags, maintenance_options
 
 STOP_WAIT_S: Final = 300.0  # for the running micro-batch to end after SIGTERM
 PROGRESS_INTERVAL_S: Final = 1.0
@@ -197,6 +198,7 @@ def _common(f: Any) -> Any:
     help="Fail when a vbucket must restart from 0 (else the mirror rebuilds it).",
 )
 @collections_flag
+@maintenance_flags
 @click.pass_context
 def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: str,
            tables: Path | None, checkpoint: Path | None, as_json: bool, schema: str,
@@ -205,7 +207,8 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
            partitions: int | None, writer: str | None, mirror_tasks: int | None,
            mirror_groups: int | None, driver_batch_max: int | None,
            storage_pairs: tuple[str, ...], once: bool,
-           fail_on_data_loss: bool, collection_list: str | None) -> None:  # fmt: skip
+           fail_on_data_loss: bool, collection_list: str | None,
+           purge_every: str | None = None, compact_every: str | None = None) -> None:  # fmt: skip
     """Mirror a bucket into Delta tables with Spark, exactly once (status: see below)."""
     if ctx.invoked_subcommand is not None:
         return
@@ -239,6 +242,7 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
     if partitions is not None:
         options["partitions"] = str(partitions)
     options |= flags.source_options()
+    options |= maintenance_options(purge_every, compact_every)  # table upkeep in the job
     check_cluster(options)
     options |= collection_options(collection_list, options, tables)  # after: reachable
     job = MirrorJob(options, tables, checkpoint, as_json, flags.storage_options or None)
