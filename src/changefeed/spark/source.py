@@ -95,6 +95,16 @@ def group_ranges(
     return [VbucketGroup(g, names) for g in groups if g]
 
 
+def batch_ranges(begin: Offsets, finish: Offsets) -> list[VbRange]:
+    """Each vbucket's range of a micro-batch from ``begin`` to ``finish`` (its offsets): what
+    ``partitions`` deals out, and what the mirror's driver path reads itself
+    (``driver_read.py``)."""
+    return [
+        VbRange(vb, begin.get(vb, VbOffset()), o.seqno, o.vb_uuid)
+        for vb, o in sorted(finish.items())
+    ]
+
+
 def planned_names(options: SourceOptions, known: CollectionNames) -> Names | None:
     """The collection names for a batch's reads: ``known`` and the manifest now (None: the
     source is not collection-aware)."""
@@ -215,12 +225,7 @@ class ChangefeedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         }
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        begin = offsets_from_json(start)
-        finish = offsets_from_json(end)
-        ranges = [
-            VbRange(vb, begin.get(vb, VbOffset()), o.seqno, o.vb_uuid)
-            for vb, o in sorted(finish.items())
-        ]
+        ranges = batch_ranges(offsets_from_json(start), offsets_from_json(end))
         names = planned_names(self.options, self._names)
         span = sum(max(0, r.end_seqno - r.start.seqno) for r in ranges)
         tasks = 1 if span <= ONE_TASK_SEQNOS_MAX else self.options.partitions
