@@ -51,6 +51,7 @@ from changefeed.consumer.collections_admin import get_manifest
 from changefeed.consumer.events import CollectionEvent, SeqnoAdvanced
 from changefeed.protocol.collections_manifest import Manifest
 from changefeed.protocol.status import Status
+from changefeed.spark.change_runs import EndSeqnos, PendingChanges
 from changefeed.spark.cluster import client_config, dcp_client, dial_seed
 from changefeed.spark.collection_rows import CollectionNames, NamedRows
 from changefeed.spark.offsets import VbOffset
@@ -183,22 +184,32 @@ async def read_chunks(
         await client.stream(sorted(ends), state, end_seqnos=request_ends)
         unfinished = set(ends)
         rows = new_rows()
+        # Changes wait here to become rows in large runs (change_runs.py); they are taken
+        # before an event changes their vbucket's snapshot or end, and before a rollback row.
+        pending = PendingChanges()
+        end_seqnos = EndSeqnos(ends)
         async for event in client.events():
             if isinstance(event, Changes):
-                # Rows past a vbucket's end are left out: the next micro-batch starts there.
-                unfinished -= rows.append_changes(event.columns, snaps, ends)
+                pending.add(event.columns)
+                unfinished -= end_seqnos.reached(event.columns)
             elif isinstance(event, Snapshot):
+                if pending.holds(event.vbucket):
+                    _settle(rows, pending, snaps, ends)
                 snaps[event.vbucket] = (event.snap_start, event.snap_end)
                 if event.snap_start > ends[event.vbucket]:
                     unfinished.discard(event.vbucket)
             elif isinstance(event, Rollback):
+                _settle(rows, pending, snaps, ends)
                 _on_rollback(rows, event, ranges, options)
                 if event.seqno >= ends[event.vbucket]:
                     unfinished.discard(event.vbucket)
             elif isinstance(event, StreamOpened):
                 branch = branch_point(event.failover_log, planned[event.vbucket])
                 if branch is not None and branch < ends[event.vbucket]:
+                    if pending.holds(event.vbucket):
+                        _settle(rows, pending, snaps, ends)
                     ends[event.vbucket] = branch  # later seqnos are another history's
+                    end_seqnos.put(event.vbucket, branch)
                     if client.session.get(event.vbucket).seqno >= branch:
                         unfinished.discard(event.vbucket)
             elif isinstance(event, StreamEnded):
@@ -216,13 +227,28 @@ async def read_chunks(
                     unfinished.discard(event.vbucket)
             elif isinstance(event, SeqnoAdvanced) and event.seqno >= ends[event.vbucket]:
                 unfinished.discard(event.vbucket)
+            if pending.full or len(pending) + len(rows) >= limits.ROWS_PER_BATCH_MAX:
+                _settle(rows, pending, snaps, ends)
             if len(rows) >= limits.ROWS_PER_BATCH_MAX:
                 yield Chunk(rows.to_batch(), frozenset(ends.keys() - unfinished))
                 rows = new_rows()
             if not unfinished:
                 break  # closing the connection ends the streams still open
+        _settle(rows, pending, snaps, ends)
         if len(rows):
             yield Chunk(rows.to_batch(), frozenset(ends))
+
+
+def _settle(
+    rows: ChangeRows | NamedRows,
+    pending: PendingChanges,
+    snaps: Mapping[int, tuple[int, int]],
+    ends: Mapping[int, int],
+) -> None:
+    """The pending changes as rows, under the snapshots and end seqnos they arrived in (rows
+    past a vbucket's end are left out: the next micro-batch starts there)."""
+    if len(pending):
+        rows.append_changes(pending.take(), snaps, ends)
 
 
 def branch_point(failover_log: list[tuple[int, int]], planned_uuid: int) -> int | None:
