@@ -175,7 +175,8 @@ class NamedRows:
         if len(self._rows) > before:
             # The rows ChangeRows kept: those at or below their vbucket's end (its rule).
             vbuckets = stripped.array("vbucket")
-            ends = np.array([end_seqnos[int(vb)] for vb in vbuckets.tolist()], np.uint64)
+            present, at = np.unique(vbuckets, return_inverse=True)  # a step per vbucket
+            ends = np.array([end_seqnos[vb] for vb in present.tolist()], np.uint64)[at]
             kept = cids[stripped.array("seqno") <= ends]
             assert len(kept) == len(self._rows) - before, (len(kept), len(self._rows), before)
             self._cids.append(kept)
