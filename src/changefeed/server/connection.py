@@ -82,6 +82,7 @@ from changefeed.server.context import ServerContext
 from changefeed.server.dcp_pump import DcpPump
 from changefeed.server.privileges import Privilege, required_privilege
 from changefeed.server.request_window import RequestWindow, window_counters
+from changefeed.server.settled_answers import SettledAnswers
 from changefeed.server.stats import stat_group
 from changefeed.storage.keys import stored_key
 
@@ -224,6 +225,7 @@ class ClientConnection(asyncio.Protocol):
         # A window's replies and GETs not yet sent, and what arrived after them (_emit_held).
         self._held: deque[bytes | Frame | OversizedFrame | RequestWindow] = deque()
         self.persistence_waits: set[asyncio.Future[None]] = set()  # SEQNO_PERSISTENCE pending
+        self.settled_answers = SettledAnswers(self)  # durable writes' outcomes, to send
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
 

@@ -16,8 +16,8 @@ same order, each run-wide step once:
    answers it once: the commit's result, or SYNC_WRITE_AMBIGUOUS.
 
 Refusals are answered at once, in request order, as the per-frame path answers each when it
-dispatches it. Outcomes reach the run's `RunAnswers` record (no future and no callback per
-write), which sends what one loop step settled together, in the order it settled: the
+dispatches it. Outcomes reach the connection's `SettledAnswers` (no future and no callback
+per write), which sends what one loop step settled together, in the order it settled: the
 successes packed (`pack_set_successes`), byte for byte the per-frame replies.
 
 Not here: the commit rule and the timers (sync_writes.py), the wire (protocol/set_run.py).
@@ -25,19 +25,19 @@ Not here: the commit rule and the timers (sync_writes.py), the wire (protocol/se
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from collections.abc import Sequence
 from functools import partial
 from typing import Final, Protocol
 
-from changefeed.protocol.errors import DurabilityImpossibleError, ProtocolError, StatusError
+from changefeed.protocol.errors import DurabilityImpossibleError, StatusError
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.kv import MutationResult
-from changefeed.protocol.opcode import Feature, Magic, Opcode
-from changefeed.protocol.set_run import SetRun, pack_set_successes
+from changefeed.protocol.opcode import Magic, Opcode
+from changefeed.protocol.set_run import SetRun
 from changefeed.server.context import ServerContext
 from changefeed.server.kv_commands import requirement_of
+from changefeed.server.settled_answers import AnsweringConnection, SettledAnswers
 
 _STORE_EXTRAS: Final = struct.Struct(">II")
 _ALT_REQUEST: Final = int(Magic.ALT_REQUEST)
@@ -45,27 +45,14 @@ _SET: Final = int(Opcode.SET)
 Outcome = MutationResult | StatusError
 
 
-class RunConnection(Protocol):
+class RunConnection(AnsweringConnection, Protocol):
     """What a durable run needs of the connection it came on (`ClientConnection` has it)."""
 
     context: ServerContext
-    features: set[int]
-
-    @property
-    def closing(self) -> bool:
-        """No reply can be sent any more."""
-        ...
-
-    def send(self, data: bytes) -> None: ...
-
-    def reply_error(self, request: Frame, error: ProtocolError | StatusError) -> None: ...
+    settled_answers: SettledAnswers  # its durable writes' outcomes not yet sent
 
     def answers_expected(self, count: int) -> None:
         """`count` requests will be answered later (the connection is not idle until then)."""
-        ...
-
-    def answered(self) -> None:
-        """One of them was answered."""
         ...
 
 
@@ -109,9 +96,9 @@ def store_durable_run(c: RunConnection, run: SetRun) -> None:
         c.reply_error(_request(run, index), errors[index])
     if monitor is None or len(errors) == count:
         return
-    record = RunAnswers(c, run, count - len(errors))
+    c.answers_expected(count - len(errors))
     keys = run.keys
-    settle = record.settle
+    settle = partial(c.settled_answers.run_write, run)
     for vb, indexes in by_vb.items():  # bounded by the run's vbuckets
         queued = [index for index in indexes if index not in errors] if errors else indexes
         if queued:
@@ -122,74 +109,6 @@ def store_durable_run(c: RunConnection, run: SetRun) -> None:
                 requirement,
                 [partial(settle, index) for index in queued],
             )
-
-
-class RunAnswers:
-    """The answers of one durable run's writes that were queued: `settle(i, outcome)` once
-    per write; what a loop step settled goes out at its end, packed (module docstring)."""
-
-    __slots__ = ("_connection", "_remaining", "_run", "_scheduled", "_settled", "_token")
-
-    def __init__(self, connection: RunConnection, run: SetRun, expected: int) -> None:
-        assert 0 < expected <= len(run), (expected, len(run))
-        self._connection = connection
-        self._run = run
-        self._token = Feature.MUTATION_SEQNO in connection.features
-        self._remaining = expected
-        self._settled: list[tuple[int, Outcome]] = []
-        self._scheduled = False
-        connection.answers_expected(expected)
-
-    @property
-    def remaining(self) -> int:
-        """Writes of the run not answered yet."""
-        return self._remaining
-
-    def settle(self, index: int, outcome: Outcome) -> None:
-        """Write `index` of the run got its outcome (the monitor calls this once per write)."""
-        self._remaining -= 1
-        assert self._remaining >= 0, (index, self._remaining)
-        self._connection.answered()
-        self._settled.append((index, outcome))
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._send)
-
-    def _send(self) -> None:
-        """Send the outcomes settled since the last call, in the order they settled."""
-        self._scheduled = False
-        settled, self._settled = self._settled, []
-        c = self._connection
-        if c.closing:
-            return
-        run = self._run
-        opaques: list[int] = []
-        cases: list[int] = []
-        vb_uuids: list[int] = []
-        seqnos: list[int] = []
-
-        def pack() -> None:
-            if not opaques:
-                return
-            if self._token:
-                c.send(pack_set_successes(opaques, cases, vb_uuids, seqnos))
-            else:
-                c.send(pack_set_successes(opaques, cases))
-            opaques.clear()
-            cases.clear()
-            vb_uuids.clear()
-            seqnos.clear()
-
-        for index, outcome in settled:  # bounded by the run
-            if isinstance(outcome, MutationResult):
-                opaques.append(run.opaques[index])
-                cases.append(outcome.cas)
-                vb_uuids.append(outcome.vb_uuid)
-                seqnos.append(outcome.seqno)
-                continue
-            pack()
-            c.reply_error(_request(run, index), outcome)
-        pack()
 
 
 def _request(run: SetRun, index: int) -> Frame:

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Final
 
 from changefeed import limits
@@ -177,8 +178,9 @@ def durable_write(
         raise DurabilityImpossibleError("durable writes need a running node")
     monitor.check_possible(f.vbucket)
     prepared = write(int(requirement.level))
-    outcome = monitor.track(f.vbucket, key, prepared, requirement)
-    c.answer_when_done(f, outcome, lambda result: reply_mutation(c, f, result, value=value))
+    c.answers_expected(1)
+    answer = partial(c.settled_answers.frame_write, f, value)  # in settle order (its module)
+    monitor.track_run(f.vbucket, [key], [prepared.seqno], requirement, [answer])
 
 
 def refuse_durability(f: Frame) -> None:

@@ -15,6 +15,7 @@ from changefeed.protocol.frame import Frame
 from changefeed.protocol.status import Status
 from changefeed.server.authenticator import SaslAuthenticator
 from changefeed.server.context import ServerContext
+from changefeed.server.settled_answers import SettledAnswers
 
 T = TypeVar("T")
 
@@ -28,6 +29,7 @@ class Requester(Protocol):
     map_version_seen: tuple[int, int]  # newest cluster map (epoch, rev) fetched or pushed
     peer: str
     sasl: SaslAuthenticator
+    settled_answers: SettledAnswers  # durable writes' outcomes, answered in settle order
 
     def reply(
         self,
@@ -49,6 +51,10 @@ class Requester(Protocol):
 
     def send(self, data: bytes) -> None:
         """Write an unsolicited frame (a server push)."""
+        ...
+
+    def answers_expected(self, count: int) -> None:
+        """`count` requests are answered later, through `settled_answers`."""
         ...
 
     def answer_when_done(
