@@ -59,6 +59,7 @@ from changefeed.consumer.dcp_session import (
     StreamAnswered,
     StreamEnded,
     SyncFrame,
+    SyncRun,
 )
 from changefeed.consumer.handshake import connect
 from changefeed.protocol.batch import Batch, ChangeColumns
@@ -84,6 +85,7 @@ from changefeed.protocol.frame import Frame
 from changefeed.protocol.opcode import Feature, Opcode
 from changefeed.protocol.snapshot_marker import SnapshotMarker
 from changefeed.protocol.status import Status
+from changefeed.protocol.sync_columns import OP_PREPARE, SyncColumns
 from changefeed.storage import Op
 from changefeed.vbmap import NodeAddress
 from changefeed.vbucket import ReplicatedColumns
@@ -482,6 +484,9 @@ class ReplicaFeed:
                 if kind is Run:
                     assert view is not None and isinstance(event, Run), event
                     self._apply(view, event.start, event.stop)
+                elif kind is SyncRun:
+                    assert isinstance(event, SyncRun), event
+                    self._on_sync_columns(batch.syncs, event.start, event.stop)
                 elif kind is MarkerReceived:
                     assert isinstance(event, MarkerReceived), event
                     self._on_marker(event.vb, event.marker)
@@ -634,6 +639,30 @@ class ReplicaFeed:
         if error is not None:
             raise error
 
+    def _on_sync_columns(self, syncs: SyncColumns, start: int, stop: int) -> None:
+        """DCP_PREPAREs (or DCP_COMMITs) `start`..`stop` of the batch's sync columns, one
+        vbucket's, consecutive on the wire and checked as their decoders check them
+        (protocol/sync_columns.py): queued as `_on_sync_run` queues the frames it decodes —
+        a run as one run, a single one alone — with no `Frame`, `Prepare` or `Commit` built."""
+        vb = syncs.vbucket[start]
+        count = stop - start
+        if syncs.opcode[start] == OP_PREPARE:
+            prepares = _prepares_of(syncs, start, stop)
+            if count == 1:
+                self._queue(vb, prepares[0])
+            else:
+                self._queue_prepares(vb, prepares)
+            self._prepared = True
+            self.stats.items += count
+            return
+        keys, prepared = syncs.key[start:stop], syncs.prepared_seqno[start:stop]
+        commits = list(zip(keys, prepared, syncs.seqno[start:stop], strict=True))
+        if count == 1:
+            self._queue(vb, Commit(vb, syncs.opaque[start], *commits[0]))
+        else:
+            self._queue_commit_runs(vb, commits, syncs.opaque[start])
+        self.stats.items += count
+
     def _queue_prepares(self, vb: int, prepares: list[SyncItem]) -> None:
         taken = 0
         if not self._backlog:
@@ -654,6 +683,20 @@ class ReplicaFeed:
                 taken = 0
         if taken < len(commits):
             self._hold_back(vb, commits[taken:])
+
+    def _queue_commit_runs(
+        self, vb: int, commits: list[tuple[bytes, int, int]], opaque: int
+    ) -> None:
+        """`_queue_commits` for (key, prepared seqno, commit seqno) triples: a `Commit` is
+        built only for what waits for memory."""
+        taken = 0
+        if not self._backlog:
+            try:
+                taken = self.bucket.vbucket(vb).replica_commit_many(commits)
+            except CheckpointMemoryFullError:
+                taken = 0
+        if taken < len(commits):
+            self._hold_back(vb, [Commit(vb, opaque, *commit) for commit in commits[taken:]])
 
     def _on_sync(self, vb: int, frame: Frame) -> None:
         opcode = frame.opcode
@@ -728,6 +771,25 @@ class ReplicaFeed:
         if self._conn is not None:
             with contextlib.suppress(ConnectionClosedError):
                 self._conn.send(data)
+
+
+def _prepares_of(syncs: SyncColumns, start: int, stop: int) -> list[SyncItem]:
+    """Prepares `start`..`stop` of the sync columns as items, the fields `_prepare_item`
+    takes from a decoded `Prepare`."""
+    seqnos, keys, values, cases = syncs.seqno, syncs.key, syncs.value, syncs.cas
+    flags, expiries, datatypes = syncs.flags, syncs.expiry, syncs.datatype
+    revs, delete_times, deleted, levels = (
+        syncs.rev_seqno, syncs.delete_time, syncs.deleted, syncs.level,
+    )  # fmt: skip
+    prepare, mutation, deletion = Op.PREPARE, Op.MUTATION, Op.DELETION
+    return [
+        SyncItem(
+            seqnos[i], keys[i], prepare, deletion if deleted[i] else mutation, values[i],
+            cases[i], flags[i], expiries[i], datatypes[i], revs[i], delete_times[i],
+            level=levels[i],
+        )
+        for i in range(start, stop)
+    ]  # fmt: skip
 
 
 def _prepare_item(p: Prepare) -> SyncItem:

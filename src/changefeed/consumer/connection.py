@@ -420,7 +420,7 @@ class Connection:
             if not self._resolve(frame):
                 unclaimed.append((position, frame))
         batch.controls = unclaimed
-        if (unclaimed or len(batch.changes)) and self.on_push is not None:
+        if (unclaimed or len(batch.changes) or len(batch.syncs)) and self.on_push is not None:
             self.on_push(batch)
 
     def _resolve(self, frame: Frame) -> bool:

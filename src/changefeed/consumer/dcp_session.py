@@ -44,6 +44,7 @@ from changefeed.protocol.frame import Frame, encode_response
 from changefeed.protocol.opcode import Magic, Opcode
 from changefeed.protocol.quick_init import quick_init
 from changefeed.protocol.snapshot_marker import MarkerFlag, SnapshotMarker, decode_snapshot_marker
+from changefeed.protocol.sync_columns import SyncColumns
 
 
 class StreamStatus(enum.Enum):
@@ -100,6 +101,17 @@ class SyncFrame:
     frame: Frame
 
 
+@quick_init  # built per run of sync frames: see protocol/quick_init.py
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncRun:
+    """Entries ``start``..``stop`` of the batch's ``syncs`` columns (protocol/sync_columns.py):
+    DCP_PREPAREs or DCP_COMMITs of one vbucket, consecutive on the wire (only replica streams
+    carry them). A sync frame its decoder would refuse, and DCP_ABORT, come as `SyncFrame`."""
+
+    start: int
+    stop: int
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PositionMoved:
     """A DCP_SYSTEM_EVENT (``event`` set) or DCP_SEQNO_ADVANCED for ``vb`` at ``seqno``."""
@@ -109,7 +121,7 @@ class PositionMoved:
     event: SystemEventMessage | None = None
 
 
-Event = Run | StreamAnswered | StreamEnded | MarkerReceived | SyncFrame | PositionMoved
+Event = Run | StreamAnswered | StreamEnded | MarkerReceived | SyncFrame | SyncRun | PositionMoved
 
 _SYNC_OPCODES = frozenset(map(int, (Opcode.DCP_PREPARE, Opcode.DCP_COMMIT, Opcode.DCP_ABORT)))
 _RESPONSE_MAGICS = frozenset((int(Magic.RESPONSE), int(Magic.ALT_RESPONSE)))
@@ -184,13 +196,20 @@ class DcpSession:
         """
         events: list[Event] = []
         done = 0
-        for position, frame in batch.controls:
+        syncs = batch.syncs
+        taken = 0  # sync frames given as events so far
+        for index, (position, frame) in enumerate(batch.controls):
+            if taken < len(syncs) and syncs.control[taken] == index:
+                done, taken = self._sync_runs(events, syncs, taken, index, done)
             if position > done:
                 events.append(Run(done, position))
                 done = position
             event = self._control(frame)
             if event is not None:
                 events.append(event)
+        if taken < len(syncs):
+            done, taken = self._sync_runs(events, syncs, taken, len(batch.controls), done)
+        assert taken == len(syncs), (taken, len(syncs))
         if len(batch.changes) > done:
             events.append(Run(done, len(batch.changes)))
         self._consumed(batch.item_bytes)
@@ -217,6 +236,27 @@ class DcpSession:
         self._unacked_bytes = 0
 
     # -- inside ---------------------------------------------------------------------------------
+
+    def _sync_runs(
+        self, events: list[Event], syncs: SyncColumns, taken: int, control: int, done: int
+    ) -> tuple[int, int]:
+        """The sync frames from ``taken`` that precede control frame ``control``, as runs
+        (`SyncRun`) between the changes around them. Returns (changes given, syncs given)."""
+        count = len(syncs)
+        positions, controls, sizes = syncs.position, syncs.control, syncs.wire_size
+        consumed = self._consumed
+        while taken < count and controls[taken] == control:  # bounded by the sync frames
+            position = positions[taken]
+            assert position >= done, (position, done)
+            if position > done:
+                events.append(Run(done, position))
+                done = position
+            stop = syncs.run_end(taken)
+            for size in sizes[taken:stop]:  # as a control frame each: acks come where they did
+                consumed(size)
+            events.append(SyncRun(taken, stop))
+            taken = stop
+        return done, taken
 
     def _control(self, frame: Frame) -> Event | None:
         # Plain ints (_RESPONSE_MAGICS, _OP_*): an Enum member's lookup costs ~0.25 us on

@@ -69,6 +69,8 @@ from changefeed.protocol.frame import (
 )
 from changefeed.protocol.opcode import DATATYPE_MASK, Magic, Opcode
 from changefeed.protocol.status import Status
+from changefeed.protocol.sync_columns import Row as SyncRow
+from changefeed.protocol.sync_columns import SyncColumns, is_sync, sync_row
 
 Buffer = bytes | bytearray | memoryview
 
@@ -320,12 +322,15 @@ class Batch:
     Attributes:
         changes: the data items, as columns.
         controls: ``(position, frame)`` pairs; ``position`` = changes that precede the frame.
+        syncs: the DCP_PREPAREs and DCP_COMMITs (sync_columns.py), each with where it sits
+            among the changes and controls; empty unless decoded with ``sync_columns``.
         consumed: bytes of the buffer used (whole frames only).
-        item_bytes: wire bytes of the changes (what flow control acks).
+        item_bytes: wire bytes of the changes (what flow control acks; not of the syncs).
     """
 
     changes: ChangeColumns = field(default_factory=ChangeColumns)
     controls: list[tuple[int, Frame]] = field(default_factory=list)
+    syncs: SyncColumns = field(default_factory=SyncColumns)
     consumed: int = 0
     item_bytes: int = 0
 
@@ -340,12 +345,15 @@ def decode_batch(
     frame_size_max: int = limits.FRAME_SIZE_MAX,
     items_max: int = 1 << 20,
     vectorise: bool | None = None,
+    sync_columns: bool = True,
 ) -> Batch:
     """Decode every complete frame in ``buffer[start:]`` (up to ``items_max`` changes).
 
     Args:
         vectorise: decode with numpy (True) or per frame (False); None picks by the number of
             frames (``VECTORISE_FRAMES_MIN``). The result is the same either way.
+        sync_columns: DCP_PREPAREs and DCP_COMMITs that their decoders would take go to
+            ``Batch.syncs`` (True) instead of ``controls`` as frames (False: the reference).
 
     Raises:
         ProtocolError: as the per-frame decoders would, at the first bad frame.
@@ -358,9 +366,9 @@ def decode_batch(
     if not starts:
         batch = Batch()
     elif vectorise:
-        batch = _decode_vectorised(buffer, starts, stop, frame_size_max)
+        batch = _decode_vectorised(buffer, starts, stop, frame_size_max, sync_columns)
     else:
-        batch = _decode_per_frame(buffer, starts, stop, frame_size_max)
+        batch = _decode_per_frame(buffer, starts, stop, frame_size_max, sync_columns)
     if whole and len(buffer) - stop >= _HEADER_SIZE:
         # An unfinished frame follows: refuse a bad header before its body is awaited.
         check_header(buffer, stop, frame_size_max)
@@ -427,10 +435,13 @@ def _ends(starts: list[int], stop: int) -> Iterator[tuple[int, int]]:
 _Row = tuple[int, int, int, int, int, int, int, int, int, int, int, int, int]
 
 
-def _decode_per_frame(buffer: Buffer, starts: list[int], stop: int, frame_size_max: int) -> Batch:
+def _decode_per_frame(
+    buffer: Buffer, starts: list[int], stop: int, frame_size_max: int, sync_columns: bool
+) -> Batch:
     """The walked frames one by one: ``check_header``, then one unpack per item."""
     batch = Batch()
     rows: list[_Row] = []
+    sync_rows: list[SyncRow] = []
     first = -1  # where the first item starts: offsets count from there
     for pos, following in _ends(starts, stop):
         total = following - pos
@@ -440,6 +451,11 @@ def _decode_per_frame(buffer: Buffer, starts: list[int], stop: int, frame_size_m
         else:
             assert _HEADER_SIZE + check_header(buffer, pos, frame_size_max) == total, pos
             if not _is_item(buffer, pos):
+                if sync_columns and is_sync(buffer, pos):
+                    row = sync_row(buffer, pos, total, len(rows), len(batch.controls))
+                    if row is not None:
+                        sync_rows.append(row)
+                        continue
                 batch.controls.append((len(rows), decode_frame(buffer, pos, total)))
                 continue
             first = pos if first < 0 else first
@@ -450,6 +466,8 @@ def _decode_per_frame(buffer: Buffer, starts: list[int], stop: int, frame_size_m
         lists: dict[str, list[int] | list[bytes]] = dict(zip(_DTYPES, transposed, strict=True))
         data = bytes(memoryview(buffer)[first : first + rows[-1][-1]])
         batch.changes = ChangeColumns._of_lists(lists, data)
+    if sync_rows:
+        batch.syncs = SyncColumns(sync_rows)
     return batch
 
 
@@ -588,7 +606,9 @@ assert int(np.count_nonzero(_ITEM_LAYOUT)) == 4
 assert DATATYPE_MASK & (DATATYPE_MASK + 1) == 0, DATATYPE_MASK
 
 
-def _decode_vectorised(buffer: Buffer, starts: list[int], stop: int, frame_size_max: int) -> Batch:
+def _decode_vectorised(
+    buffer: Buffer, starts: list[int], stop: int, frame_size_max: int, sync_columns: bool
+) -> Batch:
     """The walked frames at once: gather every prefix, check with masks, decode columns."""
     at = np.array(starts, np.int64)
     following = np.empty_like(at)
@@ -601,9 +621,18 @@ def _decode_vectorised(buffer: Buffer, starts: list[int], stop: int, frame_size_
     batch = Batch()
     # Controls in order, up to the first bad frame; decoding one may raise first (stream-id).
     position: NDArray[np.intp] = np.cumsum(is_item) - is_item
+    sync_rows: list[SyncRow] = []
     for index in np.flatnonzero(~is_item[:first_bad]).tolist():
-        frame = decode_frame(buffer, starts[index], int(following[index]) - starts[index])
-        batch.controls.append((int(position[index]), frame))
+        pos = starts[index]
+        total = int(following[index]) - pos
+        if sync_columns and is_sync(buffer, pos):
+            row = sync_row(buffer, pos, total, int(position[index]), len(batch.controls))
+            if row is not None:
+                sync_rows.append(row)
+                continue
+        batch.controls.append((int(position[index]), decode_frame(buffer, pos, total)))
+    if sync_rows:
+        batch.syncs = SyncColumns(sync_rows)
     if first_bad < len(starts):
         _raise_for(buffer, starts[first_bad], int(following[first_bad]), frame_size_max)
     items = np.flatnonzero(is_item)
