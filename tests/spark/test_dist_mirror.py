@@ -13,6 +13,11 @@ every column, changelogs on every column but ``_commit_timestamp``, the same ver
 transactions, files per group and watermark), and the path is picked per batch by the seqnos
 it was planned at (a real stream with ``mirrorDriverBatchMax`` between its batch sizes: the
 planned count equals the span Spark's progress shows, both paths taken, mirror == store).
+The driver path reads a small batch from the nodes itself (``driver_read.py``; compared with
+Spark's read batch by batch in ``test_driver_read.py``, slow): typed documents, a malformed one
+and a field named like the writer's stream-position column, which both paths keep as a field
+(before, the driver path failed on it and the tasks' path replaced it); Spark's progress
+counts the rows; a DataFrame derived from the batch is not read in the driver.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import pytest
 from deltalake import DeltaTable
 
 from changefeed.spark import ARROW_SCHEMA, MirrorWriter, read_mirror
+from changefeed.spark.batch_plan import source_batch
 from changefeed.spark.batch_size import planned_changes
 from changefeed.spark.delta_files import GROUP_COLUMN
 from changefeed.spark.dist_mirror import (
@@ -44,13 +50,20 @@ from changefeed.spark.dist_mirror import (
 )
 from changefeed.spark.mirror import APP_ID
 from changefeed.spark.mirror_status import changes, mirror_status
-from changefeed.spark.mirror_tasks import COMMIT_TIMESTAMP
+from changefeed.spark.mirror_tasks import COMMIT_TIMESTAMP, POSITION
 from changefeed.spark.table_lease import MirrorBusyError
 from changefeed.spark.watermark import hlc_ns
 from changefeed.vbmap import vbucket_for_key
 from support.nodes import NodeFactory
 
-from .helpers import Model, assert_changelog_once, assert_mirror_matches, workload, write
+from .helpers import (
+    Model,
+    assert_changelog_once,
+    assert_mirror_matches,
+    assert_typed_mirror_matches,
+    workload,
+    write,
+)
 from .test_pipeline import FAST_NODE, seqno_span
 
 VBUCKETS = 16
@@ -324,7 +337,9 @@ def test_the_driver_path_writes_the_tables_the_tasks_write(
     try:
         for batch_id in range(5):
             rows, _ = stream.batch(0 if batch_id == 2 else rng.randrange(1, 60))
-            df = spark.createDataFrame(rows)
+            # A document field named like the writer's stream-position column stays a field.
+            field = pa.array([rng.randrange(-99, 99) for _ in range(rows.num_rows)], pa.int64())
+            df = spark.createDataFrame(rows.append_column(POSITION, field))
             for path, writer in writers.items():
                 writer.write_batch(df, batch_id, in_driver=path == "driver")
                 assert writer.last_in_driver == (path == "driver")
@@ -342,7 +357,9 @@ def test_the_driver_path_writes_the_tables_the_tasks_write(
     assert sorted_rows(driver["mirror"].to_pyarrow_table(), mirror_keys) == sorted_rows(
         tasks["mirror"].to_pyarrow_table(), mirror_keys
     )
-    assert set(stream.live) == set(driver["mirror"].to_pyarrow_table().column("key").to_pylist())
+    mirrored = driver["mirror"].to_pyarrow_table()
+    assert set(stream.live) == set(mirrored.column("key").to_pylist())
+    assert mirrored.column(POSITION).null_count == 0, "the document field was replaced"
     log_keys = ["batch_id", "vbucket", "seqno"]
     logged = {
         path: t["changelog"].to_pyarrow_table().drop_columns([COMMIT_TIMESTAMP])
@@ -398,3 +415,50 @@ def test_the_path_follows_the_planned_batch_size(
     assert {in_driver for _, _, in_driver in seen} == {True, False}, seen
     assert_mirror_matches(tmp_path / "tables", node, model)
     assert_changelog_once(tmp_path / "tables")
+
+
+TYPED_SCHEMA = f"n bigint, name string, {POSITION} bigint"
+
+
+def test_the_driver_reads_typed_documents_and_keeps_a_field_named_like_the_position(
+    spark: Any, nodes: NodeFactory, tmp_path: Path, rng: random.Random
+) -> None:
+    node = nodes(args=FAST_NODE)
+    docs: list[tuple[str, bytes | None]] = [
+        (f"d-{i:04d}", json.dumps({"n": i, "name": f"doc {i}", POSITION: -i}).encode())
+        for i in range(900)
+    ]
+    docs += [("d-bad", b"{not json"), ("d-0003", None)]
+    docs += [(f"d-{rng.randrange(900):04d}", json.dumps({"n": -1, POSITION: 7}).encode())
+             for _ in range(200)]  # fmt: skip
+    write(node.port, docs)
+    opts = node.source_options(schema=TYPED_SCHEMA, maxOffsetsPerTrigger="500")
+    writer = MirrorWriter(tmp_path / "tables", opts)
+    read_in_driver: list[bool] = []
+    derived: list[bool] = []
+
+    def sink(batch_df: Any, batch_id: int) -> None:
+        derived.append(source_batch(batch_df.filter("op = 'mutation'"), batch_id) is None)
+        writer(batch_df, batch_id)
+        read_in_driver.append(writer.last_read_in_driver)
+
+    query = (
+        spark.readStream.format("changefeed").options(**opts).load()
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True).start()
+    )  # fmt: skip
+    try:
+        assert query.awaitTermination(180), "the availableNow query did not finish in 180 s"
+    finally:
+        query.stop()
+        writer.close()
+    assert query.exception() is None, query.exception()
+    assert read_in_driver and all(read_in_driver), read_in_driver
+    assert derived and all(derived), derived
+    progress = [json.loads(p.json) if hasattr(p, "json") else p for p in query.recentProgress]
+    counted = sum(p["numInputRows"] for p in progress)
+    logged = DeltaTable(str(tmp_path / "tables" / "changelog")).to_pyarrow_table()
+    assert counted == logged.num_rows > 0, (counted, logged.num_rows)
+    mirror = assert_typed_mirror_matches(tmp_path / "tables", node)
+    assert mirror.column(POSITION).null_count < mirror.num_rows  # the documents' own values

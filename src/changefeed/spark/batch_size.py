@@ -53,11 +53,18 @@ def seqnos_between(starts: list[str | None] | None, ends: list[str | None]) -> i
         start = _parse(start_text) if start_text is not None else {}
         if end is None or start is None:
             return None
-        for vb, offset in end.items():
-            before = start.get(vb, VbOffset())
-            total += max(0, offset.seqno - before.seqno)
-            if offset.vb_uuid != before.vb_uuid and before.vb_uuid != 0:
-                total += 1  # a new history branch: room for the rollback row
+        total += seqnos_spanned(start, end)
+    return total
+
+
+def seqnos_spanned(start: Offsets, end: Offsets) -> int:
+    """The seqnos from ``start`` to ``end`` of one source, plus one per new history branch."""
+    total = 0
+    for vb, offset in end.items():
+        before = start.get(vb, VbOffset())
+        total += max(0, offset.seqno - before.seqno)
+        if offset.vb_uuid != before.vb_uuid and before.vb_uuid != 0:
+            total += 1  # a new history branch: room for the rollback row
     return total
 
 

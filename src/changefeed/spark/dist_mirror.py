@@ -57,7 +57,8 @@ from deltalake.schema import Schema as DeltaSchema
 from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 
 from changefeed.spark import watermark
-from changefeed.spark.batch_size import planned_changes
+from changefeed.spark.batch_plan import SourceBatch, source_batch
+from changefeed.spark.batch_size import planned_changes, seqnos_spanned
 from changefeed.spark.delta_files import (
     ACTION_DDL,
     ACTION_SCHEMA,
@@ -70,7 +71,13 @@ from changefeed.spark.delta_files import (
 )
 from changefeed.spark.maintenance import TableMaintenance
 from changefeed.spark.merge_source import mirror_schema
-from changefeed.spark.mirror_tasks import CHANGEFEED_FIELDS, POSITION, FileRef, GroupPlan, run_group
+from changefeed.spark.mirror_tasks import (
+    CHANGEFEED_FIELDS,
+    FileRef,
+    GroupPlan,
+    position_column,
+    run_group,
+)
 from changefeed.spark.table_lease import TablesLease
 
 log = logging.getLogger("changefeed.mirror")
@@ -119,7 +126,9 @@ class DistributedMirrorWriter:
         self.tasks = _positive(lowered, "mirrortasks")
         self.groups_wanted = _positive(lowered, "mirrorgroups") or DEFAULT_GROUPS
         self.driver_batch_max = _count(lowered, "mirrordriverbatchmax", DEFAULT_DRIVER_BATCH_MAX)
+        self.driver_read = _flag(lowered, "mirrordriverread", True)
         self.last_in_driver = False  # which path the last batch took
+        self.last_read_in_driver = False  # whether its rows were read by the driver itself
         self.timings: dict[str, float] = {}  # the last batch's phases (seconds; a profile)
         if self.groups_wanted > GROUPS_MAX:
             raise ValueError(f"mirrorGroups {self.groups_wanted} is above {GROUPS_MAX}")
@@ -136,19 +145,48 @@ class DistributedMirrorWriter:
     def write_batch(self, batch_df: Any, batch_id: int, in_driver: bool | None = None) -> None:
         """Write micro-batch ``batch_id``; ``in_driver`` picks the path (None: by the batch's
         planned size, ``driver_batch_max``; see the module docstring)."""
+        source = self._source_batch(batch_df, batch_id)
         if in_driver is None:
-            in_driver = self.small(batch_df, batch_id)
+            in_driver = self.small(batch_df, batch_id, source)
         self.last_in_driver = in_driver
-        self._write(batch_df, batch_id, in_driver)
+        self.last_read_in_driver = False
+        self._write(batch_df, batch_id, in_driver, source if in_driver else None)
 
-    def small(self, batch_df: Any, batch_id: int) -> bool:
-        """Whether the batch is planned at most ``driver_batch_max`` changes (unknown: no)."""
+    def small(self, batch_df: Any, batch_id: int, source: SourceBatch | None = None) -> bool:
+        """Whether the batch is planned at most ``driver_batch_max`` changes (unknown: no):
+        from its offsets in Spark's plan (``source``), else from the offset log."""
         if self.driver_batch_max == 0:
             return False
-        planned = planned_changes(batch_df, batch_id)
+        if source is not None:
+            planned: int | None = seqnos_spanned(source.start, source.end)
+        else:
+            planned = planned_changes(batch_df, batch_id)
         return planned is not None and planned <= self.driver_batch_max
 
-    def _write(self, batch_df: Any, batch_id: int, in_driver: bool) -> None:
+    def _source_batch(self, batch_df: Any, batch_id: int) -> SourceBatch | None:
+        """The changefeed batch the driver can read itself (``driver_read.py``), or None."""
+        if not self.driver_read or self.driver_batch_max == 0:
+            return None
+        from changefeed.spark.driver_read import readable
+
+        source = source_batch(batch_df, batch_id)
+        return source if source is not None and readable(source) else None
+
+    def _rows_here(self, batch_df: Any, source: SourceBatch | None) -> pa.Table:
+        """A small batch's rows in the driver: read from the nodes (``source``), else
+        Spark's job (``toArrow``)."""
+        if source is None:
+            return batch_df.toArrow()
+        from changefeed.spark.driver_read import read_batch, spark_arrow_schema
+
+        rows = read_batch(source, batch_df.schema, spark_arrow_schema(batch_df))
+        source.count_rows(rows.num_rows)
+        self.last_read_in_driver = True
+        return rows
+
+    def _write(
+        self, batch_df: Any, batch_id: int, in_driver: bool, source: SourceBatch | None
+    ) -> None:
         lap = _Laps()
         self.timings = lap.seconds
         self.lease.hold()
@@ -184,15 +222,16 @@ class DistributedMirrorWriter:
             changelog_version=None if changelog is None else changelog.version(),
             commit_timestamp_ms=now_ms(), mirror_schema=mirror_target,
             changelog_schema=changelog_target, mirror_files=_files_by_group(mirror),
+            position=position_column(batch_schema.names),
         )  # fmt: skip
         lap("prepare")
         if in_driver:
-            rows = batch_df.toArrow()
+            rows = self._rows_here(batch_df, source)
             lap("read")
             actions = run_groups_here(plan, rows, groups)
         else:
             tasks = min(groups, self.tasks or _default_parallelism(batch_df))
-            keyed = batch_df.withColumn(POSITION, F.monotonically_increasing_id()).withColumn(
+            keyed = batch_df.withColumn(plan.position, F.monotonically_increasing_id()).withColumn(
                 GROUP_COLUMN, F.pmod(F.col("vbucket"), F.lit(groups)).cast("int")
             )
             actions = (
@@ -386,7 +425,7 @@ def run_groups_here(plan: GroupPlan, rows: pa.Table, groups: int) -> pa.Table:
     group_of = np.mod(vbuckets, groups).astype(np.int32)
     if GROUP_COLUMN in rows.column_names:  # a document field of that name: ours wins
         rows = rows.drop_columns([GROUP_COLUMN])
-    keyed = rows.append_column(POSITION, pa.array(np.arange(rows.num_rows, dtype=np.int64)))
+    keyed = rows.append_column(plan.position, pa.array(np.arange(rows.num_rows, dtype=np.int64)))
     keyed = keyed.append_column(GROUP_COLUMN, pa.array(group_of))
 
     def one(group: int) -> pa.Table:
@@ -452,6 +491,15 @@ def _count(options: dict[str, str], name: str, default: int) -> int:
     if value < 0:
         raise ValueError(f"option {name}: {text!r} is not a count (0 or more)")
     return value
+
+
+def _flag(options: dict[str, str], name: str, default: bool) -> bool:
+    text = options.get(name)
+    if text is None:
+        return default
+    if text.lower() not in ("true", "false"):
+        raise ValueError(f"option {name}: {text!r} is not true or false")
+    return text.lower() == "true"
 
 
 def _default_parallelism(batch_df: Any) -> int:

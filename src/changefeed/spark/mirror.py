@@ -232,6 +232,11 @@ class MirrorWriter:
         """Whether the distributed writer wrote the last batch from the driver (a small one)."""
         return self._distributed is not None and self._distributed.last_in_driver
 
+    @property
+    def last_read_in_driver(self) -> bool:
+        """Whether the driver also read the last batch's rows from the nodes itself."""
+        return self._distributed is not None and self._distributed.last_read_in_driver
+
     def _use_distributed(self) -> bool:
         """The distributed writer unless asked for the local one or the tables are the local
         writer's (a mirror partitioned by vbucket, or an unpartitioned one)."""

@@ -4,8 +4,8 @@ A group (``vbucket % groups``) is a partition of both tables: its files are writ
 task holding the group's rows, so tasks never touch each other's files and the driver only
 commits what they report. For group g of batch b the task:
 
-1. puts the group's change rows back in stream order (``POSITION``: a vbucket's rows come from
-   one source partition, whose ids rise in stream order) and reduces them to each key's final
+1. puts the group's change rows back in stream order (``plan.position``: a vbucket's rows come
+   from one source partition, whose ids rise in stream order) and reduces them to each key's final
    change (``merge_source.latest_changes``), or applies the batch's rollback rows
    (``merge_source.rollback_plan``: the history is the group's mirror rows and its earlier
    changelog rows, and the node is asked for the voided keys, as ``mirror.py`` does);
@@ -106,12 +106,24 @@ class GroupPlan:
     mirror_schema: pa.Schema
     changelog_schema: pa.Schema
     mirror_files: dict[int, list[FileRef]] = field(default_factory=dict)
+    position: str = POSITION  # the stream-position column's name (``position_column``)
+
+
+def position_column(names: list[str]) -> str:
+    """A name for the rows' stream position that no column of the batch has (Spark's names
+    ignore case): ``POSITION``, else with ``_`` appended until free (a document field of that
+    name stays a field)."""
+    taken = {n.lower() for n in names}
+    name = POSITION
+    while name in taken:  # bounded: each round is longer than every name
+        name += "_"
+    return name
 
 
 def run_group(plan: GroupPlan, group: int, rows: pa.Table) -> pa.Table:
     """The file actions and positions of one group of a batch (``ACTION_SCHEMA`` rows)."""
-    order = pc.sort_indices(rows, [(POSITION, "ascending")])
-    changes = rows.take(order).drop_columns([POSITION, GROUP_COLUMN])
+    order = pc.sort_indices(rows, [(plan.position, "ascending")])
+    changes = rows.take(order).drop_columns([plan.position, GROUP_COLUMN])
     actions: list[dict[str, Any]] = []
     has_rollback = pc.any(pc.equal(changes.column("op"), OP_ROLLBACK), min_count=0).as_py()
     files = plan.mirror_files.get(group, [])
