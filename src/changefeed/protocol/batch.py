@@ -45,6 +45,7 @@ from numpy.typing import NDArray
 
 from changefeed import limits
 from changefeed.protocol.dcp_items import (
+    ABORT_EXTRAS,
     DELETION_V1_EXTRAS,
     DELETION_V1_EXTRAS_FORMAT,
     DELETION_V1_PREFIX,
@@ -57,6 +58,7 @@ from changefeed.protocol.dcp_items import (
     MUTATION_EXTRAS,
     MUTATION_EXTRAS_FORMAT,
     MUTATION_PREFIX,
+    PREPARE_EXTRAS,
 )
 from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import (
@@ -69,8 +71,14 @@ from changefeed.protocol.frame import (
 )
 from changefeed.protocol.opcode import DATATYPE_MASK, Magic, Opcode
 from changefeed.protocol.status import Status
+from changefeed.protocol.sync_columns import (
+    OP_COMMIT,
+    OP_PREPARE,
+    SyncColumns,
+    is_sync,
+    sync_row,
+)
 from changefeed.protocol.sync_columns import Row as SyncRow
-from changefeed.protocol.sync_columns import SyncColumns, is_sync, sync_row
 
 Buffer = bytes | bytearray | memoryview
 
@@ -565,6 +573,9 @@ def _prefix_dtype() -> np.dtype[np.void]:
         *_layout(DELETION_V1_EXTRAS_FORMAT, ("", "", "deletion_v1_nmeta"), at),
         *_layout(DELETION_V2_EXTRAS_FORMAT, ("", "", "deletion_v2_delete_time", ""), at),
         *_layout(EXPIRATION_EXTRAS_FORMAT, ("", "", "expiration_delete_time"), at),
+        # DCP_PREPARE: seqno, rev_seqno, flags and expiry where a mutation has them.
+        *_layout(PREPARE_EXTRAS.format, ("",) * 6 + ("prepare_deleted", "prepare_level"), at),
+        *_layout(ABORT_EXTRAS.format, ("ending_prepared", "ending_seqno"), at),  # DCP_COMMIT
     ]
     names, formats, offsets = zip(*fields, strict=True)
     return np.dtype(
@@ -578,6 +589,9 @@ assert _PREFIX.itemsize == max(p.size for p in (_MUTATION, _DELETION_V1, _DELETI
 assert _PREFIX.fields is not None
 # _columns reads both delete times through one field: the layouts put them at one offset.
 assert _PREFIX.fields["expiration_delete_time"] == _PREFIX.fields["deletion_v2_delete_time"]
+# _sync_columns reads a prepare's seqnos, flags and expiry through the mutation's fields.
+assert PREPARE_EXTRAS.format[:5] == MUTATION_EXTRAS_FORMAT[:5] == ">QQII", PREPARE_EXTRAS.format
+assert _HEADER_SIZE + PREPARE_EXTRAS.size == _PREFIX.itemsize
 
 
 def _byte_table(members: Iterable[int]) -> NDArray[np.bool_]:
@@ -621,18 +635,17 @@ def _decode_vectorised(
     batch = Batch()
     # Controls in order, up to the first bad frame; decoding one may raise first (stream-id).
     position: NDArray[np.intp] = np.cumsum(is_item) - is_item
-    sync_rows: list[SyncRow] = []
-    for index in np.flatnonzero(~is_item[:first_bad]).tolist():
-        pos = starts[index]
-        total = int(following[index]) - pos
-        if sync_columns and is_sync(buffer, pos):
-            row = sync_row(buffer, pos, total, int(position[index]), len(batch.controls))
-            if row is not None:
-                sync_rows.append(row)
-                continue
-        batch.controls.append((int(position[index]), decode_frame(buffer, pos, total)))
-    if sync_rows:
-        batch.syncs = SyncColumns(sync_rows)
+    is_control = ~is_item
+    if sync_columns:  # sync frames their decoders take are rows, not controls
+        sync = _sync_mask(p)
+        sync[first_bad:] = False
+        is_control &= ~sync
+        if sync.any():
+            controls_before: NDArray[np.intp] = np.cumsum(is_control) - is_control
+            batch.syncs = _sync_columns(buffer, p, at, following, sync, position, controls_before)
+    for index in np.flatnonzero(is_control[:first_bad]).tolist():
+        frame = decode_frame(buffer, starts[index], int(following[index]) - starts[index])
+        batch.controls.append((int(position[index]), frame))
     if first_bad < len(starts):
         _raise_for(buffer, starts[first_bad], int(following[first_bad]), frame_size_max)
     items = np.flatnonzero(is_item)
@@ -646,6 +659,71 @@ def _decode_vectorised(
         batch.changes = _columns(buffer, item_prefixes, item_layout, at[items], following[items])
     batch.item_bytes = int((following[items] - at[items]).sum())
     return batch
+
+
+_PREPARE_CODE: Final = (_REQUEST << 8) | OP_PREPARE
+_COMMIT_CODE: Final = (_REQUEST << 8) | OP_COMMIT
+
+
+def _sync_mask(p: NDArray[np.void]) -> NDArray[np.bool_]:
+    """Per frame: a classic DCP_PREPARE / DCP_COMMIT that its decoder takes (the checks of
+    ``sync_columns.sync_row``; a header's checks are ``bad``'s, applied by the caller)."""
+    code, extlen, keyed = p["code"], p["extlen"], p["keylen"] != 0
+    level = p["prepare_level"]
+    prepare = (code == _PREPARE_CODE) & (extlen == PREPARE_EXTRAS.size) & keyed
+    prepare &= (p["seqno"] != 0) & (p["cas"] != 0) & (level >= 1) & (level <= 3)
+    prepare &= p["prepare_deleted"] <= 1
+    prepared = p["ending_prepared"]
+    commit = (code == _COMMIT_CODE) & (extlen == ABORT_EXTRAS.size) & keyed
+    commit &= (prepared > 0) & (prepared < p["ending_seqno"])
+    return prepare | commit  # type: ignore[no-any-return]
+
+
+def _sync_columns(
+    buffer: Buffer,
+    p: NDArray[np.void],
+    at: NDArray[np.int64],
+    following: NDArray[np.int64],
+    sync: NDArray[np.bool_],
+    position: NDArray[np.intp],
+    controls_before: NDArray[np.intp],
+) -> SyncColumns:
+    """The rows of the frames ``sync`` marks, as ``sync_columns.sync_row`` builds them."""
+    q = p[sync]
+    prepare = q["code"] == _PREPARE_CODE
+    deleted = prepare & (q["prepare_deleted"] == 1)
+    zero = np.zeros(len(q), np.uint64)
+    starts, ends = at[sync], following[sync]
+    key_start = starts + _HEADER_SIZE + q["extlen"]
+    key_end = key_start + q["keylen"]
+    value_end = np.where(prepare, ends, key_end)
+    first = int(starts[0])
+    data = bytes(memoryview(buffer)[first : int(ends[-1])])
+    bounds = zip((key_start - first).tolist(), (key_end - first).tolist(), strict=True)
+    columns: dict[str, list[Any]] = {
+        "opcode": q["opcode"].tolist(),
+        "vbucket": q["vbucket"].tolist(),
+        "opaque": q["opaque"].tolist(),
+        "seqno": np.where(prepare, q["seqno"], q["ending_seqno"]).tolist(),
+        "prepared_seqno": np.where(prepare, zero, q["ending_prepared"]).tolist(),
+        "cas": np.where(prepare, q["cas"], zero).tolist(),
+        "rev_seqno": np.where(prepare, q["rev_seqno"], zero).tolist(),
+        "flags": np.where(prepare, q["flags"], 0).tolist(),
+        "expiry": np.where(prepare & ~deleted, q["expiry"], 0).tolist(),
+        "delete_time": np.where(deleted, q["expiry"], 0).tolist(),
+        "datatype": q["datatype"].tolist(),
+        "deleted": deleted.tolist(),
+        "level": np.where(prepare, q["prepare_level"], 0).tolist(),
+        "key": [data[a:b] for a, b in bounds],
+        "value": [
+            data[a:b]
+            for a, b in zip((key_end - first).tolist(), (value_end - first).tolist(), strict=True)
+        ],
+        "position": position[sync].tolist(),
+        "control": controls_before[sync].tolist(),
+        "wire_size": (ends - starts).tolist(),
+    }
+    return SyncColumns.of_columns(columns)
 
 
 def _prefixes(data: Buffer, at: NDArray[np.int64]) -> NDArray[np.uint8]:

@@ -21,7 +21,7 @@ Not here: what the fields mean to a replica (cluster/replica_stream.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from changefeed import limits
 from changefeed.protocol.dcp_items import (
@@ -140,6 +140,17 @@ class SyncColumns:
         if count:  # O(1) here; the order of every row: _check_invariants()
             assert self.position[0] <= self.position[-1], (self.position[0], self.position[-1])
             assert self.control[0] <= self.control[-1], (self.control[0], self.control[-1])
+
+    @classmethod
+    def of_columns(cls, columns: dict[str, list[Any]]) -> SyncColumns:
+        """Columns built elsewhere (batch.py's numpy decoder): every name of ``FIELDS``, each
+        a list as long as the others, as the rows would have given them."""
+        assert columns.keys() == set(FIELDS), sorted(columns)
+        made = cls()
+        for name, column in columns.items():
+            setattr(made, name, column)
+        assert all(len(column) == len(made) for column in columns.values()), len(made)
+        return made
 
     def __len__(self) -> int:
         return len(self.opcode)
