@@ -79,6 +79,13 @@ def stored(store: Store) -> list[object]:
     return [records, prepares, store.high_seqno(VB)]
 
 
+def commit(vbucket: VBucket, key: bytes) -> MutationResult | StatusError:
+    try:
+        return vbucket.commit(key)
+    except StatusError as error:
+        return error
+
+
 writes = st.lists(
     st.tuples(
         st.sampled_from([b"a", b"c", b"done", b"pending", b"locked", b"expired", b"n1", b"n2",
@@ -131,9 +138,9 @@ def test_a_run_of_prepares_is_set_with_the_level_one_by_one(
         run_vb.flush()
         one_vb.flush()
         assert stored(run_store) == stored(one_store)
-        for key in keys:  # and they commit the same
+        for key in keys:  # and they commit the same (or both find memory full)
             if run_vb.pending_prepare(key) is not None:
-                assert answer(run_vb.commit(key)) == answer(one_vb.commit(key))
+                assert answer(commit(run_vb, key)) == answer(commit(one_vb, key))
         run_vb.flush()
         one_vb.flush()
         assert stored(run_store) == stored(one_store)
