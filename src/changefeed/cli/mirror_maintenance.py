@@ -3,7 +3,7 @@ changelog's tombstones the store has purged and compacts the tables' small files
 (``spark/maintenance.py``), turned into the writer's options.
 
 - ``--purge-every SECONDS`` (default 600; 0: after every batch; ``never``);
-- ``--compact-every SECONDS`` (default 300; same).
+- ``--compact-every SECONDS`` (default 60; same).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def maintenance_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     command = click.option(
         "--compact-every", default=None, callback=_seconds, metavar="SECONDS",
         help="A running job merges the tables' small files this often (0: every batch; "
-        "never) [default: 300].",
+        "never) [default: 60].",
     )(command)  # fmt: skip
     return click.option(
         "--purge-every", default=None, callback=_seconds, metavar="SECONDS",

@@ -36,7 +36,9 @@ from changefeed.spark.compaction import CompactionError, CompactReport, compact_
 log = logging.getLogger("changefeed.mirror")
 
 PURGE_INTERVAL_S: Final = 600.0
-COMPACT_INTERVAL_S: Final = 300.0
+# Compaction costs ~1 ms per small file merged (3,200 files of 50 rows: 3.25 s), so a minute of
+# a job writing a batch a second into 16 groups (960 files) delays one batch by ~1 s.
+COMPACT_INTERVAL_S: Final = 60.0
 OPTION_PURGE: Final = "mirrorPurgeIntervalS"
 OPTION_COMPACT: Final = "mirrorCompactIntervalS"
 
