@@ -26,7 +26,7 @@ import heapq
 import itertools
 import operator
 from collections.abc import Iterable, Sequence
-from typing import Final
+from typing import Final, cast
 
 from changefeed import limits
 from changefeed.checkpoint.checkpoint import SYNC_OPS
@@ -41,6 +41,7 @@ BACKUP_CURSOR_NAME: Final = "persistence-backup"
 _RUN_ITEMS_MAX: Final = 4096  # items taken from the persistence cursor per call
 _PLAIN: Final = {Item}  # a batch of only these is written by one put_bodies call
 _body_of: Final = operator.attrgetter("body")
+_key_of: Final = operator.attrgetter("key")
 _ABORT: Final = Op.ABORT
 _PREPARE: Final = Op.PREPARE
 
@@ -268,23 +269,30 @@ class Flusher:
             else:
                 runs.append((vb, items))
             items = []
-        put_body = batch.put_body
-        for item in items:  # each item's DCP body was encoded once, when it was queued
-            if item.op in SYNC_OPS:
-                self._write_sync(batch, vb, item)
-                if item.op is _ABORT:
-                    assert isinstance(item, SyncItem), item
-                    completed = max(completed, item.prepared_seqno)
-                continue
-            if type(item) is CommitItem:
-                completed = max(completed, item.prepared_seqno)
-            put_body(
-                vb, item.key, item.seqno, item.op, datatype=item.datatype, cas=item.cas,
-                body=item.body,
-            )  # fmt: skip
-            if kept and item.key in kept:
-                batch.end_prepare(vb, item.key)  # committed, or overwritten after an abort
-                kept.discard(item.key)
+        start = 0
+        count = len(items)
+        while start < count:  # bounded: each stretch takes >= 1 item
+            stop = _stretch_end(items, start)
+            first = items[start]
+            if first.op is _PREPARE:  # a stretch of prepares, kept out of by_seqno
+                prepares = cast("list[SyncItem]", items[start:stop])
+                batch.put_prepares(vb, prepares)
+                kept.update(map(_key_of, prepares))
+            elif first.op is _ABORT:  # one abort: its stretch is itself
+                assert isinstance(first, SyncItem), first
+                batch.end_prepare(vb, first.key, first.seqno)
+                kept.discard(first.key)
+                completed = max(completed, first.prepared_seqno)
+            else:  # committed documents and plain changes: each DCP body as it was queued
+                stretch = items[start:stop]
+                batch.put_bodies(vb, stretch)
+                for item in stretch:  # bounded by the stretch
+                    if type(item) is CommitItem and item.prepared_seqno > completed:
+                        completed = item.prepared_seqno
+                    if kept and item.key in kept:
+                        batch.end_prepare(vb, item.key)  # committed, or overwritten after an abort
+                        kept.discard(item.key)
+            start = stop
         batch.set_vbucket_meta(
             vb,
             snap_start=snapshot.snap_start,
@@ -292,24 +300,27 @@ class Flusher:
             high_completed_seqno=self._manager.completed_bound(completed) if completed else None,
         )
 
-    def _write_sync(self, batch: WriteBatch, vb: int, item: Item) -> None:
-        assert isinstance(item, SyncItem), item
-        if item.op is _PREPARE:
-            batch.put_prepare(
-                vb, item.key, item.seqno, item.doc_op, level=item.level,
-                datatype=item.datatype, cas=item.cas, body=item.body,
-            )  # fmt: skip
-            self.kept_prepares.add(item.key)
-        else:
-            batch.end_prepare(vb, item.key, item.seqno)
-            self.kept_prepares.discard(item.key)
-
     def _resolve_waiters(self) -> None:
         waiters = self._waiters
         while waiters and waiters[0][0] <= self._persisted_seqno:  # bounded by the waiters
             _, _, future = heapq.heappop(waiters)
             if not future.done():
                 future.set_result(None)
+
+
+def _stretch_end(items: list[Item], start: int) -> int:
+    """Where the stretch of `items` that starts at `start` ends: prepares up to the next item
+    that is not one, an abort alone, anything else up to the next prepare or abort."""
+    op = items[start].op
+    stop = start + 1
+    count = len(items)
+    if op is _PREPARE:
+        while stop < count and items[stop].op is _PREPARE:  # bounded by the items
+            stop += 1
+    elif op is not _ABORT:
+        while stop < count and items[stop].op not in SYNC_OPS:  # bounded by the items
+            stop += 1
+    return stop
 
 
 @dataclasses.dataclass(slots=True)
