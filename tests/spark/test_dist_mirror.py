@@ -44,9 +44,12 @@ from changefeed.spark.batch_plan import source_batch
 from changefeed.spark.batch_size import planned_changes
 from changefeed.spark.delta_files import GROUP_COLUMN
 from changefeed.spark.dist_mirror import (
+    DEFAULT_GROUPS_MAX,
+    DEFAULT_GROUPS_MIN,
     DistributedMirrorWriter,
     MirrorOwnerError,
     SchemaMismatchError,
+    default_groups,
 )
 from changefeed.spark.mirror import APP_ID
 from changefeed.spark.mirror_status import changes, mirror_status
@@ -462,3 +465,15 @@ def test_the_driver_reads_typed_documents_and_keeps_a_field_named_like_the_posit
     assert counted == logged.num_rows > 0, (counted, logged.num_rows)
     mirror = assert_typed_mirror_matches(tmp_path / "tables", node)
     assert mirror.column(POSITION).null_count < mirror.num_rows  # the documents' own values
+    # No mirrorGroups: the tables were created with the default for local[2]'s cores.
+    described = json.loads(DeltaTable(str(tmp_path / "tables" / "mirror")).metadata().description)
+    cores = spark.sparkContext.defaultParallelism
+    assert described["changefeed"]["vbucketGroups"] == default_groups(cores) == max(4, 2 * cores)
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 8, 31, 32, 33, 1000])
+def test_default_groups_follow_the_cores_within_bounds(cores: int) -> None:
+    groups = default_groups(cores)
+    assert DEFAULT_GROUPS_MIN <= groups <= DEFAULT_GROUPS_MAX
+    assert groups >= min(cores, DEFAULT_GROUPS_MAX)  # a write task per core while groups allow
+    assert groups <= default_groups(cores + 1)

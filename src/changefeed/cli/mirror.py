@@ -174,7 +174,8 @@ def _common(f: Any) -> Any:
     "--mirror-groups",
     type=click.IntRange(min=1, max=GROUPS_MAX),
     default=None,
-    help="Vbucket groups (the tables' partitions), when the tables are created [default: 16].",
+    help="Vbucket groups (the tables' partitions), when the tables are created [default: twice "
+    "Spark's default parallelism, 4 to 64].",
 )
 @click.option(
     "--driver-batch-max",
