@@ -226,6 +226,7 @@ class TimedWriter:
         self.committed_at: list[tuple[int, float]] = []  # distributed writer: (batch, commit)
         self.phases: list[dict[str, float]] = []  # distributed writer: its timings per batch
         self.in_driver = 0  # batches the distributed writer wrote from the driver
+        self.read_in_driver = 0  # of those, batches the driver read from the nodes itself
 
     def replay_commits(self) -> None:
         """For the distributed writer, once the query stopped: each batch's committed rows
@@ -247,6 +248,7 @@ class TimedWriter:
             count = self.writer.rows_written
             self.phases.append(self.writer.last_timings)
             self.in_driver += self.writer.last_in_driver
+            self.read_in_driver += self.writer.last_read_in_driver
             committed_at = time.time()
             if self.on_batch is not None:  # the rows stay in the tasks: read back at the end
                 self.committed_at.append((batch_id, committed_at))
@@ -619,10 +621,20 @@ def write_growth(run: Run) -> str:
     )
 
 
+# ``--mirror-writers`` kinds may end in modifiers, each ``:name``: the writer's option they set.
+KIND_MODIFIERS = {
+    "sparkread": ("mirrorDriverRead", "false"),  # the driver path collects with toArrow
+    **{f"g{n}": ("mirrorGroups", str(n)) for n in (1, 2, 4, 8, 16, 32)},
+}
+
+
 def mirror_writer(tables: Path, options: dict[str, str], kind: str) -> MirrorWriter:
     """``kind``: ``local`` (toArrow + the driver's delta-rs writer), ``distributed`` (every
     batch in Spark's write tasks) or ``adaptive`` (the distributed writer's default: batches
-    planned at most ``mirrorDriverBatchMax`` changes written from the driver)."""
+    planned at most ``mirrorDriverBatchMax`` changes written from the driver, which reads
+    them from the nodes itself), with ``KIND_MODIFIERS`` after ``:`` (``adaptive:sparkread:g4``)."""
+    kind, *modifiers = kind.split(":")
+    options = {**options, **dict(KIND_MODIFIERS[m] for m in modifiers)}
     if kind == "adaptive":
         return MirrorWriter(tables, options, writer="distributed")
     if kind == "distributed":
@@ -676,6 +688,8 @@ def bench_latency(spark: Any, args: argparse.Namespace, work: Path, out: list[st
              lambda at: None)
         )  # fmt: skip
         for kind in kinds:
+            if ":" in kind:
+                continue  # rate's rows for the plain writers only
             raw = (
                 spark.readStream.format("rate")
                 .option("rowsPerSecond", args.latency_rate)
@@ -802,6 +816,7 @@ def _latency_query(
         for phase in sorted({k for p in ours for k in p}):
             phases[f"writer {phase}"] = 1000 * percentile([p.get(phase, 0.0) for p in ours], 50)
         phases["writer batches from the driver"] = sink.in_driver
+        phases["writer batches read by the driver"] = sink.read_in_driver
     return trigger_ms, write_s, phases
 
 
