@@ -539,11 +539,15 @@ class WriteBatch:
             self._apply_items(txn, by_seqno, by_key)
         if self._prepared:
             assert prepared is not None, "a batch with prepares needs the prepared database"
-            for key, kept in self._prepared.items():
-                if kept is None:
-                    txn.delete(key, db=prepared)
-                else:
-                    txn.put(key, kept, db=prepared)
+            kept_now = [(key, kept) for key, kept in self._prepared.items() if kept is not None]
+            if len(kept_now) < len(self._prepared):
+                delete = txn.delete
+                for key, kept in self._prepared.items():  # bounded by the batch
+                    if kept is None:
+                        delete(key, db=prepared)
+            if kept_now:  # one C call for the prepares kept (each key once: a dict's)
+                consumed, _ = txn.cursor(db=prepared).putmulti(kept_now)
+                assert consumed == len(kept_now), (consumed, len(kept_now))
         for vb, row in self._rows.items():
             txn.put(VB_KEY.pack(vb), encode_vbstate(row), db=vbmeta)  # encode checks invariants
         return self._rows

@@ -129,18 +129,16 @@ class ActiveRole(Role):
         commits: list[Item] = []
         at: list[int] = []  # index in `out` of each commit
         seqno = core.high_seqno
+        vb, vb_uuid = core.vb, core.vb_uuid  # read once: properties of the core
         for key in keys:  # bounded by the caller's run
             prepare = pending.get(key)
             if prepare is None:
-                out.append(
-                    KeyNotFoundError(f"vb {core.vb}: no durable write of {key[:64]!r} pending")
-                )
+                out.append(KeyNotFoundError(f"vb {vb}: no durable write of {key[:64]!r} pending"))
                 continue
             seqno += 1
             commits.append(prepare.committed(seqno))
             at.append(len(out))
-            out.append(MutationResult(vbucket=core.vb, seqno=seqno, cas=prepare.cas,
-                                      vb_uuid=core.vb_uuid))  # fmt: skip
+            out.append(MutationResult(vbucket=vb, seqno=seqno, cas=prepare.cas, vb_uuid=vb_uuid))
         if not commits:
             return out
         queued = core.manager.queue_run(commits, commits=True)  # may raise: nothing changed
