@@ -52,7 +52,7 @@ def decoded(buffers: list[list[tuple[str, int, int, bytes, bytes]]]) -> list[byt
     return [b"".join(frame(c) for c in buffer) for buffer in buffers]
 
 
-@settings(deadline=None)
+@settings(deadline=None, max_examples=40)
 @given(buffers_strategy)
 def test_joined_columns_equal_the_joined_buffers_decode(
     buffers: list[list[tuple[str, int, int, bytes, bytes]]],
@@ -65,7 +65,7 @@ def test_joined_columns_equal_the_joined_buffers_decode(
     assert len(joined) == sum(len(b) for b in buffers)
 
 
-@settings(deadline=None)
+@settings(deadline=None, max_examples=40)
 @given(buffers_strategy, st.dictionaries(st.integers(0, VBUCKETS - 1), st.integers(0, 2**63 - 1)))
 def test_rows_of_a_run_equal_rows_buffer_by_buffer(
     buffers: list[list[tuple[str, int, int, bytes, bytes]]], given_ends: dict[int, int]

@@ -21,11 +21,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from deltalake import DeltaTable
+from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.schema import Schema as DeltaSchema
+from deltalake.transaction import AddAction, create_table_with_add_actions
 
 from changefeed.consumer import KvClient
-from changefeed.spark import MirrorWriter
+from changefeed.spark import MirrorWriter, watermark
 from changefeed.spark.compaction import COMPACT_METADATA_KEY
+from changefeed.spark.delta_files import GROUP_COLUMN, now_ms, table_fs, write_data_file
 from changefeed.spark.maintenance import (
     OPTION_COMPACT,
     OPTION_PURGE,
@@ -36,6 +39,7 @@ from changefeed.spark.maintenance import (
 from changefeed.spark.node_state import fetch_latest_sync
 from changefeed.spark.options import SourceOptions
 from changefeed.spark.purge import PURGE_METADATA_KEY, TOMBSTONES, committed_seqnos
+from changefeed.spark.table_lease import LEASE_FILE, TablesLease
 from support.nodes import NodeFactory
 
 from .helpers import Model, assert_changelog_once, assert_mirror_matches, write
@@ -114,6 +118,7 @@ def _sorted(table: pa.Table) -> pa.Table:
     return table.sort_by([(c, "ascending") for c in keys])
 
 
+@pytest.mark.slow
 def test_a_running_job_purges_and_compacts(spark: Any, nodes: NodeFactory, tmp_path: Path) -> None:
     node = nodes(args=["--no-durable"])
     model: Model = {}
@@ -166,6 +171,85 @@ def test_a_running_job_purges_and_compacts(spark: Any, nodes: NodeFactory, tmp_p
     logged = assert_changelog_once(tables)
     deletions = pc.sum(pc.is_in(logged.column("op"), pa.array(TOMBSTONES))).as_py()
     assert deletions == 80 + 30 - purged
+
+
+def purge_tables_of(root: Path, rows: list[tuple[int, int, str]], high: dict[int, int]) -> None:
+    """A changelog of ``rows`` ``(vbucket, seqno, op)`` in one file per vbucket group and a
+    mirror whose position record says every vbucket committed up to ``high``: the tables a
+    job leaves, through the writer's own file and commit calls."""
+    full = pa.schema([("vbucket", pa.int32()), ("seqno", pa.int64()), ("op", pa.string()),
+                      (GROUP_COLUMN, pa.int32())])  # fmt: skip
+    for name in ("changelog", "mirror"):
+        uri = str(root / name)
+        fs = table_fs(uri, None)
+        adds = []
+        picked = rows if name == "changelog" else [r for r in rows if r[2] == "mutation"]
+        for group in sorted({vb % 4 for vb, _, _ in picked}):
+            mine = [r for r in picked if r[0] % 4 == group]
+            part = pa.table({
+                "vbucket": pa.array([r[0] for r in mine], pa.int32()),
+                "seqno": pa.array([r[1] for r in mine], pa.int64()),
+                "op": pa.array([r[2] for r in mine], pa.string()),
+            })  # fmt: skip
+            added = write_data_file(fs, name, part, group, 0)
+            adds.append(AddAction(added["path"], added["size"], {GROUP_COLUMN: str(group)},
+                                  now_ms(), True, added["stats"]))  # fmt: skip
+        record = watermark.to_metadata(
+            {vb: watermark.Position(seqno, 1 << 16) for vb, seqno in high.items()}, 0, 4
+        )
+        props = CommitProperties(
+            app_transactions=[Transaction("changefeed-mirror", 0)],
+            custom_metadata={watermark.METADATA_KEY: record} if name == "mirror" else None,  # type: ignore[dict-item]
+        )
+        create_table_with_add_actions(
+            uri, DeltaSchema.from_arrow(full), adds, mode="append", partition_by=[GROUP_COLUMN],
+            commit_properties=props,
+        )  # fmt: skip
+
+
+def test_the_job_purges_under_the_lease_it_holds(nodes: NodeFactory, tmp_path: Path) -> None:
+    """The short version of the streaming test: the store's purge points from a real node
+    after its compaction, tables as a job leaves them, the lease held as a job holds it; the
+    upkeep removes exactly the tombstones at or below each vbucket's point, and the job still
+    holds the lease afterwards."""
+    node = nodes(args=["--no-durable"])
+    model: Model = {}
+    ops = [(f"a{i}", b"v") for i in range(200)] + [(f"a{i}", None) for i in range(150)]
+    write(node.port, ops, model)
+    latest, _ = fetch_latest_sync(SourceOptions.parse(node.source_options()))
+    high = {vb: o.seqno for vb, o in latest.items() if o.seqno}
+    deadline = time.monotonic() + WAIT_S
+    while True:  # the node purges only flushed tombstones, each vbucket's newest kept
+        points, purged = asyncio.run(_compact_node(node.port))
+        if purged:
+            break
+        assert time.monotonic() < deadline, f"the node purged no tombstone: {points}"
+        time.sleep(0.5)
+    # Every seqno of a vbucket a row: tombstones on both sides of the points, and mutations.
+    rows = [(vb, seqno, ("deletion", "expiration", "mutation")[seqno % 3])
+            for vb, top in high.items() for seqno in range(1, top + 3)]  # fmt: skip
+    tables = tmp_path / "tables"
+    purge_tables_of(tables, rows, high)  # committed up to high: rows above it are not limited
+    lease = TablesLease(str(tables), None)
+    lease.hold()
+    try:
+        upkeep = TableMaintenance(
+            str(tables), node.source_options(**{OPTION_PURGE: "0", OPTION_COMPACT: "-1"})
+        )
+        done = upkeep.after_batch()
+        assert not done.errors, done.errors
+        assert (tables / LEASE_FILE).exists(), "the job's lease is still there"
+        lease.hold()  # and still ours: this raises if another owner took it
+    finally:
+        lease.release()
+    limit = {vb: min(points[vb], high[vb]) for vb in high}
+    gone = [r for r in rows if r[2] in TOMBSTONES and r[1] <= limit[r[0]]]
+    assert gone and done.purged == len(gone)
+    after = DeltaTable(str(tables / "changelog")).to_pyarrow_table()
+    left = sorted(zip(*(after.column(n).to_pylist() for n in ("vbucket", "seqno", "op")),
+                      strict=True))  # fmt: skip
+    assert left == sorted(r for r in rows if r not in gone)
+    assert upkeep.after_batch().purged == 0  # nothing more until the store purges more
 
 
 def test_mirror_flags_are_checked_before_spark(tmp_path: Path) -> None:
