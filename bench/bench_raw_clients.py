@@ -18,6 +18,11 @@ of the node and of redis-server, all threads) and the ratios. Rows:
   SDK does), its keys behind the default collection's id 0x00.
 * ``SDK upsert_multi`` (the official Couchbase Python SDK, RawBinaryTranscoder) vs redis-py
   pipelined ``SET`` (``transaction=False``), both in chunks of the window.
+* ``raw durable SET majority``: the raw SETs as flexible-magic requests whose framing extras
+  are one durability frame info (level majority, no timeout: ``0x11 0x01``), as an SDK sends a
+  durable write; each is answered once committed (one node: once persisted here). No Redis
+  peer (a plain ``SET`` promises less): its peer is the plain ``raw SET`` row of the same
+  window, from the same run. ``SDK upsert_multi durability=majority`` is the SDK's.
 
 Both servers run without persistence waits: the node is a default (durable: fsync per flush
 round) node unless ``--no-durable``; Redis has no RDB and no AOF. The clients run in this
@@ -71,6 +76,9 @@ REQUEST, RESPONSE = 0x80, 0x81
 OP_GET, OP_SET, OP_DELETE, OP_SASL_AUTH, OP_SELECT_BUCKET = 0x00, 0x01, 0x04, 0x21, 0x89
 OP_HELLO, FEATURE_COLLECTIONS = 0x1F, 0x12
 SUCCESS, KEY_ENOENT = 0x00, 0x01
+ALT_REQUEST = 0x08
+ALT_HEADER = struct.Struct(">BBBBBBHIIQ")  # framing extras length and key length one byte each
+DURABILITY_MAJORITY = b"\x11\x01"  # frame info id 1, 1 byte: level 1 (majority)
 DEADLINE_S = 600.0
 FLAGS, EXPIRY = 0xDEADBEEF, 3600
 
@@ -99,6 +107,7 @@ class Shape:
     mix: bool = False
     sdk: bool = False
     collections: bool = False  # HELLO Collections, keys behind their collection id (0x00)
+    durable: bool = False  # durability majority (a frame info): no Redis peer
 
 
 def operations(count: int, mix: bool) -> list[tuple[str, int]]:
@@ -123,17 +132,25 @@ def value_of(n: int) -> bytes:
 
 
 def mcbp_requests(
-    ops: list[tuple[str, int]], flags_expiry: bool, collections: bool = False
+    ops: list[tuple[str, int]], flags_expiry: bool, collections: bool = False, durable: bool = False
 ) -> list[bytes]:
     """One encoded request per operation, opaque = its index; with `collections` each key is
-    sent behind the default collection's id (LEB128 0x00), as an SDK sends it."""
+    sent behind the default collection's id (LEB128 0x00), as an SDK sends it; with `durable`
+    each SET carries durability majority (an alt-magic request)."""
     extras = SET_EXTRAS.pack(FLAGS, EXPIRY) if flags_expiry else SET_EXTRAS.pack(0, 0)
     out = []
     for opaque, (op, n) in enumerate(ops):
         key = KEY_FORMAT % n
         vb = vbucket_of(key)
         key = b"\x00" + key if collections else key
-        if op == "set":
+        if op == "set" and durable:
+            value = value_of(n)
+            framing = DURABILITY_MAJORITY
+            body = len(framing) + len(extras) + len(key) + len(value)
+            head = ALT_HEADER.pack(ALT_REQUEST, OP_SET, len(framing), len(key), len(extras), 0,
+                                   vb, body, opaque, 0)  # fmt: skip
+            out.append(head + framing + extras + key + value)
+        elif op == "set":
             value = value_of(n)
             body = len(extras) + len(key) + len(value)
             head = HEADER.pack(REQUEST, OP_SET, len(key), len(extras), 0, vb, body, opaque, 0)
@@ -243,10 +260,15 @@ class Pipeline:
             raise RuntimeError(f"{len(buffer) - pos} bytes past the last reply")
 
 
-def mcbp_parser(ops: list[tuple[str, int]]) -> Callable[[bytes, int, int], tuple[int, int]]:
-    """Replies in request order (opaque = index), SUCCESS — or KEY_ENOENT for a GET/DELETE."""
+def mcbp_parser(
+    ops: list[tuple[str, int]], any_order: bool = False
+) -> Callable[[bytes, int, int], tuple[int, int]]:
+    """Replies in request order (opaque = index), SUCCESS — or KEY_ENOENT for a GET/DELETE.
+    `any_order`: durable writes are answered as they commit (each vbucket's in order), so a
+    window's replies come in any order; each request is answered once."""
     unpack = HEADER.unpack_from
     size = HEADER.size
+    answered = bytearray(len(ops))
 
     def parse(buffer: bytes, pos: int, seen: int) -> tuple[int, int]:
         got = 0
@@ -256,7 +278,10 @@ def mcbp_parser(ops: list[tuple[str, int]]) -> Callable[[bytes, int, int], tuple
             if end - pos < size + body:
                 break
             index = seen + got
-            if magic != RESPONSE or opaque != index:
+            if any_order and magic == RESPONSE and opaque < len(ops) and not answered[opaque]:
+                answered[opaque] = 1
+                index = opaque
+            elif magic != RESPONSE or opaque != index:
                 raise RuntimeError(f"reply {index}: magic {magic:#x}, opaque {opaque}")
             if status != SUCCESS and not (status == KEY_ENOENT and ops[index][0] != "set"):
                 raise RuntimeError(f"reply {index} ({ops[index]}): status {status:#x}")
@@ -349,11 +374,12 @@ def measure(pid: int, items: int, work: Callable[[], None]) -> Measured:
 def node_row(port: int, pid: int, shape: Shape, count: int, salt: int) -> Measured:
     ops = [(op, n + salt) for op, n in operations(count, shape.mix)]
     if shape.sdk:
-        return sdk_upserts(port, pid, ops, shape.window)
-    requests = mcbp_requests(ops, shape.flags_expiry, shape.collections)
+        return sdk_upserts(port, pid, ops, shape.window, shape.durable)
+    requests = mcbp_requests(ops, shape.flags_expiry, shape.collections, shape.durable)
     sock = mcbp_login(port, shape.collections)
+    parser = mcbp_parser(ops, any_order=shape.durable)
     try:
-        return measure(pid, count, lambda: raw_run(sock, requests, shape, mcbp_parser(ops)))
+        return measure(pid, count, lambda: raw_run(sock, requests, shape, parser))
     finally:
         sock.close()
 
@@ -371,9 +397,12 @@ def redis_row(port: int, pid: int, shape: Shape, count: int, salt: int) -> Measu
         sock.close()
 
 
-def sdk_upserts(port: int, pid: int, ops: list[tuple[str, int]], window: int) -> Measured:
+def sdk_upserts(
+    port: int, pid: int, ops: list[tuple[str, int]], window: int, durable: bool = False
+) -> Measured:
     from couchbase.auth import PasswordAuthenticator
     from couchbase.cluster import Cluster
+    from couchbase.durability import DurabilityLevel, ServerDurability
     from couchbase.options import ClusterOptions, ClusterTimeoutOptions, UpsertMultiOptions
     from couchbase.transcoder import RawBinaryTranscoder
 
@@ -392,6 +421,11 @@ def sdk_upserts(port: int, pid: int, ops: list[tuple[str, int]], window: int) ->
             for i in range(0, len(ops), window)
         ]
         upsert_options = UpsertMultiOptions(transcoder=RawBinaryTranscoder())
+        if durable:
+            upsert_options = UpsertMultiOptions(
+                transcoder=RawBinaryTranscoder(),
+                durability=ServerDurability(DurabilityLevel.MAJORITY),
+            )
 
         def work() -> None:
             for chunk in chunks:
@@ -616,6 +650,8 @@ def shapes(only: str) -> Iterator[Shape]:
         Shape("raw SET/GET/DELETE w=2000 x1", 2000, 1, mix=True),
         Shape("raw SET/GET/DELETE +Collections w=2000 x1", 2000, 1, mix=True, collections=True),
         Shape("SDK upsert_multi vs redis-py w=2000", 2000, 1, sdk=True),
+        Shape("raw durable SET majority w=2000 x1", 2000, 1, durable=True),
+        Shape("SDK upsert_multi durability=majority w=2000", 2000, 1, sdk=True, durable=True),
     ]
     for shape in every:
         if only == "all" or (only == "sdk") == shape.sdk:
@@ -664,7 +700,7 @@ def main() -> None:
                     else:
                         ours = node_row(node.port, node.pid, shape, count, salt)
                     peer = None
-                    if redis_ctx is not None:
+                    if redis_ctx is not None and not shape.durable:
                         peer = redis_row(redis_ctx.port, redis_ctx.pid, shape, count, salt)
                     rows.append((shape, ours, peer, before))
                     print(describe(shape, ours, peer, before), flush=True)
