@@ -63,6 +63,7 @@ from changefeed.protocol.opcode import Datatype, Feature, Magic, Opcode
 from changefeed.protocol.reader import CLOSED, NEED_DATA, FrameReader, OversizedFrame
 from changefeed.protocol.set_run import (
     SetRun,
+    durability_framing,
     pack_set_success,
     pack_set_success_with_token,
     pack_set_successes,
@@ -461,7 +462,10 @@ class ClientConnection(asyncio.Protocol):
                     break
                 dispatched += 1
                 after_framed_set = (
-                    type(frame) is Frame and frame.opcode == Opcode.SET and frame.magic != _REQUEST
+                    type(frame) is Frame
+                    and frame.opcode == Opcode.SET
+                    and frame.magic != _REQUEST
+                    and not durability_framing(frame.framing_extras)  # a run may take the next
                 )
                 key = self._window_key(frame) if runs and isinstance(frame, Frame) else None
                 if key is not None:

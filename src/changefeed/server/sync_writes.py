@@ -270,12 +270,19 @@ class DurableWrites:
             results = vbucket.commit_many([waiter.key for waiter in met])
         except CheckpointMemoryFullError:
             return  # the flusher frees memory; its next round checks again
+        waiting = self._waiting[vb]
+        committed = 0
         for waiter, result in zip(met, results, strict=False):  # bounded by `met`
+            assert waiting[waiter.key] is waiter, waiter  # `_finish`, inline: one dict
+            del waiting[waiter.key]
             if isinstance(result, StatusError):  # the prepare is gone (a rollback): unknown
-                self._finish(waiter, SyncWriteAmbiguousError(str(result)))
+                waiter.answer(SyncWriteAmbiguousError(str(result)))
                 continue
-            self.stats.committed += 1
-            self._finish(waiter, result)
+            committed += 1
+            waiter.answer(result)
+        self.stats.committed += committed
+        if not waiting and self._waiting.get(vb) is waiting:  # an answer may have added more
+            del self._waiting[vb]
 
     def expire(self, waiter: Waiter) -> bool:
         """The waiter's timeout passed: abort its prepare (an active copy) and answer it
