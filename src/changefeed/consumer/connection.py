@@ -415,12 +415,10 @@ class Connection:
 
     def _dispatch(self, batch: Batch) -> None:
         """Resolve awaited responses; hand everything else, in order, to ``on_push``."""
-        unclaimed: list[tuple[int, Frame]] = []
-        for position, frame in batch.controls:
-            if not self._resolve(frame):
-                unclaimed.append((position, frame))
-        batch.controls = unclaimed
-        if (unclaimed or len(batch.changes) or len(batch.syncs)) and self.on_push is not None:
+        keep = [not self._resolve(frame) for _, frame in batch.controls]
+        if not all(keep):
+            batch.keep_controls(keep)
+        if (batch.controls or len(batch.changes) or len(batch.syncs)) and self.on_push is not None:
             self.on_push(batch)
 
     def _resolve(self, frame: Frame) -> bool:

@@ -342,6 +342,16 @@ class Batch:
     consumed: int = 0
     item_bytes: int = 0
 
+    def keep_controls(self, keep: list[bool]) -> None:
+        """Drop the control frames whose ``keep`` entry is False (a connection took them: its
+        own responses), and count the sync rows' places among the rest, so the batch reads as
+        if those frames had never been on the wire."""
+        assert len(keep) == len(self.controls), (len(keep), len(self.controls))
+        kept_before = list(itertools.accumulate(keep, initial=0))  # per control, and the end
+        self.controls = list(itertools.compress(self.controls, keep))
+        if len(self.syncs) and len(self.controls) < len(keep):
+            self.syncs.renumber_controls(kept_before)
+
 
 # -- the call ---------------------------------------------------------------------------------
 

@@ -165,6 +165,12 @@ class SyncColumns:
 
     __hash__ = None  # type: ignore[assignment]  # compared by content
 
+    def renumber_controls(self, kept_before: Sequence[int]) -> None:
+        """Control frames were taken out of the batch: ``kept_before[i]`` is how many of the
+        first ``i`` stay (``Batch.keep_controls``); each row then counts only those."""
+        assert len(kept_before) > max(self.control, default=0), len(kept_before)
+        self.control = [kept_before[control] for control in self.control]
+
     def run_end(self, start: int) -> int:
         """Where the run from ``start`` ends: the frames after it of the same vbucket and
         opcode with nothing between them (no change, no control frame)."""

@@ -230,3 +230,33 @@ def test_fuzzed_streams_decode_the_same_or_fail_the_same() -> None:
                 assert_same_wire_order(other, reference)
             else:
                 assert other == reference, case
+
+
+@settings(max_examples=60, deadline=None)
+@given(frames(), st.data())
+def test_controls_a_connection_takes_leave_the_batch_as_if_never_sent(
+    stream: list[bytes], data: st.DataObject
+) -> None:
+    """`Batch.keep_controls` (consumer/connection.py drops the responses it resolves): the
+    batch equals the decode of the stream without those frames, sync rows' places included."""
+    taken: set[int] = set()
+    for opaque in range(1, 5):  # responses anywhere, some taken by the connection
+        answer = encode_frame(Magic.RESPONSE, Opcode.DCP_CONTROL, opaque=opaque)
+        stream.insert(data.draw(st.integers(0, len(stream))), answer)
+        if data.draw(st.booleans()):
+            taken.add(opaque)
+    # Only the answers are responses here: the others are requests (magic 0x80).
+    kept_stream = [f for f in stream if f[0] != Magic.RESPONSE or _opaque(f) not in taken]
+    batch = decode_batch(b"".join(stream))
+    keep = [not (frame.magic == Magic.RESPONSE and frame.opaque in taken)
+            for _, frame in batch.controls]  # fmt: skip
+    batch.keep_controls(keep)
+    batch.syncs._check_invariants()
+    remaining = decode_batch(b"".join(kept_stream))
+    assert batch.changes == remaining.changes
+    assert batch.controls == remaining.controls
+    assert batch.syncs == remaining.syncs
+
+
+def _opaque(frame: bytes) -> int:
+    return int.from_bytes(frame[12:16], "big")
