@@ -11,8 +11,8 @@ Both are slow (a ``spark-pipelines`` run starts its own Spark Connect server: 40
   (parquet), and the connectors that can (Delta, Iceberg) are JVM packages from Maven, which
   this machine cannot reach. The test names that refusal, so it fails the day it runs.
 
-``spark-pipelines`` ends a run that read a Python data source (any: Spark's own example source
-too) with an ``UNKNOWN_RESPONSE`` traceback from its Spark Connect client, after "Run is
+``spark-pipelines`` ends a run that read a Python data source (any: a ten-line one
+does too) with an ``UNKNOWN_RESPONSE`` traceback from its Spark Connect client, after "Run is
 COMPLETED"; the tests read the run's events, not its exit status.
 """
 
