@@ -97,18 +97,15 @@ def store_durable_run(c: RunConnection, run: SetRun) -> None:
     if monitor is None or len(errors) == count:
         return
     c.answers_expected(count - len(errors))
-    keys = run.keys
-    settle = partial(c.settled_answers.run_write, run)
-    for vb, indexes in by_vb.items():  # bounded by the run's vbuckets
-        queued = [index for index in indexes if index not in errors] if errors else indexes
-        if queued:
-            monitor.track_run(
-                vb,
-                [keys[index] for index in queued],
-                [seqnos[index] for index in queued],
-                requirement,
-                [partial(settle, index) for index in queued],
-            )
+    queued = [index for index in range(count) if index not in errors] if errors else range(count)
+    settle = c.settled_answers.run_write
+    monitor.track_run(
+        requirement,
+        [run.vbuckets[index] for index in queued],
+        [run.keys[index] for index in queued],
+        [seqnos[index] for index in queued],
+        [partial(settle, run, index) for index in queued],
+    )
 
 
 def _request(run: SetRun, index: int) -> Frame:

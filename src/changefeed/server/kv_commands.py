@@ -180,7 +180,7 @@ def durable_write(
     prepared = write(int(requirement.level))
     c.answers_expected(1)
     answer = partial(c.settled_answers.frame_write, f, value)  # in settle order (its module)
-    monitor.track_run(f.vbucket, [key], [prepared.seqno], requirement, [answer])
+    monitor.track_run(requirement, [f.vbucket], [key], [prepared.seqno], [answer])
 
 
 def refuse_durability(f: Frame) -> None:

@@ -418,21 +418,31 @@ class SyncWriteMonitor:
 
     def track_run(
         self,
-        vb: int,
+        requirement: DurabilityRequirement,
+        vbs: Sequence[int],
         keys: Sequence[bytes],
         seqnos: Sequence[int],
-        requirement: DurabilityRequirement,
         answers: Sequence[Answer],
     ) -> None:
-        """`track` of each prepare of a run just queued on `vb` (seqnos rising), with no
-        future: write i's outcome goes to `answers[i]` (a run's one record of answers)."""
-        assert len(keys) == len(seqnos) == len(answers), (len(keys), len(seqnos), len(answers))
+        """`track` of each prepare of a run just queued (write i: `keys[i]` on `vbs[i]` at
+        `seqnos[i]`, in request order; each vbucket's seqnos rising), with no future: write
+        i's outcome goes to `answers[i]`. The timeouts are armed in request order (as one
+        `track` per write arms them), with one deadline."""
+        assert len(vbs) == len(keys) == len(seqnos) == len(answers), (len(vbs), len(keys))
         level = requirement.level
-        waiters = list(map(Waiter, repeat(vb, len(keys)), keys, seqnos, repeat(level), answers))
+        waiters = list(map(Waiter, vbs, keys, seqnos, repeat(level), answers))
         loop = asyncio.get_running_loop()
         self._arm_many(loop, self._timeout_s(requirement), waiters)
         self._bucket.hurry_flush()  # every level waits for this node's persistence
-        self.decisions.add_many(vb, waiters)
+        by_vb: dict[int, list[Waiter]] = {}
+        for waiter in waiters:  # bounded by the run
+            group = by_vb.get(waiter.vb)
+            if group is None:
+                by_vb[waiter.vb] = [waiter]
+            else:
+                group.append(waiter)
+        for vb, group in by_vb.items():  # bounded by the run's vbuckets
+            self.decisions.add_many(vb, group)
 
     def _timeout_s(self, requirement: DurabilityRequirement) -> float:
         if requirement.timeout_ms:

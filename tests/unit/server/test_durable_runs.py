@@ -36,13 +36,15 @@ from changefeed.server.bucket import Bucket
 from changefeed.server.config import NodeConfig
 from changefeed.server.connection import ClientConnection
 from changefeed.server.context import ServerContext
+from changefeed.server.replication import ReplicationTracker
 from changefeed.server.sync_writes import SyncWriteMonitor
 from changefeed.server.users import Users
 from changefeed.vbucket_state import VBucketState
 
-VBUCKETS = 4
+VBUCKETS = 5
 REPLICA_VB = 3  # made a replica: writes to it are NOT_MY_VBUCKET
 IMPOSSIBLE_VB = 2  # a chain of two with no replica reachable: DURABILITY_IMPOSSIBLE
+SLOW_VB = 4  # a chain of two whose replica is reachable and never acknowledges: writes wait
 NOW_S = 1_700_000_000.0
 BARRIER = b"\x00"  # frame info id 0, no payload
 STORE_EXTRAS = struct.Struct(">II")
@@ -93,7 +95,7 @@ def replies(data: bytes) -> list[tuple[int, int, int, int, bytes, bytes]]:
 # A request: (kind, vb, key index, level, timeout_ms, expiry)
 requests = st.tuples(
     st.sampled_from(["durable"] * 12 + ["plain", "lock", "cas", "expired"]),
-    st.sampled_from([0, 0, 1, 1, IMPOSSIBLE_VB, REPLICA_VB, 9]),
+    st.sampled_from([0, 0, 1, 1, IMPOSSIBLE_VB, REPLICA_VB, SLOW_VB, SLOW_VB, 9]),
     st.integers(0, len(KEYS) - 1),
     st.sampled_from([1] * 6 + [2, 3]),  # mostly one level and timeout: long runs
     st.sampled_from([None] * 6 + [5000, 1]),
@@ -133,9 +135,12 @@ async def run_twin(root: Path, batches: list[list[bytes]]) -> tuple[bytes, list[
     bucket = Bucket.open(config, clock=lambda: NOW_S, rng=random.Random(7))
     bucket.vbuckets[REPLICA_VB].set_state(VBucketState.REPLICA)
     context = ServerContext(config, users, bucket)
-    monitor = SyncWriteMonitor(
-        bucket, replicas_of=lambda vb: ["r"] if vb == IMPOSSIBLE_VB else [], replication=None
-    )
+    tracker = ReplicationTracker(lambda vb: bucket.vbuckets[vb].high_seqno, lag_max_s=1e9,
+                                 clock=lambda: 0.0)  # fmt: skip
+    tracker.stream_opened(SLOW_VB, "slow", 0)  # reachable; it never acknowledges anything
+    chains = {IMPOSSIBLE_VB: ["gone"], SLOW_VB: ["slow"]}
+    monitor = SyncWriteMonitor(bucket, replicas_of=lambda vb: chains.get(vb, []),
+                               replication=tracker)  # fmt: skip
     context.sync_writes = monitor
     conn = ClientConnection(context)
     transport = RecordingTransport()
@@ -149,14 +154,15 @@ async def run_twin(root: Path, batches: list[list[bytes]]) -> tuple[bytes, list[
     hello = struct.pack(">H", Feature.MUTATION_SEQNO)
     conn.data_received(encode_request(Opcode.HELLO, opaque=2, key=b"t", value=hello))
     conn.data_received(encode_request(Opcode.SELECT_BUCKET, opaque=3, key=b"default"))
-    for batch in batches:  # each batch arrives in one read; between them, a flush and its commits
+    # Each batch arrives in one read; between batches, a flush and its commits. No loop step
+    # runs meanwhile (no timer fires at a moment the twins would not share): the answers
+    # settled go out after the last batch, in the order they settled.
+    for batch in batches:
         conn.data_received(b"".join(batch))
-        await asyncio.sleep(0)
         for vbucket in bucket.vbuckets.values():
             vbucket.flush()
         monitor.on_persisted(sorted(bucket.vbuckets))
-        await asyncio.sleep(0)
-    await asyncio.sleep(0.02)  # the 1 ms timeouts pass: those still waiting are aborted
+    await asyncio.sleep(0.02)  # the 1 ms timeouts pass: the slow vbucket's writes abort
     for _ in range(3):
         await asyncio.sleep(0)
     for vbucket in bucket.vbuckets.values():
