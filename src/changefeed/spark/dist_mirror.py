@@ -152,12 +152,15 @@ class DistributedMirrorWriter:
     def write_batch(self, batch_df: Any, batch_id: int, in_driver: bool | None = None) -> None:
         """Write micro-batch ``batch_id``; ``in_driver`` picks the path (None: by the batch's
         planned size, ``driver_batch_max``; see the module docstring)."""
+        started = time.perf_counter()
         source = self._source_batch(batch_df, batch_id)
         if in_driver is None:
             in_driver = self.small(batch_df, batch_id, source)
+        planned_s = time.perf_counter() - started
         self.last_in_driver = in_driver
         self.last_read_in_driver = False
         self._write(batch_df, batch_id, in_driver, source if in_driver else None)
+        self.timings["plan"] = planned_s  # the batch's offsets and size, from Spark
 
     def small(self, batch_df: Any, batch_id: int, source: SourceBatch | None = None) -> bool:
         """Whether the batch is planned at most ``driver_batch_max`` changes (unknown: no):
