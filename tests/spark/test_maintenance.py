@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,36 @@ def test_compaction_runs_at_its_interval(tmp_path: Path) -> None:
     build_table(str(tables / "changelog"), "changelog", [])  # nothing new
     now[0] = 115.0
     assert upkeep.after_batch().compacted is None  # the next interval starts at 110
+
+
+def test_a_failed_compaction_is_logged_and_the_job_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unreadable small file (pyarrow's ArrowInvalid, not an OSError) fails the compaction:
+    ``after_batch`` records it in one line and returns, the table untouched (it raised before
+    the fix, ending the query after its batch had committed)."""
+    tables = tmp_path / "tables"
+    uri = str(tables / "changelog")
+    build_table(uri, "changelog", [[(0, 2)]] * 4)
+    victim = sorted((tables / "changelog" / f"{GROUP_COLUMN}=0").glob("*.parquet"))[0]
+    with victim.open("r+b") as out:  # a bad footer
+        out.seek(-6, os.SEEK_END)
+        out.write(b"XXXXXX")
+    upkeep = TableMaintenance(
+        str(tables), {OPTION_PURGE: "-1", OPTION_COMPACT: "0", "mirrorCompactFilesMin": "2"}
+    )
+    with caplog.at_level("WARNING", logger="changefeed.mirror"):
+        done = upkeep.after_batch()
+    assert done.compacted is None
+    assert len(done.errors) == 1 and done.errors[0].startswith("compaction: ArrowInvalid"), done
+    assert any("compaction skipped" in r.getMessage() for r in caplog.records)
+    assert DeltaTable(uri).version() == 3  # nothing committed
+    # The purge is guarded the same way: options that reach no node fail, the job goes on.
+    purging = TableMaintenance(str(tables), {OPTION_PURGE: "0", OPTION_COMPACT: "-1",
+                                             "cluster": "127.0.0.1:1"})  # fmt: skip
+    failed = purging.after_batch()
+    assert failed.purged is None and len(failed.errors) == 1, failed
+    assert failed.errors[0].startswith("purge: "), failed
 
 
 async def _compact_node(port: int) -> tuple[dict[int, int], int]:
@@ -238,8 +270,10 @@ def test_the_job_purges_under_the_lease_it_holds(nodes: NodeFactory, tmp_path: P
         )
         done = upkeep.after_batch()
         assert not done.errors, done.errors
-        assert (tables / LEASE_FILE).exists(), "the job's lease is still there"
-        lease.hold()  # and still ours: this raises if another owner took it
+        # Still the job's: the upkeep neither released the lease (the file would be gone) nor
+        # took it as another owner (the file would name it).
+        held = json.loads((tables / LEASE_FILE).read_text())
+        assert held["owner"] == lease.owner, held
     finally:
         lease.release()
     limit = {vb: min(points[vb], high[vb]) for vb in high}

@@ -18,8 +18,9 @@ when due, it runs
 
 Exactly once is untouched: both run in the driver between batches (nothing of the next batch is
 planned yet: it reads the tables' versions after these commits), under the lease the job holds,
-and their commits carry no batch id. A purge that cannot be done now (a node not answering)
-is logged and tried again at the next interval; the job goes on. ``last`` tells what ran last
+and their commits carry no batch id. A step that fails (a node not answering, an unreadable
+file, a commit conflict) commits nothing, is logged in one line, recorded in ``Upkeep.errors``
+and tried again at its next interval; the job goes on. ``last`` tells what ran last
 (the tests and the progress line look).
 """
 
@@ -53,7 +54,7 @@ class Upkeep:
 
     purged: int | None = None  # tombstones removed (None: the purge did not run)
     compacted: CompactReport | None = None
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # "step: ErrorType: message", one a failure
 
 
 def interval(options: Mapping[str, str], name: str, default: float) -> float | None:
@@ -108,40 +109,46 @@ class TableMaintenance:
         self.last = Upkeep()
 
     def after_batch(self) -> Upkeep:
-        """Run what is due; called by the job between batches, holding the tables' lease."""
+        """Run what is due; called by the job between batches, holding the tables' lease.
+
+        Never raises: a step that fails (a node not answering, an unreadable file, a Delta
+        commit conflict) commits nothing, is logged in one line and recorded in
+        ``Upkeep.errors``, and is tried again at its next interval; the batch has committed
+        already and the job goes on.
+        """
         now = self.clock()
         self.last = Upkeep()
         if self.purge_every is not None and now - self._purged_at >= self.purge_every:
             self._purged_at = now
-            self._purge()
+            self._guarded("purge", self.purge_every, self._purge)
         if self.compact_every is not None and now - self._compacted_at >= self.compact_every:
             self._compacted_at = now
-            try:
-                self.last.compacted = compact_held(
-                    self.tables, self.storage_options, **self.compact_settings
-                )
-            except OSError as error:  # nothing committed: the files stay as they were
-                self.last.errors.append(f"compaction: {error}")
-                log.warning("compaction skipped, tried again in %s s: %s", self.compact_every,
-                            error)  # fmt: skip
+            self._guarded("compaction", self.compact_every, self._compact)
         return self.last
 
-    def _purge(self) -> None:
-        from changefeed.protocol.errors import StatusError
-        from changefeed.spark.options import SourceOptions
-        from changefeed.spark.purge import PurgeError, purge
-
+    def _guarded(self, step: str, every: float, run: Callable[[], None]) -> None:
+        """``run``, with any failure logged and recorded instead of raised: upkeep is
+        optional work, and an exception here would end the query after its batch committed."""
         try:
-            report = purge(
-                self.tables, SourceOptions.parse(self.options), self.storage_options,
-                lease_held=True,
-            )  # fmt: skip
-        except (PurgeError, StatusError, OSError, TimeoutError) as error:
-            # The store's purge points are unknown now: keep every tombstone, try later.
-            self.last.errors.append(f"purge: {error}")
-            log.warning("tombstone purge skipped, tried again in %s s: %s", self.purge_every,
-                        error)  # fmt: skip
-            return
+            run()
+        except Exception as error:  # any failure: the next interval retries
+            self.last.errors.append(f"{step}: {type(error).__name__}: {error}")
+            log.warning("%s skipped, tried again in %s s: %s: %s", step, every,
+                        type(error).__name__, error)  # fmt: skip
+
+    def _compact(self) -> None:
+        self.last.compacted = compact_held(self.tables, self.storage_options,
+                                           **self.compact_settings)  # fmt: skip
+
+    def _purge(self) -> None:
+        from changefeed.spark.options import SourceOptions
+        from changefeed.spark.purge import purge
+
+        # A purge that fails (the store's purge points unknown now) keeps every tombstone.
+        report = purge(
+            self.tables, SourceOptions.parse(self.options), self.storage_options,
+            lease_held=True,
+        )  # fmt: skip
         self.last.purged = report.removed
         if report.removed:
             log.info("purged %d tombstones the store no longer keeps", report.removed)
