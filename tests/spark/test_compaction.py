@@ -229,3 +229,12 @@ def test_compact_command_is_refused_while_a_job_holds_the_tables(tmp_path: Path)
 def test_compact_command_refuses_a_missing_table(tmp_path: Path) -> None:
     code, text = compact_command(tmp_path / "nothing")
     assert code == 2 and "no changelog table" in text, text
+
+
+@pytest.mark.parametrize("command", ["compact", "purge"])
+def test_an_unsupported_object_store_is_one_line(command: str) -> None:
+    """``--tables gs://…``: a usage error naming the value (a ValueError's traceback before)."""
+    result = CliRunner().invoke(cli, ["mirror", command, "--tables", "gs://b/x"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "gs://b/x" in errors[0] and "s3://" in errors[0], result.output

@@ -9,11 +9,10 @@ tables (one line naming it); a running job compacts by itself (``--compact-every
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
-from changefeed.cli.mirror_flags import is_url, mended, storage_options
+from changefeed.cli.mirror_tables_arg import checked_tables
 
 
 @click.command()
@@ -31,15 +30,7 @@ def compact(tables: str, files_min: int | None, small_mib: float | None,
     from changefeed.spark.compaction import CompactionError, compact_tables
     from changefeed.spark.table_lease import MirrorBusyError
 
-    tables = mended(tables)
-    given = storage_options(storage_pairs)
-    if given and not is_url(tables):
-        raise click.BadParameter(
-            f"{', '.join(sorted(given))} given, but {tables} is a local directory",
-            param_hint="--storage-option",
-        )
-    if not is_url(tables) and not (Path(tables) / "changelog").is_dir():
-        raise click.BadParameter(f"no changelog table under {tables}", param_hint="--tables")
+    tables, given = checked_tables(tables, storage_pairs)
     settings: dict[str, int] = {}
     if files_min is not None:
         settings["files_min"] = files_min

@@ -9,11 +9,10 @@ rewritten by this process. Refused while a mirror job holds the tables (one line
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
-from changefeed.cli.mirror_flags import is_url, mended, storage_options
+from changefeed.cli.mirror_tables_arg import checked_tables
 
 
 @click.command()
@@ -36,15 +35,7 @@ def purge(cluster: str, bucket: str, user: str, password: str, tables: str,
     from changefeed.spark.purge import purge as run_purge
     from changefeed.spark.table_lease import MirrorBusyError
 
-    tables = mended(tables)
-    given = storage_options(storage_pairs)
-    if given and not is_url(tables):
-        raise click.BadParameter(
-            f"{', '.join(sorted(given))} given, but {tables} is a local directory",
-            param_hint="--storage-option",
-        )
-    if not is_url(tables) and not (Path(tables) / "changelog").is_dir():
-        raise click.BadParameter(f"no changelog table under {tables}", param_hint="--tables")
+    tables, given = checked_tables(tables, storage_pairs)
     try:
         options = SourceOptions.parse(
             {"cluster": cluster, "bucket": bucket, "user": user, "password": password}
