@@ -4,16 +4,22 @@ Each micro-batch adds one changelog file (and usually one mirror file) per vbuck
 touches, so a latency-oriented job (small batches, ``--trigger 0``) leaves thousands of small
 files, and every reader opens each of them. The mirror's write tasks already merge a group's
 small files once it has ``mirror_tasks.SMALL_FILES_MAX`` of them; the changelog, append only,
-never did. ``compact_table`` merges, per partition (``_vb_group``), runs of small files (each
-below ``small_bytes``) into files of at most about ``target_bytes``, when the partition holds
-at least ``files_min`` small ones.
+never did. ``compact_table`` merges, per partition (``_vb_group``), runs of consecutive small
+files (each below ``small_bytes``) into files of at most about ``target_bytes``, when the
+partition holds at least ``files_min`` small ones.
 
 What it keeps, so that readers and the writer do not notice:
 
 - every row, column for column: files are read with the table's schema (a column added later
   reads null, as Delta readers see it) and written by the writer's own ``write_data_file``
-  (same types, same Delta statistics), in the files' commit order (a group's changelog rows
-  stay in batch order);
+  (same types, same Delta statistics);
+- a group's rows in commit order: files are ordered by their add action's modification time
+  (the writer stamps a batch's files at its commit), ties by their order in the Delta log (a
+  commit's own files in action order); a run is consecutive in that order (a file that is not
+  small ends it, so no row moves past it) and its file is stamped with the run's last time, as
+  the purge's rewritten files keep theirs: a group's rows read in this order are in batch
+  order before and after. (Two commits touching one group within the same millisecond, or a
+  clock stepped back, are not ordered by it: delta-rs does not tell a file's commit version.)
 - one Delta commit per table: readers see the old files or the new ones, never both. Its
   actions say ``dataChange: false`` (nothing changed: change-feed and streaming readers of the
   table skip the commit), and it carries no app transaction: the batch ids recorded in the
@@ -64,7 +70,7 @@ class FileEntry:
     path: str
     size: int
     group: int
-    modified: int  # the add action's modification time (ms): the commit order
+    modified: int  # the add action's modification time (ms): the commit order (module doc)
 
 
 @dataclass
@@ -81,6 +87,9 @@ class TableCompaction:
 
 @dataclass
 class CompactReport:
+    """What a compaction did to each table (``mirror compact`` prints it; the job's upkeep
+    keeps the last one in ``Upkeep.compacted``)."""
+
     tables: list[TableCompaction] = field(default_factory=list)
 
     @property
@@ -88,6 +97,9 @@ class CompactReport:
         return sum(t.files_removed for t in self.tables)
 
     def to_json(self) -> dict[str, object]:
+        """The report for ``mirror compact --json``: the files removed in all, and per table
+        the files removed and added, the rows moved, the groups compacted and the commit's
+        version (null: nothing to do)."""
         return {
             "files_removed": self.files_removed,
             "tables": {t.table: {"files_removed": t.files_removed, "files_added": t.files_added,
@@ -100,48 +112,54 @@ def plan_runs(
     files: list[FileEntry], *, small_bytes: int, target_bytes: int, files_min: int
 ) -> list[list[FileEntry]]:
     """The runs of files to merge, each into one file: per group holding at least
-    ``files_min`` small files, its small files in commit order, cut into runs of at most
-    ``target_bytes`` (a run of one file is left alone: merging it changes nothing)."""
+    ``files_min`` small files, its files in commit order (``files`` as ``table_files`` gives
+    them; sorted by modification time here, ties kept in their given order) cut into runs of
+    consecutive small files of at most ``target_bytes``; a file that is not small ends a run
+    (merging past it would move rows behind it), and a run of one file is left alone (merging
+    it changes nothing)."""
     if files_min < 2 or small_bytes < 1 or target_bytes < 1:
         raise CompactionError(
             f"files_min {files_min} must be at least 2 and the sizes positive "
             f"(small {small_bytes}, target {target_bytes})"
         )
     by_group: dict[int, list[FileEntry]] = {}
-    for entry in files:
-        if entry.size < small_bytes:
-            by_group.setdefault(entry.group, []).append(entry)
+    for entry in sorted(files, key=lambda e: e.modified):  # stable: ties keep the log's order
+        by_group.setdefault(entry.group, []).append(entry)
     runs: list[list[FileEntry]] = []
     for group in sorted(by_group):
-        small = sorted(by_group[group], key=lambda e: (e.modified, e.path))
-        if len(small) < files_min:
+        ordered = by_group[group]
+        if sum(1 for e in ordered if e.size < small_bytes) < files_min:
             continue
         run: list[FileEntry] = []
         size = 0
-        for entry in small:
-            if run and size + entry.size > target_bytes:
+        for entry in ordered:
+            if entry.size >= small_bytes or (run and size + entry.size > target_bytes):
                 runs.append(run)
                 run, size = [], 0
-            run.append(entry)
-            size += entry.size
+            if entry.size < small_bytes:
+                run.append(entry)
+                size += entry.size
         runs.append(run)
     return [run for run in runs if len(run) > 1]
 
 
 def table_files(table: DeltaTable) -> list[FileEntry]:
-    """The table's data files with their partition (``GROUP_COLUMN``)."""
+    """The table's data files with their partition (``GROUP_COLUMN``), in commit order: by
+    modification time, ties in the log's order (delta-rs lists a commit's files in action
+    order)."""
     actions = pa.table(table.get_add_actions(flatten=True))
     if not actions.num_rows:
         return []
     names = ("path", "size_bytes", f"partition.{GROUP_COLUMN}", "modification_time")
     columns = [actions.column(name).to_pylist() for name in names]
-    return [
-        FileEntry(str(path), int(size), int(group), _millis(modified))
+    entries = [
+        FileEntry(str(path), int(size), int(group), modification_millis(modified))
         for path, size, group, modified in zip(*columns, strict=True)
     ]
+    return sorted(entries, key=lambda e: e.modified)
 
 
-def _millis(value: Any) -> int:
+def modification_millis(value: Any) -> int:
     """A modification time as delta-rs lists it (a datetime or epoch milliseconds)."""
     if hasattr(value, "timestamp"):
         return int(value.timestamp() * 1000)
@@ -189,13 +207,13 @@ def compact_table(
         parts = [pq.read_table(e.path, filesystem=fs, schema=file_schema) for e in run]
         rows = pa.concat_tables(parts).combine_chunks()
         added = write_data_file(fs, name, rows, group, tag)
-        stamp = now_ms()
+        removed_at = now_ms()
         partition: dict[str, str | None] = {GROUP_COLUMN: str(group)}
-        # dataChange false: the same rows in other files (Delta's OPTIMIZE does the same).
-        actions += [RemoveAction(e.path, False, stamp, e.size, partition) for e in run]
-        actions.append(
-            AddAction(added["path"], added["size"], partition, stamp, False, added["stats"])
-        )
+        # dataChange false: the same rows in other files (Delta's OPTIMIZE does the same). The
+        # new file takes the run's place in the commit order: its last file's time.
+        actions += [RemoveAction(e.path, False, removed_at, e.size, partition) for e in run]
+        actions.append(AddAction(added["path"], added["size"], partition, run[-1].modified,
+                                 False, added["stats"]))  # fmt: skip
         done.files_removed += len(run)
         done.files_added += 1
         done.rows += rows.num_rows

@@ -51,6 +51,7 @@ from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.status import Status
 from changefeed.spark import watermark
 from changefeed.spark.cluster import dial_seed
+from changefeed.spark.compaction import modification_millis
 from changefeed.spark.delta_files import GROUP_COLUMN, now_ms, table_fs, table_uri, write_data_file
 from changefeed.spark.options import SourceOptions
 from changefeed.spark.table_lease import TablesLease
@@ -274,21 +275,21 @@ def _purge_table(
     file_schema = schema.remove(schema.get_field_index(GROUP_COLUMN))
     adds: list[AddAction] = []
     removes: list[RemoveAction] = []
-    for path, size, group in _candidate_files(table, max(limits.values())):
+    for path, size, group, modified in _candidate_files(table, max(limits.values())):
         keys = pq.read_table(path, columns=["vbucket", "seqno", "op"], filesystem=fs)
         drop = tombstones_to_drop(keys, limits)
         count = int(pc.sum(drop).as_py() or 0)
         if not count:
             continue
         rows = pq.read_table(path, filesystem=fs, schema=file_schema).filter(pc.invert(drop))
-        stamp = now_ms()
-        removes.append(RemoveAction(path, True, stamp, size, {GROUP_COLUMN: str(group)}))
+        removes.append(RemoveAction(path, True, now_ms(), size, {GROUP_COLUMN: str(group)}))
         done.removed += count
         done.files_rewritten += 1
         if rows.num_rows:
             added = write_data_file(fs, name, rows, group, table.version() + 1)
+            # The replaced file's time: its place in the group's commit order (compaction.py).
             adds.append(AddAction(added["path"], added["size"], {GROUP_COLUMN: str(group)},
-                                  stamp, True, added["stats"]))  # fmt: skip
+                                  modified, True, added["stats"]))  # fmt: skip
     if not removes:
         return done
     record = {"removed": done.removed, "limits": {str(vb): s for vb, s in sorted(limits.items())}}
@@ -303,10 +304,10 @@ def _purge_table(
     return done
 
 
-def _candidate_files(table: DeltaTable, highest: int) -> list[tuple[str, int, int]]:
-    """``(path, size, group)`` of the files that may hold a tombstone at or below ``highest``,
-    by their statistics: a file whose ``op`` is only ``mutation``, or whose smallest seqno is
-    above every limit, holds none."""
+def _candidate_files(table: DeltaTable, highest: int) -> list[tuple[str, int, int, int]]:
+    """``(path, size, group, modified)`` of the files that may hold a tombstone at or below
+    ``highest``, by their statistics: a file whose ``op`` is only ``mutation``, or whose
+    smallest seqno is above every limit, holds none."""
     files = pa.table(table.get_add_actions(flatten=True))
     names = files.column_names
 
@@ -314,13 +315,14 @@ def _candidate_files(table: DeltaTable, highest: int) -> list[tuple[str, int, in
         return files.column(name).to_pylist() if name in names else [None] * files.num_rows
 
     out = []
-    for path, size, group, low_op, high_op, low_seqno in zip(
+    for path, size, group, modified, low_op, high_op, low_seqno in zip(
         column("path"), column("size_bytes"), column(f"partition.{GROUP_COLUMN}"),
-        column("min.op"), column("max.op"), column("min.seqno"), strict=True,
+        column("modification_time"), column("min.op"), column("max.op"), column("min.seqno"),
+        strict=True,
     ):  # fmt: skip
         if low_op == high_op == "mutation":
             continue
         if isinstance(low_seqno, int) and low_seqno > highest:
             continue
-        out.append((str(path), int(str(size)), int(str(group))))
+        out.append((str(path), int(str(size)), int(str(group)), modification_millis(modified)))
     return out
