@@ -300,3 +300,26 @@ def test_mirror_flags_are_checked_before_spark(tmp_path: Path) -> None:
     assert maintenance_options("-1", None) == {OPTION_PURGE: "-1"}
     assert interval(maintenance_options("-1", "0.0"), OPTION_PURGE, 600.0) is None
     assert interval(maintenance_options("-1", "0.0"), OPTION_COMPACT, 300.0) == 0.0
+
+
+def test_upkeep_flags_are_refused_for_the_local_writer(tmp_path: Path) -> None:
+    """The local writer has no upkeep: its flags are refused in one line, not ignored."""
+    from click.testing import CliRunner
+    from deltalake import write_deltalake
+
+    from changefeed.cli.main import cli
+
+    def run(*args: str) -> tuple[int, list[str]]:
+        result = CliRunner().invoke(cli, ["mirror", "--tables", str(tmp_path / "t"), *args])
+        return result.exit_code, [x for x in result.output.splitlines() if x.startswith("Error")]
+
+    code, errors = run("--writer", "local", "--compact-every", "5")
+    assert code == 2 and len(errors) == 1 and "--writer local" in errors[0], errors
+    code, errors = run("--writer", "local", "--purge-every", "never")
+    assert code == 2 and "--purge-every:" in errors[0], errors
+    # Tables the local writer made (not partitioned by the vbucket group), no --writer.
+    write_deltalake(
+        str(tmp_path / "t" / "mirror"), pa.table({"vbucket": pa.array([0], pa.int32())})
+    )
+    code, errors = run("--compact-every", "5")
+    assert code == 2 and "the local writer's tables" in errors[0], errors

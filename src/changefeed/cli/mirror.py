@@ -243,7 +243,7 @@ def mirror(ctx: click.Context, cluster: str, bucket: str, user: str, password: s
     if partitions is not None:
         options["partitions"] = str(partitions)
     options |= flags.source_options()
-    options |= maintenance_options(purge_every, compact_every)  # table upkeep in the job
+    options |= maintenance_options(purge_every, compact_every, writer, mended(str(tables)))
     check_cluster(options)
     options |= collection_options(collection_list, options, tables)  # after: reachable
     job = MirrorJob(options, tables, checkpoint, as_json, flags.storage_options or None)

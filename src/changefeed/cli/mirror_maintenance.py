@@ -9,6 +9,7 @@ changelog's tombstones the store has purged and compacts the tables' small files
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -45,9 +46,42 @@ def maintenance_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     )(command)  # fmt: skip
 
 
-def maintenance_options(purge_every: str | None, compact_every: str | None) -> dict[str, str]:
-    """The writer's options for the flags given (``maintenance.py`` reads them)."""
+def maintenance_options(
+    purge_every: str | None,
+    compact_every: str | None,
+    writer: str | None = None,
+    tables: str | None = None,
+) -> dict[str, str]:
+    """The writer's options for the flags given (``maintenance.py`` reads them).
+
+    Raises:
+        click.BadParameter: a flag given for the local writer (``--writer local``, or local
+            tables it wrote), which has no upkeep: the flag would be ignored.
+    """
     from changefeed.spark.maintenance import OPTION_COMPACT, OPTION_PURGE
 
     given = ((OPTION_PURGE, purge_every), (OPTION_COMPACT, compact_every))
-    return {name: value for name, value in given if value is not None}
+    options = {name: value for name, value in given if value is not None}
+    if options and (writer == "local" or (writer is None and _local_writers(tables))):
+        flag = "--purge-every" if purge_every is not None else "--compact-every"
+        whose = "--writer local" if writer == "local" else f"the local writer's tables {tables}"
+        raise click.BadParameter(
+            f"table upkeep runs in the distributed writer only, not for {whose}", param_hint=flag
+        )
+    return options
+
+
+def _local_writers(tables: str | None) -> bool:
+    """Whether ``tables`` is a local directory whose tables the local writer wrote (not
+    partitioned by the vbucket group; the writer keeps to their layout)."""
+    if tables is None or "://" in tables:
+        return False
+    from deltalake import DeltaTable
+
+    from changefeed.spark.delta_files import GROUP_COLUMN
+
+    for name in ("mirror", "changelog"):
+        path = str(Path(tables) / name)
+        if DeltaTable.is_deltatable(path):
+            return GROUP_COLUMN not in DeltaTable(path).metadata().partition_columns
+    return False
