@@ -122,7 +122,10 @@ async def _upsert(kv: KvClient, items: list[tuple[bytes, bytes]]) -> None:
     raise TimeoutError("writes kept failing with TMPFAIL")
 
 
-async def _load(port: int, count: int) -> None:
+async def load(port: int, count: int) -> None:
+    """Upsert keys ``key_of(0..count-1)`` with ``value_of`` values (LOADERS connections, WINDOW
+    requests in flight each); also used by ``bench_spark_reader.py``."""
+
     async def one(first: int, last: int) -> None:
         async with await KvClient.connect("127.0.0.1", port) as kv:
             for start in range(first, last, WINDOW):
@@ -461,7 +464,7 @@ def warm_up(spark: Any, work: Path) -> None:
     node = start_node(root)
     cpu = CpuMeter(node.pid)
     try:
-        asyncio.run(_load(node.port, 20_000))
+        asyncio.run(load(node.port, 20_000))
         run_to_mirror(
             "warm-up", changefeed_df(spark, node, 10_000), root / "t1", root / "c1",
             node.source_options(), rows=20_000, available_now=True, cpu=cpu,
@@ -487,7 +490,7 @@ def bench_size(spark: Any, n: int, args: argparse.Namespace, work: Path, out: li
     cpu = CpuMeter(node.pid)
     try:
         started = time.perf_counter()
-        asyncio.run(_load(node.port, n))
+        asyncio.run(load(node.port, n))
         load_s = time.perf_counter() - started
         settle_s = cpu.settle()
         say(
@@ -671,7 +674,7 @@ def bench_latency(spark: Any, args: argparse.Namespace, work: Path, out: list[st
             f"\n## latency: {args.latency_rate:,} changes/s for {args.latency_s:.0f} s, "
             f"trigger processingTime {args.latency_trigger!r}",
         )
-        asyncio.run(_load(node.port, 10_000))  # a mirror to merge into
+        asyncio.run(load(node.port, 10_000))  # a mirror to merge into
         options = node.source_options()
         kinds = args.mirror_writers.split(",")
 
@@ -938,8 +941,8 @@ def bench_standalone(n: int, args: argparse.Namespace, work: Path, out: list[str
     warm = start_node(work / "warm-node")
     try:
         started = time.perf_counter()
-        asyncio.run(_load(warm.port, 20_000))
-        asyncio.run(_load(node.port, n))
+        asyncio.run(load(warm.port, 20_000))
+        asyncio.run(load(node.port, n))
         load_s = time.perf_counter() - started
         cpu = CpuMeter(node.pid)
         settle_s = cpu.settle()
@@ -1004,7 +1007,7 @@ def bench_driver_memory(n: int, args: argparse.Namespace, work: Path, out: list[
     node = start_node(work / "node")
     try:
         started = time.perf_counter()
-        asyncio.run(_load(node.port, n))
+        asyncio.run(load(node.port, n))
         load_s = time.perf_counter() - started
         settle_s = CpuMeter(node.pid).settle()
         say(out, f"\n## driver memory: N = {n:,} changes, 2 executors (load {load_s:.1f} s; "
