@@ -40,20 +40,25 @@ import pytest
 from deltalake import DeltaTable
 
 from changefeed.spark import ARROW_SCHEMA, MirrorWriter, read_mirror
-from changefeed.spark.batch_plan import source_batch
+from changefeed.spark.batch_plan import SourceBatch, source_batch
 from changefeed.spark.batch_size import planned_changes
 from changefeed.spark.delta_files import GROUP_COLUMN
 from changefeed.spark.dist_mirror import (
+    CLUSTER_GROUPS_MIN,
     DEFAULT_GROUPS_MAX,
     DEFAULT_GROUPS_MIN,
     DistributedMirrorWriter,
     MirrorOwnerError,
     SchemaMismatchError,
     default_groups,
+    new_table_groups,
 )
+from changefeed.spark.driver_read import rows_in_driver
 from changefeed.spark.mirror import APP_ID
 from changefeed.spark.mirror_status import changes, mirror_status
 from changefeed.spark.mirror_tasks import COMMIT_TIMESTAMP, POSITION
+from changefeed.spark.offsets import VbOffset
+from changefeed.spark.options import OptionError
 from changefeed.spark.table_lease import MirrorBusyError
 from changefeed.spark.watermark import hlc_ns
 from changefeed.vbmap import vbucket_for_key
@@ -437,13 +442,21 @@ def test_the_driver_reads_typed_documents_and_keeps_a_field_named_like_the_posit
     write(node.port, docs)
     opts = node.source_options(schema=TYPED_SCHEMA, maxOffsetsPerTrigger="500")
     writer = MirrorWriter(tmp_path / "tables", opts)
+    second = MirrorWriter(tmp_path / "second", opts)  # the same batch, other tables
     read_in_driver: list[bool] = []
-    derived: list[bool] = []
+    derived: list[list[bool]] = []
+    spark.sparkContext.setCheckpointDir(str(tmp_path / "rdd-checkpoints"))
 
     def sink(batch_df: Any, batch_id: int) -> None:
-        derived.append(source_batch(batch_df.filter("op = 'mutation'"), batch_id) is None)
+        # Derived frames, checkpointed ones too (a new LogicalRDD over the batch's attributes:
+        # accepted before). Lazily, so that no Spark job counts the batch's rows here.
+        kept = batch_df.filter("op = 'mutation'")
+        frames = [kept, kept.localCheckpoint(eager=False), batch_df.checkpoint(eager=False)]
+        derived.append([source_batch(frame, batch_id) is None for frame in frames])
         writer(batch_df, batch_id)
         read_in_driver.append(writer.last_read_in_driver)
+        second(batch_df, batch_id)
+        read_in_driver.append(second.last_read_in_driver)
 
     query = (
         spark.readStream.format("changefeed").options(**opts).load()
@@ -456,11 +469,12 @@ def test_the_driver_reads_typed_documents_and_keeps_a_field_named_like_the_posit
     finally:
         query.stop()
         writer.close()
+        second.close()
     assert query.exception() is None, query.exception()
     assert read_in_driver and all(read_in_driver), read_in_driver
-    assert derived and all(derived), derived
+    assert derived and all(all(d) for d in derived), derived
     progress = [json.loads(p.json) if hasattr(p, "json") else p for p in query.recentProgress]
-    counted = sum(p["numInputRows"] for p in progress)
+    counted = sum(p["numInputRows"] for p in progress)  # once, though two writers read them
     logged = DeltaTable(str(tmp_path / "tables" / "changelog")).to_pyarrow_table()
     assert counted == logged.num_rows > 0, (counted, logged.num_rows)
     mirror = assert_typed_mirror_matches(tmp_path / "tables", node)
@@ -477,3 +491,130 @@ def test_default_groups_follow_the_cores_within_bounds(cores: int) -> None:
     assert DEFAULT_GROUPS_MIN <= groups <= DEFAULT_GROUPS_MAX
     assert groups >= min(cores, DEFAULT_GROUPS_MAX)  # a write task per core while groups allow
     assert groups <= default_groups(cores + 1)
+
+
+def test_a_frame_filtered_then_checkpointed_is_written_as_given(
+    spark: Any, nodes: NodeFactory, tmp_path: Path
+) -> None:
+    """The writer given ``batch_df.filter(...).localCheckpoint()``: before, the driver read the
+    whole batch from the nodes (the frame kept the scan's attributes) and the changelog got the
+    deletions the frame did not hold."""
+    node = nodes(args=FAST_NODE)
+    ops: list[tuple[str, bytes | None]] = [(f"k-{i:03d}", f"v{i}".encode()) for i in range(200)]
+    ops += [(f"k-{i:03d}", None) for i in range(0, 200, 2)]
+    write(node.port, ops)
+    opts = node.source_options(format="binary")
+    writer = MirrorWriter(tmp_path / "tables", opts)
+    given: list[int] = []
+
+    def sink(batch_df: Any, batch_id: int) -> None:
+        kept = batch_df.filter("op = 'mutation'").localCheckpoint()
+        given.append(kept.count())
+        writer(kept, batch_id)
+        assert writer.last_in_driver and not writer.last_read_in_driver
+
+    query = (
+        spark.readStream.format("changefeed").options(**opts).load()
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True).start()
+    )  # fmt: skip
+    try:
+        assert query.awaitTermination(180), "the availableNow query did not finish in 180 s"
+    finally:
+        query.stop()
+        writer.close()
+    assert query.exception() is None, query.exception()
+    logged = DeltaTable(str(tmp_path / "tables" / "changelog")).to_pyarrow_table()
+    assert set(logged.column("op").to_pylist()) == {"mutation"}
+    assert logged.num_rows == sum(given) > 0
+
+
+def test_a_restart_between_the_first_commits_keeps_the_changelogs_groups(
+    spark: Any, tmp_path: Path, rng: random.Random, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver dies after batch 0's changelog commit (created with 8 groups), and the replay's
+    default is other (local[2]: 4): the mirror must be created with the changelog's groups.
+    Before, it got 4, and a rollback's lookup of a vbucket's changes by group missed rows."""
+    tables = str(tmp_path / "tables")
+    rows, _ = Stream(rng).batch(40)
+    commit = DistributedMirrorWriter._commit
+
+    def crash_at_the_mirror(self: DistributedMirrorWriter, table: Any, uri: str, name: str,
+                            *args: Any) -> None:  # fmt: skip
+        if name == "mirror":
+            raise RuntimeError("driver died")
+        commit(self, table, uri, name, *args)
+
+    first = DistributedMirrorWriter(tables, {**OPTIONS, "mirrorGroups": "8"}, APP_ID, False)
+    monkeypatch.setattr(DistributedMirrorWriter, "_commit", crash_at_the_mirror)
+    with pytest.raises(RuntimeError, match="driver died"):
+        first.write_batch(spark.createDataFrame(rows), 0, in_driver=True)
+    first.close()
+    monkeypatch.setattr(DistributedMirrorWriter, "_commit", commit)
+    defaults = {k: v for k, v in OPTIONS.items() if k != "mirrorGroups"}
+    assert default_groups(spark.sparkContext.defaultParallelism) != 8
+    replay = DistributedMirrorWriter(tables, defaults, APP_ID, False)
+    replay.write_batch(spark.createDataFrame(rows), 0, in_driver=True)
+    replay.close()
+    groups = {
+        name: json.loads(DeltaTable(f"{tables}/{name}").metadata().description)["changefeed"][
+            "vbucketGroups"
+        ]
+        for name in ("changelog", "mirror")
+    }
+    assert groups == {"changelog": 8, "mirror": 8}
+    for name in ("changelog", "mirror"):
+        placed = DeltaTable(f"{tables}/{name}").to_pyarrow_table(columns=["vbucket", GROUP_COLUMN])
+        assert pc.all(
+            pc.equal(pc.remainder(placed.column("vbucket"), 8), placed.column(GROUP_COLUMN))
+        ).as_py()
+
+
+LOCAL_CORES = 3
+
+
+@pytest.mark.parametrize(
+    ("master", "conf", "groups"),
+    [
+        ("local", {}, default_groups(LOCAL_CORES)),
+        ("local[3]", {}, default_groups(LOCAL_CORES)),
+        ("local[*]", {}, default_groups(LOCAL_CORES)),
+        # A cluster: the cores registered at the first batch say nothing of later ones.
+        ("spark://h:7077", {}, CLUSTER_GROUPS_MIN),
+        ("yarn", {"spark.executor.instances": "2", "spark.executor.cores": "1"}, 16),
+        ("yarn", {"spark.executor.instances": "10", "spark.executor.cores": "2"}, 40),
+        ("k8s://h", {"spark.executor.instances": "100", "spark.executor.cores": "4"}, 64),
+        (
+            "yarn",
+            {
+                "spark.dynamicAllocation.enabled": "true",
+                "spark.executor.cores": "4",
+                "spark.dynamicAllocation.maxExecutors": "5",
+                "spark.executor.instances": "1",
+            },
+            40,
+        ),
+        ("yarn", {"spark.dynamicAllocation.enabled": "true", "spark.executor.cores": "4"}, 16),
+        ("local-cluster[2,1,1024]", {"spark.executor.cores": "x"}, 16),
+    ],
+)
+def test_new_tables_groups_follow_local_cores_or_the_configured_executors(
+    master: str, conf: dict[str, str | None], groups: int
+) -> None:
+    assert new_table_groups(master, conf, LOCAL_CORES) == groups
+
+
+def test_a_refused_driver_read_falls_back_to_sparks_job(spark: Any, rng: random.Random) -> None:
+    """The driver's read of a batch fails on a node that refuses (as during a failover): the
+    batch's rows come from Spark's job, whose task Spark retries; before, the batch failed.
+    Bad options still fail it."""
+    rows, _ = Stream(rng).batch(20)
+    df = spark.createDataFrame(rows)
+    refused = {"cluster": f"127.0.0.1:{free_port()}", "format": "binary"}
+    end = {3: VbOffset(vb_uuid=1, seqno=5)}
+    got, read_here = rows_in_driver(df, SourceBatch(0, refused, {}, end))
+    assert not read_here
+    assert got.sort_by("seqno").to_pylist() == df.toArrow().sort_by("seqno").to_pylist()
+    with pytest.raises(OptionError, match="format"):
+        rows_in_driver(df, SourceBatch(0, {**refused, "format": "nope"}, {}, end))

@@ -4,7 +4,8 @@ The mirror's driver path (``dist_mirror.py``) reads a small batch from the nodes
 (``driver_read.py``) instead of running Spark's job for ``toArrow``. It may do so only when the
 DataFrame holds exactly the source's rows of the batch: the query writes
 ``readStream.format("changefeed")`` straight into ``foreachBatch``, with no filter or projection
-between, and the DataFrame is the one Spark handed over, not one derived from it. Then the
+between, and the DataFrame is the one Spark handed over (a LogicalRDD over the RDD of the
+batch's own execution), not one derived from it, even one checkpointed. Then the
 batch's start and end offsets and the source's options are in the plan Spark runs the batch
 with (``StreamExecution.lastExecution``: the write node over the source's
 ``StreamingDataSourceV2ScanRelation``, whose offsets are set for this batch, the first one's
@@ -16,7 +17,9 @@ every plan of another shape, gives ``None``, and the writer then runs Spark's jo
 
 Spark counts a batch's input rows (``numInputRows`` in progress events, which ``changefeed
 mirror`` prints) from the source scan's ``numOutputRows`` metric; a batch read in the driver
-never runs that scan, so ``SourceBatch.count_rows`` adds the rows read to the metric.
+never runs that scan, so ``SourceBatch.count_rows`` adds the rows read to the metric, once per
+batch: not when the metric already counts (another writer of the same batch read it first,
+in the driver or through Spark's job).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from changefeed.spark.offsets import Offsets, offsets_from_json
+from changefeed.spark.running_query import running_query
 
 log = logging.getLogger("changefeed.mirror")
 
-QUERY_ID_PROPERTY: Final = "sql.streaming.queryId"
 SOURCE_NAME: Final = "changefeed"  # ChangefeedDataSource.name()
 
 
@@ -49,12 +52,13 @@ class SourceBatch:
     scan: Any = None
 
     def count_rows(self, rows: int) -> None:
-        """Report ``rows`` as the batch's input rows (Spark's ``numInputRows``)."""
+        """Report ``rows`` as the batch's input rows (Spark's ``numInputRows``), unless the
+        batch's rows are counted already (see the module docstring)."""
         if self.scan is None:
             return
         try:
             metric = self.scan.metrics().get("numOutputRows")
-            if metric.isDefined():
+            if metric.isDefined() and metric.get().isZero():
                 metric.get().add(rows)
         except Exception as error:  # py4j and Spark internals: the count is only a metric
             log.debug("micro-batch %d: input rows not reported (%s)", self.batch_id, error)
@@ -70,16 +74,10 @@ def source_batch(batch_df: Any, batch_id: int) -> SourceBatch | None:
 
 
 def _source_batch(batch_df: Any, batch_id: int) -> SourceBatch | None:
-    from pyspark.sql import SparkSession
-
-    query_id = batch_df.sparkSession.sparkContext.getLocalProperty(QUERY_ID_PROPERTY)
-    session = SparkSession.getActiveSession()
-    if not query_id or session is None:
-        return None
-    query = session.streams.get(query_id)
+    query = running_query(batch_df)
     if query is None:
         return None
-    execution = query._jsq.streamingQuery().lastExecution()
+    execution = query.lastExecution()
     if execution is None or int(execution.currentBatchId()) != batch_id:
         return None
     write = execution.logical()
@@ -94,6 +92,11 @@ def _source_batch(batch_df: Any, batch_id: int) -> SourceBatch | None:
     handed = batch_df._jdf.queryExecution().logical()
     if not _is(handed, "LogicalRDD") or _ids(handed.output()) != _ids(scan.output()):
         return None  # a DataFrame derived from the batch (a filter, another projection)
+    # The same attributes are not enough: a derived frame checkpointed (``filter(...)
+    # .localCheckpoint()``, ``checkpoint()``) is a new LogicalRDD over them. Spark builds the
+    # handed frame's LogicalRDD on the RDD of the batch's own execution; any other is derived.
+    if int(handed.rdd().id()) != int(execution.toRdd().id()):
+        return None
     if not (scan.startOffset().isDefined() and scan.endOffset().isDefined()):
         return None
     start = offsets_from_json(json.loads(str(scan.startOffset().get().json())))

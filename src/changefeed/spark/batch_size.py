@@ -9,10 +9,10 @@ this one starts. The seqnos between them bound the batch's rows (deduplication o
 rows; a rollback row adds one per vbucket, counted as one).
 
 Spark hands ``foreachBatch`` a DataFrame without its offsets, so they are read where Spark keeps
-them: the running query (``sql.streaming.queryId``, a local property of the thread running the
-batch) and its offset log. That log is not public API (``StreamExecution.offsetLog``); every
-failure to read it (another Spark, a query of another session, a DataFrame not from a stream,
-offsets of another source) gives ``None``, and the writer then treats the batch as large.
+them: the running query (``running_query.py``) and its offset log. That log is not public API
+(``StreamExecution.offsetLog``); every failure to read it (another Spark, a query of another
+session, a DataFrame not from a stream, offsets of another source) gives ``None``, and the
+writer then treats the batch as large.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ import logging
 from typing import Any
 
 from changefeed.spark.offsets import Offsets, VbOffset, offsets_from_json
+from changefeed.spark.running_query import running_query
 
 log = logging.getLogger("changefeed.mirror")
-
-QUERY_ID_PROPERTY = "sql.streaming.queryId"
 
 
 def planned_changes(batch_df: Any, batch_id: int) -> int | None:
@@ -81,17 +80,10 @@ def _parse(text: str | None) -> Offsets | None:
 def _offset_json(batch_df: Any, batch_id: int) -> list[str | None] | None:
     """The offsets Spark's offset log holds for ``batch_id`` of the query running this batch,
     one JSON text per source (None for a source without one), or None."""
-    from pyspark.sql import SparkSession
-
-    context = batch_df.sparkSession.sparkContext
-    query_id = context.getLocalProperty(QUERY_ID_PROPERTY)
-    session = SparkSession.getActiveSession()
-    if not query_id or session is None:
-        return None
-    query = session.streams.get(query_id)
+    query = running_query(batch_df)
     if query is None:
         return None
-    logged = query._jsq.streamingQuery().offsetLog().get(batch_id)
+    logged = query.offsetLog().get(batch_id)
     if not logged.isDefined():
         return None
     offsets = logged.get().offsets()

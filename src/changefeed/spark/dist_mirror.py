@@ -36,9 +36,11 @@ drops it). The changelog follows the change-feed convention (``_change_type``,
 
 Parallelism: ``tasks`` per batch is the ``mirrorTasks`` option, else Spark's
 ``spark.default.parallelism`` (the executors' cores), at most ``groups``. ``groups`` is the
-``mirrorGroups`` option when the tables are created (default ``default_groups``: twice Spark's
-default parallelism, 4 to 64), stored in the mirror table's description; more groups than tasks
-lets a larger cluster use more tasks later, fewer make a small batch's files fewer.
+``mirrorGroups`` option when the tables are created (default ``new_table_groups``: on a local
+master twice Spark's default parallelism, 4 to 64; on a cluster twice the configured executor
+cores, 16 to 64), stored in both tables' descriptions (a restart reads the mirror's, else the
+changelog's); more groups than tasks lets a larger cluster use more tasks later, fewer make a
+small batch's files fewer.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from changefeed.spark.mirror_tasks import (
     position_column,
     run_group,
 )
+from changefeed.spark.options import bool_option
 from changefeed.spark.table_lease import TablesLease
 
 log = logging.getLogger("changefeed.mirror")
@@ -86,10 +89,20 @@ log = logging.getLogger("changefeed.mirror")
 # Default vbucket groups of new tables: twice the executors' cores (room for a cluster twice as
 # large), within these bounds. A steady stream's small batch writes two files per group, so
 # fewer groups are faster there (16 -> 4 groups: the files of a 1,000-change batch 187 -> 47 ms),
-# while a large batch has at most one write task per group.
+# while a large batch has at most one write task per group. The groups are fixed when the
+# tables are created, so on a cluster, whose cores at the first batch may be far fewer than
+# later (dynamic allocation, executors still registering), they come from the configured
+# executors, at least CLUSTER_GROUPS_MIN (``new_table_groups``).
 GROUPS_PER_CORE: Final = 2
 DEFAULT_GROUPS_MIN: Final = 4
 DEFAULT_GROUPS_MAX: Final = 64
+CLUSTER_GROUPS_MIN: Final = 16
+CLUSTER_CORE_KEYS: Final = (
+    "spark.executor.cores",
+    "spark.executor.instances",
+    "spark.dynamicAllocation.enabled",
+    "spark.dynamicAllocation.maxExecutors",
+)
 GROUPS_MAX: Final = 1024
 # A batch planned at most this many changes is written by the driver (``mirrorDriverBatchMax``).
 DEFAULT_DRIVER_BATCH_MAX: Final = 50_000
@@ -133,7 +146,7 @@ class DistributedMirrorWriter:
         self.tasks = _positive(lowered, "mirrortasks")
         self.groups_wanted = _positive(lowered, "mirrorgroups")  # None: default_groups
         self.driver_batch_max = _count(lowered, "mirrordriverbatchmax", DEFAULT_DRIVER_BATCH_MAX)
-        self.driver_read = _flag(lowered, "mirrordriverread", True)
+        self.driver_read = bool_option(lowered, "mirrordriverread", True)
         self.last_in_driver = False  # which path the last batch took
         self.last_read_in_driver = False  # whether its rows were read by the driver itself
         self.timings: dict[str, float] = {}  # the last batch's phases (seconds; a profile)
@@ -183,15 +196,13 @@ class DistributedMirrorWriter:
         return source if source is not None and readable(source) else None
 
     def _rows_here(self, batch_df: Any, source: SourceBatch | None) -> pa.Table:
-        """A small batch's rows in the driver: read from the nodes (``source``), else
-        Spark's job (``toArrow``)."""
+        """A small batch's rows in the driver: read from the nodes (``source``), else (or after
+        a transport failure) Spark's job (``toArrow``)."""
         if source is None:
             return batch_df.toArrow()
-        from changefeed.spark.driver_read import read_batch, spark_arrow_schema
+        from changefeed.spark.driver_read import rows_in_driver
 
-        rows = read_batch(source, batch_df.schema, spark_arrow_schema(batch_df))
-        source.count_rows(rows.num_rows)
-        self.last_read_in_driver = True
+        rows, self.last_read_in_driver = rows_in_driver(batch_df, source)
         return rows
 
     def _write(
@@ -215,7 +226,7 @@ class DistributedMirrorWriter:
         batch_schema = to_arrow_schema(batch_df.schema)
         if GROUP_COLUMN in batch_schema.names:  # a document field of that name: ours wins
             batch_schema = batch_schema.remove(batch_schema.get_field_index(GROUP_COLUMN))
-        groups = self._groups(mirror, batch_df)
+        groups = self._groups(mirror, changelog, batch_df)
         mirror_target = self._target(mirror, mirror_schema(batch_schema))
         changelog_fields = [*batch_schema, pa.field("batch_id", pa.int64())]
         changelog_target = self._target(
@@ -353,17 +364,30 @@ class DistributedMirrorWriter:
                 )
         return pa.schema(fields + new)
 
-    def _groups(self, mirror: DeltaTable | None, batch_df: Any) -> int:
-        if mirror is None:
+    def _groups(
+        self, mirror: DeltaTable | None, changelog: DeltaTable | None, batch_df: Any
+    ) -> int:
+        """The tables' vbucket groups: the mirror's, else the changelog's (a driver that died
+        between batch 0's two commits: the mirror must get the groups the changelog's files are
+        partitioned by, or a rollback's lookup of a vbucket's changes by group misses them),
+        else, for new tables, ``mirrorGroups`` or ``new_table_groups``."""
+        existing, uri = (mirror, self.mirror_uri) if mirror is not None else (
+            changelog, self.changelog_uri)  # fmt: skip
+        if existing is None:
             if self.groups_wanted is not None:
                 return self.groups_wanted
-            return default_groups(_default_parallelism(batch_df))
+            context = batch_df.sparkSession.sparkContext
+            conf = context.getConf()
+            return new_table_groups(
+                str(context.master), {k: conf.get(k, None) for k in CLUSTER_CORE_KEYS},
+                _default_parallelism(batch_df),
+            )  # fmt: skip
         try:
-            described = json.loads(mirror.metadata().description or "{}")
+            described = json.loads(existing.metadata().description or "{}")
             return int(described["changefeed"]["vbucketGroups"])
         except (ValueError, KeyError, TypeError):
             raise MirrorOwnerError(
-                f"mirror table {self.mirror_uri} was not written by the distributed writer "
+                f"table {uri} was not written by the distributed writer "
                 "(no vbucket groups in its description)"
             ) from None
 
@@ -505,18 +529,37 @@ def _count(options: dict[str, str], name: str, default: int) -> int:
     return value
 
 
-def _flag(options: dict[str, str], name: str, default: bool) -> bool:
-    text = options.get(name)
-    if text is None:
-        return default
-    if text.lower() not in ("true", "false"):
-        raise ValueError(f"option {name}: {text!r} is not true or false")
-    return text.lower() == "true"
-
-
 def default_groups(cores: int) -> int:
     """The vbucket groups of new tables for ``cores`` executor cores (``GROUPS_PER_CORE``)."""
     return max(DEFAULT_GROUPS_MIN, min(DEFAULT_GROUPS_MAX, GROUPS_PER_CORE * cores))
+
+
+def new_table_groups(master: str, conf: dict[str, str | None], default_parallelism: int) -> int:
+    """The vbucket groups of new tables without ``mirrorGroups``, for Spark master ``master``
+    with configuration ``conf`` (``CLUSTER_CORE_KEYS``; None: not set).
+
+    A local master (``local``, ``local[N]``) has its cores from the start: Spark's default
+    parallelism. A cluster's default parallelism counts the cores registered so far (2 before
+    any executor does), and the groups stay with the tables: there they follow the configured
+    executors (``spark.executor.instances``, or ``spark.dynamicAllocation.maxExecutors`` with
+    dynamic allocation, times ``spark.executor.cores``), and are at least
+    ``CLUSTER_GROUPS_MIN`` (all the same when those are not set)."""
+    if master == "local" or master.startswith("local["):
+        return default_groups(default_parallelism)
+    return max(CLUSTER_GROUPS_MIN, default_groups(planned_cores(conf)))
+
+
+def planned_cores(conf: dict[str, str | None]) -> int:
+    """The executor cores ``conf`` plans (0: not known from it)."""
+    dynamic = (conf.get("spark.dynamicAllocation.enabled") or "false").strip().lower() == "true"
+    executors = conf.get(
+        "spark.dynamicAllocation.maxExecutors" if dynamic else "spark.executor.instances"
+    )
+    cores = conf.get("spark.executor.cores")
+    try:
+        return max(0, int(executors or 0)) * max(0, int(cores or 0))
+    except ValueError:
+        return 0  # Spark refuses such a value itself
 
 
 def _default_parallelism(batch_df: Any) -> int:

@@ -98,11 +98,11 @@ class SourceOptions:
             vbuckets=lowered.get("vbuckets", "all"),
             starting_offsets=lowered.get("startingoffsets", "earliest"),
             max_offsets_per_trigger=_int(lowered, "maxoffsetspertrigger", 0),
-            fail_on_data_loss=_bool(lowered, "failondataloss", True),
+            fail_on_data_loss=bool_option(lowered, "failondataloss", True),
             partitions=max(1, _int(lowered, "partitions", 2)),
             format=_choice(lowered, "format", FORMATS, "json").lower(),
             schema=lowered.get("schema", "").strip(),
-            infer_schema=_bool(lowered, "inferschema", "schema" not in lowered),
+            infer_schema=bool_option(lowered, "inferschema", "schema" not in lowered),
             infer_samples=max(1, _int(lowered, "inferschemasamples", 100)),
             mode=_choice(lowered, "mode", MODES, "PERMISSIVE").upper(),
             corrupt_column=lowered.get("columnnameofcorruptrecord", CORRUPT_COLUMN),
@@ -277,7 +277,12 @@ def _int(options: dict[str, str], name: str, default: int) -> int:
     return value
 
 
-def _bool(options: dict[str, str], name: str, default: bool) -> bool:
+def bool_option(options: dict[str, str], name: str, default: bool) -> bool:
+    """Option ``name`` of ``options`` (keys lower-cased) as true or false, ``default`` if absent.
+
+    Raises:
+        OptionError: neither true nor false (any case), naming the option and the value.
+    """
     raw = options.get(name)
     if raw is None:
         return default
