@@ -28,7 +28,7 @@ import numpy as np
 
 from changefeed import limits
 from changefeed.protocol.errors import StatusError
-from changefeed.protocol.frame import HEADER_FORMAT
+from changefeed.protocol.frame import HEADER_FORMAT, Frame
 from changefeed.protocol.frame_info import FRAME_INFO_DURABILITY, DurabilityLevel
 from changefeed.protocol.kv import MUTATION_TOKEN
 from changefeed.protocol.opcode import DATATYPE_MASK, Magic, Opcode
@@ -37,6 +37,7 @@ _SET_HEAD: Final = struct.Struct(HEADER_FORMAT + "II")  # the header | flags, ex
 _HEAD_SIZE: Final = _SET_HEAD.size
 _HEADER_SIZE: Final = limits.HEADER_SIZE
 _EXTRAS_SIZE: Final = 8
+_STORE_EXTRAS: Final = struct.Struct(">II")  # flags, expiry
 _REQUEST: Final = int(Magic.REQUEST)
 _ALT_REQUEST: Final = int(Magic.ALT_REQUEST)
 _RESPONSE: Final = int(Magic.RESPONSE)
@@ -129,6 +130,27 @@ class SetRun:
             checked=self.checked,
             framing_extras=self.framing_extras,
         )
+
+
+def run_frames(run: SetRun) -> list[Frame]:
+    """The run's SETs as the frames they came in (flexible magic and the run's framing extras
+    for durable ones), for the per-frame path."""
+    magic = _ALT_REQUEST if run.framing_extras else _REQUEST
+    pack = _STORE_EXTRAS.pack
+    return [
+        Frame(
+            magic,
+            _SET,
+            datatype=run.datatypes[i],
+            vbucket=run.vbuckets[i],
+            opaque=run.opaques[i],
+            extras=pack(run.flags[i], run.expiries[i]),
+            key=run.keys[i],
+            value=run.values[i],
+            framing_extras=run.framing_extras,
+        )
+        for i in range(len(run))
+    ]
 
 
 def take_set_run(

@@ -34,7 +34,7 @@ from changefeed.protocol.collections import (
 from changefeed.protocol.collections_manifest import Manifest, ManifestError
 from changefeed.protocol.errors import ProtocolError, UnknownCollectionError, UnknownScopeError
 from changefeed.protocol.frame import Frame
-from changefeed.protocol.opcode import Datatype, Magic, Opcode
+from changefeed.protocol.opcode import Datatype, Opcode
 from changefeed.protocol.set_run import SetRun
 from changefeed.protocol.status import Status
 from changefeed.server.manifest import ManifestStore
@@ -166,8 +166,8 @@ def qualify_set_run(run: SetRun, manifests: ManifestStore, now: float) -> bool:
 
     Returns:
         False, with the run untouched, if any of its keys is malformed or in an unknown
-        collection: the caller serves the run one frame at a time (`run_frames`) so that each
-        gets its own answer.
+        collection: the caller serves the run one frame at a time (`set_run.run_frames`) so
+        that each gets its own answer.
     """
     ids = manifests.collection_ids()
     if 0 in ids and _all_plain_default(run.keys):  # an SDK's default collection: the usual run
@@ -199,23 +199,6 @@ def _all_plain_default(keys: list[bytes]) -> bool:
         return not any(map(_FIRST_BYTE, keys)) and 0xFF not in map(_SECOND_BYTE, keys)
     except IndexError:  # an id and no key: the checked path refuses it
         return False
-
-
-def run_frames(run: SetRun) -> list[Frame]:
-    """The run's SETs as frames, for the per-frame path."""
-    return [
-        Frame(
-            Magic.REQUEST,
-            Opcode.SET,
-            datatype=run.datatypes[i],
-            vbucket=run.vbuckets[i],
-            opaque=run.opaques[i],
-            extras=struct.pack(">II", run.flags[i], run.expiries[i]),
-            key=run.keys[i],
-            value=run.values[i],
-        )
-        for i in range(len(run))
-    ]
 
 
 # -- handlers ----------------------------------------------------------------------------------

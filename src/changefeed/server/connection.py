@@ -67,6 +67,7 @@ from changefeed.protocol.set_run import (
     pack_set_success,
     pack_set_success_with_token,
     pack_set_successes,
+    run_frames,
 )
 from changefeed.protocol.status import Status
 from changefeed.server import (
@@ -227,6 +228,7 @@ class ClientConnection(asyncio.Protocol):
         self._held: deque[bytes | Frame | OversizedFrame | RequestWindow] = deque()
         self.persistence_waits: set[asyncio.Future[None]] = set()  # SEQNO_PERSISTENCE pending
         self.settled_answers = SettledAnswers(self)  # durable writes' outcomes, to send
+        self.durable_run_writes = 0  # durable SETs applied as runs (durable_run.py), ever
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
@@ -445,7 +447,7 @@ class ClientConnection(asyncio.Protocol):
                             if window is not None:  # the run is served after it, frame by frame
                                 self._settle(window)
                                 window = None
-                            self._serve_frames(collection_commands.run_frames(run))
+                            self._serve_frames(run_frames(run))
                             continue
                         window = window or RequestWindow()
                         rest = window.add_run(run)
@@ -776,8 +778,9 @@ class ClientConnection(asyncio.Protocol):
         frame at a time, in their turn); a collections connection's keys are qualified first,
         and a run with a key that cannot be is served frame by frame (each its own answer)."""
         if self._held or (self.collections and not self._qualify_run(run)):
-            self._serve_frames(durable_run.run_frames(run))
+            self._serve_frames(run_frames(run))
             return
+        self.durable_run_writes += len(run)
         durable_run.store_durable_run(self, run)
 
     @property
@@ -794,9 +797,9 @@ class ClientConnection(asyncio.Protocol):
         assert count > 0, count
         self._answers_pending += count
 
-    def answered(self) -> None:
-        """One request counted by `answers_expected` was answered."""
-        self._answers_pending -= 1
+    def answered(self, count: int) -> None:
+        """`count` requests counted by `answers_expected` were answered (replies written)."""
+        self._answers_pending -= count
         assert self._answers_pending >= 0, self._answers_pending
 
     def _store_run(self, run: SetRun) -> None:

@@ -5,14 +5,16 @@ durability frame info, the same for the whole run. This module does for every wr
 a run what a durable SET alone does (`kv_commands.durable_write`), with its checks in the
 same order, each run-wide step once:
 
-1. DURABILITY_IMPOSSIBLE when the node runs no monitor, or when less than a majority of a
-   vbucket's chain is reachable (`check_possible`, once per vbucket of the run);
-2. NOT_MY_VBUCKET for a vbucket this node does not have;
-3. the prepares queued, each vbucket's as one run (`Bucket.set_run` with the level:
+1. DURABILITY_IMPOSSIBLE when the node runs no monitor;
+2. NOT_MY_VBUCKET for a vbucket id this node does not have (before the chain is looked at:
+   the cluster map has no chain for such an id);
+3. DURABILITY_IMPOSSIBLE when less than a majority of a vbucket's chain is reachable
+   (`check_possible`, once per vbucket of the run);
+4. the prepares queued, each vbucket's as one run (`Bucket.set_run` with the level:
    `VBucket.set_many(level=...)`): TMPFAIL while the store cannot persist, and each write's
    own refusal as `set` gives it (NOT_MY_VBUCKET, SYNC_WRITE_IN_PROGRESS, LOCKED, memory
    full...);
-4. every prepare queued is followed by the monitor (`SyncWriteMonitor.track_run`), which
+5. every prepare queued is followed by the monitor (`SyncWriteMonitor.track_run`), which
    answers it once: the commit's result, or SYNC_WRITE_AMBIGUOUS.
 
 Refusals are answered at once, in request order, as the per-frame path answers each when it
@@ -25,24 +27,18 @@ Not here: the commit rule and the timers (sync_writes.py), the wire (protocol/se
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
-from functools import partial
-from typing import Final, Protocol
+from typing import Protocol
 
 from changefeed.protocol.errors import DurabilityImpossibleError, StatusError
-from changefeed.protocol.frame import Frame
-from changefeed.protocol.kv import MutationResult
-from changefeed.protocol.opcode import Magic, Opcode
 from changefeed.protocol.set_run import SetRun
 from changefeed.server.context import ServerContext
 from changefeed.server.kv_commands import requirement_of
-from changefeed.server.settled_answers import AnsweringConnection, SettledAnswers
-
-_STORE_EXTRAS: Final = struct.Struct(">II")
-_ALT_REQUEST: Final = int(Magic.ALT_REQUEST)
-_SET: Final = int(Opcode.SET)
-Outcome = MutationResult | StatusError
+from changefeed.server.settled_answers import (
+    AnsweringConnection,
+    SettledAnswers,
+    durable_set_request,
+)
 
 
 class RunConnection(AnsweringConnection, Protocol):
@@ -77,8 +73,8 @@ def store_durable_run(c: RunConnection, run: SetRun) -> None:
     else:
         for vb, indexes in by_vb.items():  # bounded by the run's vbuckets
             try:
-                monitor.check_possible(vb, len(indexes))
                 bucket.vbucket(vb)  # NotMyVbucketError when this node has none of that id
+                monitor.check_possible(vb, len(indexes))
             except StatusError as error:
                 errors.update(dict.fromkeys(indexes, error))
     applied: Sequence[int] = range(count)
@@ -93,39 +89,20 @@ def store_durable_run(c: RunConnection, run: SetRun) -> None:
         for at, index in enumerate(applied):
             seqnos[index] = answers.seqnos[at]
     for index in sorted(errors):  # refused now, as each would be when dispatched alone
-        c.reply_error(_request(run, index), errors[index])
+        c.reply_error(durable_set_request(run.vbuckets[index], run.opaques[index]), errors[index])
     if monitor is None or len(errors) == count:
         return
     c.answers_expected(count - len(errors))
     queued = [index for index in range(count) if index not in errors] if errors else range(count)
-    settle = c.settled_answers.run_write
-    monitor.track_run(
-        requirement,
-        [run.vbuckets[index] for index in queued],
-        [run.keys[index] for index in queued],
-        [seqnos[index] for index in queued],
-        [partial(settle, run, index) for index in queued],
-    )
-
-
-def _request(run: SetRun, index: int) -> Frame:
-    """Write `index` of the run as the frame it came in (what an error reply is built from)."""
-    return Frame(_ALT_REQUEST, _SET, vbucket=run.vbuckets[index], opaque=run.opaques[index])
-
-
-def run_frames(run: SetRun) -> list[Frame]:
-    """The run's durable SETs as the frames they came in, for the per-frame path."""
-    return [
-        Frame(
-            _ALT_REQUEST,
-            _SET,
-            datatype=run.datatypes[i],
-            vbucket=run.vbuckets[i],
-            opaque=run.opaques[i],
-            extras=_STORE_EXTRAS.pack(run.flags[i], run.expiries[i]),
-            key=run.keys[i],
-            value=run.values[i],
-            framing_extras=run.framing_extras,
-        )
-        for i in range(len(run))
-    ]
+    vbs = run.vbuckets
+    if errors:
+        vbs = [vbs[index] for index in queued]
+        opaques = [run.opaques[index] for index in queued]
+        keys = [run.keys[index] for index in queued]
+        seqnos = [seqnos[index] for index in queued]
+    else:
+        opaques, keys = run.opaques, run.keys
+    # The answers hold opaques and vbuckets only, never the run: its values are the store's
+    # once queued (settled_answers.py).
+    replies = c.settled_answers.run_answers(opaques, vbs)
+    monitor.track_run(requirement, vbs, keys, seqnos, replies)

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import logging
 from collections.abc import Callable
-from functools import partial
 from typing import Final
 
 from changefeed import limits
@@ -172,14 +171,17 @@ def durable_write(
 ) -> None:
     """A SyncWrite: refuse it up front if its level cannot be met (DURABILITY_IMPOSSIBLE),
     else `write` queues the prepare (raising as a plain write would) and the answer goes out
-    when the monitor commits it — or SYNC_WRITE_AMBIGUOUS when it cannot tell in time."""
+    when the monitor commits it — or SYNC_WRITE_AMBIGUOUS when it cannot tell in time. A
+    vbucket id this node does not have is NOT_MY_VBUCKET before its chain is looked at (the
+    cluster map has none for it)."""
     monitor = c.context.sync_writes
     if monitor is None:
         raise DurabilityImpossibleError("durable writes need a running node")
+    c.context.bucket.vbucket(f.vbucket)  # NotMyVbucketError for an id this node has not
     monitor.check_possible(f.vbucket)
     prepared = write(int(requirement.level))
     c.answers_expected(1)
-    answer = partial(c.settled_answers.frame_write, f, value)  # in settle order (its module)
+    answer = c.settled_answers.frame_answer(f, value)  # in settle order; f's header only
     monitor.track_run(requirement, [f.vbucket], [key], [prepared.seqno], [answer])
 
 

@@ -22,10 +22,10 @@ no read and no application stream sees. This monitor decides its outcome:
   AMBIGUOUS too; its prepares stay with it (a promoted copy commits the ones it holds).
 
 The decisions are sans-IO (`DurableWrites`: which writes wait, when one commits, what a
-timeout or a state change answers), so the node (`SyncWriteMonitor`: futures and loop timers)
-and the cluster simulator (tests/sim/durability.py: simulated timers) run the same code. The
-monitor owns each pending write's life (commit, timer, abort); the connection only awaits the
-outcome, so a client that disconnects changes nothing.
+timeout or a state change answers), so the node (`SyncWriteMonitor`: loop timers) and the
+cluster simulator (tests/sim/durability.py: simulated timers) run the same code. The monitor
+owns each pending write's life (commit, timer, abort); the connection only gets the outcome
+(its `SettledAnswers`), so a client that disconnects changes nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from functools import partial
 from itertools import repeat
 from typing import Final, Protocol
 
@@ -81,8 +80,11 @@ Answer = Callable[[MutationResult | StatusError], None]
 class Waiter:
     """One durable write waiting for its outcome: the prepare of `key` at `seqno`.
 
-    `answer` gets the commit's result or SyncWriteAmbiguousError, once; the shell that
-    created the waiter owns its timer and calls `DurableWrites.expire` when it fires.
+    `answer` gets the commit's result or SyncWriteAmbiguousError, once, and is then replaced
+    by `_answered`: an answered waiter may stay in its shell's deadline queue until its
+    timeout, and must not keep what the answer held (the connection's reply state) alive.
+    The shell that created the waiter owns its timer and calls `DurableWrites.expire` when
+    it fires.
     """
 
     vb: int
@@ -275,11 +277,12 @@ class DurableWrites:
         for waiter, result in zip(met, results, strict=False):  # bounded by `met`
             assert waiting[waiter.key] is waiter, waiter  # `_finish`, inline: one dict
             del waiting[waiter.key]
+            answer, waiter.answer = waiter.answer, _answered
             if isinstance(result, StatusError):  # the prepare is gone (a rollback): unknown
-                waiter.answer(SyncWriteAmbiguousError(str(result)))
+                answer(SyncWriteAmbiguousError(str(result)))
                 continue
             committed += 1
-            waiter.answer(result)
+            answer(result)
         self.stats.committed += committed
         if not waiting and self._waiting.get(vb) is waiting:  # an answer may have added more
             del self._waiting[vb]
@@ -323,7 +326,8 @@ class DurableWrites:
             del waiting[waiter.key]
             if not waiting:
                 del self._waiting[waiter.vb]
-        waiter.answer(outcome)
+        answer, waiter.answer = waiter.answer, _answered
+        answer(outcome)
 
     def _reachable(self, vb: int, replica: str) -> bool:
         return self._replication is not None and self._replication.reachable(vb, replica)
@@ -342,9 +346,8 @@ class DurableWrites:
 
 
 class SyncWriteMonitor:
-    """The node's shell of `DurableWrites`: each waiter a future the connection awaits and
-    a timer on the event loop; fed by the flusher's persisted listener and the replication
-    tracker's.
+    """The node's shell of `DurableWrites`: the waiters' timeouts on the event loop (one
+    timer for all); fed by the flusher's persisted listener and the replication tracker's.
 
     Args:
         bucket: the node's bucket.
@@ -403,19 +406,6 @@ class SyncWriteMonitor:
         """Raise DurabilityImpossibleError unless a majority of vb's chain is reachable."""
         self.decisions.check_possible(vb, writes)
 
-    def track(
-        self, vb: int, key: bytes, prepared: MutationResult, requirement: DurabilityRequirement
-    ) -> asyncio.Future[MutationResult]:
-        """Follow the prepare just queued for `key` (at `prepared.seqno`); the future gets the
-        commit's result, or SyncWriteAmbiguousError."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[MutationResult] = loop.create_future()
-        waiter = Waiter(vb, key, prepared.seqno, requirement.level, partial(_settle, future))
-        self._arm(loop, self._timeout_s(requirement), waiter)
-        self._bucket.hurry_flush()  # every level waits for this node's persistence
-        self.decisions.add(waiter)
-        return future
-
     def track_run(
         self,
         requirement: DurabilityRequirement,
@@ -424,10 +414,10 @@ class SyncWriteMonitor:
         seqnos: Sequence[int],
         answers: Sequence[Answer],
     ) -> None:
-        """`track` of each prepare of a run just queued (write i: `keys[i]` on `vbs[i]` at
-        `seqnos[i]`, in request order; each vbucket's seqnos rising), with no future: write
-        i's outcome goes to `answers[i]`. The timeouts are armed in request order (as one
-        `track` per write arms them), with one deadline."""
+        """Follow each prepare just queued (write i: `keys[i]` on `vbs[i]` at `seqnos[i]`, in
+        request order; each vbucket's seqnos rising); write i's outcome goes to `answers[i]`,
+        once. The timeouts are armed in request order, with one deadline (a single durable
+        write is a run of one)."""
         assert len(vbs) == len(keys) == len(seqnos) == len(answers), (len(vbs), len(keys))
         level = requirement.level
         waiters = list(map(Waiter, vbs, keys, seqnos, repeat(level), answers))
@@ -515,15 +505,8 @@ class SyncWriteMonitor:
         self.decisions.check(vb)
 
 
-def _settle(future: asyncio.Future[MutationResult], outcome: MutationResult | StatusError) -> None:
-    """A waiter's answer: its outcome into the future the connection awaits."""
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-        future.exception()  # retrieved: a waiter that left must not warn
-    else:
-        future.set_result(outcome)
+def _answered(outcome: MutationResult | StatusError) -> None:
+    """The answer of a waiter already answered (`Waiter`): nothing to do, nothing held."""
 
 
 _PERSIST_TO_MAJORITY: Final = DurabilityLevel.PERSIST_TO_MAJORITY

@@ -19,9 +19,12 @@ from __future__ import annotations
 import asyncio
 import random
 import struct
+import tracemalloc
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +42,7 @@ from changefeed.server.context import ServerContext
 from changefeed.server.replication import ReplicationTracker
 from changefeed.server.sync_writes import SyncWriteMonitor
 from changefeed.server.users import Users
+from changefeed.vbmap import ClusterMap, NodeAddress
 from changefeed.vbucket_state import VBucketState
 
 VBUCKETS = 5
@@ -127,7 +131,29 @@ def encode(request: tuple[Any, ...], opaque: int, barrier: bool) -> bytes:
     )  # fmt: skip
 
 
-async def run_twin(root: Path, batches: list[list[bytes]]) -> tuple[bytes, list[Any], list[Any]]:
+@dataclass
+class Node:
+    """A real bucket, its monitor and one authenticated connection on a recording transport."""
+
+    bucket: Bucket
+    monitor: SyncWriteMonitor
+    conn: ClientConnection
+    transport: RecordingTransport
+
+    def flush(self) -> None:
+        """Flush every vbucket and tell the monitor (as the flusher's listener does)."""
+        for vbucket in self.bucket.vbuckets.values():
+            vbucket.flush()
+        self.monitor.on_persisted(sorted(self.bucket.vbuckets))
+
+    async def close(self) -> None:
+        self.conn.close()
+        await self.bucket.close()
+
+
+async def open_node(root: Path, *, cluster_map: bool = False) -> Node:
+    """The twins' node. With `cluster_map`, the chains come from a one-node cluster map of
+    VBUCKETS vbuckets, as node.py builds the monitor (no replicated vbuckets then)."""
     root.mkdir(parents=True)
     config = NodeConfig(data_dir=root, vbuckets=VBUCKETS, durable=False)
     users = Users()
@@ -139,8 +165,16 @@ async def run_twin(root: Path, batches: list[list[bytes]]) -> tuple[bytes, list[
                                  clock=lambda: 0.0)  # fmt: skip
     tracker.stream_opened(SLOW_VB, "slow", 0)  # reachable; it never acknowledges anything
     chains = {IMPOSSIBLE_VB: ["gone"], SLOW_VB: ["slow"]}
-    monitor = SyncWriteMonitor(bucket, replicas_of=lambda vb: chains.get(vb, []),
-                               replication=tracker)  # fmt: skip
+
+    def replicas_of(vb: int) -> list[str]:
+        if context.cluster_map is not None:
+            return [n.name for n in context.cluster_map.replica_nodes(vb)]
+        return chains.get(vb, [])
+
+    if cluster_map:
+        node = NodeAddress("n1", "127.0.0.1", 11210)
+        context.cluster_map = ClusterMap.single_node(node, VBUCKETS)
+    monitor = SyncWriteMonitor(bucket, replicas_of=replicas_of, replication=tracker)
     context.sync_writes = monitor
     conn = ClientConnection(context)
     transport = RecordingTransport()
@@ -154,20 +188,24 @@ async def run_twin(root: Path, batches: list[list[bytes]]) -> tuple[bytes, list[
     hello = struct.pack(">H", Feature.MUTATION_SEQNO)
     conn.data_received(encode_request(Opcode.HELLO, opaque=2, key=b"t", value=hello))
     conn.data_received(encode_request(Opcode.SELECT_BUCKET, opaque=3, key=b"default"))
+    return Node(bucket, monitor, conn, transport)
+
+
+async def run_twin(
+    root: Path, batches: list[list[bytes]]
+) -> tuple[bytes, list[Any], list[Any], int]:
+    node = await open_node(root)
+    bucket, monitor, conn, transport = node.bucket, node.monitor, node.conn, node.transport
     # Each batch arrives in one read; between batches, a flush and its commits. No loop step
     # runs meanwhile (no timer fires at a moment the twins would not share): the answers
     # settled go out after the last batch, in the order they settled.
     for batch in batches:
         conn.data_received(b"".join(batch))
-        for vbucket in bucket.vbuckets.values():
-            vbucket.flush()
-        monitor.on_persisted(sorted(bucket.vbuckets))
+        node.flush()
     await asyncio.sleep(0.02)  # the 1 ms timeouts pass: the slow vbucket's writes abort
     for _ in range(3):
         await asyncio.sleep(0)
-    for vbucket in bucket.vbuckets.values():
-        vbucket.flush()
-    monitor.on_persisted(sorted(bucket.vbuckets))
+    node.flush()
     for _ in range(3):
         await asyncio.sleep(0)
     pending = [
@@ -180,10 +218,9 @@ async def run_twin(root: Path, batches: list[list[bytes]]) -> tuple[bytes, list[
         for vb, vbucket in sorted(bucket.vbuckets.items())
     ]  # fmt: skip
     stats = monitor.stats
-    conn.close()
-    await bucket.close()
+    await node.close()
     pending.append([(stats.prepared, stats.committed, stats.aborted, stats.impossible)])
-    return bytes(transport.data), pending, stored
+    return bytes(transport.data), pending, stored, conn.durable_run_writes
 
 
 @settings(
@@ -211,12 +248,14 @@ def test_runs_answer_and_store_as_the_per_frame_path(
     assert replies(runs[0]) == replies(frames[0])
     assert runs[1] == frames[1]  # pending prepares per vbucket; the monitor's counts
     assert runs[2] == frames[2]  # records on disk
+    # Twin A took every durable SET without a CAS as (part of) a run; twin B none.
+    durable = sum(request[0] == "durable" for batch in batches for request in batch)
+    assert (runs[3], frames[3]) == (durable, 0)
 
 
 def test_a_window_of_durable_sets_is_one_run(tmp_path: Path) -> None:
     """The case the runs are for: every durable SET of a window on distinct keys, answered
     once persisted, in one packed write per flush (here: all in one)."""
-    batch = [encode(("durable", vb % 2, 0, 1, None, 0), 100 + vb, False) for vb in range(2)]
     batch = [
         encode_frame(
             Magic.ALT_REQUEST, Opcode.SET, vbucket=i % 2, opaque=100 + i, key=b"key-%d" % i,
@@ -225,10 +264,115 @@ def test_a_window_of_durable_sets_is_one_run(tmp_path: Path) -> None:
         )
         for i in range(64)
     ]  # fmt: skip
-    data, pending, stored = asyncio.run(run_twin(tmp_path / "node", [batch]))
+    data, pending, stored, run_writes = asyncio.run(run_twin(tmp_path / "node", [batch]))
+    assert run_writes == 64
     answers = replies(data)[3:]  # after SASL, HELLO, SELECT_BUCKET
     assert [a[2] for a in answers] == sorted(range(100, 164), key=lambda o: ((o - 100) % 2, o))
     assert {a[1] for a in answers} == {Status.SUCCESS}
     assert pending[:-1] == [[]] * VBUCKETS
     assert pending[-1] == [(64, 64, 0, 0)]
     assert sum(len(records) for records in stored) == 64
+
+
+def durable_set(vb: int, opaque: int, key: bytes, value: bytes, barrier: bool) -> bytes:
+    """A durable SET (level majority, the default timeout); with `barrier`, never in a run."""
+    framing = encode_durability(DurabilityRequirement(1, None)) + (BARRIER if barrier else b"")
+    return encode_frame(Magic.ALT_REQUEST, Opcode.SET, vbucket=vb, opaque=opaque, key=key,
+                        value=value, extras=bytes(8), framing_extras=framing)  # fmt: skip
+
+
+@pytest.mark.parametrize("barrier", [False, True], ids=["run", "per-frame"])
+def test_an_answered_durable_write_holds_nothing_of_its_request(
+    tmp_path: Path, barrier: bool
+) -> None:
+    """A write that waits for its timeout (first, on a vbucket whose replica never
+    acknowledges) must not keep the values of the writes answered after it alive: they are
+    the store's once flushed (review finding F1: 16 MiB held until the 10 s timeout)."""
+    values_bytes = 16 << 20
+
+    async def scenario() -> int:
+        node = await open_node(tmp_path / "node")
+        data = durable_set(SLOW_VB, 100, b"slow", b"s", barrier) + b"".join(
+            durable_set(0, 101 + i, b"big-%d" % i, bytes([i]) * (values_bytes // 16), barrier)
+            for i in range(16)
+        )
+        tracemalloc.start()
+        try:
+            node.conn.data_received(data)
+            del data
+            node.flush()  # the 16 commit at once; the slow one waits for its 10 s
+            for _ in range(3):
+                await asyncio.sleep(0)
+            # The next read lets the reader drop the bytes it consumed.
+            node.conn.data_received(encode_request(Opcode.GET, vbucket=0, opaque=99, key=b"x"))
+            node.flush()  # the commits too: the checkpoints free the values
+            held, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        answers = replies(bytes(node.transport.data))[3:]
+        want = [(Status.SUCCESS, 101 + i) for i in range(16)] + [(Status.KEY_ENOENT, 99)]
+        assert [(a[1], a[2]) for a in answers] == want
+        assert node.monitor.pending_count == 1
+        await node.close()
+        return held
+
+    held = asyncio.run(scenario())
+    # The checkpoints may keep a few commits within their budget (4 MiB here); the values
+    # pinned by answered waiters were all 16 MiB, on top.
+    assert held < values_bytes // 2, f"{held} bytes still held after the answers"
+
+
+@pytest.mark.parametrize("barrier", [False, True], ids=["run", "per-frame"])
+def test_a_settled_answer_is_owed_until_it_is_sent(tmp_path: Path, barrier: bool) -> None:
+    """A durable write that settled is sent at the end of the loop step; until then the
+    connection owes it and admission may not evict it (review finding F2: `idle_evictable`
+    said True in between and the answer was lost)."""
+
+    async def scenario() -> None:
+        node = await open_node(tmp_path / "node")
+        conn = node.conn
+        await asyncio.sleep(0)
+        sent = len(node.transport.data)
+        conn.data_received(durable_set(0, 100, b"k", b"v", barrier))
+        assert not conn.idle_evictable()
+        node.flush()  # the write commits: its outcome settles, to be sent this loop step
+        assert len(node.transport.data) == sent
+        assert not conn.idle_evictable(), "the settled answer is not sent yet"
+        for _ in range(2):
+            await asyncio.sleep(0)
+        answers = replies(bytes(node.transport.data))[3:]
+        assert [(a[1], a[2]) for a in answers] == [(Status.SUCCESS, 100)]
+        assert conn.idle_evictable()
+        await node.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("barrier", [False, True], ids=["run", "per-frame"])
+def test_a_durable_set_to_a_vbucket_outside_the_map_is_not_my_vbucket(
+    tmp_path: Path, barrier: bool
+) -> None:
+    """The chain of a vbucket id the cluster map has no row for was looked up first
+    (IndexError: the connection died and the GET before it went unanswered; review finding
+    F3): NOT_MY_VBUCKET, and the requests around it are served."""
+
+    async def scenario() -> list[tuple[int, int]]:
+        node = await open_node(tmp_path / "node", cluster_map=True)
+        get = encode_request(Opcode.GET, vbucket=0, opaque=50, key=b"x")
+        node.conn.data_received(
+            get + durable_set(VBUCKETS + 4, 100, b"k", b"v", barrier)
+            + durable_set(0, 101, b"k", b"v", barrier)
+        )  # fmt: skip
+        node.flush()
+        for _ in range(2):
+            await asyncio.sleep(0)
+        answers = replies(bytes(node.transport.data))[3:]
+        assert not node.transport.closed
+        await node.close()
+        return [(a[1], a[2]) for a in answers]
+
+    assert asyncio.run(scenario()) == [
+        (Status.KEY_ENOENT, 50),
+        (Status.NOT_MY_VBUCKET, 100),
+        (Status.SUCCESS, 101),
+    ]

@@ -44,15 +44,15 @@ def test_a_durable_write_waiting_on_a_vbucket_that_stops_being_active_is_answere
             command = StoreCommand(Opcode.SET, 0, 1, b"k", b"v")
             prepared = bucket.store_command(command, level=int(DurabilityLevel.MAJORITY))
             requirement = DurabilityRequirement(DurabilityLevel.MAJORITY)
-            future = monitor.track(0, b"k", prepared, requirement)
-            assert not future.done()
+            outcomes: list[object] = []
+            monitor.track_run(requirement, [0], [b"k"], [prepared.seqno], [outcomes.append])
+            assert outcomes == []
 
             edge = context.set_vbucket_state(0, new)
 
             assert edge is not None and Effect.WAITERS_AMBIGUOUS in edge.effects
-            assert future.done(), "answered in the call, not at a later ack or the timeout"
-            with pytest.raises(SyncWriteAmbiguousError):
-                future.result()
+            assert len(outcomes) == 1, "answered in the call, not at a later ack or the timeout"
+            assert isinstance(outcomes[0], SyncWriteAmbiguousError)
             assert monitor.waiting_on(0) == 0
             assert monitor.stats.ambiguous_state == 1
             # The prepare stays with the vbucket: a promoted copy decides it.
