@@ -636,7 +636,14 @@ def mirror_writer(tables: Path, options: dict[str, str], kind: str) -> MirrorWri
     batch in Spark's write tasks) or ``adaptive`` (the distributed writer's default: batches
     planned at most ``mirrorDriverBatchMax`` changes written from the driver, which reads
     them from the nodes itself), with ``KIND_MODIFIERS`` after ``:`` (``adaptive:sparkread:g4``)."""
+    spec = kind
     kind, *modifiers = kind.split(":")
+    unknown = [m for m in modifiers if m not in KIND_MODIFIERS]
+    if unknown:
+        raise SystemExit(
+            f"--mirror-writers: unknown modifier {', '.join(map(repr, unknown))} in {spec!r} "
+            f"(known: {', '.join(KIND_MODIFIERS)})"
+        )
     options = {**options, **dict(KIND_MODIFIERS[m] for m in modifiers)}
     if kind == "adaptive":
         return MirrorWriter(tables, options, writer="distributed")

@@ -37,9 +37,11 @@ DEFAULTS: Final[Mapping[str, str]] = {
 # Spark's offset and commit logs through Hadoop's FileSystem API (a temporary file, then rename)
 # instead of FileContext's, which costs ~40 ms more per log entry on a local disk (two entries a
 # micro-batch: walCommit + commitOffsets 58 + 50 -> 14 + 11 ms, load ~7). Atomic where rename is,
-# as a local file system's rename(2) is: a driver killed mid-write leaves the temporary file,
-# never a partial entry (tests/spark/test_checkpoint_log.py); FileContext is kept for clusters,
-# whose checkpoints live on shared storage Spark's default was chosen for.
+# as a local file system's rename(2) is: a driver process killed mid-write leaves the temporary
+# file, never a partial entry (tests/spark/test_checkpoint_log.py). That covers a process crash
+# only: neither manager fsyncs the file or its directory, so a power loss (or a kernel crash)
+# can leave the last entry empty, as it can with Spark's default. FileContext is kept for
+# clusters, whose checkpoints live on shared storage Spark's default was chosen for.
 FILE_SYSTEM_CHECKPOINTS: Final = (
     "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
 )
