@@ -324,3 +324,24 @@ def test_an_unsupported_object_store_is_one_line(command: str) -> None:
     assert result.exit_code == 2, (result.output, result.exception)
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "gs://b/x" in errors[0] and "s3://" in errors[0], result.output
+
+
+def test_files_stamped_alike_keep_the_commit_s_order(tmp_path: Path) -> None:
+    """Five files of one group in one commit, stamped in the same millisecond: their order is
+    the commit's action order (it fell back to the files' random names before the fix)."""
+    uri = str(tmp_path / "changelog")
+    fs = table_fs(uri, None)
+    stamp = now_ms()
+    adds = []
+    for part in range(5):
+        rows = pa.table({"vbucket": pa.array([0, 0], pa.int32()),
+                         "seqno": pa.array([2 * part, 2 * part + 1], pa.int64())})  # fmt: skip
+        added = write_data_file(fs, "changelog", rows, 0, 0)
+        adds.append(AddAction(added["path"], added["size"], {GROUP_COLUMN: "0"}, stamp, True,
+                              added["stats"]))  # fmt: skip
+    full = pa.schema([("vbucket", pa.int32()), ("seqno", pa.int64()), (GROUP_COLUMN, pa.int32())])
+    create_table_with_add_actions(uri, DeltaSchema.from_arrow(full), adds, mode="append",
+                                  partition_by=[GROUP_COLUMN])  # fmt: skip
+    assert [e.path for e in table_files(DeltaTable(uri))] == [a.path for a in adds]
+    compact_held(str(tmp_path), files_min=2)
+    assert [r["seqno"] for r in rows_by_group(uri)[0]] == list(range(10))
