@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from changefeed import limits
-from changefeed.checkpoint import Item, MemoryBudget, item_size_bytes
+from changefeed.checkpoint import CheckpointMemoryFullError, Item, MemoryBudget, item_size_bytes
 from changefeed.protocol.errors import StatusError
 from changefeed.protocol.kv import MutationResult
+from changefeed.protocol.opcode import DATATYPE_MASK
 from changefeed.storage import Op, Store
 from changefeed.vbucket import VBucket, VBucketState
 
@@ -25,6 +26,7 @@ VB = 3
 NOW = 1_700_000_000.0
 ONE = item_size_bytes(Item(1, b"a", Op.MUTATION, b"v" * 8, 1))
 TMPFAIL = 0x86
+U32_MAX = 0xFFFF_FFFF
 
 
 class Clock:
@@ -79,6 +81,22 @@ def stored(store: Store) -> list[object]:
     return [records, prepares, store.high_seqno(VB)]
 
 
+def queued_whole(batch: list[tuple[bytes, bytes, int, int, int]], lock: bool) -> bool:
+    """Whether `set_many` with a level queues `batch` as one run (its docstring's clean run:
+    no lock held, no key pending, found expired or repeated, every field in range), so that
+    memory running out fails every write after it; otherwise it goes write by write."""
+    keys = [write[0] for write in batch]
+    return (
+        not lock
+        and len(set(keys)) == len(keys)
+        and not {b"pending", b"expired"} & set(keys)
+        and all(
+            0 < len(key) <= limits.KEY_SIZE_MAX and flags <= U32_MAX and datatype <= DATATYPE_MASK
+            for key, _, flags, _, datatype in batch
+        )
+    )
+
+
 def commit(vbucket: VBucket, key: bytes) -> MutationResult | StatusError:
     try:
         return vbucket.commit(key)
@@ -88,12 +106,13 @@ def commit(vbucket: VBucket, key: bytes) -> MutationResult | StatusError:
 
 writes = st.lists(
     st.tuples(
-        st.sampled_from([b"a", b"c", b"done", b"pending", b"locked", b"expired", b"n1", b"n2",
-                         b"n3", b"k" * (limits.STORED_KEY_SIZE_MAX + 1)]),
+        st.sampled_from([b"a", b"c", b"done", b"pending", b"locked", b"expired",
+                         b"k" * (limits.STORED_KEY_SIZE_MAX + 1)]
+                        + [b"n%d" % i for i in range(8)]),  # new keys: memory runs out
         st.binary(max_size=8),
-        st.sampled_from([0, 3, 0x1_0000_0000]),  # flags; the last is refused
+        st.sampled_from([0, 3] * 4 + [0x1_0000_0000]),  # flags; the last is refused
         st.sampled_from([0, int(NOW) + 100]),  # expiry
-        st.sampled_from([0, 1, 8]),  # datatype; 8 is refused
+        st.sampled_from([0, 1] * 4 + [8]),  # datatype; 8 is refused
     ),
     min_size=1,
     max_size=12,
@@ -103,7 +122,7 @@ writes = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(
     batch=writes,
-    quota_items=st.sampled_from([10, 16, 1000]),
+    quota_items=st.sampled_from([6, 6, 10, 16, 1000]),  # 6: memory runs out in most runs
     level=st.integers(1, 3),
     lock=st.sampled_from([False, False, True]),
 )
@@ -120,17 +139,18 @@ def test_a_run_of_prepares_is_set_with_the_level_one_by_one(
         keys, values, flags, expiries, datatypes = (list(c) for c in zip(*batch, strict=True))
         got = run_vb.set_many(keys, values, flags, expiries, datatypes, level=level).results()
         want: list[MutationResult | StatusError] = []
+        whole = queued_whole(batch, lock)
         full = False
         for key, value, flag, expiry, datatype in batch:
-            if full:  # a run stops where memory ran out; one by one, later ones may fit
-                want.append(got[len(want)])
+            if full and whole:  # a run queued whole stops where memory ran out
+                want.append(CheckpointMemoryFullError(f"vb {VB}: checkpoint memory is full"))
                 continue
-            try:
+            try:  # one by one, a later write may still fit
                 want.append(one_vb.set(key, value, flags=flag, expiry=expiry,
                                        datatype=datatype, level=level))  # fmt: skip
             except StatusError as error:
                 want.append(error)
-                full = error.code == TMPFAIL
+                full = full or error.code == TMPFAIL
         assert list(map(answer, got)) == list(map(answer, want))
         assert run_vb.high_seqno == one_vb.high_seqno
         assert run_vb.pending_prepares == one_vb.pending_prepares
