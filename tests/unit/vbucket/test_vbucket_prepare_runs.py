@@ -122,7 +122,7 @@ writes = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(
     batch=writes,
-    quota_items=st.sampled_from([6, 6, 10, 16, 1000]),  # 6: memory runs out in most runs
+    quota_items=st.sampled_from([6, 6, 10, 16, 1000]),  # 6: memory runs out part of the way
     level=st.integers(1, 3),
     lock=st.sampled_from([False, False, True]),
 )
