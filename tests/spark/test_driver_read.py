@@ -5,6 +5,7 @@
   a diverged history (rollback rows); the same stream written by two writers, one reading in the
   driver and one collecting with ``toArrow``, leaves the same tables (every column, metadata
   included), and the mirror equals the store.
+- The same comparison for typed documents of every Spark type the schema option maps.
 
 Typed documents, the position column's name and Spark's row count: ``test_dist_mirror.py``
 (the default suite; this module is slow).
@@ -12,6 +13,7 @@ Typed documents, the position column's name and Spark's row count: ``test_dist_m
 
 from __future__ import annotations
 
+import json
 import random
 from collections import defaultdict
 from pathlib import Path
@@ -146,3 +148,45 @@ def test_the_driver_reads_what_the_task_reads_rollbacks_included(
     assert second.rollbacks > 0, "the second query read a diverged history without rollbacks"
     assert_same_tables(tmp_path)
     assert_mirror_matches(tmp_path / "driver-read", node, model)
+
+
+RICH_SCHEMA = (
+    "n bigint, d double, name string, ts timestamp, day date, price decimal(10,2), "
+    "tags array<string>, inner struct<a:int,b:string>, ok boolean"
+)
+
+
+@pytest.mark.slow  # ~20 s; the default suite's typed documents: test_dist_mirror.py
+def test_the_driver_reads_rich_typed_documents_as_sparks_task_does(
+    spark: Any, nodes: NodeFactory, tmp_path: Path
+) -> None:
+    """Each batch of typed documents (every Spark type the schema option maps: timestamps,
+    dates, decimals, arrays, structs, booleans; a value of the wrong type, malformed JSON, a
+    deletion), read by the driver and by Spark's task (``toArrow``): the same Arrow schema and
+    the same rows in each vbucket's order."""
+    node = nodes(args=FAST_NODE)
+    docs: list[tuple[str, bytes | None]] = []
+    for i in range(300):
+        doc: dict[str, Any] = {
+            "n": "not a number" if i % 50 == 7 else i, "d": i / 3, "name": f"n{i}",
+            "ts": f"2024-01-02T03:04:{i % 60:02d}.123456Z", "day": "2024-02-29",
+            "price": f"{i}.25", "tags": [str(i), None], "inner": {"a": i, "b": None},
+            "ok": i % 2 == 0,
+        }  # fmt: skip
+        docs.append((f"k{i:03d}", json.dumps(doc).encode()))
+    docs += [("bad", b"{oops"), ("k001", None)]
+    write(node.port, docs)
+    opts = node.source_options(schema=RICH_SCHEMA, maxOffsetsPerTrigger="200")
+    sink = ComparingSink([])
+    query = (
+        spark.readStream.format("changefeed").options(**opts).load()
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True).start()
+    )  # fmt: skip
+    try:
+        assert query.awaitTermination(180), "the availableNow query did not finish in 180 s"
+    finally:
+        query.stop()
+    assert query.exception() is None, query.exception()
+    assert len(sink.batches) > 1 and sink.rows > 0, (sink.batches, sink.rows)
