@@ -175,7 +175,8 @@ def _common(f: Any) -> Any:
     type=click.IntRange(min=1, max=GROUPS_MAX),
     default=None,
     help="Vbucket groups (the tables' partitions), when the tables are created [default: twice "
-    "Spark's default parallelism, 4 to 64].",
+    "Spark's default parallelism, 4 to 64, on a local master; twice the configured executor "
+    "cores, 16 to 64, on a cluster].",
 )
 @click.option(
     "--driver-batch-max",
