@@ -1,9 +1,10 @@
 """The flusher writes a batch's prepares, aborts and committed documents as stretches
 (`put_prepares` for a stretch of prepares, `put_bodies` for the documents between them)
-instead of one call per item: twin vbuckets get the same durable and plain writes, commits and
-aborts, one flushed in whole batches and the other one item per batch (so every stretch is a
-single item, as the per-item path wrote them), with flushes at the same points. The store must
-hold the same records, kept prepares, high seqno, snapshot range and high completed seqno."""
+instead of one call per item: twin vbuckets get the same durable and plain writes (durable SETs
+and deletes; flags, expiries, datatypes), commits and aborts, one flushed in whole batches and
+the other one item per batch (so every stretch is a single item, as the per-item path wrote
+them), with flushes at the same points. The store must hold the same records and kept
+prepares (every field), high seqno, snapshot range and high completed seqno."""
 
 from __future__ import annotations
 
@@ -36,13 +37,16 @@ def apply(vbucket: VBucket, op: tuple[str, int, int]) -> None:
     key = KEYS[key_index]
     try:
         if kind == "durable":
-            vbucket.set(key, b"d" * key_index, level=level)
+            vbucket.set(key, b"d" * key_index, flags=key_index, expiry=int(NOW) + 100 * level,
+                        datatype=level & 1, level=level)  # fmt: skip
+        elif kind == "durable-delete":
+            vbucket.delete(key, level=level)
         elif kind == "durable-run":
             keys = [k for k in KEYS[key_index:] if vbucket.pending_prepare(k) is None]
             n = len(keys)
             vbucket.set_many(keys, [b"r"] * n, [0] * n, [0] * n, [0] * n, level=level)
         elif kind == "plain":
-            vbucket.set(key, b"p" * key_index)
+            vbucket.set(key, b"p" * key_index, flags=level, datatype=key_index & 1)
         elif kind == "delete":
             vbucket.delete(key)
         elif kind == "commit":
@@ -60,8 +64,8 @@ def state(vbucket: VBucket, store: Store) -> list[object]:
     meta = store.vbucket_meta(VB)
     assert meta is not None
     return [
-        [(r.seqno, r.key, r.op, r.value, r.cas, r.rev_seqno) for r in store.scan(VB, 0, 1 << 40)],
-        [(level, r.seqno, r.key, r.value, r.cas) for level, r in store.prepares(VB)],
+        list(store.scan(VB, 0, 1 << 40)),  # records compare every field (flags, expiry...)
+        store.prepares(VB),  # (level, the prepare as a record: its op, rev_seqno...)
         store.high_seqno(VB),
         (meta.snap_start, meta.snap_end),
         store.high_completed_seqno(VB),
@@ -71,8 +75,8 @@ def state(vbucket: VBucket, store: Store) -> list[object]:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["durable"] * 4 + ["durable-run", "plain", "delete", "commit", "abort",
-                                           "flush", "flush"]),
+        st.sampled_from(["durable"] * 4 + ["durable-delete"] * 2 + ["durable-run", "plain",
+                         "delete", "commit", "abort", "flush", "flush"]),
         st.integers(0, len(KEYS) - 1),
         st.integers(1, 3),
     ),
@@ -101,8 +105,12 @@ def test_stretches_store_what_one_item_per_batch_stores(
 
 
 def prepare(seqno: int, key: bytes, level: int = 1, op: Op = Op.MUTATION) -> SyncItem:
-    return SyncItem(seqno, key, Op.PREPARE, op, b"" if op is Op.DELETION else b"value",
-                    cas=seqno + 100, level=level)  # fmt: skip
+    if op is Op.DELETION:
+        return SyncItem(seqno, key, Op.PREPARE, op, b"", cas=seqno + 100, rev_seqno=seqno,
+                        delete_time=int(NOW), level=level)  # fmt: skip
+    return SyncItem(seqno, key, Op.PREPARE, op, b"value", cas=seqno + 100, flags=seqno,
+                    expiry=int(NOW) + seqno, datatype=seqno & 1, rev_seqno=seqno,
+                    level=level)  # fmt: skip
 
 
 @given(
