@@ -164,13 +164,9 @@ def test_batches_replays_change_types_and_watermark(
     )
 
 
-@pytest.mark.slow  # the default suite has it with real kills: test_driver_kill.py
-def test_a_crash_between_the_commits_is_finished_by_the_replay(
-    spark: Any, tmp_path: Path, rng: random.Random, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    tables = str(tmp_path / "tables")
-    stream = Stream(rng)
-    rows, _ = stream.batch(30)
+def die_at_the_mirror_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's driver dies after the changelog's commit, before the mirror's (until
+    ``monkeypatch.undo()``)."""
     commit = DistributedMirrorWriter._commit
 
     def crash_at_the_mirror(self: DistributedMirrorWriter, table: Any, uri: str, name: str,
@@ -180,9 +176,19 @@ def test_a_crash_between_the_commits_is_finished_by_the_replay(
         commit(self, table, uri, name, *args)
 
     monkeypatch.setattr(DistributedMirrorWriter, "_commit", crash_at_the_mirror)
+
+
+@pytest.mark.slow  # the default suite has it with real kills: test_driver_kill.py
+def test_a_crash_between_the_commits_is_finished_by_the_replay(
+    spark: Any, tmp_path: Path, rng: random.Random, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tables = str(tmp_path / "tables")
+    stream = Stream(rng)
+    rows, _ = stream.batch(30)
+    die_at_the_mirror_commit(monkeypatch)
     with pytest.raises(RuntimeError, match="driver died"):
         MirrorWriter(tables, OPTIONS)(spark.createDataFrame(rows), 0)
-    monkeypatch.setattr(DistributedMirrorWriter, "_commit", commit)
+    monkeypatch.undo()
     assert DeltaTable(tables + "/changelog").transaction_version(APP_ID) == 0
     MirrorWriter(tables, OPTIONS)(spark.createDataFrame(rows), 0)
     assert mirror_values(tables) == stream.live
@@ -538,20 +544,12 @@ def test_a_restart_between_the_first_commits_keeps_the_changelogs_groups(
     Before, it got 4, and a rollback's lookup of a vbucket's changes by group missed rows."""
     tables = str(tmp_path / "tables")
     rows, _ = Stream(rng).batch(40)
-    commit = DistributedMirrorWriter._commit
-
-    def crash_at_the_mirror(self: DistributedMirrorWriter, table: Any, uri: str, name: str,
-                            *args: Any) -> None:  # fmt: skip
-        if name == "mirror":
-            raise RuntimeError("driver died")
-        commit(self, table, uri, name, *args)
-
     first = DistributedMirrorWriter(tables, {**OPTIONS, "mirrorGroups": "8"}, APP_ID, False)
-    monkeypatch.setattr(DistributedMirrorWriter, "_commit", crash_at_the_mirror)
+    die_at_the_mirror_commit(monkeypatch)
     with pytest.raises(RuntimeError, match="driver died"):
         first.write_batch(spark.createDataFrame(rows), 0, in_driver=True)
     first.close()
-    monkeypatch.setattr(DistributedMirrorWriter, "_commit", commit)
+    monkeypatch.undo()
     defaults = {k: v for k, v in OPTIONS.items() if k != "mirrorGroups"}
     assert default_groups(spark.sparkContext.defaultParallelism) != 8
     replay = DistributedMirrorWriter(tables, defaults, APP_ID, False)
