@@ -209,7 +209,11 @@ def _take_durable_run(
     buffer: bytes | bytearray, start: int, frame_size_max: int, items_max: int
 ) -> SetRun:
     """`take_set_run` of durable SETs: every frame's framing extras are the first one's, and
-    that is one durability frame info (`durability_framing`)."""
+    that is one durability frame info (`durability_framing`).
+
+    The column appends repeat `take_set_run`'s on purpose: one helper call per write for
+    both cost 11% (plain) and 13% (durable) more per item, 0.73 -> 0.81 and 0.78 -> 0.88 µs
+    (512 SETs a buffer, alternating in one run, load ~6)."""
     run = SetRun()
     end = len(buffer)
     framing_size = buffer[start + 2]
