@@ -18,7 +18,7 @@ from changefeed.protocol.errors import ProtocolError
 from changefeed.protocol.frame import Frame, check_header, decode_frame, encode_frame
 from changefeed.protocol.frame_info import durability_of
 from changefeed.protocol.opcode import Magic, Opcode
-from changefeed.protocol.set_run import durability_framing, take_set_run
+from changefeed.protocol.set_run import durability_framing, run_frames, take_set_run
 
 FRAME_MAX = 4096
 STORE_EXTRAS = struct.Struct(">II")
@@ -127,6 +127,8 @@ def test_a_run_is_the_prefix_of_one_kind(
     assert list(zip(run.flags, run.expiries, strict=True)) == [
         STORE_EXTRAS.unpack(f.extras) for f in expected
     ]
+    # What the per-frame path gets of a run it serves frame by frame: the frames as decoded.
+    assert run_frames(run) == expected
 
 
 @given(st.binary(min_size=0, max_size=6))
