@@ -374,7 +374,8 @@ class SyncWriteMonitor:
         self._default_timeout_s = default_timeout_s
         # The waiters' timeouts: for each timeout length a queue of (deadline, waiter) in
         # deadline order (the loop's clock only rises), and one loop timer for the earliest
-        # head, not a timer per write; an answered waiter leaves its queue lazily.
+        # head, not a timer per write; an answered waiter leaves its queue lazily, holding no
+        # more than its key by then (its answer was dropped when called: `Waiter`).
         self._deadlines: dict[float, collections.deque[tuple[float, Waiter]]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
