@@ -1,7 +1,8 @@
 """``ItemFramer`` on a replica stream: DCP_PREPARE / DCP_COMMIT / DCP_ABORT packed with one
 ``struct`` call each, byte for byte what the message encoders (protocol/dcp_items.py) build,
-for any mix of sync and plain items, whichever runs they arrive in and however a budget cuts
-them (hypothesis, against a model that encodes every item on its own)."""
+for any mix of sync and plain items (writes, deletes, expirations), whichever runs they arrive
+in and however a budget cuts them, with or without the expiry opcode (a real replica stream
+asks for it) (hypothesis, against a model that encodes every item on its own)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from changefeed.protocol.dcp_items import (
     Abort,
     Commit,
     Deletion,
+    Expiration,
     Mutation,
     Prepare,
     encode_abort,
     encode_commit,
     encode_deletion,
+    encode_expiration,
     encode_mutation,
     encode_prepare,
 )
@@ -59,6 +62,13 @@ def reference(item: Item, sent: dict[bytes, int], options: ItemOptions) -> bytes
             )
         )  # fmt: skip
     assert options.delete_times
+    if item.op is Op.EXPIRATION and options.expiry_opcode:
+        return encode_expiration(
+            Expiration(
+                VB, OPAQUE, item.seqno, item.key, item.cas, item.rev_seqno, item.delete_time,
+                item.value, item.datatype,
+            )
+        )  # fmt: skip
     return encode_deletion(
         Deletion(
             VB, OPAQUE, item.seqno, item.key, item.cas, item.rev_seqno, item.delete_time,
@@ -70,14 +80,17 @@ def reference(item: Item, sent: dict[bytes, int], options: ItemOptions) -> bytes
 @st.composite
 def histories(draw: st.DrawFn) -> list[Item]:
     """Items in seqno order: prepares (documents and deletes), their commits or aborts (or
-    none), plain writes and deletes, commits of prepares this stream may not have sent."""
+    none), plain writes, deletes and expirations, commits of prepares this stream may not
+    have sent."""
     items: list[Item] = []
     seqno = 0
     pending: dict[bytes, SyncItem] = {}
     for _ in range(draw(st.integers(1, 25))):
         seqno += draw(st.integers(1, 3))
         key = draw(st.sampled_from(KEYS))
-        kind = draw(st.sampled_from(["prepare", "end", "plain", "delete", "stray commit"]))
+        kind = draw(
+            st.sampled_from(["prepare", "end", "plain", "delete", "expire", "stray commit"])
+        )
         value = draw(st.binary(max_size=40))
         cas, datatype = draw(U64), draw(st.integers(0, 7))
         fields = dict(flags=draw(U32), expiry=draw(U32), rev_seqno=draw(U64))
@@ -104,19 +117,29 @@ def histories(draw: st.DrawFn) -> list[Item]:
         elif kind == "stray commit":  # a prepare read past on disk: sent as the document
             items.append(SyncItem(seqno - 1, key, Op.PREPARE, Op.MUTATION, value, cas, level=1)
                          .committed(seqno))  # fmt: skip
-        elif kind == "delete":
-            items.append(Item(seqno, key, Op.DELETION, b"", cas, delete_time=draw(U32)))
+        elif kind in ("delete", "expire"):
+            op = Op.DELETION if kind == "delete" else Op.EXPIRATION
+            xattrs = value if datatype & 4 else b""  # a tombstone's value: its xattrs only
+            items.append(
+                Item(seqno, key, op, xattrs, cas, datatype=datatype, delete_time=draw(U32))
+            )
         else:
             items.append(Item(seqno, key, Op.MUTATION, value, cas, datatype=datatype, **fields))
     return items
 
 
-@settings(max_examples=200, deadline=None)
+REPLICA_OPTIONS = [
+    ItemOptions(delete_times=True, expiry_opcode=True, sync_writes=True),  # a replica's
+    ItemOptions(delete_times=True, sync_writes=True),  # an expiration goes as a deletion
+]
+
+
+@pytest.mark.parametrize("options", REPLICA_OPTIONS, ids=["expiry-opcode", "deletions"])
+@settings(max_examples=150, deadline=None)
 @given(histories(), st.lists(st.integers(1, 6), max_size=8), st.integers(1, 600))
 def test_replica_framing_equals_the_message_encoders(
-    items: list[Item], cuts: list[int], bytes_max: int
+    options: ItemOptions, items: list[Item], cuts: list[int], bytes_max: int
 ) -> None:
-    options = ItemOptions(delete_times=True, sync_writes=True)
     framer = ItemFramer(VB, OPAQUE, options)
     sent: dict[bytes, int] = {}
     position = 0
