@@ -153,7 +153,7 @@ class NodeStream:
                 case PositionMoved(vb, seqno, message):
                     owner.put(CollectionEvent(vb, message) if message else SeqnoAdvanced(vb, seqno))
                 case _:
-                    pass  # SyncFrame: application streams never carry them
+                    pass  # SyncFrame, SyncRun: application streams never carry them
         owed = self.session.data_to_send()
         if owed and self._conn.closed is None:
             self._conn.send(owed)
