@@ -293,7 +293,7 @@ class ItemFramer:
             return self._sync_frame_encoded(item)  # the encoders raise, naming the field
         if type(item) is CommitItem:
             sent = self._prepares_sent.pop(key, None)
-            if sent == item.prepared_seqno:
+            if sent == item.prepared_seqno:  # both seqnos packed before: they fit
                 head = _pack_ending(
                     _MAGIC_REQUEST, _OP_DCP_COMMIT, key_len, _ENDING_EXTRAS_SIZE, 0, self.vb,
                     _ENDING_EXTRAS_SIZE + key_len, self.opaque, 0, item.prepared_seqno,
@@ -303,11 +303,15 @@ class ItemFramer:
             return self.frame(item.op, key_len, item.datatype, item.cas, item.body)
         assert isinstance(item, SyncItem), item
         if item.op is _ABORT:
+            try:
+                head = _pack_ending(
+                    _MAGIC_REQUEST, _OP_DCP_ABORT, key_len, _ENDING_EXTRAS_SIZE, 0, self.vb,
+                    _ENDING_EXTRAS_SIZE + key_len, self.opaque, 0, item.prepared_seqno,
+                    item.seqno,
+                )  # fmt: skip
+            except struct.error:  # prepared_seqno out of range: the encoder says so
+                return self._sync_frame_encoded(item)
             self._prepares_sent.pop(key, None)
-            head = _pack_ending(
-                _MAGIC_REQUEST, _OP_DCP_ABORT, key_len, _ENDING_EXTRAS_SIZE, 0, self.vb,
-                _ENDING_EXTRAS_SIZE + key_len, self.opaque, 0, item.prepared_seqno, item.seqno,
-            )  # fmt: skip
             return [head, key]
         # The prepare's body is its document's: extras (31 or 21 bytes) | key | value; the
         # frame carries the prepare's extras (31 bytes) instead, then the same key and value.

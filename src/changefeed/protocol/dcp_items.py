@@ -19,6 +19,7 @@ stored record whose CAS already precedes its body (storage/record.py).
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from changefeed import limits
@@ -421,28 +422,34 @@ class Commit:
 
 
 def encode_prepare(p: Prepare) -> bytes:
-    """A deleted prepare carries its delete time in the expiration field (kv_engine does)."""
-    extras = PREPARE_EXTRAS.pack(
-        p.seqno,
-        p.rev_seqno,
-        p.flags,
-        p.delete_time if p.deleted else p.expiry,
-        0,
-        0,
-        int(p.deleted),
-        p.level,
-    )
-    return encode_frame(
-        Magic.REQUEST,
-        Opcode.DCP_PREPARE,
-        datatype=p.datatype,
-        vbucket=p.vbucket,
-        opaque=p.opaque,
-        cas=p.cas,
-        extras=extras,
-        key=p.key,
-        value=p.value,
-    )
+    """A deleted prepare carries its delete time in the expiration field (kv_engine does).
+
+    Raises:
+        ValueError: a field does not fit the frame (our bug), naming it and its value.
+    """
+    expiration = p.delete_time if p.deleted else p.expiry
+    try:
+        extras = PREPARE_EXTRAS.pack(
+            p.seqno, p.rev_seqno, p.flags, expiration, 0, 0, int(p.deleted), p.level
+        )
+        return encode_frame(
+            Magic.REQUEST,
+            Opcode.DCP_PREPARE,
+            datatype=p.datatype,
+            vbucket=p.vbucket,
+            opaque=p.opaque,
+            cas=p.cas,
+            extras=extras,
+            key=p.key,
+            value=p.value,
+        )
+    except struct.error as error:
+        fields = (
+            ("seqno", p.seqno, 64), ("rev_seqno", p.rev_seqno, 64), ("flags", p.flags, 32),
+            ("delete_time" if p.deleted else "expiry", expiration, 32), ("level", p.level, 8),
+            ("cas", p.cas, 64), ("vbucket", p.vbucket, 16), ("opaque", p.opaque, 32),
+        )  # fmt: skip
+        raise _out_of_range("DCP_PREPARE", fields, error) from None
 
 
 def decode_prepare(frame: Frame) -> Prepare:
@@ -487,15 +494,34 @@ def decode_abort(frame: Frame) -> Abort:
 def _encode_ending(
     opcode: Opcode, vbucket: int, opaque: int, key: bytes, prepared_seqno: int, seqno: int
 ) -> bytes:
-    """COMMIT and ABORT share one layout: the prepare's seqno, their own, then the key."""
-    return encode_frame(
-        Magic.REQUEST,
-        opcode,
-        vbucket=vbucket,
-        opaque=opaque,
-        extras=ABORT_EXTRAS.pack(prepared_seqno, seqno),
-        key=key,
-    )
+    """COMMIT and ABORT share one layout: the prepare's seqno, their own, then the key.
+    A field that does not fit raises ValueError naming it (our bug)."""
+    try:
+        return encode_frame(
+            Magic.REQUEST,
+            opcode,
+            vbucket=vbucket,
+            opaque=opaque,
+            extras=ABORT_EXTRAS.pack(prepared_seqno, seqno),
+            key=key,
+        )
+    except struct.error as error:
+        fields = (
+            ("prepared_seqno", prepared_seqno, 64), ("seqno", seqno, 64),
+            ("vbucket", vbucket, 16), ("opaque", opaque, 32),
+        )  # fmt: skip
+        raise _out_of_range(opcode.name, fields, error) from None
+
+
+def _out_of_range(
+    message: str, fields: Iterable[tuple[str, int, int]], error: struct.error
+) -> ValueError:
+    """The error for a frame `struct` refused to pack: the first of `fields` (name, value,
+    bits) out of its unsigned range, else `error`'s own text."""
+    for name, value, bits in fields:
+        if not 0 <= value < 1 << bits:
+            return ValueError(f"{message}: {name} {value} does not fit {bits} bits")
+    return ValueError(f"{message}: {error}")
 
 
 def _decode_ending(frame: Frame, name: str) -> tuple[int, int]:

@@ -156,8 +156,31 @@ def test_replica_framing_equals_the_message_encoders(
         position += count
 
 
-def test_a_field_out_of_range_is_our_bug_named_by_the_encoder() -> None:
+OUT_OF_RANGE = [  # (what is wrong, the item framed): each names its field
+    ("datatype", SyncItem(3, b"x", Op.PREPARE, Op.MUTATION, b"v", 5, datatype=0x10, level=1)),
+    ("level 256", SyncItem(3, b"x", Op.PREPARE, Op.MUTATION, b"v", 5, level=256)),
+    ("level -1", SyncItem(3, b"x", Op.PREPARE, Op.DELETION, b"", 5, level=-1)),
+    ("cas 18446744073709551616", SyncItem(3, b"x", Op.PREPARE, Op.MUTATION, b"v", 2**64, level=1)),
+    (
+        "prepared_seqno 18446744073709551616",
+        SyncItem(3, b"x", Op.ABORT, Op.DELETION, b"", 5, prepared_seqno=2**64),
+    ),
+]
+
+
+@pytest.mark.parametrize(("field", "bad"), OUT_OF_RANGE, ids=[f for f, _ in OUT_OF_RANGE])
+def test_a_field_out_of_range_is_our_bug_named_by_the_encoder(field: str, bad: SyncItem) -> None:
     framer = ItemFramer(VB, OPAQUE, ItemOptions(delete_times=True, sync_writes=True))
-    bad = SyncItem(3, b"x", Op.PREPARE, Op.MUTATION, b"v", 5, datatype=0x10, level=1)
-    with pytest.raises(ValueError, match="datatype"):
+    with pytest.raises(ValueError, match=field):  # was a bare struct.error, naming nothing
         framer.items([bad], 1 << 20)
+
+
+def test_the_sync_encoders_name_a_field_out_of_range() -> None:
+    with pytest.raises(ValueError, match="DCP_PREPARE: level 256 does not fit 8 bits"):
+        encode_prepare(Prepare(VB, OPAQUE, 3, b"x", b"v", 5, 1, 0, 0, False, 256))
+    with pytest.raises(ValueError, match="DCP_PREPARE: delete_time -1 does not fit 32 bits"):
+        encode_prepare(Prepare(VB, OPAQUE, 3, b"x", b"", 5, 1, 0, 0, True, 1, delete_time=-1))
+    with pytest.raises(ValueError, match="DCP_COMMIT: seqno 18446744073709551616 does not fit"):
+        encode_commit(Commit(VB, OPAQUE, b"x", 3, 2**64))
+    with pytest.raises(ValueError, match="DCP_ABORT: vbucket 65536 does not fit 16 bits"):
+        encode_abort(Abort(2**16, OPAQUE, b"x", 3, 4))
