@@ -31,7 +31,7 @@ def refuse_memory_once(vbucket: VBucket, at: int) -> None:
     commit or abort; 1-based). Counted by item, not by call: the feed may give the same items
     one at a time (`queue_replicated`, `replica_commit`) or as runs (`queue_replicated_prepares`,
     `replica_commit_many`) and split runs where the other twin does not (a DCP_NOOP between
-    two prepares ends a run of frames, not one of columns), and the refusal must hit the same
+    two prepares ends a run of columns, not one of frames), and the refusal must hit the same
     item either way. A run is taken up to the refused item; one item alone raises."""
     real_one, real_prepares = vbucket.queue_replicated, vbucket.queue_replicated_prepares
     real_commit, real_commits = vbucket.replica_commit, vbucket.replica_commit_many

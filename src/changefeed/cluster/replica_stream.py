@@ -668,10 +668,15 @@ class ReplicaFeed:
     def _queue_prepares(self, vb: int, prepares: list[SyncItem]) -> None:
         taken = 0
         if not self._backlog:
+            vbucket = self.bucket.vbucket(vb)
+            before = vbucket.high_seqno
             try:
-                taken = self.bucket.vbucket(vb).queue_replicated_prepares(prepares)
+                taken = vbucket.queue_replicated_prepares(prepares)
             except CheckpointMemoryFullError:
                 taken = 0
+            except StatusError:
+                self._count_taken(vbucket, before, [p.seqno for p in prepares])
+                raise
         if taken < len(prepares):  # memory ran out (or a backlog waits): the rest wait
             self._hold_back(vb, prepares[taken:])
 
@@ -686,12 +691,25 @@ class ReplicaFeed:
         (or a backlog holds up) waits as `Commit`s, built only for those."""
         taken = 0
         if not self._backlog:
+            vbucket = self.bucket.vbucket(vb)
+            before = vbucket.high_seqno
             try:
-                taken = self.bucket.vbucket(vb).replica_commit_many(commits)
+                taken = vbucket.replica_commit_many(commits)
             except CheckpointMemoryFullError:
                 taken = 0
+            except StatusError:
+                self._count_taken(vbucket, before, [seqno for _, _, seqno in commits])
+                raise
         if taken < len(commits):
             self._hold_back(vb, [Commit(vb, opaque, *commit) for commit in commits[taken:]])
+
+    def _count_taken(self, vbucket: ReplicaVBucket, before: int, seqnos: list[int]) -> None:
+        """A run refused a bad item after queueing the ones before it (the vbucket's runs do):
+        count those, as one call each would have. Its caller counts a run only when it
+        returns, and where runs split (a noop ends a run of columns, not one of frames) must
+        not change the count."""
+        after = vbucket.high_seqno
+        self.stats.items += sum(before < seqno <= after for seqno in seqnos)
 
     def _on_sync(self, vb: int, frame: Frame) -> None:
         opcode = frame.opcode

@@ -192,7 +192,7 @@ script_of = st.lists(
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(script_of, st.lists(st.integers(1, 12), max_size=6), st.integers(0, 12))
-# A noop between two prepares ends a run of frames, not of columns: memory refused at the
+# A noop between two prepares ends a run of columns, not of frames: memory refused at the
 # first prepare must hit it on both paths (it hit a different item when runs were counted).
 @example(script=[(0, 0, "prepare", 0), (0, 0, "noop", 0), (0, 1, "prepare", 0)], cuts=[], full_at=1)
 # Commits in a run wait behind prepares held back for memory, on both paths.
@@ -200,6 +200,18 @@ script_of = st.lists(
     script=[(0, 0, "prepare", 0), (0, 1, "prepare", 1), (0, 0, "commit", 0), (0, 1, "commit", 1)],
     cuts=[],
     full_at=1,
+)
+# A commit and a stray one across a noop: one run of frames, two of columns; both count the
+# commit the vbucket took before refusing the stray one (the run of frames counted none).
+@example(
+    script=[
+        (0, 0, "prepare", 0),
+        (0, 0, "commit", 0),
+        (0, 0, "noop", 0),
+        (0, 0, "stray commit", 0),
+    ],
+    cuts=[],
+    full_at=0,
 )
 # A stray commit held back for memory fails in the tick that retries it, on both paths.
 @example(
