@@ -19,7 +19,7 @@ import contextlib
 import json
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -328,3 +328,30 @@ def processes_in_group(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             out.append(int(entry))
     return out
+
+
+def run_available_now(
+    spark: Any,
+    options: Mapping[str, str],
+    sink: Callable[[Any, int], None],
+    checkpoint: Path,
+    *,
+    closing: Sequence[Any] = (),
+) -> Any:
+    """Stream ``format("changefeed")`` with ``options`` into ``foreachBatch(sink)`` until what
+    was there at the start is read (``availableNow``; fails after 180 s), close ``closing``
+    (writers), fail on the query's error; the query is returned for its progress."""
+    query = (
+        spark.readStream.format("changefeed").options(**options).load()
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True).start()
+    )  # fmt: skip
+    try:
+        assert query.awaitTermination(180), "the availableNow query did not finish in 180 s"
+    finally:
+        query.stop()
+        for closed in closing:
+            closed.close()
+    assert query.exception() is None, query.exception()
+    return query

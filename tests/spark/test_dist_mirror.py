@@ -69,6 +69,7 @@ from .helpers import (
     assert_changelog_once,
     assert_mirror_matches,
     assert_typed_mirror_matches,
+    run_available_now,
     workload,
     write,
 )
@@ -408,18 +409,7 @@ def test_the_path_follows_the_planned_batch_size(
         writer(batch_df, batch_id)
         seen.append((batch_id, planned, writer.last_in_driver))
 
-    query = (
-        spark.readStream.format("changefeed").options(**options).load()
-        .writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .trigger(availableNow=True).start()
-    )  # fmt: skip
-    try:
-        assert query.awaitTermination(180), "the availableNow query did not finish in 180 s"
-    finally:
-        query.stop()
-        writer.close()
-    assert query.exception() is None, query.exception()
+    query = run_available_now(spark, options, sink, tmp_path / "checkpoint", closing=[writer])
     progress = [json.loads(p.json) if hasattr(p, "json") else p for p in query.recentProgress]
     spans = {p["batchId"]: seqno_span(p) for p in progress if p["numInputRows"]}
     print(f"batches (id, planned, from the driver): {seen}; spans {spans}")
@@ -464,19 +454,7 @@ def test_the_driver_reads_typed_documents_and_keeps_a_field_named_like_the_posit
         second(batch_df, batch_id)
         read_in_driver.append(second.last_read_in_driver)
 
-    query = (
-        spark.readStream.format("changefeed").options(**opts).load()
-        .writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .trigger(availableNow=True).start()
-    )  # fmt: skip
-    try:
-        assert query.awaitTermination(180), "the availableNow query did not finish in 180 s"
-    finally:
-        query.stop()
-        writer.close()
-        second.close()
-    assert query.exception() is None, query.exception()
+    query = run_available_now(spark, opts, sink, tmp_path / "checkpoint", closing=[writer, second])
     assert read_in_driver and all(read_in_driver), read_in_driver
     assert derived and all(all(d) for d in derived), derived
     progress = [json.loads(p.json) if hasattr(p, "json") else p for p in query.recentProgress]
@@ -519,18 +497,7 @@ def test_a_frame_filtered_then_checkpointed_is_written_as_given(
         writer(kept, batch_id)
         assert writer.last_in_driver and not writer.last_read_in_driver
 
-    query = (
-        spark.readStream.format("changefeed").options(**opts).load()
-        .writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .trigger(availableNow=True).start()
-    )  # fmt: skip
-    try:
-        assert query.awaitTermination(180), "the availableNow query did not finish in 180 s"
-    finally:
-        query.stop()
-        writer.close()
-    assert query.exception() is None, query.exception()
+    run_available_now(spark, opts, sink, tmp_path / "checkpoint", closing=[writer])
     logged = DeltaTable(str(tmp_path / "tables" / "changelog")).to_pyarrow_table()
     assert set(logged.column("op").to_pylist()) == {"mutation"}
     assert logged.num_rows == sum(given) > 0

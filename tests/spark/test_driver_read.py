@@ -34,6 +34,7 @@ from support.nodes import NodeFactory
 from .helpers import (
     Model,
     assert_mirror_matches,
+    run_available_now,
     write,
     write_meta,
 )
@@ -78,19 +79,7 @@ def run_compared(spark: Any, node: NodeProcess, root: Path, **options: str) -> C
         MirrorWriter(root / "to-arrow", {**opts, "mirrorDriverRead": "false"}),
     ]
     sink = ComparingSink(writers)
-    query = (
-        spark.readStream.format("changefeed").options(**opts).load()
-        .writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(root / "checkpoint"))
-        .trigger(availableNow=True).start()
-    )  # fmt: skip
-    try:
-        assert query.awaitTermination(180), "the availableNow query did not finish in 180 s"
-    finally:
-        query.stop()
-        for writer in writers:
-            writer.close()
-    assert query.exception() is None, query.exception()
+    run_available_now(spark, opts, sink, root / "checkpoint", closing=writers)
     assert writers[0].last_in_driver and writers[1].last_in_driver
     return sink
 
@@ -178,15 +167,5 @@ def test_the_driver_reads_rich_typed_documents_as_sparks_task_does(
     write(node.port, docs)
     opts = node.source_options(schema=RICH_SCHEMA, maxOffsetsPerTrigger="200")
     sink = ComparingSink([])
-    query = (
-        spark.readStream.format("changefeed").options(**opts).load()
-        .writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .trigger(availableNow=True).start()
-    )  # fmt: skip
-    try:
-        assert query.awaitTermination(180), "the availableNow query did not finish in 180 s"
-    finally:
-        query.stop()
-    assert query.exception() is None, query.exception()
+    run_available_now(spark, opts, sink, tmp_path / "checkpoint")
     assert len(sink.batches) > 1 and sink.rows > 0, (sink.batches, sink.rows)
