@@ -44,6 +44,7 @@ from changefeed.server.sync_writes import SyncWriteMonitor
 from changefeed.server.users import Users
 from changefeed.vbmap import ClusterMap, NodeAddress
 from changefeed.vbucket_state import VBucketState
+from support.transports import RecordingTransport
 
 VBUCKETS = 5
 REPLICA_VB = 3  # made a replica: writes to it are NOT_MY_VBUCKET
@@ -53,36 +54,6 @@ NOW_S = 1_700_000_000.0
 BARRIER = b"\x00"  # frame info id 0, no payload
 STORE_EXTRAS = struct.Struct(">II")
 KEYS = [b"k%d" % i for i in range(6)]
-
-
-class RecordingTransport:
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-    def writelines(self, data: list[bytes]) -> None:
-        self.data += b"".join(data)
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def get_extra_info(self, name: str) -> object:
-        return ("127.0.0.1", 40000) if name == "peername" else None
-
-    def set_write_buffer_limits(self, high: int) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def replies(data: bytes) -> list[tuple[int, int, int, int, bytes, bytes]]:
