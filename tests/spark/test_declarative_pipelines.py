@@ -41,23 +41,7 @@ pytestmark = pytest.mark.timeout(300)
 RUN_TIMEOUT_S = 240.0
 SPARK_PIPELINES = Path(sys.executable).parent / "spark-pipelines"
 
-TABLE_FLOW = """
-from pyspark import pipelines as dp
-from pyspark.sql import SparkSession
-
-from changefeed.spark import register
-
-spark = SparkSession.active()
-register(spark)
-
-
-@dp.table
-def changes():
-    return (spark.readStream.format("changefeed").option("cluster", {cluster!r})
-            .option("format", "binary").load())
-"""
-
-AUTO_CDC_FLOW = """
+SOURCE = """
 from pyspark import pipelines as dp
 from pyspark.sql import SparkSession, functions as F
 
@@ -67,11 +51,17 @@ spark = SparkSession.active()
 register(spark)
 
 
-@dp.temporary_view
+@dp.{kind}
 def changes():
-    return (spark.readStream.format("changefeed").option("cluster", {cluster!r})
+    return (spark.readStream.format("changefeed").option("cluster", {{cluster!r}})
             .option("format", "binary").load())
+"""
 
+TABLE_FLOW = SOURCE.format(kind="table")  # a streaming table of the changes
+
+AUTO_CDC_FLOW = (
+    SOURCE.format(kind="temporary_view")
+    + """
 
 dp.create_streaming_table("documents")
 dp.create_auto_cdc_flow(
@@ -79,6 +69,7 @@ dp.create_auto_cdc_flow(
     apply_as_deletes=F.expr("op = 'deletion'"), except_column_list=["op"],
 )
 """
+)
 
 
 def pipeline(tmp_path: Path, flow: str, node: NodeProcess) -> subprocess.CompletedProcess[str]:
