@@ -40,13 +40,22 @@ def connection_string(node: Listening) -> str:
     return f"couchbase://{HOST}:{node.port}"
 
 
-def connect(node: Listening, *, user: str = USER, password: str = PASSWORD) -> Cluster:
-    """The SDK's Cluster.connect with its default options, but short timeouts."""
+def connect(
+    node: Listening,
+    *,
+    user: str = USER,
+    password: str = PASSWORD,
+    config_poll_interval: timedelta | None = None,
+) -> Cluster:
+    """The SDK's Cluster.connect with its default options, but short timeouts (and the
+    config poll's interval if given)."""
+    extra = {} if config_poll_interval is None else {"config_poll_interval": config_poll_interval}
     options = ClusterOptions(
         PasswordAuthenticator(user, password),
         timeout_options=ClusterTimeoutOptions(
             connect_timeout=CONNECT_TIMEOUT, kv_timeout=KV_TIMEOUT
         ),
+        **extra,
     )
     cluster = Cluster.connect(connection_string(node), options)
     cluster.wait_until_ready(CONNECT_TIMEOUT)
