@@ -671,6 +671,9 @@ def main() -> None:
     parser.add_argument("--only", choices=["all", "raw", "sdk"], default="all")
     parser.add_argument("--shape", help="only shapes whose name contains one of these (a,b)")
     parser.add_argument("--profile", action="store_true", help="py-spy the node for each row")
+    parser.add_argument(
+        "--profile-dir", type=Path, help="keep each row's raw py-spy stacks here (with --profile)"
+    )
     parser.add_argument("--streams", action="store_true", help="also the stream rows (at the end)")
     args = parser.parse_args()
     count = 20_000 if args.quick else args.items
@@ -692,7 +695,7 @@ def main() -> None:
                     salt = index * count * 2
                     before = load_average()
                     if args.profile:
-                        raw = work / f"spy-{index}.txt"
+                        raw = (args.profile_dir or work) / f"spy-{index}.txt"
                         with SpySampler(node.pid, raw):
                             ours = node_row(node.port, node.pid, shape, count, salt)
                         print(f"## profile of the node, {shape.name}")

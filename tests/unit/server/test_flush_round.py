@@ -242,3 +242,31 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+def test_a_prepare_behind_plain_writes_of_the_same_step_ends_the_gap(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gap looks once per loop step at every vbucket queued to in it (not once per
+    write): plain writes on every vbucket and then a prepare, all in one step, end it; the
+    plain writes alone, in the steps before, do not."""
+    monkeypatch.setattr(bucket_module, "SMALL_ROUND_ITEMS", 100)
+    monkeypatch.setattr(bucket_module, "FLUSH_GATHER_S", 30.0)  # longer than the test runs
+    vbuckets = [bucket.vbucket(vb) for vb in sorted(bucket.vbuckets)]
+
+    async def steps(bucket: Bucket) -> None:
+        bucket.hurry_flush()
+        vbuckets[0].set(b"x", b"v")  # a plain write: the round after it gathers 30 s
+        await wait_until(lambda: vbuckets[0].persisted_seqno == 1)
+        for step in range(3):  # plain writes in steps of their own: still gathering
+            for vbucket in vbuckets:
+                vbucket.set(b"plain%d" % step, b"v")
+            await asyncio.sleep(0.05)
+        assert [vbucket.persisted_seqno for vbucket in vbuckets] == [1, 0, 0, 0]
+        for vbucket in vbuckets:
+            vbucket.set(b"late", b"v")
+        vbuckets[-1].set(b"p", b"v", level=1)  # a prepare nobody commits, nobody hurries
+        await wait_until(lambda: vbuckets[-1].persisted_seqno == 5)
+        assert [vbucket.persisted_seqno for vbucket in vbuckets] == [5, 4, 4, 5]
+
+    run_flush_loop(bucket, steps)
