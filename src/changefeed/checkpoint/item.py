@@ -25,6 +25,7 @@ Not here: seqno allocation (the vbucket's), memory accounting (memory.py).
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from typing import Final
 
 from changefeed.protocol.dcp_items import DELETION_V2_EXTRAS, MUTATION_EXTRAS
@@ -37,6 +38,7 @@ _DELETION: Final = Op.DELETION
 _PREPARE: Final = Op.PREPARE
 _pack_mutation_extras: Final = MUTATION_EXTRAS.pack
 _pack_tombstone_extras: Final = DELETION_V2_EXTRAS.pack  # record.py stores tombstones so
+_new_item: Final = object.__new__  # an item whose slots the builder sets itself
 
 
 class Item:
@@ -278,13 +280,71 @@ class SyncItem(Item):
                 extras = _pack_tombstone_extras(seqno, rev_seqno, self.delete_time, 0)
         except struct.error as error:
             raise ValueError(f"item seqno {seqno}: a field does not fit: {error}") from None
-        item = CommitItem.of_body(
-            seqno, self.key, doc_op, extras + body[len(extras) :], self.cas, self.flags,
-            self.expiry, self.datatype, rev_seqno, self.delete_time,
-        )  # fmt: skip
-        assert isinstance(item, CommitItem), item
+        # The slots set here, not through `of_body`: one per commit on the active and on every
+        # replica, so a classmethod call and its keyword passing are a share of its cost.
+        item = _new_item(CommitItem)
+        item.seqno = seqno
+        item.key = self.key
+        item.op = doc_op
+        item.body = extras + body[len(extras) :]
+        item.cas = self.cas
+        item.flags = self.flags
+        item.expiry = self.expiry
+        item.datatype = self.datatype
+        item.rev_seqno = rev_seqno
+        item.delete_time = self.delete_time
         item.prepared_seqno = self.seqno
         return item
+
+    @classmethod
+    def prepares(
+        cls,
+        seqnos: Iterable[int],
+        keys: Iterable[bytes],
+        values: Iterable[bytes],
+        cases: Iterable[int],
+        flags: Iterable[int],
+        expiries: Iterable[int],
+        datatypes: Iterable[int],
+        revs: Iterable[int],
+        level: int,
+    ) -> list[SyncItem]:
+        """The PREPAREs of documents (not deletions) at `seqnos`, column i the fields of
+        prepare i: each equal to `SyncItem(seqno, key, PREPARE, MUTATION, value, cas, flag,
+        expiry, datatype, rev, level=level)`, built in one pass without its `__init__` chain
+        (an active's run of durable SETs: vbucket `set_many(level=)`).
+
+        Raises:
+            ValueError: a field does not fit its extras field (as `Item`), or the columns'
+                lengths differ.
+        """
+        items: list[SyncItem] = []
+        append = items.append
+        pack = _pack_mutation_extras
+        new = _new_item
+        for seqno, key, value, cas, flag, expiry, datatype, rev in zip(
+            seqnos, keys, values, cases, flags, expiries, datatypes, revs, strict=True
+        ):  # bounded by the caller's run
+            try:
+                extras = pack(seqno, rev, flag, expiry, 0, 0, 0)
+            except struct.error as error:
+                raise ValueError(f"item seqno {seqno}: a field does not fit: {error}") from None
+            item = new(cls)
+            item.seqno = seqno
+            item.key = key
+            item.op = _PREPARE
+            item.body = b"".join((extras, key, value))
+            item.cas = cas
+            item.flags = flag
+            item.expiry = expiry
+            item.datatype = datatype
+            item.rev_seqno = rev
+            item.delete_time = 0
+            item.doc_op = _MUTATION
+            item.level = level
+            item.prepared_seqno = 0
+            append(item)
+        return items
 
 
 class CommitItem(Item):

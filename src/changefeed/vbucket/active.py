@@ -385,12 +385,9 @@ class ActiveRole(Role):
         with one `queue_prepares`: one budget check, one wakeup, one `retain_pending`."""
         core = self.core
         keys, values, flags, expiries, datatypes = writes
-        items = [
-            SyncItem(seqno, key, _PREPARE, _MUTATION, value, cas, flag, expiry, datatype, rev,
-                     level=level)
-            for seqno, key, value, cas, flag, expiry, datatype, rev in zip(
-                seqnos, keys, values, cases, flags, expiries, datatypes, revs, strict=True)
-        ]  # fmt: skip
+        items = SyncItem.prepares(
+            seqnos, keys, values, cases, flags, expiries, datatypes, revs, level
+        )
         errors: dict[int, StatusError] = {}
         try:
             queued = core.manager.queue_prepares(items)
