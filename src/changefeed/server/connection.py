@@ -90,6 +90,7 @@ from changefeed.storage.keys import stored_key
 
 T = TypeVar("T")
 _REQUEST: Final = int(Magic.REQUEST)
+_SET: Final = int(Opcode.SET)
 log = logging.getLogger("changefeed.server")
 
 SUPPORTED_FEATURES = frozenset(
@@ -433,7 +434,8 @@ class ClientConnection(asyncio.Protocol):
             if self._held:
                 self._emit_held()  # a window's replies that backpressure stopped
             while self.writable.is_set() and self._sasl_task is None and not self._held:
-                if runs and not after_framed_set:  # bounded by the bytes
+                # SETs next: take them as a run (bounded by the bytes); anything else is a frame
+                if runs and not after_framed_set and reader.next_opcode() == _SET:
                     run = reader.take_set_run(window_max - (len(window) if window else 0))
                     if run:
                         dispatched += len(run)
