@@ -206,6 +206,14 @@ class DurableWrites:
         waiting = self._waiting.get(waiter.vb)
         return waiting is not None and waiting.get(waiter.key) is waiter
 
+    @staticmethod
+    def was_answered(waiter: Waiter) -> bool:
+        """Whether `waiter` got its outcome: `not is_waiting(waiter)` for a waiter that was
+        added, without a lookup (a waiter leaves `_waiting` exactly when it is answered, and
+        its answer is swapped for `_answered` then). The shells' deadline queues ask it of
+        every waiter they drop."""
+        return waiter.answer is _answered
+
     def on_progress(self, vb: int) -> None:
         """A replica of `vb` acknowledged more (or its stream closed)."""
         if vb in self._waiting:
@@ -274,9 +282,10 @@ class DurableWrites:
             return  # the flusher frees memory; its next round checks again
         waiting = self._waiting[vb]
         committed = 0
+        pop = waiting.pop
         for waiter, result in zip(met, results, strict=False):  # bounded by `met`
-            assert waiting[waiter.key] is waiter, waiter  # `_finish`, inline: one dict
-            del waiting[waiter.key]
+            left = pop(waiter.key)  # `_finish`, inline: one dict, one lookup
+            assert left is waiter, (left, waiter)
             answer, waiter.answer = waiter.answer, _answered
             if isinstance(result, StatusError):  # the prepare is gone (a rollback): unknown
                 answer(SyncWriteAmbiguousError(str(result)))
@@ -457,8 +466,8 @@ class SyncWriteMonitor:
         if queue is None:
             queue = self._deadlines[timeout_s] = collections.deque()
         else:  # answered heads leave here, so the queue holds about the writes still waiting
-            is_waiting = self.decisions.is_waiting
-            while queue and not is_waiting(queue[0][1]):
+            answered = self.decisions.was_answered
+            while queue and answered(queue[0][1]):
                 queue.popleft()
         queue.append((deadline, waiter))
         if self._timer is None or deadline < self._timer_at:

@@ -146,6 +146,9 @@ def check(written: list[Written], vbuckets: dict[int, VBucket], decisions: Durab
     waiting = 0
     for item in written:
         waiter = item.waiter
+        # What the shells' deadline queues ask without a lookup agrees with the lookup.
+        assert decisions.was_answered(waiter) is (not decisions.is_waiting(waiter)), item
+        assert decisions.was_answered(waiter) is (item.outcome != "waiting"), item
         if item.outcome == "waiting":
             waiting += 1
             assert item.answers == [], item
