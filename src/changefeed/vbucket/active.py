@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import operator
 from collections.abc import Mapping, Sequence
-from typing import Final
+from typing import Final, cast
 
 from changefeed import limits
 from changefeed.checkpoint import CheckpointMemoryFullError, Item, SyncItem
@@ -53,6 +54,8 @@ _ABORT: Final = Op.ABORT
 _DELETION: Final = Op.DELETION
 _EXPIRATION: Final = Op.EXPIRATION
 _PREPARE: Final = Op.PREPARE
+_committed: Final = SyncItem.committed
+_cas_of: Final = operator.attrgetter("cas")
 
 
 @dataclasses.dataclass(slots=True)
@@ -125,6 +128,9 @@ class ActiveRole(Role):
         core = self.core
         pending = self.pending
         assert len(set(keys)) == len(keys), "a key commits once per run"
+        prepares = list(map(pending.get, keys))
+        if prepares and None not in prepares:  # the monitor's runs: every key pending
+            return self._commit_pending(cast("list[SyncItem]", prepares))
         out: list[MutationResult | StatusError] = []
         commits: list[Item] = []
         at: list[int] = []  # index in `out` of each commit
@@ -153,6 +159,35 @@ class ActiveRole(Role):
             if locks:
                 locks.pop(item.key, None)
         core.advanced(commits[queued - 1].seqno, cas)
+        retain_pending(core.manager, pending)
+        return out
+
+    def _commit_pending(self, prepares: list[SyncItem]) -> list[MutationResult | StatusError]:
+        """`commit_many` of keys each with its prepare pending (`prepares`, in the keys' order):
+        the commits take the next seqnos in order, built and answered in column passes (the
+        per-key branches of the general path are not needed)."""
+        core = self.core
+        first = core.high_seqno + 1
+        seqnos = range(first, first + len(prepares))
+        commits = list(map(_committed, prepares, seqnos))
+        queued = core.manager.queue_run(commits, commits=True)  # may raise: nothing changed
+        if not queued:
+            return []
+        if queued < len(commits):  # memory ran out part of the way: the rest stay pending
+            prepares = prepares[:queued]
+        vb, vb_uuid = core.vb, core.vb_uuid  # read once: properties of the core
+        out: list[MutationResult | StatusError] = [
+            MutationResult(vbucket=vb, seqno=seqno, cas=prepare.cas, vb_uuid=vb_uuid)
+            for seqno, prepare in zip(seqnos, prepares, strict=False)  # prepares: those queued
+        ]
+        pending = self.pending
+        for prepare in prepares:  # bounded by the run
+            del pending[prepare.key]
+        locks = self.locks
+        if locks:
+            for prepare in prepares:  # bounded by the run
+                locks.pop(prepare.key, None)
+        core.advanced(seqnos[queued - 1], max(map(_cas_of, prepares)))
         retain_pending(core.manager, pending)
         return out
 
