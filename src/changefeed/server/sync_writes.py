@@ -563,13 +563,16 @@ def durability_met(
     for the active's own persistence (module docstring). Pure, so the real monitor and the
     cluster simulator decide with the same code.
     """
-    chain = 1 + len(replica_acks)
-    majority = chain // 2 + 1
     if active_persisted < seqno:
         return False
-    if any(acked < seqno for acked in required_acks):
-        return False
-    held = 1 + sum(1 for acked in replica_acks if acked >= seqno)
-    assert 1 <= held <= chain, (held, chain)
-    assert majority * 2 > chain, (majority, chain)  # two majorities always share a copy
+    for acked in required_acks:  # loops, not generators: asked per write at every ack
+        if acked < seqno:
+            return False
+    chain = 1 + len(replica_acks)
+    majority = chain // 2 + 1
+    held = 1
+    for acked in replica_acks:
+        if acked >= seqno:
+            held += 1
+    assert held <= chain and majority * 2 > chain, (held, majority, chain)  # majorities meet
     return held >= majority

@@ -39,3 +39,22 @@ def test_an_unpersisted_active_never_commits() -> None:
     assert not durability_met(5, 4, [9, 9])
     assert durability_met(5, 5, [9, 0])
     assert not durability_met(5, 5, [4, 0])
+
+
+@given(
+    seqno=st.integers(1, 20),
+    active_persisted=st.integers(0, 20),
+    acks=st.lists(st.integers(0, 20), max_size=4),
+    required=st.lists(st.integers(0, 20), max_size=3),
+)
+def test_commit_rule_with_required_replicas_matches_the_model(
+    seqno: int, active_persisted: int, acks: list[int], required: list[int]
+) -> None:
+    """Every replica of the confirmed in-sync record must hold the prepare too."""
+    copies_holding = [active_persisted >= seqno] + [a >= seqno for a in acks]
+    model = (
+        copies_holding[0]
+        and sum(copies_holding) * 2 > len(copies_holding)
+        and all(r >= seqno for r in required)
+    )
+    assert durability_met(seqno, active_persisted, acks, required) is model
