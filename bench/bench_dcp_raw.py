@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_raw_clients as raw
-from bench_node import MEMORY_QUOTA_BYTES, park_cursors, wait_flushed
+from bench_node import MEMORY_QUOTA_BYTES, park_cursors, stream_all, wait_flushed
 from node_bench_procs import RedisProcess, SpySampler, node_process, stop_children, top_self_time
 
 from changefeed.cli.node_process import NodeProcess
@@ -58,10 +58,27 @@ def load(node: NodeProcess, count: int) -> None:
     asyncio.run(wait_flushed(node.port, highs))
 
 
+READER = "raw"  # or "kv": bench_node's DcpClient (flow control, 8 MiB window, acks at 20%)
+
+
 def stream_once(node: NodeProcess, count: int) -> tuple[float, float]:
-    """One raw DCP read of everything: the node's CPU µs per item, items/s."""
+    """One DCP read of everything: the node's CPU µs per item, items/s."""
     got: list[int] = []
-    measured = raw.measure(node.pid, count, lambda: got.append(raw.dcp_read_all(node.port)))
+    if READER == "kv":
+        sock = raw.mcbp_login(node.port)
+        try:
+            value = raw.mcbp_call(sock, raw.OP_GET_ALL_VB_SEQNOS, b"")
+        finally:
+            sock.close()
+        highs = dict(raw.VB_SEQNO.iter_unpack(value))
+
+        def read() -> None:
+            result = asyncio.run(stream_all(node.port, node.pid, highs, 8 << 20))
+            got.append(sum(result.items_from.values()))
+
+        measured = raw.measure(node.pid, count, read)
+    else:
+        measured = raw.measure(node.pid, count, lambda: got.append(raw.dcp_read_all(node.port)))
     assert got == [count], (got, count)
     return measured.server_us, measured.rate
 
@@ -126,14 +143,20 @@ def main() -> None:
     )
     parser.add_argument("--only", choices=["memory", "disk", "both"], default="both")
     parser.add_argument("--no-redis", action="store_true")
+    parser.add_argument(
+        "--reader", choices=["raw", "kv"], default="raw", help="kv: DcpClient, flow control"
+    )
     parser.add_argument("--profile", action="store_true", help="py-spy the after node")
     args = parser.parse_args()
+    global READER
+    READER = args.reader
     trees: dict[str, str | None] = {"after": args.after}
     if args.before:
         trees = {"before": args.before, "after": args.after}
     work = Path(tempfile.mkdtemp(prefix="bench-dcp-raw-"))
     print(
-        f"# bench_dcp_raw: {args.items:,} items, {raw.VBUCKETS} vbuckets, load {raw.load_average()}"
+        f"# bench_dcp_raw: {args.reader} reader, {args.items:,} items, {raw.VBUCKETS} vbuckets, "
+        f"load {raw.load_average()}"
     )
     lines = ["| node CPU µs/item | runs | median | items/s |", "|---|---|---:|---|"]
     profiles: list[str] = []
