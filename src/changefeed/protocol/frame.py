@@ -49,6 +49,7 @@ assert ALT_HEADER.size == limits.HEADER_SIZE
 
 KNOWN_MAGICS = frozenset(int(m) for m in Magic)
 ALT_MAGICS = frozenset((Magic.ALT_REQUEST, Magic.ALT_RESPONSE))
+_RESPONSE = int(Magic.RESPONSE)
 REQUEST_MAGICS = frozenset((Magic.REQUEST, Magic.ALT_REQUEST, Magic.SERVER_REQUEST))
 
 
@@ -169,18 +170,28 @@ def encode_response(
     cas: int = 0,
     datatype: int = 0,
 ) -> bytes:
-    """Encode the response to ``request``: same opcode and opaque, classic response magic."""
-    return encode_frame(
-        Magic.RESPONSE,
+    """Encode the response to ``request``: same opcode and opaque, classic response magic.
+
+    ``encode_frame``'s classic branch inline (the same bytes and the same ValueErrors): a
+    pipelined mix answers every GET and DELETE through here, and the keyword call with its
+    magic checks cost ~0.5 µs a reply."""
+    if datatype & ~DATATYPE_MASK:
+        raise ValueError(f"invalid datatype bits: 0x{datatype:02x}")
+    key_size, extras_size = len(key), len(extras)
+    if key_size > 0xFFFF or extras_size > 0xFF:
+        raise ValueError("key or extras too long for the classic header")
+    header = HEADER.pack(
+        _RESPONSE,
         request.opcode,
-        datatype=datatype,
-        vbucket=status,
-        opaque=request.opaque,
-        cas=cas,
-        extras=extras,
-        key=key,
-        value=value,
+        key_size,
+        extras_size,
+        datatype,
+        status,
+        extras_size + key_size + len(value),
+        request.opaque,
+        cas,
     )
+    return b"".join((header, extras, key, value))
 
 
 def check_header(buffer: bytes | bytearray | memoryview, start: int, frame_size_max: int) -> int:

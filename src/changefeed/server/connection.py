@@ -91,6 +91,8 @@ from changefeed.storage.keys import stored_key
 T = TypeVar("T")
 _REQUEST: Final = int(Magic.REQUEST)
 _SET: Final = int(Opcode.SET)
+_GET: Final = int(Opcode.GET)
+_DELETE: Final = int(Opcode.DELETE)
 log = logging.getLogger("changefeed.server")
 
 SUPPORTED_FEATURES = frozenset(
@@ -436,7 +438,7 @@ class ClientConnection(asyncio.Protocol):
             while self.writable.is_set() and self._sasl_task is None and not self._held:
                 # SETs next: take them as a run (bounded by the bytes); anything else is a frame
                 if runs and not after_framed_set and reader.next_opcode() == _SET:
-                    run = reader.take_set_run(window_max - (len(window) if window else 0))
+                    run = reader.take_set_run(window_max - (0 if window is None else len(window)))
                     if run:
                         dispatched += len(run)
                         if run.framing_extras:  # durable SETs: after the window, as a run
@@ -451,7 +453,8 @@ class ClientConnection(asyncio.Protocol):
                                 window = None
                             self._serve_frames(run_frames(run))
                             continue
-                        window = window or RequestWindow()
+                        if window is None:
+                            window = RequestWindow()
                         rest = window.add_run(run)
                         if rest is not None:  # a write to a key the window's GETs read
                             self._settle(window)
@@ -467,14 +470,15 @@ class ClientConnection(asyncio.Protocol):
                 dispatched += 1
                 after_framed_set = (
                     type(frame) is Frame
-                    and frame.opcode == Opcode.SET
+                    and frame.opcode == _SET
                     and frame.magic != _REQUEST
                     and not durability_framing(frame.framing_extras)  # a run may take the next
                 )
                 key = self._window_key(frame) if runs and isinstance(frame, Frame) else None
                 if key is not None:
                     assert isinstance(frame, Frame), frame
-                    window = window or RequestWindow()
+                    if window is None:
+                        window = RequestWindow()
                     if window.joins(frame, key):
                         window.add_frame(frame, key)
                         if len(window) >= window_max:
@@ -755,7 +759,7 @@ class ClientConnection(asyncio.Protocol):
         alone: a collections connection's key qualified (a malformed id or an unknown
         collection is answered by the per-frame path), another's 0xff key escaped there
         (collection_commands.py)."""
-        if frame.opcode != Opcode.GET and frame.opcode != Opcode.DELETE:
+        if frame.opcode != _GET and frame.opcode != _DELETE:
             return None
         if not self.collections:
             return None if frame.key[:1] == b"\xff" else frame.key
