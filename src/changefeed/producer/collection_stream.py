@@ -17,7 +17,8 @@ Replica streams are not wrapped: they carry everything as stored.
 
 The default-collection fast path: a run with no marked key (storage/keys.py) on a connection
 without collections goes to the inner encoder untouched, so a bucket without named collections
-streams exactly as before, and the check costs no Python call per change (`_any_marked`).
+streams exactly as before, and the check costs no Python call per change (`_any_marked`); from
+memory, DCP frames check each key's first byte in the framing's own pass (`plain_items`).
 
 The sparse path, for a filter naming collections (not the default one): the changes the
 stream wants — keys starting with one of the wanted collections' stored prefixes, or the system
@@ -36,7 +37,7 @@ from operator import attrgetter, itemgetter, ne
 from typing import Final, Protocol, TypeVar
 
 from changefeed.checkpoint import Item, SnapshotStart
-from changefeed.producer.encoder import StreamEncoder
+from changefeed.producer.encoder import DcpEncoder, StreamEncoder
 from changefeed.protocol.collections import (
     SYSTEM_COLLECTION,
     StreamFilter,
@@ -106,6 +107,8 @@ class CollectionEncoder:
         self.manifest = manifest
         self.event_bytes_min = inner.event_bytes_min
         self.skipped = 0  # changes not sent (filtered out), for stats and tests
+        # A plain connection's DCP frames check the keys while framing (`plain_items`).
+        self._plain = inner if not aware and isinstance(inner, DcpEncoder) else None
         # The sparse path's stored-key prefixes: the wanted collections' and the system one's
         # (None: the filter is not a set of named collections).
         wanted = stream_filter.collections
@@ -144,8 +147,14 @@ class CollectionEncoder:
         return self.inner.stream_end(out, reason)
 
     def items(self, out: list[bytes], items: Sequence[Item], bytes_max: int) -> tuple[int, int]:
-        if not self.aware and _MARKER not in map(_FIRST_BYTE, map(_KEY, items)):
-            return self.inner.items(out, items, bytes_max)
+        if not self.aware:
+            plain = self._plain
+            if plain is not None:  # DCP frames: the check rides on the framing's pass
+                sent = plain.plain_items(out, items, bytes_max)
+                if sent is not None:
+                    return sent
+            elif _MARKER not in map(_FIRST_BYTE, map(_KEY, items)):
+                return self.inner.items(out, items, bytes_max)
         vb = self.inner.vb
         aware = self.aware
 

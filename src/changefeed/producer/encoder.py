@@ -111,6 +111,20 @@ class DcpEncoder:
         out.append(frames)
         return count, written
 
+    def plain_items(
+        self, out: list[bytes], items: Sequence[Item], bytes_max: int
+    ) -> tuple[int, int] | None:
+        """`items` if no key of the run names a collection (`ItemFramer.plain_items`); else
+        None, and nothing appended."""
+        framed = self._framer.plain_items(items, bytes_max)
+        if framed is None:
+            return None
+        frames, count, written = framed
+        assert len(frames) == written, (len(frames), written)
+        assert 0 < count <= len(items), (count, len(items))
+        out.append(frames)
+        return count, written
+
     def stored(self, out: list[bytes], records: Sequence[bytes], bytes_max: int) -> tuple[int, int]:
         frames, count, written = self._framer.stored(records, bytes_max)
         assert len(frames) == written, (len(frames), written)
