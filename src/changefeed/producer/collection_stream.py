@@ -18,7 +18,8 @@ Replica streams are not wrapped: they carry everything as stored.
 The default-collection fast path: a run with no marked key (storage/keys.py) on a connection
 without collections goes to the inner encoder untouched, so a bucket without named collections
 streams exactly as before, and the check costs no Python call per change (`_any_marked`); from
-memory, DCP frames check each key's first byte in the framing's own pass (`plain_items`).
+memory and disk, DCP frames check each key's first byte in the framing's own pass
+(`plain_items`, `plain_stored`).
 
 The sparse path, for a filter naming collections (not the default one): the changes the
 stream wants — keys starting with one of the wanted collections' stored prefixes, or the system
@@ -192,8 +193,14 @@ class CollectionEncoder:
         )
 
     def stored(self, out: list[bytes], records: Sequence[bytes], bytes_max: int) -> tuple[int, int]:
-        if not self.aware and not _any_marked(records):
-            return self.inner.stored(out, records, bytes_max)
+        if not self.aware:
+            plain = self._plain
+            if plain is not None:  # DCP frames: the check rides on the framing's pass
+                sent = plain.plain_stored(out, records, bytes_max)
+                if sent is not None:
+                    return sent
+            if not _any_marked(records):  # a record the fast path does not take
+                return self.inner.stored(out, records, bytes_max)
         vb = self.inner.vb
         aware = self.aware
 

@@ -125,6 +125,20 @@ class DcpEncoder:
         out.append(frames)
         return count, written
 
+    def plain_stored(
+        self, out: list[bytes], records: Sequence[bytes], bytes_max: int
+    ) -> tuple[int, int] | None:
+        """`records` on the fast path if no key names a collection (`ItemFramer.plain_stored`);
+        else None, and nothing appended."""
+        framed = self._framer.plain_stored(records, bytes_max)
+        if framed is None:
+            return None
+        frames, count, written = framed
+        assert len(frames) == written, (len(frames), written)
+        assert 0 < count <= len(records), (count, len(records))
+        out.append(frames)
+        return count, written
+
     def stored(self, out: list[bytes], records: Sequence[bytes], bytes_max: int) -> tuple[int, int]:
         frames, count, written = self._framer.stored(records, bytes_max)
         assert len(frames) == written, (len(frames), written)

@@ -102,6 +102,11 @@ _pack_header: Final = HEADER.pack
 # Added to a header's datatype by a key's first byte in `ItemFramer.plain_items`: 256 (out of
 # the field's range: the pack fails) for the collection marker (storage/keys.py), 0 otherwise.
 _MARKED_BY_FIRST_BYTE: Final = (0,) * COLLECTION_MARKER + (256,) * (256 - COLLECTION_MARKER)
+# Where a stored record's key begins, by tag (0 for an unknown tag, which has no fast path).
+_KEY_OFFSET_BY_TAG: Final = tuple(
+    STORED_BODY_OFFSET + EXTRAS_SIZE_BY_OP[OP_BY_TAG[tag]] if tag in OP_BY_TAG else 0
+    for tag in range(256)
+)
 _pack_front: Final = HEADER_FRONT.pack
 _unpack_stored_head: Final = STORED_HEAD.unpack_from
 assert STORED_CAS_OFFSET + _HEADER_SIZE - _FRONT_SIZE == STORED_BODY_OFFSET  # cas: 8 bytes
@@ -257,6 +262,39 @@ class ItemFramer:
             tails = [record[STORED_CAS_OFFSET:] for record in records]
             return _joined(fronts, tails, bytes_max)
         return self._stored_one_by_one(records, bytes_max)
+
+    def plain_stored(
+        self, records: Sequence[bytes], bytes_max: int
+    ) -> tuple[bytes, int, int] | None:
+        """`stored` on the fast path with `plain_items`' check of each key's first byte (at the
+        key's offset for the record's tag) in the same pass; None, and nothing framed, when a
+        key begins with the collection marker or a record needs another path: the caller then
+        checks and frames the run as it would without this."""
+        assert records, "a run holds at least one record"
+        opcodes, extras = self._opcode_by_tag, self._extras_by_tag
+        if opcodes is None or extras is None:
+            return None
+        vb, opaque = self.vb, self.opaque
+        marked, key_at = _MARKED_BY_FIRST_BYTE, _KEY_OFFSET_BY_TAG
+        try:
+            fronts = [
+                _pack_front(
+                    _MAGIC_REQUEST,
+                    opcodes[tag],
+                    key_len,
+                    extras[tag],
+                    datatype | marked[record[key_at[tag]]],
+                    vb,
+                    len(record) - STORED_BODY_OFFSET,
+                    opaque,
+                )
+                for record in records
+                for tag, datatype, key_len in (_unpack_stored_head(record),)
+            ]
+        except (struct.error, IndexError):  # marked, rewritten, unknown tag or too short
+            return None
+        tails = [record[STORED_CAS_OFFSET:] for record in records]
+        return _joined(fronts, tails, bytes_max)
 
     def frame(self, op: Op, key_len: int, datatype: int, cas: int, body: bytes) -> list[bytes]:
         """The pieces of one item's frame (the fallback; `encode_item` joins them).

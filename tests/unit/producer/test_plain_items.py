@@ -26,6 +26,7 @@ from changefeed.protocol.collections import StreamFilter
 from changefeed.protocol.dcp import StreamEndReason
 from changefeed.storage import Op
 from changefeed.storage.keys import stored_key
+from changefeed.storage.record import encode_record
 
 VB, OPAQUE = 3, 77
 
@@ -122,3 +123,61 @@ def test_plain_items_is_items_unless_a_key_is_marked(
     marked = any(item.key[0] == 0xFF for item in items)
     got = framer.plain_items(items, budget)
     assert got == (None if marked else framer.items(items, budget))
+
+
+def records_of(spec: list[tuple[Op, int, bytes, int]]) -> list[bytes]:
+    """The same changes as the store keeps them (storage/record.py)."""
+    return [
+        encode_record(op, seqno, stored_key(cid, key), b"v" * size if op is Op.MUTATION else b"",
+                      cas=seqno, delete_time=0 if op is Op.MUTATION else 1_700_000_000 + seqno)
+        for seqno, (op, cid, key, size) in enumerate(spec, start=1)
+    ]  # fmt: skip
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    spec=changes,
+    budgets=st.lists(st.integers(1, 600), min_size=1, max_size=8),
+    options=st.sampled_from(OPTIONS),
+)
+def test_stored_runs_check_in_the_framing_as_before_it(
+    spec: list[tuple[Op, int, bytes, int]], budgets: list[int], options: ItemOptions
+) -> None:
+    """From disk: the same call-by-call comparison for stored records (`plain_stored`)."""
+    records = records_of(spec)
+
+    def plain(inner: DcpEncoder | Wrapped) -> CollectionEncoder:
+        return CollectionEncoder(
+            inner, aware=False, stream_filter=StreamFilter(), manifest=None, opaque=OPAQUE
+        )
+
+    fast = plain(DcpEncoder(VB, OPAQUE, options))
+    reference = plain(Wrapped(DcpEncoder(VB, OPAQUE, options)))
+    out: list[bytes] = []
+    expected: list[bytes] = []
+    at = call = 0
+    while at < len(records):  # bounded: every call consumes at least one record
+        budget = budgets[call % len(budgets)]
+        got = fast.stored(out, records[at:], budget)
+        assert got == reference.stored(expected, records[at:], budget), (at, budget)
+        assert b"".join(out) == b"".join(expected), (at, budget)
+        at += got[0]
+        call += 1
+    assert fast.skipped == reference.skipped == sum(1 for _, cid, _, _ in spec if cid != 0)
+
+
+@settings(deadline=None, max_examples=200)
+@given(spec=changes, budget=st.integers(1, 3000), options=st.sampled_from(OPTIONS))
+def test_plain_stored_is_stored_unless_a_key_is_marked_or_a_record_is_rewritten(
+    spec: list[tuple[Op, int, bytes, int]], budget: int, options: ItemOptions
+) -> None:
+    records = records_of(spec)
+    framer = ItemFramer(VB, OPAQUE, options)
+    marked = any(item.key[0] == 0xFF for item in items_of(spec))
+    got = framer.plain_stored(records, budget)
+    if marked:
+        assert got is None
+    elif got is not None:  # None: a record the fast path does not take (rewritten, NoValue)
+        assert got == framer.stored(records, budget)
+    if not marked and not options.no_value and all(op is Op.MUTATION for op, *_ in spec):
+        assert got is not None  # every mutation of a plain run takes the fast path
