@@ -12,6 +12,13 @@ the stored extras) unless it asked for the expiry opcode. There each item costs 
 and the shared body. A stored record needs only the header's first 16 bytes, since its prefix
 ends with the CAS right before the body: the frame is that front and ``record[4:]``.
 
+A connection without collections must not get a named collection's key as stored
+(collection_stream.py): `plain_items` and `plain_stored` are the fast path with that check in the
+same pass, the key's first byte looked up into the header's datatype (out of range for the
+collection marker, so the pack fails and the caller takes its per-collection path). A check of
+its own before framing was the first touch of every checkpoint item of a run: cache misses that
+cost more than the check.
+
 Fallback, item by item, for everything else: a tombstone whose extras the connection wants in
 another layout (deletion V1 without IncludeDeleteTimes, DCP_EXPIRATION with the expiry opcode,
 dcp-wire.md §7.4-7.5), NoValue (the body without its value, datatype 0) and stream-ids (the
