@@ -284,8 +284,11 @@ class DurableWrites:
         committed = 0
         pop = waiting.pop
         for waiter, result in zip(met, results, strict=False):  # bounded by `met`
-            left = pop(waiter.key)  # `_finish`, inline: one dict, one lookup
-            assert left is waiter, (left, waiter)
+            left = pop(waiter.key, None)  # `_finish`, inline: one dict, one lookup
+            if left is not waiter:  # a broken state: strand no other waiter, then fail
+                if left is not None:
+                    waiting[waiter.key] = left
+                raise AssertionError(f"vb {vb}: {waiter!r} committed, {left!r} waiting")
             answer, waiter.answer = waiter.answer, _answered
             if isinstance(result, StatusError):  # the prepare is gone (a rollback): unknown
                 answer(SyncWriteAmbiguousError(str(result)))
@@ -408,6 +411,12 @@ class SyncWriteMonitor:
     def pending_count(self) -> int:
         return self.decisions.pending_count
 
+    @property
+    def deadlines_queued(self) -> int:
+        """How many waiters the deadline queues hold: those still waiting and answered ones not
+        yet dropped (a queue drops its answered heads whenever it takes a new deadline)."""
+        return sum(map(len, self._deadlines.values()))
+
     def waiting_on(self, vb: int) -> int:
         """How many durable writes wait on `vb`."""
         return self.decisions.waiting_on(vb)
@@ -485,11 +494,12 @@ class SyncWriteMonitor:
         loop = asyncio.get_running_loop()
         now = loop.time()
         decisions = self.decisions
+        answered = decisions.was_answered
         retry: list[Waiter] = []
         for timeout_s, queue in list(self._deadlines.items()):
-            while queue and (queue[0][0] <= now or not decisions.is_waiting(queue[0][1])):
+            while queue and (queue[0][0] <= now or answered(queue[0][1])):
                 _, waiter = queue.popleft()
-                if decisions.is_waiting(waiter) and not decisions.expire(waiter):
+                if not answered(waiter) and not decisions.expire(waiter):
                     retry.append(waiter)  # memory full: the abort is tried again shortly
             if not queue:
                 del self._deadlines[timeout_s]
