@@ -16,14 +16,23 @@ put a key twice in that namespace, and never collapses a checkpoint holding them
 Only the open checkpoint takes items (`add`); a closed one changes only by `absorb` (collapse),
 which the manager runs only on checkpoints no cursor is in.
 
+A run of new keys received as columns (`add_columns`, a replica catching up) takes its slots
+and key-index entries at once but leaves each slot `LAZY` (checkpoint/columns.py): the `Item`s
+are built by `settle`, which every read of a slot runs first (`live_items`, `position_after`,
+a deduplication, the manager's readers and lookups), for all of the checkpoint's lazy runs.
+
 Not here: the list of checkpoints, cursors, memory quota (manager.py, cursor.py, memory.py).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Final
 
+from changefeed.checkpoint.columns import LAZY, ColumnRun, Lazy, items_of
 from changefeed.checkpoint.item import (
     CHECKPOINT_START,
     DUMMY,
@@ -33,13 +42,14 @@ from changefeed.checkpoint.item import (
     SyncItem,
 )
 from changefeed.checkpoint.memory import (
+    ITEM_OVERHEAD_BYTES,
     MUTATION_BODY_OVERHEAD_BYTES,
     TOMBSTONE_BODY_OVERHEAD_BYTES,
     item_size_bytes,
 )
 from changefeed.storage import Op
 
-Slot = Item | MetaItem | None
+Slot = Item | MetaItem | Lazy | None
 
 _FIRST_ITEM_INDEX = 2  # after DUMMY and CHECKPOINT_START
 SYNC_OPS: Final = frozenset((Op.PREPARE, Op.ABORT))
@@ -65,6 +75,8 @@ class Checkpoint:
         cursor_count: cursors positioned inside.
         memory_bytes: accounted bytes of the live items.
         live_count, hole_count: live items and holes in `items`.
+        lazy: the column runs whose items are not built yet: (index in `items` of the
+            first, the run, its first and end positions taken), oldest first.
         prev, next: neighbours in the manager's list.
         created_s: clock reading at creation (for stats: checkpoint age).
     """
@@ -78,6 +90,7 @@ class Checkpoint:
         "is_open",
         "items",
         "key_index",
+        "lazy",
         "live_count",
         "marker_end",
         "memory_bytes",
@@ -97,6 +110,7 @@ class Checkpoint:
         self.items: list[Slot] = [DUMMY]
         self.key_index: dict[bytes, int] = {}
         self.prepared_index: dict[bytes, int] = {}
+        self.lazy: list[tuple[int, ColumnRun, int, int]] = []
         self.visible_end = 0
         self.high_completed = 0
         self.snap_start = snap_start
@@ -131,6 +145,7 @@ class Checkpoint:
     @property
     def first_seqno(self) -> int:
         """Seqno of the oldest live item (the checkpoint must have items)."""
+        self.settle()
         for slot in self.items[_FIRST_ITEM_INDEX:]:
             if isinstance(slot, Item):
                 return slot.seqno
@@ -221,6 +236,84 @@ class Checkpoint:
         self._maybe_compact()
         return stop, delta
 
+    def add_columns(self, run: ColumnRun, start: int, full_bytes: int) -> tuple[int, int] | None:
+        """`add_run` for the mutations `run[start:]` given as columns, when the ones it takes
+        (until this checkpoint holds `full_bytes`, at least one) have keys new here and
+        distinct: their slots are `LAZY` until `settle`, their key-index entries one
+        `dict.update`, their charges `item_size_bytes`' from the body lengths. None (nothing
+        added) when a key repeats: the caller builds the items and goes through `add_run`.
+
+        Returns:
+            (index in `run` of the first item not added, change in accounted bytes), or None.
+        """
+        assert self.is_open, self
+        seqnos = run.seqnos
+        assert start < len(seqnos), (start, len(seqnos))
+        assert seqnos[start] > self.snap_end, (seqnos[start], self.snap_end)
+        room = full_bytes - self.memory_bytes
+        # Each item is charged at least ITEM_OVERHEAD_BYTES (its body holds its extras and
+        # key): the ones past `end` are not reached (when they are, the caller asks again).
+        end = min(len(seqnos), start + max(room, 0) // ITEM_OVERHEAD_BYTES + 1)
+        overheads = itertools.repeat(MUTATION_BODY_OVERHEAD_BYTES)
+        sizes = map(operator.add, map(len, run.bodies[start:end]), overheads)
+        charged = list(itertools.accumulate(sizes))  # rising: every size is positive
+        taken = min(len(charged), bisect.bisect_left(charged, room) + 1)  # add_run's stop
+        stop = start + taken
+        keys = run.keys[start:stop]
+        key_index = self.key_index
+        if len(set(keys)) != taken or not key_index.keys().isdisjoint(keys):
+            return None
+        slots = self.items
+        if len(slots) == 1:
+            slots.append(CHECKPOINT_START)
+        first = len(slots)
+        slots.extend(itertools.repeat(LAZY, taken))
+        key_index.update(zip(keys, range(first, first + taken), strict=True))
+        self.lazy.append((first, run, start, stop))
+        delta = charged[taken - 1]
+        self.live_count += taken
+        self.snap_end = self.visible_end = seqnos[stop - 1]
+        self.memory_bytes += delta
+        self._maybe_compact()  # as add_run: holes punched while a cursor was inside
+        return stop, delta
+
+    def lazy_run(
+        self, index: int, items_max: int, bytes_max: int
+    ) -> tuple[ColumnRun, int, int, int] | None:
+        """The flusher's read of lazy slots from `index` (`CheckpointManager.next_run`): the
+        items of the lazy run holding that slot, from it, up to `items_max` and up to the
+        one whose charge reaches `bytes_max` (`next_run`'s rule), as (run, start, stop,
+        charged bytes) in the run's positions, with no item built; None: `index` is not a
+        lazy slot."""
+        for first, run, start, stop in self.lazy:  # bounded by the runs added
+            if first <= index < first + stop - start:
+                at = start + index - first
+                # each is charged more than ITEM_OVERHEAD_BYTES: the ones past these are
+                # not reached
+                end = min(stop, at + items_max, at + bytes_max // ITEM_OVERHEAD_BYTES + 1)
+                overheads = itertools.repeat(MUTATION_BODY_OVERHEAD_BYTES)
+                sizes = map(operator.add, map(len, run.bodies[at:end]), overheads)
+                charged = list(itertools.accumulate(sizes))
+                taken = min(len(charged), bisect.bisect_left(charged, bytes_max) + 1)
+                return run, at, at + taken, charged[taken - 1]
+        return None
+
+    def lazy_from(self, index: int) -> int | None:
+        """The first lazy slot at or after `index`, or None."""
+        starts = [
+            max(first, index) for first, _, start, stop in self.lazy if first + stop - start > index
+        ]
+        return min(starts, default=None)
+
+    def settle(self) -> None:
+        """Build the items of every lazy run here (`add_columns`), each into its slots."""
+        if not self.lazy:
+            return
+        slots = self.items
+        for first, run, start, stop in self.lazy:  # bounded by the runs added
+            slots[first : first + stop - start] = items_of(run, start, stop)
+        self.lazy = []
+
     def add_prepares(
         self, items: Sequence[SyncItem], start: int, full_bytes: int
     ) -> tuple[int, int]:
@@ -276,6 +369,8 @@ class Checkpoint:
         assert newer.cursor_count == 0, newer
         assert newer.snap_start > self.snap_end, (self, newer)
         assert not self.prepared_index and not newer.prepared_index, (self, newer)
+        self.settle()
+        newer.settle()
         freed = 0
         items = self.items
         key_index = self.key_index
@@ -294,6 +389,7 @@ class Checkpoint:
         self.visible_end = max(self.visible_end, newer.visible_end)
         self.high_completed = max(self.high_completed, newer.high_completed)
         newer.items = [DUMMY]
+        newer.lazy = []
         newer.key_index = {}
         newer.memory_bytes = newer.live_count = newer.hole_count = 0
         self._maybe_compact()
@@ -311,6 +407,7 @@ class Checkpoint:
         Binary search over a seqno-ordered list with holes: O(log n + longest run of holes).
         """
         assert self.has_items, self
+        self.settle()
         items = self.items
         lo, hi = _FIRST_ITEM_INDEX, len(items)
         while lo < hi:  # bounded: hi - lo halves or lo passes mid each round
@@ -328,6 +425,7 @@ class Checkpoint:
 
     def live_items(self) -> list[Item]:
         """The live items in seqno order (O(n); for collapse, tests and stats)."""
+        self.settle()
         return [slot for slot in self.items[_FIRST_ITEM_INDEX:] if isinstance(slot, Item)]
 
     def compact(self) -> None:
@@ -347,10 +445,10 @@ class Checkpoint:
 
     def check_invariants(self) -> None:
         """O(n) walk of every fact this module promises; tests call it after each mutation."""
-        items = self.items
+        items = self.slots_view()
         assert items[0] is DUMMY, items[:1]
         assert len(items) == 1 or items[1] is CHECKPOINT_START, items[:2]
-        live = self.live_items()
+        live = [slot for slot in items[_FIRST_ITEM_INDEX:] if isinstance(slot, Item)]
         assert len(live) == self.live_count, (len(live), self.live_count)
         meta_count = min(len(items), _FIRST_ITEM_INDEX)
         assert len(items) - meta_count == self.live_count + self.hole_count, self
@@ -373,7 +471,20 @@ class Checkpoint:
             assert self.has_items, self
         assert self.cursor_count >= 0, self
 
+    def slots_view(self) -> list[Slot]:
+        """`items` with each lazy run's items built aside (this checkpoint unchanged), its
+        segments checked: every `LAZY` slot is in exactly one, and each lies on `LAZY`s."""
+        view = list(self.items)
+        for first, run, start, stop in self.lazy:
+            assert 0 <= start < stop <= len(run.seqnos), (first, start, stop)
+            end = first + stop - start
+            assert all(slot is LAZY for slot in view[first:end]), (first, end)
+            view[first:end] = items_of(run, start, stop)
+        assert not any(slot is LAZY for slot in view), self
+        return view
+
     def _punch_hole(self, index: int, replacing_seqno: int) -> int:
+        self.settle()
         old = self.items[index]
         assert isinstance(old, Item), (index, old)
         assert old.seqno < replacing_seqno, (old.seqno, replacing_seqno)

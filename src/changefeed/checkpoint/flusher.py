@@ -32,7 +32,7 @@ from changefeed import limits
 from changefeed.checkpoint.checkpoint import SYNC_OPS
 from changefeed.checkpoint.cursor import Cursor
 from changefeed.checkpoint.item import CommitItem, Item, SyncItem
-from changefeed.checkpoint.manager import CheckpointManager, ItemRun
+from changefeed.checkpoint.manager import CheckpointManager, ColumnSlice, ItemRun
 from changefeed.checkpoint.memory import item_size_bytes
 from changefeed.checkpoint.snapshot import CursorSignal, SnapshotStart
 from changefeed.storage import Op, Store, WriteBatch
@@ -52,8 +52,10 @@ class StagedFlush:
 
     backup: Cursor
     snapshot_before: SnapshotStart | None
-    items: list[Item]
+    # Items, and runs queued as columns and read as such (`CheckpointManager.next_flush_run`)
+    items: list[Item | ColumnSlice]
     kept_before: frozenset[bytes] = frozenset()  # Flusher.kept_prepares, to undo
+    count: int = 0  # items in `items`, a column slice's counted
 
 
 class Flusher:
@@ -163,7 +165,7 @@ class Flusher:
         backup = self._manager.clone_cursor(cursor, BACKUP_CURSOR_NAME)
         staged = StagedFlush(backup, self._snapshot, [], frozenset(self.kept_prepares))
         try:
-            staged.items = self._read_batch(cursor)
+            staged.items, staged.count = self._read_batch(cursor)
             if staged.items:
                 self._write(batch, staged.items, runs)
         except BaseException:
@@ -178,13 +180,14 @@ class Flusher:
         self._manager.remove_cursor(staged.backup)
         items = staged.items
         if items:
-            assert items[-1].seqno > self._written_seqno, (items[-1], self._written_seqno)
-            self._written_seqno = items[-1].seqno
+            last = _last_seqno(items[-1])
+            assert last > self._written_seqno, (last, self._written_seqno)
+            self._written_seqno = last
             self._advance_persisted()
             self.stats["batches"] += 1
-            self.stats["items"] += len(items)
+            self.stats["items"] += staged.count
         self._resolve_waiters()
-        return len(items)
+        return staged.count
 
     def staged_failed(self, staged: StagedFlush | None) -> None:
         """The transaction holding `staged` did not commit: read the items again next time."""
@@ -231,12 +234,14 @@ class Flusher:
         assert cursor is not None, self._manager
         return cursor
 
-    def _read_batch(self, cursor: Cursor) -> list[Item]:
-        items: list[Item] = []
+    def _read_batch(self, cursor: Cursor) -> tuple[list[Item | ColumnSlice], int]:
+        """The batch's items (and column slices) and how many items they are."""
+        items: list[Item | ColumnSlice] = []
         batch_bytes = 0
+        count = 0
         while batch_bytes < self._batch_bytes_max:  # bounded by the batch size
             room = self._batch_bytes_max - batch_bytes
-            got = self._manager.next_run(cursor, _RUN_ITEMS_MAX, room)
+            got = self._manager.next_flush_run(cursor, _RUN_ITEMS_MAX, room)
             if isinstance(got, CursorSignal):
                 assert got is CursorSignal.CAUGHT_UP, got  # never dropped
                 break
@@ -246,24 +251,76 @@ class Flusher:
             if isinstance(got, ItemRun):
                 items += got.items
                 batch_bytes += got.charged_bytes
+                count += len(got.items)
+            elif isinstance(got, ColumnSlice):
+                items.append(got)
+                batch_bytes += got.charged_bytes
+                count += got.stop - got.start
             else:
                 items.append(got)
                 batch_bytes += item_size_bytes(got)
-        return items
+                count += 1
+        return items, count
 
     def _write(
         self,
         batch: WriteBatch,
-        items: list[Item],
+        pieces: list[Item | ColumnSlice],
         runs: list[tuple[int, Sequence[Item]]] | None = None,
     ) -> None:
         snapshot = self._snapshot
-        assert snapshot is not None, items[0]
-        assert snapshot.snap_start <= items[-1].seqno <= snapshot.snap_end, (snapshot, items[-1])
+        assert snapshot is not None, pieces[0]
+        last = _last_seqno(pieces[-1])
+        assert snapshot.snap_start <= last <= snapshot.snap_end, (snapshot, last)
+        types = set(map(type, pieces))
+        if ColumnSlice not in types:
+            completed = self._write_items(batch, cast("list[Item]", pieces), types, runs)
+        else:  # in order, each put now: a later run in `runs` would go below them
+            completed = 0
+            for columns, group in itertools.groupby(pieces, _is_column_slice):
+                if columns:
+                    for piece in group:  # bounded by the batch
+                        self._write_columns(batch, cast("ColumnSlice", piece))
+                else:
+                    items = cast("list[Item]", list(group))
+                    done = self._write_items(batch, items, set(map(type, items)), None)
+                    completed = max(completed, done)
+        batch.set_vbucket_meta(
+            self._manager.vb,
+            snap_start=snapshot.snap_start,
+            snap_end=snapshot.snap_end,
+            high_completed_seqno=self._manager.completed_bound(completed) if completed else None,
+        )
+
+    def _write_columns(self, batch: WriteBatch, piece: ColumnSlice) -> None:
+        """Put a column slice's mutations (`WriteBatch.put_columns`); a kept prepare of one
+        of their keys ends, as after a plain item of the key."""
+        run, start, stop = piece.run, piece.start, piece.stop
+        keys = run.keys[start:stop]
+        vb = self._manager.vb
+        batch.put_columns(
+            vb, run.seqnos[start:stop], keys, run.bodies[start:stop], run.cases[start:stop],
+            run.datatypes[start:stop],
+        )  # fmt: skip
+        kept = self.kept_prepares
+        if kept and not kept.isdisjoint(keys):
+            for key in keys:  # bounded by the slice
+                if key in kept:
+                    batch.end_prepare(vb, key)  # overwritten after its abort or commit
+                    kept.discard(key)
+
+    def _write_items(
+        self,
+        batch: WriteBatch,
+        items: list[Item],
+        types: set[type],
+        runs: list[tuple[int, Sequence[Item]]] | None,
+    ) -> int:
+        """Put `items` (`types`: theirs); returns the newest prepare they complete, or 0."""
         vb = self._manager.vb
         kept = self.kept_prepares
         completed = 0
-        if not kept and set(map(type, items)) == _PLAIN:  # the common case, checked in C
+        if not kept and types == _PLAIN:  # the common case, checked in C
             if runs is None:
                 batch.put_bodies(vb, items)
             else:
@@ -293,12 +350,7 @@ class Flusher:
                         batch.end_prepare(vb, item.key)  # committed, or overwritten after an abort
                         kept.discard(item.key)
             start = stop
-        batch.set_vbucket_meta(
-            vb,
-            snap_start=snapshot.snap_start,
-            snap_end=snapshot.snap_end,
-            high_completed_seqno=self._manager.completed_bound(completed) if completed else None,
-        )
+        return completed
 
     def _resolve_waiters(self) -> None:
         waiters = self._waiters
@@ -306,6 +358,14 @@ class Flusher:
             _, _, future = heapq.heappop(waiters)
             if not future.done():
                 future.set_result(None)
+
+
+def _last_seqno(piece: Item | ColumnSlice) -> int:
+    return piece.last_seqno if isinstance(piece, ColumnSlice) else piece.seqno
+
+
+def _is_column_slice(piece: Item | ColumnSlice) -> bool:
+    return type(piece) is ColumnSlice
 
 
 def _stretch_end(items: list[Item], start: int) -> int:

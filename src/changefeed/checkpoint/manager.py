@@ -25,11 +25,12 @@ import dataclasses
 import itertools
 import operator
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, NamedTuple, cast
 
 from changefeed import limits
 from changefeed.checkpoint.checkpoint import SYNC_OPS, Checkpoint
+from changefeed.checkpoint.columns import LAZY, ColumnRun, items_of
 from changefeed.checkpoint.cursor import Cursor, CursorKind, Event
 from changefeed.checkpoint.item import CHECKPOINT_START, Item, SyncItem
 from changefeed.checkpoint.memory import (
@@ -91,6 +92,22 @@ class ItemRun(NamedTuple):
 
     items: list[Item]
     charged_bytes: int
+
+
+class ColumnSlice(NamedTuple):
+    """Items a cursor read in one step from a run queued as columns and not built
+    (`Checkpoint.add_columns`): `run[start:stop]`, what they are charged, and their seqnos'
+    ends. Only a byte-bounded `next_run` (the flusher's) reads them so."""
+
+    run: ColumnRun
+    start: int
+    stop: int
+    charged_bytes: int
+
+    @property
+    def last_seqno(self) -> int:
+        """The seqno of the last item."""
+        return self.run.seqnos[self.stop - 1]
 
 
 class CheckpointManager:
@@ -201,6 +218,7 @@ class CheckpointManager:
         while checkpoint is not None:
             index = checkpoint.key_index.get(key)
             if index is not None:
+                checkpoint.settle()
                 item = checkpoint.items[index]
                 assert isinstance(item, Item), (key, index, item)
                 return item
@@ -220,6 +238,7 @@ class CheckpointManager:
             else:
                 indexes = list(map(get, map(keys.__getitem__, wanted)))
             if indexes.count(None) != len(indexes):
+                checkpoint.settle()
                 items = checkpoint.items
                 still: list[int] = []
                 for at, index in zip(wanted, indexes, strict=True):  # bounded by the keys
@@ -288,7 +307,36 @@ class CheckpointManager:
         def add(checkpoint: Checkpoint, done: int) -> tuple[int, int]:
             return checkpoint.add_run(items, done, full_bytes, commits=commits)
 
-        return self._queue_in_runs(items, add, keyed=False)
+        return self._queue_in_runs(
+            len(items), lambda at: items[at].seqno, _bound_bytes(map(_body_of, items), len(items)),
+            add, one_by_one=lambda: self._queue_while_room(items),
+        )  # fmt: skip
+
+    def queue_columns(self, run: ColumnRun) -> int:
+        """`queue_run` of the plain mutations `run` (a replica's received run, as columns):
+        where the open checkpoint does not hold their keys and they do not repeat, they are
+        queued with no `Item` built (`Checkpoint.add_columns`: built when first read);
+        elsewhere their items are built and queued as `queue_run` queues them. Same
+        checkpoints, charges, snapshots and answers as `queue_run` of those items.
+
+        Returns, Raises: as `queue_run`.
+        """
+        seqnos = run.seqnos
+        count = len(seqnos)
+        full_bytes = self._checkpoint_max_bytes
+
+        def add(checkpoint: Checkpoint, done: int) -> tuple[int, int]:
+            added = checkpoint.add_columns(run, done, full_bytes)
+            if added is not None:
+                return added
+            rest = items_of(run, done, count)  # a key repeats: item by item, deduplicating
+            stop, delta = checkpoint.add_run(rest, 0, full_bytes)
+            return done + stop, delta
+
+        return self._queue_in_runs(
+            count, seqnos.__getitem__, _bound_bytes(run.bodies, count), add,
+            one_by_one=lambda: self._queue_while_room(items_of(run, 0, count)),
+        )  # fmt: skip
 
     def queue_prepares(self, items: Sequence[SyncItem]) -> int:
         """`queue` each of the prepares `items` in order (seqnos rising) with one budget check,
@@ -307,48 +355,56 @@ class CheckpointManager:
         def add(checkpoint: Checkpoint, done: int) -> tuple[int, int]:
             return checkpoint.add_prepares(items, done, full_bytes)
 
-        return self._queue_in_runs(items, add, keyed=True)
+        return self._queue_in_runs(
+            len(items), lambda at: items[at].seqno, _bound_bytes(map(_body_of, items), len(items)),
+            add, key_at=lambda at: items[at].key,
+            one_by_one=lambda: self._queue_while_room(items),
+        )  # fmt: skip
 
     def _queue_in_runs(
         self,
-        items: Sequence[Item],
+        count: int,
+        seqno_at: Callable[[int], int],
+        bound: int,
         add: Callable[[Checkpoint, int], tuple[int, int]],
         *,
-        keyed: bool,
+        key_at: Callable[[int], bytes] | None = None,
+        one_by_one: Callable[[], int],
     ) -> int:
-        """`queue_run` and `queue_prepares`: one budget check, then `add(open checkpoint,
-        first index left)` per checkpoint the run fills, one wakeup. `keyed`: the items are
-        prepares, which close the open checkpoint when it holds their key's prepare already
-        and are not visible (no `_visible_high`)."""
-        if not items:
+        """`queue_run`, `queue_columns` and `queue_prepares` of a run of `count` items
+        (`seqno_at(i)`: the i-th one's seqno; `bound`: the bytes they may be charged): one
+        budget check, then `add(open checkpoint, first index left)` per checkpoint the run
+        fills, one wakeup; `one_by_one()` when the budget has no room for them all. With
+        `key_at` the items are prepares, which close the open checkpoint when it holds their
+        key's prepare already and are not visible (no `_visible_high`)."""
+        if not count:
             return 0
-        assert items[0].seqno > self._high_seqno, (items[0].seqno, self._high_seqno)
-        assert items[-1].seqno <= limits.SEQNO_MAX, items[-1].seqno
-        bound = sum(map(len, map(_body_of, items))) + len(items) * ITEM_OVERHEAD_BYTES
+        assert seqno_at(0) > self._high_seqno, (seqno_at(0), self._high_seqno)
+        assert seqno_at(count - 1) <= limits.SEQNO_MAX, seqno_at(count - 1)
         try:
             self._budget.make_room(bound)
         except CheckpointMemoryFullError:
-            return self._queue_while_room(items)
+            return one_by_one()
         done = 0
-        while done < len(items):  # bounded: each round adds >= 1 item
+        while done < count:  # bounded: each round adds >= 1 item
             open_checkpoint = self._open
             if open_checkpoint.has_items and (
                 open_checkpoint.cursor_count > 0
                 or open_checkpoint.memory_bytes >= self._checkpoint_max_bytes
-                or (keyed and items[done].key in open_checkpoint.prepared_index)
+                or (key_at is not None and key_at(done) in open_checkpoint.prepared_index)
             ):
                 self._close_open()
                 open_checkpoint = self._open
             done, delta_bytes = add(open_checkpoint, done)
             self._charge(delta_bytes)
-            self._high_seqno = items[done - 1].seqno
-            if not keyed:  # a prepare is not visible
+            self._high_seqno = seqno_at(done - 1)
+            if key_at is None:  # a prepare is not visible
                 # Before a checkpoint after this one is made: it starts past what is queued.
                 self._visible_high = self._high_seqno
         self.wakeup.notify()
         if self._budget.over_upper_mark:
             self._budget.recover()
-        return len(items)
+        return count
 
     def _queue_while_room(self, items: Sequence[Item]) -> int:
         """Queue items one at a time until memory is full (memory is short: no hurry)."""
@@ -553,6 +609,9 @@ class CheckpointManager:
                 if slot is None:
                     index += 1
                     continue
+                if slot is LAZY:  # an item of a run queued as columns: build them now
+                    checkpoint.settle()
+                    slot = items[index]
                 cursor.index = index
                 if slot is CHECKPOINT_START:
                     return SnapshotStart(
@@ -571,6 +630,23 @@ class CheckpointManager:
                 return CAUGHT_UP
             self._enter_next(cursor)
 
+    def next_flush_run(
+        self, cursor: Cursor, items_max: int, bytes_max: int
+    ) -> Event | ItemRun | ColumnSlice | CursorSignal:
+        """`next_run` for the flusher: items of a run queued as columns and not built yet
+        (`Checkpoint.add_columns`) come as a `ColumnSlice` of that run, the same items
+        `next_run` would give, and nothing builds them."""
+        checkpoint = cursor.checkpoint
+        if cursor.attached and cursor.pending_marker is None and checkpoint.lazy:
+            lazy = checkpoint.lazy_run(cursor.index + 1, items_max, bytes_max)
+            if lazy is not None:
+                read = ColumnSlice(*lazy)
+                assert read.run.seqnos[read.start] > cursor.last_seqno, (cursor, read.start)
+                cursor.index += read.stop - read.start
+                cursor.last_seqno = read.last_seqno
+                return read
+        return self.next_run(cursor, items_max, bytes_max)
+
     def next_run(
         self, cursor: Cursor, items_max: int, bytes_max: int | None = None
     ) -> Event | ItemRun | CursorSignal:
@@ -581,7 +657,14 @@ class CheckpointManager:
         assert items_max > 0 and (bytes_max is None or bytes_max > 0), (items_max, bytes_max)
         if not cursor.attached or cursor.pending_marker is not None:
             return self.next_event(cursor)
-        items = cursor.checkpoint.items
+        checkpoint = cursor.checkpoint
+        items = checkpoint.items
+        lazy_from = checkpoint.lazy_from(cursor.index + 1) if checkpoint.lazy else None
+        if lazy_from is not None:
+            if bytes_max is None or lazy_from == cursor.index + 1:
+                checkpoint.settle()  # a stream reads them as items
+            else:  # the flusher: the items before the lazy ones (next_flush_run takes those)
+                items_max = min(items_max, lazy_from - cursor.index - 1)
         index = cursor.index + 1
         first = items[index] if index < len(items) else None
         if not isinstance(first, Item):
@@ -763,6 +846,7 @@ class CheckpointManager:
             self._charge(-freed.memory_bytes)
             freed.next = None
             freed.items = []  # a detached cursor may still refer to it; its memory goes now
+            freed.lazy = []
             freed.key_index = {}
             freed.prepared_index = {}
             freed.memory_bytes = 0
@@ -835,7 +919,7 @@ class CheckpointManager:
             assert cursor.checkpoint.id in counts, cursor
             assert cursor.checkpoint is checkpoints[list(counts).index(cursor.checkpoint.id)]
             counts[cursor.checkpoint.id] += 1
-            items = cursor.checkpoint.items
+            items = cursor.checkpoint.slots_view()  # lazy slots as the items they stand for
             assert cursor.index < len(items), cursor
             for index, slot in enumerate(items):
                 if isinstance(slot, Item):
@@ -849,3 +933,8 @@ class CheckpointManager:
             assert self.persistence_cursor.attached, self.persistence_cursor
             assert not self.persistence_cursor.droppable, self.persistence_cursor
             assert self._cursors.get(PERSISTENCE_CURSOR_NAME) is self.persistence_cursor
+
+
+def _bound_bytes(bodies: Iterable[bytes], count: int) -> int:
+    """The most `count` items with these bodies can be charged (`make_room`'s ask)."""
+    return sum(map(len, bodies)) + count * ITEM_OVERHEAD_BYTES

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import operator
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final, Protocol
 
 from changefeed import limits
@@ -283,16 +283,47 @@ class WriteBatch:
             for vb, items in runs:
                 self.put_bodies(vb, items)
 
+    def put_columns(
+        self,
+        vb: int,
+        seqnos: Sequence[int],
+        keys: Sequence[bytes],
+        bodies: Sequence[bytes],
+        cases: Sequence[int],
+        datatypes: Sequence[int],
+    ) -> None:
+        """`put_bodies` of mutations given as columns (seqnos rising; each body a mutation's
+        DCP body holding its key and seqno — by construction, as a BodyItem's: the decoder
+        read those from it — checked at a long run's ends): a replica's received run, which
+        the checkpoint keeps as columns. Clean runs go as `put_bodies`' do, one C-level pass
+        per step; otherwise `put_body` one at a time, which names the first bad one.
+
+        Raises:
+            ValueError, RuntimeError: as for `put_bodies`.
+        """
+        count = len(seqnos)
+        if not count:
+            return
+        row = self._rows.get(vb) if self._open else None
+        if row is None:
+            row = self._row(vb)
+        ops = [Op.MUTATION] * count
+        if (
+            count < CLEAN_RUN_MIN
+            or row.high_seqno >= seqnos[0]
+            or not self._put_clean_columns(
+                [(vb, row)], [count], list(keys), list(seqnos), list(bodies), ops,
+                list(datatypes), cases,
+            )
+        ):  # fmt: skip
+            for at in range(count):  # bounded by the run
+                put = keys[at], seqnos[at], Op.MUTATION
+                self.put_body(vb, *put, datatype=datatypes[at], cas=cases[at], body=bodies[at])
+
     def _put_clean_runs(self, runs: Sequence[tuple[int, VbState, Sequence[BodyItem]]]) -> bool:
         """Put every run of `runs` (vbuckets rising) if all pass every check of `put_body`;
         False (nothing put) if anything needs a closer look."""
         sizes = [len(run) for _, _, run in runs]
-        vbs = itertools.chain.from_iterable(
-            itertools.repeat(vb, n) for (vb, _, _), n in zip(runs, sizes, strict=True)
-        )
-        prefixes = itertools.chain.from_iterable(
-            itertools.repeat(_VB_PREFIXES[vb], n) for (vb, _, _), n in zip(runs, sizes, strict=True)
-        )
         items = (
             runs[0][2]
             if len(runs) == 1
@@ -300,11 +331,31 @@ class WriteBatch:
         )
         if any(row.high_seqno >= run[0].seqno for _, row, run in runs):
             return False
-        keys = list(map(_key_of, items))
-        seqnos = list(map(_seqno_of, items))
-        bodies = list(map(_body_of, items))
-        ops = list(map(_op_of, items))
-        datatypes = list(map(_datatype_of, items))
+        return self._put_clean_columns(
+            [(vb, row) for vb, row, _ in runs], sizes, list(map(_key_of, items)),
+            list(map(_seqno_of, items)), list(map(_body_of, items)), list(map(_op_of, items)),
+            list(map(_datatype_of, items)), map(_cas_of, items),
+        )  # fmt: skip
+
+    def _put_clean_columns(
+        self,
+        rows: Sequence[tuple[int, VbState]],
+        sizes: list[int],
+        keys: list[bytes],
+        seqnos: list[int],
+        bodies: list[bytes],
+        ops: list[Op],
+        datatypes: list[int],
+        cases: Iterable[int],
+    ) -> bool:
+        """`_put_clean_runs` of runs given as columns laid end to end (`sizes[i]` items of
+        vbucket `rows[i]`, each run's first seqno above its row's high seqno)."""
+        vbs = itertools.chain.from_iterable(
+            itertools.repeat(vb, n) for (vb, _), n in zip(rows, sizes, strict=True)
+        )
+        prefixes = itertools.chain.from_iterable(
+            itertools.repeat(_VB_PREFIXES[vb], n) for (vb, _), n in zip(rows, sizes, strict=True)
+        )
         key_sizes = list(map(len, keys))
         body_sizes = list(map(len, bodies))
         by_keys = list(map(operator.add, prefixes, keys))
@@ -327,11 +378,11 @@ class WriteBatch:
             and self._keys.keys().isdisjoint(by_keys)
         ):
             return False
-        if not _bodies_hold_fields(sizes, items):
+        if not _bodies_hold_fields(sizes, keys, seqnos, bodies, ops):
             return False  # item by item: the bad one is named
         try:
             tags = map(_TAGS.__getitem__, ops)
-            heads = map(_pack_prefix, tags, datatypes, key_sizes, map(_cas_of, items))
+            heads = map(_pack_prefix, tags, datatypes, key_sizes, cases)
             stored = list(map(operator.add, heads, bodies))
         except struct.error:
             return False  # a CAS out of range: the loop names it
@@ -344,7 +395,7 @@ class WriteBatch:
         self._bytes = stored_bytes
         first = 0
         mutations = self._mutations
-        for (vb, row, _), n in zip(runs, sizes, strict=True):  # bounded by the runs
+        for (vb, row), n in zip(rows, sizes, strict=True):  # bounded by the runs
             end = first + n
             mutations[vb] = mutations.get(vb, 0) + ops[first:end].count(Op.MUTATION)
             row.high_seqno = seqnos[end - 1]
@@ -619,24 +670,25 @@ class WriteBatch:
             raise RuntimeError("this write batch has ended; start another with store.write_batch()")
 
 
-def _bodies_hold_fields(sizes: list[int], items: Sequence[BodyItem]) -> bool:
+def _bodies_hold_fields(
+    sizes: list[int], keys: list[bytes], seqnos: list[int], bodies: list[bytes], ops: list[Op]
+) -> bool:
     """The BodyItem contract (the body holds the item's key and seqno where its op puts
-    them) of runs of `sizes` items laid end to end in `items`, checked as `put_bodies` checks
-    it: every item of a run shorter than CLEAN_RUN_MIN
+    them) of runs of `sizes` items laid end to end in the columns, checked as `put_bodies`
+    checks it: every item of a run shorter than CLEAN_RUN_MIN
     (which `put_bodies` puts one by one), the ends of a longer one (its items were built from
-    their fields by the checkpoint)."""
+    their fields by the checkpoint, or its columns decoded from the bodies)."""
     first = 0
     for n in sizes:  # bounded by the runs
         picks = range(first, first + n) if n < CLEAN_RUN_MIN else (first, first + n - 1)
         for at in picks:  # at most CLEAN_RUN_MIN - 1 items
-            item = items[at]
-            key_at = _EXTRAS_SIZE_OF_OP[item.op]
-            if not item.body.startswith(item.key, key_at) or (
-                _unpack_body_seqno(item.body)[0] != item.seqno
+            body = bodies[at]
+            if not body.startswith(keys[at], _EXTRAS_SIZE_OF_OP[ops[at]]) or (
+                _unpack_body_seqno(body)[0] != seqnos[at]
             ):
                 return False
         first += n
-    assert first == len(items), (first, len(items))
+    assert first == len(keys), (first, len(keys))
     return True
 
 

@@ -102,9 +102,10 @@ class ReplicaRole(Role):
 
     def queue_replicated_columns(self, run: ReplicatedColumns) -> int:
         """`queue_replicated_run` for a run of mutations given as columns: checked with one
-        C-level pass per column, the items built by one `map` of `Item.of_body` (each body
-        taken as received) and queued as one run. A run a check refuses goes item by item
-        through `queue_replicated_run`, which names the bad item."""
+        C-level pass per column and queued as columns (`CheckpointManager.queue_columns`: no
+        `Item` is built until something reads the checkpoint; each body is taken as
+        received). A run a check refuses goes item by item through `queue_replicated_run`,
+        which names the bad item."""
         seqnos, keys, bodies, cases = run.seqnos, run.keys, run.bodies, run.cases
         count = len(seqnos)
         if not count:
@@ -126,13 +127,13 @@ class ReplicaRole(Role):
             and min(datatypes) >= 0
             and max(datatypes) <= DATATYPE_MASK
         )
-        items = list(
-            map(Item.of_body, seqnos, keys, itertools.repeat(_MUTATION), bodies, cases,
-                run.flags, run.expiries, datatypes, run.rev_seqnos, itertools.repeat(0))
-        )  # fmt: skip
         if not clean:
+            items = list(
+                map(Item.of_body, seqnos, keys, itertools.repeat(_MUTATION), bodies, cases,
+                    run.flags, run.expiries, datatypes, run.rev_seqnos, itertools.repeat(0))
+            )  # fmt: skip
             return self.queue_replicated_run(items)  # raises, naming the item
-        queued = manager.queue_run(items)
+        queued = manager.queue_columns(run)
         core.advanced(seqnos[queued - 1], max(itertools.islice(cases, queued)))
         pending = self.pending
         if pending and not pending.keys().isdisjoint(itertools.islice(keys, queued)):
