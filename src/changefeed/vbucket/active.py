@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import operator
 from collections.abc import Mapping, Sequence
-from typing import Final, cast
+from typing import Final
 
 from changefeed import limits
 from changefeed.checkpoint import CheckpointMemoryFullError, Item, SyncItem
@@ -125,54 +125,44 @@ class ActiveRole(Role):
 
     def commit_many(self, keys: Sequence[bytes]) -> list[MutationResult | StatusError]:
         """See `VBucket.commit_many`."""
-        core = self.core
-        pending = self.pending
         assert len(set(keys)) == len(keys), "a key commits once per run"
-        prepares = list(map(pending.get, keys))
-        if prepares and None not in prepares:  # the monitor's runs: every key pending
-            return self._commit_pending(cast("list[SyncItem]", prepares))
+        if not keys:
+            return []
+        try:  # the monitor's runs: every key pending (no per-key check; SyncItem.__eq__ neither)
+            prepares = list(map(self.pending.__getitem__, keys))
+        except KeyError:
+            return self._commit_some(keys)
+        return self._commit_pending(prepares)
+
+    def _commit_some(self, keys: Sequence[bytes]) -> list[MutationResult | StatusError]:
+        """`commit_many` of a run with keys not pending: the pending ones commit as one run
+        (`_commit_pending`) and every other key is answered KeyNotFound in its place. Memory
+        running out part of the way ends the answers at the first commit not queued."""
+        pending = self.pending
+        was_pending = [key in pending for key in keys]
+        prepares = [pending[key] for key, found in zip(keys, was_pending, strict=True) if found]
+        done = iter(self._commit_pending(prepares) if prepares else ())  # may raise: no change
+        vb = self.core.vb
         out: list[MutationResult | StatusError] = []
-        commits: list[Item] = []
-        at: list[int] = []  # index in `out` of each commit
-        seqno = core.high_seqno
-        vb, vb_uuid = core.vb, core.vb_uuid  # read once: properties of the core
-        for key in keys:  # bounded by the caller's run
-            prepare = pending.get(key)
-            if prepare is None:
+        for key, found in zip(keys, was_pending, strict=True):  # bounded by the caller's run
+            if not found:
                 out.append(KeyNotFoundError(f"vb {vb}: no durable write of {key[:64]!r} pending"))
                 continue
-            seqno += 1
-            commits.append(prepare.committed(seqno))
-            at.append(len(out))
-            out.append(MutationResult(vbucket=vb, seqno=seqno, cas=prepare.cas, vb_uuid=vb_uuid))
-        if not commits:
-            return out
-        queued = core.manager.queue_run(commits, commits=True)  # may raise: nothing changed
-        if queued < len(commits):  # memory ran out part of the way: the rest stay pending
-            del out[at[queued] :]
-        locks = self.locks
-        cas = 0
-        for item in commits[:queued]:
-            del pending[item.key]
-            if item.cas > cas:
-                cas = item.cas
-            if locks:
-                locks.pop(item.key, None)
-        core.advanced(commits[queued - 1].seqno, cas)
-        retain_pending(core.manager, pending)
+            result = next(done, None)
+            if result is None:  # not queued: this key and the rest stay unanswered
+                break
+            out.append(result)
         return out
 
     def _commit_pending(self, prepares: list[SyncItem]) -> list[MutationResult | StatusError]:
-        """`commit_many` of keys each with its prepare pending (`prepares`, in the keys' order):
-        the commits take the next seqnos in order, built and answered in column passes (the
-        per-key branches of the general path are not needed)."""
+        """`commit_many` of keys each with its prepare pending (`prepares`, in the keys' order,
+        at least one): the commits take the next seqnos in order, built and answered in column
+        passes."""
         core = self.core
         first = core.high_seqno + 1
         seqnos = range(first, first + len(prepares))
         commits = list(map(_committed, prepares, seqnos))
         queued = core.manager.queue_run(commits, commits=True)  # may raise: nothing changed
-        if not queued:
-            return []
         if queued < len(commits):  # memory ran out part of the way: the rest stay pending
             prepares = prepares[:queued]
         vb, vb_uuid = core.vb, core.vb_uuid  # read once: properties of the core
