@@ -383,6 +383,10 @@ class ActiveRole(Role):
             in_memory, stored = lookup.in_memory, lookup.stored
         now = core.now()
         writes = (keys, values, flags, expiries, datatypes)
+        if count == 1 and not level:  # a small window over many vbuckets: most runs are one
+            single = self._set_single(writes, in_memory[0], stored, now, fields_checked)
+            if single is not None:
+                return single
         revs = self._clean_run_revs(writes, in_memory, stored, now, fields_checked)
         if revs is None:
             if level:
@@ -402,6 +406,44 @@ class ActiveRole(Role):
         errors: dict[int, StatusError] = {}
         self._queue_answered(items, range(count), errors)
         return SetManyResult(core.vb, core.vb_uuid, seqnos, cases, errors)
+
+    def _set_single(
+        self,
+        writes: SetColumns,
+        found: Item | None,
+        stored: Mapping[bytes, Record | None],
+        now: float,
+        fields_checked: bool,
+    ) -> SetManyResult | None:
+        """`set_many` of one plain write when it is clean (`_clean_run_revs`' rule), queued
+        with `CheckpointManager.queue`: a run's bookkeeping (ranges, a map of `Item`, the
+        manager's run closures and bound) cost ~2.4 us against ~1.1 for the one item, and a
+        window of 16 over 64 vbuckets is mostly runs of one. None when not clean: the caller
+        takes the general path, which checks the write again in `set`'s order."""
+        key = writes[0][0]
+        if self.locks or (self.pending and key in self.pending):
+            return None
+        if not fields_checked and not fields_in_range(writes):
+            return None
+        current = found if found is not None else stored[key]
+        if current is None or current.op is not _MUTATION:
+            rev = 1
+        elif current.expiry and current.expiry <= now:
+            return None  # its expiration is queued first: one by one
+        else:
+            rev = current.rev_seqno + 1
+        core = self.core
+        seqno = core.high_seqno + 1
+        cas = max(int(now * NS_PER_S), core.last_cas + 1)
+        item = Item(
+            seqno, key, _MUTATION, writes[1][0], cas, writes[2][0], writes[3][0], writes[4][0], rev
+        )
+        try:
+            core.manager.queue(item)
+        except CheckpointMemoryFullError as error:  # nothing queued: no seqno taken
+            return SetManyResult(core.vb, core.vb_uuid, (seqno,), (cas,), {0: error})
+        core.advanced(seqno, cas)
+        return SetManyResult(core.vb, core.vb_uuid, (seqno,), (cas,), {})
 
     def _queue_prepares(
         self, writes: SetColumns, seqnos: range, cases: range, revs: list[int], level: int

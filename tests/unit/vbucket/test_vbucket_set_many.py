@@ -263,3 +263,72 @@ def test_a_clean_run_stops_where_memory_runs_out(
         assert set(memory(vbucket)) >= set(keys[:7]) and not set(memory(vbucket)) & {b"n7", b"n8"}
     finally:
         store.close()
+
+
+single_writes = st.lists(
+    st.tuples(
+        st.sampled_from([*KEYS, b"gone", b"new", b"k" * (limits.STORED_KEY_SIZE_MAX + 1)]),
+        st.binary(max_size=8),
+        st.sampled_from([0, 3, 0x1_0000_0000]),  # flags; the last is refused
+        st.sampled_from([0, int(NOW) + 100, int(NOW) + 5]),  # expiry; the last is past
+        st.sampled_from([0, 1, 8]),  # datatype; 8 is refused
+    ),
+    min_size=1,
+    max_size=16,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(batch=single_writes, quota_items=st.sampled_from([7, 9, 1000]), plain=st.booleans())
+def test_runs_of_one_write_answer_what_set_does(
+    tmp_path_factory: pytest.TempPathFactory,
+    batch: list[tuple[bytes, bytes, int, int, int]],
+    quota_items: int,
+    plain: bool,
+) -> None:
+    """A window of a few SETs over many vbuckets gives each vbucket a run of one write (its
+    own path, `ActiveRole._set_single`): a run of one after another against `set` one by one
+    on the twin, with no flush between (memory fills up at the small quotas) — every answer
+    in order, then memory and the store. Locked, pending, expired, deleted and new keys,
+    refused fields; `plain`: no lock or pending write in the vbucket (else every run of one
+    goes the general way)."""
+    if plain:
+        run_vb, run_store = plain_twin(tmp_path_factory.mktemp("run"), quota_items)
+        one_vb, one_store = plain_twin(tmp_path_factory.mktemp("one"), quota_items)
+    else:
+        run_vb, run_store, _ = twin(tmp_path_factory.mktemp("run"), quota_items)
+        one_vb, one_store, _ = twin(tmp_path_factory.mktemp("one"), quota_items)
+    try:
+        for key, value, flag, expiry, datatype in batch:
+            got = run_vb.set_many([key], [value], [flag], [expiry], [datatype]).results()
+            try:
+                want: MutationResult | StatusError = one_vb.set(
+                    key, value, flags=flag, expiry=expiry, datatype=datatype
+                )
+            except StatusError as error:
+                want = error
+            assert list(map(answer, got)) == [answer(want)]
+            assert run_vb.high_seqno == one_vb.high_seqno
+        assert memory(run_vb) == memory(one_vb)
+        run_vb.flush()
+        one_vb.flush()
+        assert stored(run_store) == stored(one_store)
+    finally:
+        run_store.close()
+        one_store.close()
+
+
+def test_a_run_of_one_clean_write_takes_the_single_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One clean write (stored, in memory, deleted or new key) never reaches the run path."""
+    vbucket, store = plain_twin(tmp_path, 1000)
+    try:
+        monkeypatch.setattr(ActiveRole, "_clean_run_revs", None)  # called: a TypeError
+        for key, rev in [(b"a", 2), (b"b", 3), (b"c", 2), (b"gone", 1), (b"new", 1)]:
+            high = vbucket.high_seqno
+            answers = vbucket.set_many([key], [b"v"], [1], [0], [0])
+            assert not answers.errors and list(answers.seqnos) == [high + 1]
+            assert memory(vbucket)[key].rev_seqno == rev
+    finally:
+        store.close()
