@@ -148,3 +148,27 @@ def test_memory_full_part_of_the_way_leaves_the_rest_pending(tmp_path: Path) -> 
         assert [p.key for p in vbucket.pending_prepares] == [b"k2", b"k3"]
     finally:
         store.close()
+
+
+def test_memory_full_part_of_the_way_with_keys_not_pending(tmp_path: Path) -> None:
+    """A run mixing pending keys and keys with nothing pending: the answers end at the first
+    commit memory did not take (a KeyNotFound before it is answered, none after it)."""
+    store, vbucket = twin(tmp_path, "a")
+    try:
+        for n in range(3):
+            vbucket.set(b"k%d" % n, b"v%d" % n, level=1)
+        manager = vbucket.manager
+        real: Callable[..., int] = manager.queue_run
+
+        def two_fit(items: list[object], *, commits: bool = False) -> int:
+            return real(items[:2], commits=commits)  # memory ran out after two
+
+        manager.queue_run = two_fit  # type: ignore[method-assign,assignment]
+        got = vbucket.commit_many([b"k0", b"x", b"k1", b"y", b"k2", b"z"])
+        assert [type(r) for r in got] == [
+            MutationResult, KeyNotFoundError, MutationResult, KeyNotFoundError
+        ]  # fmt: skip
+        assert [r.seqno for r in got if isinstance(r, MutationResult)] == [4, 5]
+        assert [p.key for p in vbucket.pending_prepares] == [b"k2"]
+    finally:
+        store.close()
