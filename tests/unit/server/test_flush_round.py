@@ -244,15 +244,18 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
             await asyncio.sleep(0.01)
 
 
-def test_a_prepare_behind_plain_writes_of_the_same_step_ends_the_gap(
-    bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("prepare_at", range(4))
+def test_a_prepare_among_plain_writes_of_the_same_step_ends_the_gap(
+    bucket: Bucket, monkeypatch: pytest.MonkeyPatch, prepare_at: int
 ) -> None:
     """The gap looks once per loop step at every vbucket queued to in it (not once per
-    write): plain writes on every vbucket and then a prepare, all in one step, end it; the
-    plain writes alone, in the steps before, do not."""
+    write, not only the last one written to): a prepare on any vbucket, queued first in a
+    step and followed by plain writes on every vbucket, ends it; the plain writes alone, in
+    the steps before, do not."""
     monkeypatch.setattr(bucket_module, "SMALL_ROUND_ITEMS", 100)
     monkeypatch.setattr(bucket_module, "FLUSH_GATHER_S", 30.0)  # longer than the test runs
     vbuckets = [bucket.vbucket(vb) for vb in sorted(bucket.vbuckets)]
+    assert len(vbuckets) == 4
 
     async def steps(bucket: Bucket) -> None:
         bucket.hurry_flush()
@@ -263,10 +266,11 @@ def test_a_prepare_behind_plain_writes_of_the_same_step_ends_the_gap(
                 vbucket.set(b"plain%d" % step, b"v")
             await asyncio.sleep(0.05)
         assert [vbucket.persisted_seqno for vbucket in vbuckets] == [1, 0, 0, 0]
+        # A prepare nobody commits or hurries, then plain writes behind it in the same step.
+        vbuckets[prepare_at].set(b"p", b"v", level=1)
         for vbucket in vbuckets:
             vbucket.set(b"late", b"v")
-        vbuckets[-1].set(b"p", b"v", level=1)  # a prepare nobody commits, nobody hurries
-        await wait_until(lambda: vbuckets[-1].persisted_seqno == 5)
-        assert [vbucket.persisted_seqno for vbucket in vbuckets] == [5, 4, 4, 5]
+        final = [(4 if i == 0 else 3) + (i == prepare_at) + 1 for i in range(4)]
+        await wait_until(lambda: [vbucket.persisted_seqno for vbucket in vbuckets] == final)
 
     run_flush_loop(bucket, steps)
