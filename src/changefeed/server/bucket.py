@@ -435,6 +435,14 @@ class Bucket(VBucketSource):
                 level=level,
             )
             vb_uuid = outcome.vb_uuid
+            if len(indexes) == 1:  # most vbuckets of a small window: no loops
+                index = indexes[0]
+                seqnos[index], cases[index], vb_uuids[index] = (
+                    outcome.seqnos[0], outcome.cases[0], vb_uuid
+                )  # fmt: skip
+                if outcome.errors:
+                    errors[index] = outcome.errors[0]
+                continue
             for index, seqno, cas in zip(indexes, outcome.seqnos, outcome.cases, strict=True):
                 seqnos[index], cases[index], vb_uuids[index] = seqno, cas, vb_uuid
             for at, refused in outcome.errors.items():
