@@ -284,3 +284,34 @@ def test_a_lazy_run_ends_a_kept_prepare_of_its_key_as_items_do() -> None:
             twin.store.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_lazy_batch_whose_commit_fails_is_written_again_whole() -> None:
+    """A flush round holding column slices is aborted (the commit failed): the persistence
+    cursor goes back, the run is still unbuilt, and the next flush writes every item."""
+    directory = Path(tempfile.mkdtemp(prefix="column-runs-"))
+    try:
+        store = open_store(directory)
+        manager = CheckpointManager(VB, budget=MemoryBudget(10**9), checkpoint_max_bytes=10**9)
+        built = [Item(s, b"k%03d" % s, Op.MUTATION, b"v" * s, 5 + s) for s in range(1, 21)]
+        run = ReplicatedColumns(
+            [one.seqno for one in built], [one.key for one in built],
+            [one.body for one in built], [one.cas for one in built], [0] * 20, [0] * 20,
+            [0] * 20, [1] * 20,
+        )  # fmt: skip
+        assert manager.queue_columns(run) == 20
+        flusher = Flusher(manager, store)
+        batch = store.begin_batch()
+        staged = flusher.stage(batch)
+        assert staged is not None and staged.count == 20
+        store.abort_batch(batch)
+        flusher.staged_failed(staged)
+        assert store.high_seqno(VB) == 0 and flusher.persisted_seqno == 0
+        assert manager.open_checkpoint.lazy  # still not built
+        assert flusher.flush() == 20
+        assert [(r.seqno, r.key, r.value, r.cas) for r in store.scan(VB, 0, 20)] == [
+            (one.seqno, one.key, one.value, one.cas) for one in built
+        ]
+        store.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
