@@ -29,7 +29,7 @@ from changefeed.server.config import NodeConfig
 from changefeed.server.persistence import PersistenceHealth
 from changefeed.server.persistence_waits import PersistenceWaits, VbucketMark
 from changefeed.storage import StorageError, Store
-from changefeed.vbucket import Document, RunLookup, VBucket, fields_in_range
+from changefeed.vbucket import Document, RunLookup, SetManyResult, VBucket, fields_in_range
 from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState, initial_state
 
 log = logging.getLogger("changefeed.bucket")
@@ -399,17 +399,16 @@ class Bucket(VBucketSource):
             )
         # Each vbucket's columns, then its keys that memory does not hold, looked up in one
         # read transaction. A vbucket with one write of the run (most of them, for a small
-        # window over many vbuckets) gets one-item lists directly: five list comprehensions
-        # per vbucket were ~15 % of a window of 16 (bench_set_run.py).
-        groups: list[tuple[int, list[int], VBucket | None, _Columns]] = []
+        # window over many vbuckets) builds no columns: `VBucket.set_single` takes the write
+        # as it is (a run of one through `set_many`, ~40 % more, only if it declines).
+        groups: list[tuple[int, list[int], VBucket | None, _Columns | None]] = []
         in_memory: dict[int, list[Item | None]] = {}
         missing: dict[int, list[bytes]] = {}
         vbuckets = self.vbuckets
         for vb, indexes in by_vb.items():
-            if len(indexes) == 1:
-                i = indexes[0]
-                columns = ([keys[i]], [values[i]], [flags[i]], [expiries[i]], [datatypes[i]])
-            else:
+            vbucket = vbuckets.get(vb)
+            columns: _Columns | None = None
+            if len(indexes) > 1:
                 columns = (
                     [keys[i] for i in indexes],
                     [values[i] for i in indexes],
@@ -417,10 +416,11 @@ class Bucket(VBucketSource):
                     [expiries[i] for i in indexes],
                     [datatypes[i] for i in indexes],
                 )
-            vbucket = vbuckets.get(vb)
             groups.append((vb, indexes, vbucket, columns))
             if vbucket is not None and vbucket.state.is_active:
-                in_memory[vb], missing[vb] = vbucket.lookup_memory(columns[0])
+                in_memory[vb], missing[vb] = vbucket.lookup_memory(
+                    (keys[indexes[0]],) if columns is None else columns[0]
+                )
         stored = self.store.get_many_across(missing)
         for vb, indexes, vbucket, columns in groups:
             if vbucket is None:
@@ -428,12 +428,24 @@ class Bucket(VBucketSource):
                     dict.fromkeys(indexes, NotMyVbucketError(f"vbucket {vb} does not exist"))
                 )
                 continue
-            outcome = vbucket.set_many(
-                *columns,
-                lookup=RunLookup(in_memory[vb], stored[vb]) if vb in in_memory else None,
-                fields_checked=fields_checked,
-                level=level,
-            )
+            outcome: SetManyResult | None = None
+            if columns is None:
+                i = indexes[0]
+                if not level and vb in in_memory:
+                    outcome = vbucket.set_single(
+                        keys[i], values[i], flags[i], expiries[i], datatypes[i],
+                        found=in_memory[vb][0], stored=stored[vb], fields_checked=fields_checked,
+                    )  # fmt: skip
+                if outcome is None:
+                    columns = ([keys[i]], [values[i]], [flags[i]], [expiries[i]], [datatypes[i]])
+            if outcome is None:
+                assert columns is not None, vb
+                outcome = vbucket.set_many(
+                    *columns,
+                    lookup=RunLookup(in_memory[vb], stored[vb]) if vb in in_memory else None,
+                    fields_checked=fields_checked,
+                    level=level,
+                )
             vb_uuid = outcome.vb_uuid
             if len(indexes) == 1:  # most vbuckets of a small window: no loops
                 index = indexes[0]

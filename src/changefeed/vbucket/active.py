@@ -383,8 +383,10 @@ class ActiveRole(Role):
             in_memory, stored = lookup.in_memory, lookup.stored
         now = core.now()
         writes = (keys, values, flags, expiries, datatypes)
-        if count == 1 and not level:  # a small window over many vbuckets: most runs are one
-            single = self._set_single(writes, in_memory[0], stored, now, fields_checked)
+        if count == 1 and not level and (fields_checked or fields_in_range(writes)):
+            single = self._set_single(
+                keys[0], values[0], flags[0], expiries[0], datatypes[0], in_memory[0], stored, now
+            )  # a small window over many vbuckets: most runs are one
             if single is not None:
                 return single
         revs = self._clean_run_revs(writes, in_memory, stored, now, fields_checked)
@@ -407,23 +409,35 @@ class ActiveRole(Role):
         self._queue_answered(items, range(count), errors)
         return SetManyResult(core.vb, core.vb_uuid, seqnos, cases, errors)
 
+    def set_single(
+        self, key: bytes, value: bytes, flags: int, expiry: int, datatype: int, *,
+        found: Item | None, stored: Mapping[bytes, Record | None], fields_checked: bool,
+    ) -> SetManyResult | None:  # fmt: skip
+        """See `VBucket.set_single`."""
+        if not fields_checked and not fields_in_range(
+            ([key], [value], [flags], [expiry], [datatype])
+        ):
+            return None
+        return self._set_single(key, value, flags, expiry, datatype, found, stored, self.core.now())
+
     def _set_single(
         self,
-        writes: SetColumns,
+        key: bytes,
+        value: bytes,
+        flags: int,
+        expiry: int,
+        datatype: int,
         found: Item | None,
         stored: Mapping[bytes, Record | None],
         now: float,
-        fields_checked: bool,
     ) -> SetManyResult | None:
-        """`set_many` of one plain write when it is clean (`_clean_run_revs`' rule), queued
-        with `CheckpointManager.queue`: a run's bookkeeping (ranges, a map of `Item`, the
-        manager's run closures and bound) cost ~2.4 us against ~1.1 for the one item, and a
-        window of 16 over 64 vbuckets is mostly runs of one. None when not clean: the caller
-        takes the general path, which checks the write again in `set`'s order."""
-        key = writes[0][0]
+        """`set_many` of one plain write, its fields in range, when it is clean
+        (`_clean_run_revs`' rule), queued with `CheckpointManager.queue`: a run's bookkeeping
+        (ranges, a map of `Item`, the manager's run closures and bound) cost ~2.4 us against
+        ~1.1 for the one item, and a window of 16 over 64 vbuckets is mostly runs of one.
+        None when not clean: the caller takes the general path, which checks the write again
+        in `set`'s order."""
         if self.locks or (self.pending and key in self.pending):
-            return None
-        if not fields_checked and not fields_in_range(writes):
             return None
         current = found if found is not None else stored[key]
         if current is None or current.op is not _MUTATION:
@@ -435,9 +449,7 @@ class ActiveRole(Role):
         core = self.core
         seqno = core.high_seqno + 1
         cas = max(int(now * NS_PER_S), core.last_cas + 1)
-        item = Item(
-            seqno, key, _MUTATION, writes[1][0], cas, writes[2][0], writes[3][0], writes[4][0], rev
-        )
+        item = Item(seqno, key, _MUTATION, value, cas, flags, expiry, datatype, rev)
         try:
             core.manager.queue(item)
         except CheckpointMemoryFullError as error:  # nothing queued: no seqno taken

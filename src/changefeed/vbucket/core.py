@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 from changefeed import limits
@@ -329,6 +329,21 @@ class VBucket:
         return self._role.set_many(
             keys, values, flags, expiries, datatypes, lookup=lookup,
             fields_checked=fields_checked, level=level,
+        )  # fmt: skip
+
+    def set_single(
+        self, key: bytes, value: bytes, flags: int, expiry: int, datatype: int, *,
+        found: Item | None, stored: Mapping[bytes, Record | None], fields_checked: bool,
+    ) -> SetManyResult | None:  # fmt: skip
+        """`set_many` of one plain write (no CAS, no durability) without building a run: what
+        a bucket's window of a few SETs over many vbuckets gives most vbuckets. `found`: the
+        key's version in memory (`lookup_memory`), `stored`: the store's lookup of it if
+        memory had none. None when the write is not a clean one of an active (locked,
+        pending, found expired, a field out of range, not active): ask `set_many`, which
+        answers it as `set` would. A result is what `set_many` of the write answers."""
+        return self._role.set_single(
+            key, value, flags, expiry, datatype, found=found, stored=stored,
+            fields_checked=fields_checked,
         )  # fmt: skip
 
     def lookup_memory(self, keys: Sequence[bytes]) -> tuple[list[Item | None], list[bytes]]:

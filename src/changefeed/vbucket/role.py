@@ -11,7 +11,7 @@ an active commits them (`Effect.PREPARES_COMMITTED`), a dead copy keeps what the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 from changefeed.checkpoint import Item, SyncItem
@@ -83,6 +83,13 @@ class Role:
         error = NotMyVbucketError(f"vb {core.vb} is {core.state.value}, not active")
         errors: dict[int, StatusError] = dict.fromkeys(range(count), error)
         return SetManyResult(core.vb, core.vb_uuid, [0] * count, [0] * count, errors)
+
+    def set_single(
+        self, key: bytes, value: bytes, flags: int, expiry: int, datatype: int, *,
+        found: Item | None, stored: Mapping[bytes, Record | None], fields_checked: bool,
+    ) -> SetManyResult | None:  # fmt: skip
+        """None: this role takes no write without `set_many` (which answers it)."""
+        return None
 
     def add(
         self, key: bytes, value: bytes, *, flags: int = 0, expiry: int = 0, datatype: int = 0,
