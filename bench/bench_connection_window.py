@@ -1,9 +1,12 @@
 """CPU per request of a real `ClientConnection` in process, fed whole windows through
 `data_received` (no socket, no flusher running: every vbucket flushed every 64 windows,
 outside the clock), to compare trees without a node's noise: the connection's framing, runs,
-request windows and replies plus the bucket below them. Shapes as bench_raw_clients.py:
+request windows and replies plus the bucket below them. Shapes from bench_raw_clients.py:
 plain SETs in windows of `--window`, or (`--mix`) SET/GET/DELETE 2:1:1 with every GET and
-DELETE on a key set at least a window earlier. Run two trees alternately with PYTHONPATH.
+DELETE on a key set at least a window earlier (keys repeat, so most DELETEs and some GETs
+answer KEY_NOT_FOUND: the mix times those paths too). The answers' statuses are counted after
+the clock and printed; a SET that is not answered SUCCESS ends the run with an error. Run two
+trees alternately with PYTHONPATH.
 
     .venv/bin/python bench/bench_connection_window.py --window 16 --items 64000
     .venv/bin/python bench/bench_connection_window.py --window 2000 --items 64000 --mix
@@ -14,9 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import struct
+import sys
 import tempfile
 import time
-import zlib
+from collections import Counter
 from pathlib import Path
 
 from changefeed.protocol.kv import StoreCommand, encode_request, encode_store
@@ -27,21 +32,39 @@ from changefeed.server.config import NodeConfig
 from changefeed.server.connection import ClientConnection
 from changefeed.server.context import ServerContext
 from changefeed.server.users import Users
+from changefeed.vbmap import vbucket_for_key
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_raw_clients import operations
 
 VBUCKETS = 64
 
 
 class Sink:
-    """A transport that counts what the connection writes and keeps nothing."""
+    """A transport that keeps what the connection writes (read after the clock)."""
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.chunks: list[bytes] = []
 
     def write(self, data: bytes) -> None:
         self.bytes += len(data)
+        self.chunks.append(data)
 
     def writelines(self, data: list[bytes]) -> None:
         self.bytes += sum(map(len, data))
+        self.chunks.extend(data)
+
+    def statuses(self) -> Counter[tuple[int, int]]:
+        """(opcode, status) of every response written, counted."""
+        out = b"".join(self.chunks)
+        counts: Counter[tuple[int, int]] = Counter()
+        at = 0
+        while at + 24 <= len(out):
+            _, opcode, _, _, _, status, body = struct.unpack_from(">BBHBBHI", out, at)
+            counts[(opcode, status)] += 1
+            at += 24 + body
+        return counts
 
     def is_closing(self) -> bool:
         return False
@@ -66,36 +89,18 @@ def key_of(n: int) -> bytes:
     return b"key%012d" % n
 
 
-def vbucket_of(key: bytes) -> int:
-    return ((zlib.crc32(key) >> 16) & 0x7FFF) % VBUCKETS
-
-
 def request(op: str, n: int, opaque: int) -> bytes:
     key = key_of(n)
-    vb = vbucket_of(key)
+    vb = vbucket_for_key(key, VBUCKETS)
     if op == "set":
         return encode_store(StoreCommand(Opcode.SET, vb, opaque, key, b"%0100d" % n))
     code = Opcode.GET if op == "get" else Opcode.DELETE
     return encode_request(code, opaque=opaque, vbucket=vb, key=key)
 
 
-def operations(count: int, mix: bool) -> list[tuple[str, int]]:
-    """bench_raw_clients.operations: the same requests."""
-    if not mix:
-        return [("set", n) for n in range(count)]
-    ops: list[tuple[str, int]] = []
-    written = 0
-    for n in range(count):
-        phase = n % 4
-        if phase in (0, 1) or written < 64:
-            ops.append(("set", written))
-            written += 1
-        else:
-            ops.append(("get" if phase == 2 else "delete", (n * 7919) % (written // 2)))
-    return ops
-
-
-async def measure(window: int, items: int, mix: bool, data_dir: Path) -> float:
+async def measure(
+    window: int, items: int, mix: bool, data_dir: Path
+) -> tuple[float, Counter[tuple[int, int]]]:
     config = NodeConfig(data_dir=data_dir, vbuckets=VBUCKETS, durable=False)
     users = Users()
     users.add("u", "p")
@@ -123,12 +128,16 @@ async def measure(window: int, items: int, mix: bool, data_dir: Path) -> float:
             if number % 64 == 63:
                 for vbucket in bucket.vbuckets.values():
                     vbucket.flush()
+        for _ in range(100):  # answers a loop step away (none expected: no durable writes)
+            if sum(sink.statuses().values()) >= items + 2:
+                break
+            await asyncio.sleep(0.01)
     finally:
         conn.close()
         for vbucket in bucket.vbuckets.values():
             vbucket.close()
         bucket.store.close()
-    return cpu_s
+    return cpu_s, sink.statuses()
 
 
 def main() -> None:
@@ -138,7 +147,21 @@ def main() -> None:
     parser.add_argument("--mix", action="store_true", help="SET/GET/DELETE 2:1:1")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cpu_s = asyncio.run(measure(args.window, args.items, args.mix, Path(tmp)))
+        cpu_s, statuses = asyncio.run(measure(args.window, args.items, args.mix, Path(tmp)))
+    names = {int(Opcode.SET): "SET", int(Opcode.GET): "GET", int(Opcode.DELETE): "DELETE"}
+    answered = {
+        f"{names[opcode]} 0x{status:02x}": count
+        for (opcode, status), count in sorted(statuses.items())
+        if opcode in names
+    }
+    print(f"answers: {answered}")
+    failed_sets = sum(c for (op, st), c in statuses.items() if op == Opcode.SET and st != 0)
+    if sum(answered.values()) != args.items or failed_sets:
+        total = sum(answered.values())
+        raise SystemExit(
+            f"error: {total} answers of {args.items}, {failed_sets} SETs not SUCCESS: "
+            "the tree did not do the work timed"
+        )
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     shape = "SET/GET/DELETE" if args.mix else "SET"
     print(f"connection {shape} window {args.window}: {1e6 * cpu_s / args.items:.2f} us/request "

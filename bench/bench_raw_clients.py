@@ -676,6 +676,8 @@ def main() -> None:
     )
     parser.add_argument("--streams", action="store_true", help="also the stream rows (at the end)")
     args = parser.parse_args()
+    if args.profile_dir and not args.profile:
+        parser.error("--profile-dir keeps --profile's stacks: give --profile too")
     count = 20_000 if args.quick else args.items
     work = Path(tempfile.mkdtemp(prefix="bench-raw-"))
     wanted = args.shape.split(",") if args.shape else [""]
@@ -708,7 +710,7 @@ def main() -> None:
                     rows.append((shape, ours, peer, before))
                     print(describe(shape, ours, peer, before), flush=True)
                 if args.streams:
-                    spy = work / "spy-streams.txt" if args.profile else None
+                    spy = (args.profile_dir or work) / "spy-streams.txt" if args.profile else None
                     streams = stream_rows(node, redis_ctx, count, spy)
                     print("\n".join(streams), flush=True)
             finally:

@@ -14,18 +14,14 @@ import os
 import random
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 from changefeed.protocol.set_run import SetRun
 from changefeed.server.bucket import Bucket
 from changefeed.server.config import NodeConfig
+from changefeed.vbmap import vbucket_for_key
 
 VBUCKETS = 64
-
-
-def vbucket_of(key: bytes) -> int:
-    return ((zlib.crc32(key) >> 16) & 0x7FFF) % VBUCKETS  # as Couchbase maps keys
 
 
 def runs_of(window: int, items: int) -> list[SetRun]:
@@ -36,7 +32,7 @@ def runs_of(window: int, items: int) -> list[SetRun]:
         zeros = [0] * count
         runs.append(
             SetRun(
-                [vbucket_of(key) for key in keys],
+                [vbucket_for_key(key, VBUCKETS) for key in keys],
                 list(range(count)),
                 keys,
                 [b"v" * 100] * count,
