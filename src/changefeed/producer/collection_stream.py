@@ -199,7 +199,9 @@ class CollectionEncoder:
                 sent = plain.plain_stored(out, records, bytes_max)
                 if sent is not None:
                     return sent
-            if not _any_marked(records):  # a record the fast path does not take
+            # DCP frames: a record `plain_stored` does not take; the shm rows (no `_plain`):
+            # the only check of the run's keys.
+            if not _any_marked(records):
                 return self.inner.stored(out, records, bytes_max)
         vb = self.inner.vb
         aware = self.aware

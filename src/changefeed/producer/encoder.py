@@ -115,7 +115,12 @@ class DcpEncoder:
         self, out: list[bytes], items: Sequence[Item], bytes_max: int
     ) -> tuple[int, int] | None:
         """`items` if no key of the run names a collection (`ItemFramer.plain_items`); else
-        None, and nothing appended."""
+        None, and nothing appended.
+
+        Returns:
+            (items framed, bytes appended to `out`), or None if a key of the run begins with
+            the collection marker.
+        """
         framed = self._framer.plain_items(items, bytes_max)
         if framed is None:
             return None
@@ -129,7 +134,13 @@ class DcpEncoder:
         self, out: list[bytes], records: Sequence[bytes], bytes_max: int
     ) -> tuple[int, int] | None:
         """`records` on the fast path if no key names a collection (`ItemFramer.plain_stored`);
-        else None, and nothing appended."""
+        else None, and nothing appended.
+
+        Returns:
+            (records framed, bytes appended to `out`), or None if a key begins with the
+            collection marker or a record is not on the fast path (the caller frames the run
+            another way).
+        """
         framed = self._framer.plain_stored(records, bytes_max)
         if framed is None:
             return None
