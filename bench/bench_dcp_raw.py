@@ -61,8 +61,12 @@ def load(node: NodeProcess, count: int) -> None:
 READER = "raw"  # or "kv": bench_node's DcpClient (flow control, 8 MiB window, acks at 20%)
 
 
-def stream_once(node: NodeProcess, count: int) -> tuple[float, float]:
-    """One DCP read of everything: the node's CPU µs per item, items/s."""
+def stream_once(node: NodeProcess, count: int, source: str) -> tuple[float, float]:
+    """One DCP read of everything: the node's CPU µs per item, items/s.
+
+    With the kv reader, every item must come from `source` ("memory" or "disk", as the
+    snapshot markers say): a memory row served by a backfill would measure the wrong path.
+    """
     got: list[int] = []
     if READER == "kv":
         sock = raw.mcbp_login(node.port)
@@ -74,7 +78,8 @@ def stream_once(node: NodeProcess, count: int) -> tuple[float, float]:
 
         def read() -> None:
             result = asyncio.run(stream_all(node.port, node.pid, highs, 8 << 20))
-            got.append(sum(result.items_from.values()))
+            assert result.items_from.get(source) == count, (source, result.items_from, count)
+            got.append(result.items_from[source])
 
         measured = raw.measure(node.pid, count, read)
     else:
@@ -96,18 +101,19 @@ def start_nodes(
 
 
 def alternate(
-    nodes: dict[str, NodeProcess], count: int, reps: int, spy: Path | None
+    nodes: dict[str, NodeProcess], count: int, reps: int, spy: Path | None, source: str
 ) -> dict[str, list[tuple[float, float]]]:
-    """`reps` rounds, each streaming every tree once (order flipped every round)."""
+    """`reps` rounds, each streaming every tree once (order flipped every round), every item
+    from `source`."""
     results: dict[str, list[tuple[float, float]]] = {label: [] for label in nodes}
     labels = list(nodes)
     for rep in range(reps):
         for label in labels if rep % 2 == 0 else labels[::-1]:
-            results[label].append(stream_once(nodes[label], count))
+            results[label].append(stream_once(nodes[label], count, source))
     if spy is not None:
         with SpySampler(nodes["after"].pid, spy):
             for _ in range(4):
-                stream_once(nodes["after"], count)
+                stream_once(nodes["after"], count, source)
     return results
 
 
@@ -170,7 +176,7 @@ def main() -> None:
                 for node in nodes.values():
                     load(node, args.items)
                 spy = work / "spy-memory.txt" if args.profile else None
-                results = alternate(nodes, args.items, args.reps, spy)
+                results = alternate(nodes, args.items, args.reps, spy, "memory")
                 for conn in parked:
                     loop.run_until_complete(conn.close())
                 loop.close()
@@ -186,7 +192,7 @@ def main() -> None:
                     load(node, args.items)
                     node.restart()  # a clean stop persists everything: all backfill
                 spy = work / "spy-disk.txt" if args.profile else None
-                results = alternate(nodes, args.items, args.reps, spy)
+                results = alternate(nodes, args.items, args.reps, spy, "disk")
                 for label, values in results.items():
                     lines.append(summary(f"disk, {label}", values))
                 if spy is not None:
