@@ -105,11 +105,7 @@ class DcpEncoder:
         return len(frame)
 
     def items(self, out: list[bytes], items: Sequence[Item], bytes_max: int) -> tuple[int, int]:
-        frames, count, written = self._framer.items(items, bytes_max)
-        assert len(frames) == written, (len(frames), written)  # flow control counts `written`
-        assert 0 < count <= len(items), (count, len(items))
-        out.append(frames)
-        return count, written
+        return _appended(out, self._framer.items(items, bytes_max), len(items))
 
     def plain_items(
         self, out: list[bytes], items: Sequence[Item], bytes_max: int
@@ -122,13 +118,7 @@ class DcpEncoder:
             the collection marker.
         """
         framed = self._framer.plain_items(items, bytes_max)
-        if framed is None:
-            return None
-        frames, count, written = framed
-        assert len(frames) == written, (len(frames), written)
-        assert 0 < count <= len(items), (count, len(items))
-        out.append(frames)
-        return count, written
+        return None if framed is None else _appended(out, framed, len(items))
 
     def plain_stored(
         self, out: list[bytes], records: Sequence[bytes], bytes_max: int
@@ -142,22 +132,21 @@ class DcpEncoder:
             another way).
         """
         framed = self._framer.plain_stored(records, bytes_max)
-        if framed is None:
-            return None
-        frames, count, written = framed
-        assert len(frames) == written, (len(frames), written)
-        assert 0 < count <= len(records), (count, len(records))
-        out.append(frames)
-        return count, written
+        return None if framed is None else _appended(out, framed, len(records))
 
     def stored(self, out: list[bytes], records: Sequence[bytes], bytes_max: int) -> tuple[int, int]:
-        frames, count, written = self._framer.stored(records, bytes_max)
-        assert len(frames) == written, (len(frames), written)
-        assert 0 < count <= len(records), (count, len(records))
-        out.append(frames)
-        return count, written
+        return _appended(out, self._framer.stored(records, bytes_max), len(records))
 
     def stream_end(self, out: list[bytes], reason: StreamEndReason) -> int:
         frame = encode_stream_end(StreamEnd(self.vb, self.opaque, reason, self.stream_id))
         out.append(frame)
         return len(frame)
+
+
+def _appended(out: list[bytes], framed: tuple[bytes, int, int], run_len: int) -> tuple[int, int]:
+    """Appends a run's frames (`ItemFramer`'s answer) to `out`: (count framed, bytes)."""
+    frames, count, written = framed
+    assert len(frames) == written, (len(frames), written)  # flow control counts `written`
+    assert 0 < count <= run_len, (count, run_len)
+    out.append(frames)
+    return count, written

@@ -205,6 +205,13 @@ class ItemFramer:
             return _joined(heads, [item.body for item in items], bytes_max)
         return self._items_one_by_one(items, bytes_max)
 
+    # `plain_items` and `plain_stored` repeat the fast-path comprehensions of `items` and
+    # `stored` with the marker lookup added, on purpose: folded into one comprehension taking
+    # a marker table (all zeros for `items` / `stored`), the lookup costs every replica and
+    # collections stream that needs no check. Measured (timeit, thread CPU, runs of 64
+    # mutations, folded and copies alternating 9 rounds, load ~12): replica `items` 274 -> 300
+    # ns per item (+9.6 %), replica `stored` 299 -> 326 (+9.1 %); the plain streams within
+    # noise (284 -> 266, 328 -> 327).
     def plain_items(self, items: Sequence[Item], bytes_max: int) -> tuple[bytes, int, int] | None:
         """`items` for a stream that must not send a key as stored when it names a collection
         (a connection without collections: producer/collection_stream.py): None, and nothing
