@@ -13,7 +13,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from changefeed import limits
@@ -466,6 +466,41 @@ class Bucket(VBucketSource):
         vbucket = self.vbucket(vb)
         self.persistence.check_writable()
         return vbucket.delete(key, cas=cas, level=level)
+
+    @contextlib.contextmanager
+    def stored_read_ahead(self, wanted: Mapping[int, Sequence[bytes]]) -> Iterator[None]:
+        """While the block runs, the active vbuckets' reads (`VBucket.current`: GET, DELETE,
+        the checks of a write) of `wanted` keys memory has none of take their records from
+        one store transaction made here, not one transaction and two B-tree lookups each:
+        a window's GETs and DELETEs (request_window.py). Valid within one loop step (the
+        invariant of `VBucket.current`'s `stored`), so the block must not await. A store
+        error here reads nothing ahead: each read then meets it alone, as before."""
+        missing: dict[int, list[bytes]] = {}
+        for vb, keys in wanted.items():
+            vbucket = self.vbuckets.get(vb)
+            if vbucket is not None and vbucket.state.is_active and keys:
+                absent = vbucket.lookup_memory(keys)[1]
+                if absent:
+                    missing[vb] = absent
+        try:
+            stored = self.store.get_many_across(missing) if missing else {}
+        except StorageError:
+            stored = {}
+        replaced = [(self.vbuckets[vb], self.vbuckets[vb].read_ahead(found))
+                    for vb, found in stored.items()]  # fmt: skip
+        try:
+            yield
+        finally:
+            for vbucket, previous in reversed(replaced):
+                vbucket.read_ahead(previous)
+
+    def may_expire(self, vb: int, key: bytes, within_s: float) -> bool:
+        """Whether a GET of `key` on `vb` may queue its expiration (`VBucket.may_expire`);
+        False where a GET writes nothing (no such vbucket here, or not active)."""
+        vbucket = self.vbuckets.get(vb)
+        if vbucket is None or not vbucket.state.is_active:
+            return False
+        return vbucket.may_expire(key, within_s)
 
     def get(self, vb: int, key: bytes) -> Document:
         vbucket = self.vbucket(vb)

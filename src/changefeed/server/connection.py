@@ -92,6 +92,9 @@ T = TypeVar("T")
 _REQUEST: Final = int(Magic.REQUEST)
 _SET: Final = int(Opcode.SET)
 _GET: Final = int(Opcode.GET)
+# A window's GET of a document whose expiry is this close is applied in order, as a write (it
+# may queue the expiration): the window's requests are served within a loop step, far less.
+_EXPIRY_HORIZON_S: Final = 2.0
 _DELETE: Final = int(Opcode.DELETE)
 log = logging.getLogger("changefeed.server")
 
@@ -849,13 +852,24 @@ class ClientConnection(asyncio.Protocol):
         if window.only_sets:
             self._store_run(window.run)
             return
+        # The GETs' and DELETEs' keys memory has none of, read from the store in one pass for
+        # the window's writes and its replies below (same loop step: `stored_read_ahead`).
+        # Only the window's own replies and GETs run under it; what arrived after it (a state
+        # change, a flush) goes after, as it always read the store itself.
+        with self.context.bucket.stored_read_ahead(window.frame_keys):
+            self._emit_held(self._apply_window(window))
+        self._emit_held()
+
+    def _apply_window(self, window: RequestWindow) -> int:
+        """`_run_window` of a window with GETs or DELETEs: apply its writes and put its replies
+        and GETs first in `_held`; return how many items that put there."""
         run, frames = window.run, window.frames
         count = len(run)
         cases, seqnos, vb_uuids = [0] * count, [0] * count, [0] * count
         errors: dict[int, StatusError] = {}
         deleted: dict[int, bytes] = {}
         bucket = self.context.bucket
-        for layer in window.layers():
+        for layer in window.layers(self._expiring_gets(window)):
             if layer.sets:
                 part = run if len(layer.sets) == count else run.select(layer.sets)
                 answers = bucket.set_run(part)
@@ -898,7 +912,27 @@ class ClientConnection(asyncio.Protocol):
             held.append(deleted[~op] if ~op in deleted else frames[~op])  # a GET: in its turn
         pack()
         self._held.extendleft(reversed(held))  # before what arrived after the window
-        self._emit_held()
+        return len(held)
+
+    def _expiring_gets(self, window: RequestWindow) -> set[int]:
+        """The window's GETs (frame indexes) that may find their document expired and queue
+        its expiration: its version before the window expires within `_EXPIRY_HORIZON_S`, or
+        a SET of the window with an expiry wrote it. They are applied in order, as writes."""
+        run, bucket = window.run, self.context.bucket
+        timed = set()
+        if any(run.expiries):
+            columns = zip(run.vbuckets, run.keys, run.expiries, strict=True)
+            timed = {(vb, key) for vb, key, expiry in columns if expiry}
+        out: set[int] = set()
+        for index, frame in enumerate(window.frames):
+            if frame.opcode != _GET:
+                continue
+            key = window.frame_key(index)
+            if (frame.vbucket, key) in timed or bucket.may_expire(
+                frame.vbucket, key, _EXPIRY_HORIZON_S
+            ):
+                out.add(index)
+        return out
 
     def _settle(self, window: RequestWindow) -> None:
         """Apply `window` now, or after the held replies before it (its GETs must not see a
@@ -908,12 +942,16 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._run_window(window)
 
-    def _emit_held(self) -> None:
+    def _emit_held(self, items: int | None = None) -> None:
         """Send a window's replies in order and answer its GETs in their turn, then what
         arrived after them, until replies back up (`resume_writing` processes the rest
-        before any later request)."""
+        before any later request); with `items`, at most that many first held items."""
         held = self._held
         while held and self.writable.is_set():
+            if items is not None:
+                if not items:
+                    return
+                items -= 1
             item = held.popleft()
             if isinstance(item, bytes):
                 self.send(item)

@@ -16,7 +16,10 @@ vbucket has its own seqnos and keys), so only each vbucket's own order must hold
 * a GET is answered after every write of the window, in its place among the replies: it sees
   what it would have seen in order as long as no later write of the window touches its key,
   so a write to a key an earlier GET of the window read ends the window before that write
-  (`add_run` returns the rest, `joins` refuses the DELETE; both start the next window).
+  (`add_run` returns the rest, `joins` refuses the DELETE; both start the next window). A GET
+  that may find its document expired (it then queues the expiration, a write) is applied as
+  a write instead, in its layer (`layers(barriers)`), so the expiration's seqno and CAS fall
+  where one request at a time puts them.
 
 Replies still go out in request order (the connection holds the window's SET and DELETE
 replies until each one's turn). Anything but a classic-magic GET or DELETE (a CAS SET, a
@@ -26,7 +29,7 @@ applies the window and then dispatches it alone, as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, Collection, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -61,6 +64,8 @@ class RequestWindow:
     frames: list[Frame] = field(default_factory=list)
     order: list[int] = field(default_factory=list)
     _reads: set[tuple[int, bytes]] = field(default_factory=set)  # (vbucket, key) of the GETs
+    _keys: dict[int, list[bytes]] = field(default_factory=dict)  # GETs' and DELETEs' by vbucket
+    _frame_keys: list[bytes] = field(default_factory=list)  # each frame's key as stored
     _gets: int = 0
 
     def __len__(self) -> int:
@@ -113,11 +118,30 @@ class RequestWindow:
         if frame.opcode == _GET:
             self._reads.add((frame.vbucket, key))
             self._gets += 1
+        keys = self._keys.get(frame.vbucket)
+        if keys is None:
+            self._keys[frame.vbucket] = [key]
+        else:
+            keys.append(key)
         self.order.append(~len(self.frames))
         self.frames.append(frame)
+        self._frame_keys.append(key)
 
-    def layers(self) -> list[Layer]:
-        """The window's writes in the order to apply them (see the module docstring)."""
+    @property
+    def frame_keys(self) -> dict[int, list[bytes]]:
+        """The keys as stored of the window's GETs and DELETEs, by vbucket (what the window
+        reads beyond its SETs: `Bucket.stored_read_ahead` looks them up in one transaction)."""
+        return self._keys
+
+    def frame_key(self, index: int) -> bytes:
+        """Frame `index`'s key as stored."""
+        return self._frame_keys[index]
+
+    def layers(self, barriers: Collection[int] = ()) -> list[Layer]:
+        """The window's writes in the order to apply them (see the module docstring).
+        `barriers`: GETs (frame indexes) to apply as writes, in a layer's `deletes` in their
+        place: a GET of an expired document queues its expiration, a write whose seqno and
+        CAS must come between the writes before and after it on its vbucket."""
         deletes_seen: dict[int, int] = {}  # vbucket -> DELETEs of the window on it so far
         layers = [Layer()]
         vbuckets = self.run.vbuckets
@@ -128,7 +152,7 @@ class RequestWindow:
                 layers[layer].sets.append(op)
                 continue
             frame = frames[~op]
-            if frame.opcode != _DELETE:
+            if frame.opcode != _DELETE and ~op not in barriers:
                 continue  # a GET: answered after every write
             layer = deletes_seen.get(frame.vbucket, 0)
             layers[layer].deletes.append(~op)

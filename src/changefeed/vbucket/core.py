@@ -729,6 +729,8 @@ class VBucket:
         reads as missing and the role decides whether to queue its expiration."""
         found: Item | Record | None = self.manager.find(key)
         if found is None:
+            if stored is None:
+                stored = self._stored_ahead
             if stored is not None and key in stored:
                 found = stored[key]
             else:
@@ -739,6 +741,34 @@ class VBucket:
             self._role.on_expired(found)
             return None
         return found
+
+    # Records of keys memory had none of, read ahead in one store transaction for the requests
+    # of this loop step (`read_ahead`); None: every `current` reads the store itself.
+    _stored_ahead: dict[bytes, Record | None] | None = None
+
+    def read_ahead(
+        self, stored: dict[bytes, Record | None] | None
+    ) -> dict[bytes, Record | None] | None:
+        """Let `current` take `stored` (keys memory had none of, looked up in this loop step:
+        the invariant `current` states for its `stored`) until the next call; None ends it.
+        Returns what it replaces, for the caller to put back (windows may nest)."""
+        previous, self._stored_ahead = self._stored_ahead, stored
+        return previous
+
+    def may_expire(self, key: bytes, within_s: float) -> bool:
+        """Whether the live newest version of `key` (memory, the read-ahead records, the
+        store) has an expiry within `within_s` of now: a read of it may queue its expiration,
+        a write. No side effect (`current` queues the expiration)."""
+        found: Item | Record | None = self.manager.find(key)
+        if found is None:
+            ahead = self._stored_ahead
+            if ahead is not None and key in ahead:
+                found = ahead[key]
+            else:
+                found = self._store.get(self._vb, key)
+        if found is None or found.op is not Op.MUTATION or not found.expiry:
+            return False
+        return found.expiry <= self._clock() + within_s
 
     def replace_failover_log(self, entries: list[tuple[int, int]]) -> None:
         """Take `entries` as the failover log, persisted at once."""
