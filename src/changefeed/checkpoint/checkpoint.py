@@ -32,7 +32,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from changefeed.checkpoint.columns import LAZY, ColumnRun, Lazy, items_of
+from changefeed.checkpoint.columns import LAZY, ColumnRun, Lazy, LazyRun, charged_prefix, items_of
 from changefeed.checkpoint.item import (
     CHECKPOINT_START,
     DUMMY,
@@ -42,7 +42,6 @@ from changefeed.checkpoint.item import (
     SyncItem,
 )
 from changefeed.checkpoint.memory import (
-    ITEM_OVERHEAD_BYTES,
     MUTATION_BODY_OVERHEAD_BYTES,
     TOMBSTONE_BODY_OVERHEAD_BYTES,
     item_size_bytes,
@@ -52,6 +51,7 @@ from changefeed.storage import Op
 Slot = Item | MetaItem | Lazy | None
 
 _FIRST_ITEM_INDEX = 2  # after DUMMY and CHECKPOINT_START
+_first_of: Final = operator.attrgetter("first")
 SYNC_OPS: Final = frozenset((Op.PREPARE, Op.ABORT))
 _ABORT: Final = Op.ABORT
 _PREPARE: Final = Op.PREPARE
@@ -75,8 +75,8 @@ class Checkpoint:
         cursor_count: cursors positioned inside.
         memory_bytes: accounted bytes of the live items.
         live_count, hole_count: live items and holes in `items`.
-        lazy: the column runs whose items are not built yet: (index in `items` of the
-            first, the run, its first and end positions taken), oldest first.
+        lazy: the column runs whose items are not built yet (`LazyRun`), oldest first,
+            so in index order (a compaction settles them first).
         prev, next: neighbours in the manager's list.
         created_s: clock reading at creation (for stats: checkpoint age).
     """
@@ -110,7 +110,7 @@ class Checkpoint:
         self.items: list[Slot] = [DUMMY]
         self.key_index: dict[bytes, int] = {}
         self.prepared_index: dict[bytes, int] = {}
-        self.lazy: list[tuple[int, ColumnRun, int, int]] = []
+        self.lazy: list[LazyRun] = []
         self.visible_end = 0
         self.high_completed = 0
         self.snap_start = snap_start
@@ -250,14 +250,9 @@ class Checkpoint:
         seqnos = run.seqnos
         assert start < len(seqnos), (start, len(seqnos))
         assert seqnos[start] > self.snap_end, (seqnos[start], self.snap_end)
-        room = full_bytes - self.memory_bytes
-        # Each item is charged at least ITEM_OVERHEAD_BYTES (its body holds its extras and
-        # key): the ones past `end` are not reached (when they are, the caller asks again).
-        end = min(len(seqnos), start + max(room, 0) // ITEM_OVERHEAD_BYTES + 1)
-        overheads = itertools.repeat(MUTATION_BODY_OVERHEAD_BYTES)
-        sizes = map(operator.add, map(len, run.bodies[start:end]), overheads)
-        charged = list(itertools.accumulate(sizes))  # rising: every size is positive
-        taken = min(len(charged), bisect.bisect_left(charged, room) + 1)  # add_run's stop
+        # add_run's stop: the items past it are not reached (when they are, the caller asks
+        # again)
+        taken, delta = charged_prefix(run, start, len(seqnos), full_bytes - self.memory_bytes)
         stop = start + taken
         keys = run.keys[start:stop]
         key_index = self.key_index
@@ -269,8 +264,7 @@ class Checkpoint:
         first = len(slots)
         slots.extend(itertools.repeat(LAZY, taken))
         key_index.update(zip(keys, range(first, first + taken), strict=True))
-        self.lazy.append((first, run, start, stop))
-        delta = charged[taken - 1]
+        self.lazy.append(LazyRun(first, run, start, stop))
         self.live_count += taken
         self.snap_end = self.visible_end = seqnos[stop - 1]
         self.memory_bytes += delta
@@ -280,30 +274,31 @@ class Checkpoint:
     def lazy_run(
         self, index: int, items_max: int, bytes_max: int
     ) -> tuple[ColumnRun, int, int, int] | None:
-        """The flusher's read of lazy slots from `index` (`CheckpointManager.next_run`): the
-        items of the lazy run holding that slot, from it, up to `items_max` and up to the
-        one whose charge reaches `bytes_max` (`next_run`'s rule), as (run, start, stop,
-        charged bytes) in the run's positions, with no item built; None: `index` is not a
-        lazy slot."""
-        for first, run, start, stop in self.lazy:  # bounded by the runs added
-            if first <= index < first + stop - start:
-                at = start + index - first
-                # each is charged more than ITEM_OVERHEAD_BYTES: the ones past these are
-                # not reached
-                end = min(stop, at + items_max, at + bytes_max // ITEM_OVERHEAD_BYTES + 1)
-                overheads = itertools.repeat(MUTATION_BODY_OVERHEAD_BYTES)
-                sizes = map(operator.add, map(len, run.bodies[at:end]), overheads)
-                charged = list(itertools.accumulate(sizes))
-                taken = min(len(charged), bisect.bisect_left(charged, bytes_max) + 1)
-                return run, at, at + taken, charged[taken - 1]
-        return None
+        """The flusher's read of lazy slots from `index`
+        (`CheckpointManager.next_flush_run`): the items of the lazy run holding that slot,
+        from it, up to `items_max` and up to the one whose charge reaches `bytes_max`
+        (`next_run`'s rule), as (run, start, stop, charged bytes) in the run's positions,
+        with no item built; None: `index` is not a lazy slot. O(log runs): a bisection
+        (a flush of a checkpoint of R lazy runs reads it R times)."""
+        lazy = self._lazy_at(index)
+        if lazy is None or index >= lazy.end:
+            return None
+        at = lazy.start + index - lazy.first
+        taken, charged = charged_prefix(lazy.run, at, min(lazy.stop, at + items_max), bytes_max)
+        return lazy.run, at, at + taken, charged
 
     def lazy_from(self, index: int) -> int | None:
-        """The first lazy slot at or after `index`, or None."""
-        starts = [
-            max(first, index) for first, _, start, stop in self.lazy if first + stop - start > index
-        ]
-        return min(starts, default=None)
+        """The first lazy slot at or after `index`, or None. O(log runs), as `lazy_run`."""
+        lazy = self._lazy_at(index)
+        if lazy is not None and index < lazy.end:
+            return index
+        after = bisect.bisect_right(self.lazy, index, key=_first_of)  # the first starting past
+        return self.lazy[after].first if after < len(self.lazy) else None
+
+    def _lazy_at(self, index: int) -> LazyRun | None:
+        """The last lazy run starting at or before `index` (the runs lie in index order)."""
+        at = bisect.bisect_right(self.lazy, index, key=_first_of) - 1
+        return self.lazy[at] if at >= 0 else None
 
     def settle(self) -> None:
         """Build the items of every lazy run here (`add_columns`), each into its slots."""

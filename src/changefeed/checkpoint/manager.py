@@ -52,6 +52,10 @@ from changefeed.checkpoint.wakeup import Wakeup
 from changefeed.storage import Op
 
 PERSISTENCE_CURSOR_NAME: Final = "persistence"
+# Runs shorter than this are queued as items (`queue_columns`): queued and flushed, runs of 16
+# cost 1.09x as columns, 24 1.00x, 32 0.92x, 64 0.70x (CPU per item; docs/benchmarks.md, issue
+# 29 sixth round, fixreplicaA). The flusher's per-slice cost makes short lazy runs dear.
+COLUMNS_MIN_ITEMS: Final = 24
 _CHECKPOINT_FLAGS: Final = MARKER_FLAG_MEMORY | MARKER_FLAG_CHECKPOINT
 
 _body_of: Final = operator.attrgetter("body")
@@ -97,7 +101,7 @@ class ItemRun(NamedTuple):
 class ColumnSlice(NamedTuple):
     """Items a cursor read in one step from a run queued as columns and not built
     (`Checkpoint.add_columns`): `run[start:stop]`, what they are charged, and their seqnos'
-    ends. Only a byte-bounded `next_run` (the flusher's) reads them so."""
+    ends. Only `next_flush_run` (the flusher's read) gives them."""
 
     run: ColumnRun
     start: int
@@ -121,6 +125,8 @@ class CheckpointManager:
         persistence: register the non-droppable persistence cursor at `high_seqno`.
         replica_cursors_droppable: let memory recovery drop REPLICA cursors too.
         clock: monotonic seconds, injected so tests replay (STYLE.md §3).
+        columns_min_items: `queue_columns` queues shorter runs as items (tests set 1 to
+            take every run through the lazy path).
     """
 
     def __init__(
@@ -134,8 +140,10 @@ class CheckpointManager:
         replica_cursors_droppable: bool = False,
         clock: Callable[[], float] = time.monotonic,
         wakeup: Wakeup | None = None,
+        columns_min_items: int = COLUMNS_MIN_ITEMS,
     ) -> None:
         assert 0 <= vb < limits.VBUCKETS_MAX, vb
+        assert columns_min_items >= 1, columns_min_items
         assert 0 <= high_seqno <= limits.SEQNO_MAX, high_seqno
         assert checkpoint_max_bytes > 0, checkpoint_max_bytes
         self._vb = vb
@@ -144,6 +152,7 @@ class CheckpointManager:
         self._checkpoint_max_bytes = checkpoint_max_bytes
         self._replica_cursors_droppable = replica_cursors_droppable
         self._clock = clock
+        self._columns_min_items = columns_min_items
         self._memory_bytes = 0
         # Checkpoints whose snapshot reaches this seqno are kept (`retain_from`).
         self._retain_seqno = limits.SEQNO_MAX + 1
@@ -319,19 +328,28 @@ class CheckpointManager:
         elsewhere their items are built and queued as `queue_run` queues them. Same
         checkpoints, charges, snapshots and answers as `queue_run` of those items.
 
+        A run shorter than `columns_min_items` is built and queued by `queue_run`: its
+        bookkeeping (a lazy segment, then the flusher's slice) costs more than the items.
+
         Returns, Raises: as `queue_run`.
         """
         seqnos = run.seqnos
         count = len(seqnos)
+        if count < self._columns_min_items:
+            return self.queue_run(items_of(run, 0, count))
         full_bytes = self._checkpoint_max_bytes
+        built: list[Item] = []  # the run's items from `built_from` on, once a key repeats
+        built_from = count
 
         def add(checkpoint: Checkpoint, done: int) -> tuple[int, int]:
+            nonlocal built, built_from
             added = checkpoint.add_columns(run, done, full_bytes)
             if added is not None:
                 return added
-            rest = items_of(run, done, count)  # a key repeats: item by item, deduplicating
-            stop, delta = checkpoint.add_run(rest, 0, full_bytes)
-            return done + stop, delta
+            if done < built_from:  # a key repeats: item by item, deduplicating (built once)
+                built, built_from = items_of(run, done, count), done
+            stop, delta = checkpoint.add_run(built, done - built_from, full_bytes)
+            return built_from + stop, delta
 
         return self._queue_in_runs(
             count, seqnos.__getitem__, _bound_bytes(run.bodies, count), add,
@@ -653,7 +671,9 @@ class CheckpointManager:
         """`next_event`, except that items following in the cursor's checkpoint come as one
         list: at most `items_max`, and no more once they are charged `bytes_max` bytes
         (`item_size_bytes`; None: no byte bound, and `charged_bytes` is 0 — a stream's items
-        are shared, not copied)."""
+        are shared, not copied). Lazy slots (`Checkpoint.add_columns`): bytes_max None ⇒ a
+        stream, which settles them and reads items; bytes_max set ⇒ the flusher, cut before
+        lazy slots (`next_flush_run` reads those as a `ColumnSlice`)."""
         assert items_max > 0 and (bytes_max is None or bytes_max > 0), (items_max, bytes_max)
         if not cursor.attached or cursor.pending_marker is not None:
             return self.next_event(cursor)
@@ -900,12 +920,22 @@ class CheckpointManager:
             assert newer.prev is older, (older, newer)
             assert older.id < newer.id, (older, newer)
             assert older.snap_end < newer.snap_start, (older, newer)
-            assert not (older.cursor_count == 0 and newer.cursor_count == 0 and not newer.is_open)
+            # Collapse merges closed cursorless neighbours, but never one holding prepares.
+            assert not (
+                older.cursor_count == 0
+                and newer.cursor_count == 0
+                and not newer.is_open
+                and not older.prepared_index
+                and not newer.prepared_index
+            ), (older, newer)
         for checkpoint in checkpoints:
             checkpoint.check_invariants()
             assert checkpoint.is_open == (checkpoint is self._open), checkpoint
         if not self._head.is_open:
-            assert self._head.cursor_count > 0, self._head  # else it would have been freed
+            # else it would have been freed, unless kept for a pending prepare (retain_from)
+            assert self._head.cursor_count > 0 or self._head.snap_end >= self._retain_seqno, (
+                self._head
+            )
         assert self._open.snap_end <= self._high_seqno, (self._open, self._high_seqno)
         assert self._memory_bytes == sum(c.memory_bytes for c in checkpoints), self._memory_bytes
         assert self._budget.used_bytes >= self._memory_bytes, self._budget.used_bytes

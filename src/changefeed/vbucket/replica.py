@@ -17,6 +17,7 @@ from typing import Final
 
 from changefeed import limits
 from changefeed.checkpoint import Item, SyncItem
+from changefeed.checkpoint.columns import items_of
 from changefeed.protocol.errors import InvalidArgumentsError
 from changefeed.storage import Op
 from changefeed.vbucket.port import retain_pending
@@ -128,11 +129,7 @@ class ReplicaRole(Role):
             and max(datatypes) <= DATATYPE_MASK
         )
         if not clean:
-            items = list(
-                map(Item.of_body, seqnos, keys, itertools.repeat(_MUTATION), bodies, cases,
-                    run.flags, run.expiries, datatypes, run.rev_seqnos, itertools.repeat(0))
-            )  # fmt: skip
-            return self.queue_replicated_run(items)  # raises, naming the item
+            return self.queue_replicated_run(items_of(run, 0, count))  # raises, naming the item
         queued = manager.queue_columns(run)
         core.advanced(seqnos[queued - 1], max(itertools.islice(cases, queued)))
         pending = self.pending

@@ -59,7 +59,11 @@ class Twin:
         self.store: Store = open_store(directory)
         self.budget = MemoryBudget(quota_bytes)
         self.manager = CheckpointManager(
-            VB, budget=self.budget, checkpoint_max_bytes=6 * ONE, replica_cursors_droppable=True
+            VB,
+            budget=self.budget,
+            checkpoint_max_bytes=6 * ONE,
+            replica_cursors_droppable=True,
+            columns_min_items=1,
         )
         self.flusher = Flusher(self.manager, self.store, batch_bytes_max=7 * ONE)
         self.readers: dict[str, StreamReader] = {}
@@ -233,7 +237,9 @@ def test_a_flush_batch_of_lazy_items_ends_at_the_one_reaching_its_bytes() -> Non
     directory = Path(tempfile.mkdtemp(prefix="column-runs-"))
     try:
         store = open_store(directory)
-        manager = CheckpointManager(VB, budget=MemoryBudget(10**9), checkpoint_max_bytes=10**9)
+        manager = CheckpointManager(
+            VB, budget=MemoryBudget(10**9), checkpoint_max_bytes=10**9, columns_min_items=1
+        )
         built = [Item(s, b"k%03d" % s, Op.MUTATION, b"v" * 9, 5 + s) for s in range(1, 11)]
         run = ReplicatedColumns(
             [one.seqno for one in built], [one.key for one in built],
@@ -292,7 +298,9 @@ def test_a_lazy_batch_whose_commit_fails_is_written_again_whole() -> None:
     directory = Path(tempfile.mkdtemp(prefix="column-runs-"))
     try:
         store = open_store(directory)
-        manager = CheckpointManager(VB, budget=MemoryBudget(10**9), checkpoint_max_bytes=10**9)
+        manager = CheckpointManager(
+            VB, budget=MemoryBudget(10**9), checkpoint_max_bytes=10**9, columns_min_items=1
+        )
         built = [Item(s, b"k%03d" % s, Op.MUTATION, b"v" * s, 5 + s) for s in range(1, 21)]
         run = ReplicatedColumns(
             [one.seqno for one in built], [one.key for one in built],
