@@ -28,7 +28,7 @@ from changefeed.protocol.set_run import SetRun, SetRunAnswers
 from changefeed.server.config import NodeConfig
 from changefeed.server.persistence import PersistenceHealth
 from changefeed.server.persistence_waits import PersistenceWaits, VbucketMark
-from changefeed.storage import StorageError, Store
+from changefeed.storage import Op, StorageError, Store
 from changefeed.vbucket import Document, RunLookup, SetManyResult, VBucket, fields_in_range
 from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState, initial_state
 
@@ -468,39 +468,47 @@ class Bucket(VBucketSource):
         return vbucket.delete(key, cas=cas, level=level)
 
     @contextlib.contextmanager
-    def stored_read_ahead(self, wanted: Mapping[int, Sequence[bytes]]) -> Iterator[None]:
+    def stored_read_ahead(
+        self, wanted: Mapping[int, Sequence[bytes]], expiring_within_s: float
+    ) -> Iterator[set[tuple[int, bytes]]]:
         """While the block runs, the active vbuckets' reads (`VBucket.current`: GET, DELETE,
         the checks of a write) of `wanted` keys memory has none of take their records from
         one store transaction made here, not one transaction and two B-tree lookups each:
         a window's GETs and DELETEs (request_window.py). Valid within one loop step (the
         invariant of `VBucket.current`'s `stored`), so the block must not await. A store
-        error here reads nothing ahead: each read then meets it alone, as before."""
+        error here reads nothing ahead: each read then meets it alone, as before.
+
+        Yields the (vb, key) of `wanted` whose live version (memory or store) expires within
+        `expiring_within_s` of now: a read of one may queue its expiration, a write."""
         missing: dict[int, list[bytes]] = {}
+        expiring: set[tuple[int, bytes]] = set()
+        horizon = self._clock() + expiring_within_s
         for vb, keys in wanted.items():
             vbucket = self.vbuckets.get(vb)
-            if vbucket is not None and vbucket.state.is_active and keys:
-                absent = vbucket.lookup_memory(keys)[1]
-                if absent:
-                    missing[vb] = absent
+            if vbucket is None or not vbucket.state.is_active or not keys:
+                continue  # a GET or DELETE there answers NOT_MY_VBUCKET: it reads nothing
+            in_memory, absent = vbucket.lookup_memory(keys)
+            for key, item in zip(keys, in_memory, strict=True):
+                if item is not None and item.op is Op.MUTATION and 0 < item.expiry <= horizon:
+                    expiring.add((vb, key))
+            if absent:
+                missing[vb] = absent
         try:
             stored = self.store.get_many_across(missing) if missing else {}
-        except StorageError:
+        except StorageError:  # nothing read ahead; any of them may be expired
             stored = {}
-        replaced = [(self.vbuckets[vb], self.vbuckets[vb].read_ahead(found))
-                    for vb, found in stored.items()]  # fmt: skip
+            expiring.update((vb, key) for vb, keys in missing.items() for key in keys)
+        replaced = []
+        for vb, found in stored.items():
+            for key, record in found.items():
+                if record is not None and record.op is Op.MUTATION and 0 < record.expiry <= horizon:
+                    expiring.add((vb, key))
+            replaced.append((self.vbuckets[vb], self.vbuckets[vb].read_ahead(found)))
         try:
-            yield
+            yield expiring
         finally:
             for vbucket, previous in reversed(replaced):
                 vbucket.read_ahead(previous)
-
-    def may_expire(self, vb: int, key: bytes, within_s: float) -> bool:
-        """Whether a GET of `key` on `vb` may queue its expiration (`VBucket.may_expire`);
-        False where a GET writes nothing (no such vbucket here, or not active)."""
-        vbucket = self.vbuckets.get(vb)
-        if vbucket is None or not vbucket.state.is_active:
-            return False
-        return vbucket.may_expire(key, within_s)
 
     def get(self, vb: int, key: bytes) -> Document:
         vbucket = self.vbucket(vb)

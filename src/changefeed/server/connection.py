@@ -856,11 +856,12 @@ class ClientConnection(asyncio.Protocol):
         # the window's writes and its replies below (same loop step: `stored_read_ahead`).
         # Only the window's own replies and GETs run under it; what arrived after it (a state
         # change, a flush) goes after, as it always read the store itself.
-        with self.context.bucket.stored_read_ahead(window.frame_keys):
-            self._emit_held(self._apply_window(window))
+        bucket = self.context.bucket
+        with bucket.stored_read_ahead(window.frame_keys, _EXPIRY_HORIZON_S) as expiring:
+            self._emit_held(self._apply_window(window, expiring))
         self._emit_held()
 
-    def _apply_window(self, window: RequestWindow) -> int:
+    def _apply_window(self, window: RequestWindow, expiring: set[tuple[int, bytes]]) -> int:
         """`_run_window` of a window with GETs or DELETEs: apply its writes and put its replies
         and GETs first in `_held`; return how many items that put there."""
         run, frames = window.run, window.frames
@@ -869,7 +870,7 @@ class ClientConnection(asyncio.Protocol):
         errors: dict[int, StatusError] = {}
         deleted: dict[int, bytes] = {}
         bucket = self.context.bucket
-        for layer in window.layers(self._expiring_gets(window)):
+        for layer in window.layers(self._expiring_gets(window, expiring)):
             if layer.sets:
                 part = run if len(layer.sets) == count else run.select(layer.sets)
                 answers = bucket.set_run(part)
@@ -914,25 +915,23 @@ class ClientConnection(asyncio.Protocol):
         self._held.extendleft(reversed(held))  # before what arrived after the window
         return len(held)
 
-    def _expiring_gets(self, window: RequestWindow) -> set[int]:
+    def _expiring_gets(self, window: RequestWindow, expiring: set[tuple[int, bytes]]) -> set[int]:
         """The window's GETs (frame indexes) that may find their document expired and queue
-        its expiration: its version before the window expires within `_EXPIRY_HORIZON_S`, or
-        a SET of the window with an expiry wrote it. They are applied in order, as writes."""
-        run, bucket = window.run, self.context.bucket
-        timed = set()
+        its expiration: its version before the window expires within `_EXPIRY_HORIZON_S`
+        (`expiring`, from `stored_read_ahead`), or a SET of the window with an expiry wrote
+        it. They are applied in order, as writes (`RequestWindow.layers`)."""
+        run = window.run
+        timed = set(expiring)
         if any(run.expiries):
             columns = zip(run.vbuckets, run.keys, run.expiries, strict=True)
-            timed = {(vb, key) for vb, key, expiry in columns if expiry}
-        out: set[int] = set()
-        for index, frame in enumerate(window.frames):
-            if frame.opcode != _GET:
-                continue
-            key = window.frame_key(index)
-            if (frame.vbucket, key) in timed or bucket.may_expire(
-                frame.vbucket, key, _EXPIRY_HORIZON_S
-            ):
-                out.add(index)
-        return out
+            timed.update((vb, key) for vb, key, expiry in columns if expiry)
+        if not timed:
+            return set()
+        return {
+            index
+            for index, frame in enumerate(window.frames)
+            if frame.opcode == _GET and (frame.vbucket, window.frame_key(index)) in timed
+        }
 
     def _settle(self, window: RequestWindow) -> None:
         """Apply `window` now, or after the held replies before it (its GETs must not see a

@@ -755,21 +755,6 @@ class VBucket:
         previous, self._stored_ahead = self._stored_ahead, stored
         return previous
 
-    def may_expire(self, key: bytes, within_s: float) -> bool:
-        """Whether the live newest version of `key` (memory, the read-ahead records, the
-        store) has an expiry within `within_s` of now: a read of it may queue its expiration,
-        a write. No side effect (`current` queues the expiration)."""
-        found: Item | Record | None = self.manager.find(key)
-        if found is None:
-            ahead = self._stored_ahead
-            if ahead is not None and key in ahead:
-                found = ahead[key]
-            else:
-                found = self._store.get(self._vb, key)
-        if found is None or found.op is not Op.MUTATION or not found.expiry:
-            return False
-        return found.expiry <= self._clock() + within_s
-
     def replace_failover_log(self, entries: list[tuple[int, int]]) -> None:
         """Take `entries` as the failover log, persisted at once."""
         self._failover_log = FailoverLog(entries, rng=self._rng)

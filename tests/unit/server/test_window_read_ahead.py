@@ -4,9 +4,9 @@ requests served one frame at a time. Twin buckets with the same clock and rng: o
 connection that gathers windows, one behind a connection that serves every request alone
 (`FrameByFrame`). Every key starts in the store only (written, flushed, bucket reopened), keys
 repeat inside windows, checkpoints are small and flushed between received batches so keys
-leave memory again, a big value fills the 1 MiB checkpoint quota (TMPFAIL), some keys are
-locked, expired or deleted, DELETEs carry a right or wrong CAS, and one vbucket does not exist
-here (NOT_MY_VBUCKET)."""
+leave memory again, SETs of size 10 carry an expiry already past, a big value fills the 1 MiB
+checkpoint quota (TMPFAIL), some keys are locked, expired or deleted, DELETEs carry a right or
+wrong CAS, and one vbucket does not exist here (NOT_MY_VBUCKET)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,9 @@ def encode(request: Request, opaque: int, cases: dict[bytes, int]) -> bytes:
     vb = vb_of(key) if not request.vb_shift else VBUCKETS + 1
     if request.kind == "set":
         value = b"v%d-" % opaque + b"x" * request.size
-        return encode_store(StoreCommand(Opcode.SET, vb, opaque, key, value, flags=opaque))
+        expiry = int(START_S) + 30 if request.size == 10 else 0  # past once the plan runs
+        command = StoreCommand(Opcode.SET, vb, opaque, key, value, flags=opaque, expiry=expiry)
+        return encode_store(command)
     if request.kind == "get":
         return encode_request(Opcode.GET, opaque=opaque, vbucket=vb, key=key)
     if request.kind == "lock":
@@ -192,6 +194,18 @@ async def serve(
 )
 @example(  # a GET of an expired document (its expiration is a write), then a SET on its vbucket
     [Request("get", 8, 0, 0, 0), Request("set", 0, 0, 0, 0)]
+)
+@example(  # the same for a document a SET of the window (then of an earlier one) wrote expired
+    [
+        Request("set", 4, 0, 10, 0),
+        Request("get", 4, 0, 0, 0),
+        Request("set", 0, 0, 0, 0),
+        Request("flush", 0, 0, 0, 0),
+        Request("set", 1, 0, 10, 0),
+        Request("flush", 0, 0, 0, 0),
+        Request("get", 1, 0, 0, 0),
+        Request("set", 5, 0, 0, 0),
+    ]
 )
 @example(  # k1 read ahead, rewritten, flushed out of memory: a later read must see the store
     [
