@@ -52,10 +52,11 @@ class StagedFlush:
 
     backup: Cursor
     snapshot_before: SnapshotStart | None
-    # Items, and runs queued as columns and read as such (`CheckpointManager.next_flush_run`)
-    items: list[Item | ColumnSlice]
+    # The batch's items and, for runs queued as columns, column slices of them (read as such:
+    # `CheckpointManager.next_flush_run`), in seqno order
+    pieces: list[Item | ColumnSlice]
     kept_before: frozenset[bytes] = frozenset()  # Flusher.kept_prepares, to undo
-    count: int = 0  # items in `items`, a column slice's counted
+    count: int = 0  # items in `pieces`, each of a column slice's counted
 
 
 class Flusher:
@@ -165,9 +166,9 @@ class Flusher:
         backup = self._manager.clone_cursor(cursor, BACKUP_CURSOR_NAME)
         staged = StagedFlush(backup, self._snapshot, [], frozenset(self.kept_prepares))
         try:
-            staged.items, staged.count = self._read_batch(cursor)
-            if staged.items:
-                self._write(batch, staged.items, runs)
+            staged.pieces, staged.count = self._read_batch(cursor)
+            if staged.pieces:
+                self._write(batch, staged.pieces, runs)
         except BaseException:
             self.staged_failed(staged)
             raise
@@ -178,9 +179,9 @@ class Flusher:
         if staged is None:
             return 0
         self._manager.remove_cursor(staged.backup)
-        items = staged.items
-        if items:
-            last = _last_seqno(items[-1])
+        pieces = staged.pieces
+        if pieces:
+            last = _last_seqno(pieces[-1])
             assert last > self._written_seqno, (last, self._written_seqno)
             self._written_seqno = last
             self._advance_persisted()
@@ -236,7 +237,7 @@ class Flusher:
 
     def _read_batch(self, cursor: Cursor) -> tuple[list[Item | ColumnSlice], int]:
         """The batch's items (and column slices) and how many items they are."""
-        items: list[Item | ColumnSlice] = []
+        pieces: list[Item | ColumnSlice] = []
         batch_bytes = 0
         count = 0
         while batch_bytes < self._batch_bytes_max:  # bounded by the batch size
@@ -249,18 +250,18 @@ class Flusher:
                 self._snapshot = got
                 continue
             if isinstance(got, ItemRun):
-                items += got.items
+                pieces += got.items
                 batch_bytes += got.charged_bytes
                 count += len(got.items)
             elif isinstance(got, ColumnSlice):
-                items.append(got)
+                pieces.append(got)
                 batch_bytes += got.charged_bytes
                 count += got.stop - got.start
             else:
-                items.append(got)
+                pieces.append(got)
                 batch_bytes += item_size_bytes(got)
                 count += 1
-        return items, count
+        return pieces, count
 
     def _write(
         self,
@@ -365,7 +366,7 @@ def _last_seqno(piece: Item | ColumnSlice) -> int:
 
 
 def _is_column_slice(piece: Item | ColumnSlice) -> bool:
-    return type(piece) is ColumnSlice
+    return isinstance(piece, ColumnSlice)
 
 
 def _stretch_end(items: list[Item], start: int) -> int:
