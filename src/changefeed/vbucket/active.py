@@ -436,9 +436,12 @@ class ActiveRole(Role):
         (ranges, a map of `Item`, the manager's run closures and bound) cost ~2.4 us against
         ~1.1 for the one item, and a window of 16 over 64 vbuckets is mostly runs of one.
         None when not clean: the caller takes the general path, which checks the write again
-        in `set`'s order."""
-        if self.locks or (self.pending and key in self.pending):
+        in `set`'s order. Only this key's lock counts: a write looks at no other key's
+        (`_check_lock`, and the pop after it), so a lock left on another key (unlocked or timed
+        out, never written since) must not keep every write off this path."""
+        if key in self.locks or (self.pending and key in self.pending):
             return None
+        assert found is not None or key in stored, key
         current = found if found is not None else stored[key]
         if current is None or current.op is not _MUTATION:
             rev = 1
@@ -449,11 +452,12 @@ class ActiveRole(Role):
         core = self.core
         seqno = core.high_seqno + 1
         cas = max(int(now * NS_PER_S), core.last_cas + 1)
+        assert cas > core.last_cas, (cas, core.last_cas)
         item = Item(seqno, key, _MUTATION, value, cas, flags, expiry, datatype, rev)
         try:
             core.manager.queue(item)
         except CheckpointMemoryFullError as error:  # nothing queued: no seqno taken
-            return SetManyResult(core.vb, core.vb_uuid, (seqno,), (cas,), {0: error})
+            return SetManyResult(core.vb, core.vb_uuid, (0,), (0,), {0: error})
         core.advanced(seqno, cas)
         return SetManyResult(core.vb, core.vb_uuid, (seqno,), (cas,), {})
 
@@ -520,8 +524,8 @@ class ActiveRole(Role):
         None. A key written twice in the run finds its earlier write, as `set` one at a time
         would (unless that write expires at once: its expiration comes first, one by one)."""
         keys, expiries = writes[0], writes[3]
-        if not keys or self.locks:
-            return None
+        if not keys or (self.locks and not self.locks.keys().isdisjoint(keys)):
+            return None  # only the run's own keys' locks count (see `_set_single`)
         if self.pending and not self.pending.keys().isdisjoint(keys):
             return None
         if not fields_checked and not fields_in_range(writes):

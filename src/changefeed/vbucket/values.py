@@ -58,8 +58,9 @@ class ReplicatedColumns(NamedTuple):
 
 class SetManyResult(NamedTuple):
     """`VBucket.set_many`'s answers as columns (no object per write): write i got
-    `seqnos[i]` and `cases[i]` on `vb_uuid`, unless `errors` holds i (its seqno and CAS
-    are then 0)."""
+    `seqnos[i]` and `cases[i]` on `vb_uuid`, unless `errors` holds i: that write took no
+    seqno or CAS, and `seqnos[i]`/`cases[i]` mean nothing (0, except on a run's clean path
+    and one by one, where they are what the write would have taken)."""
 
     vb: int
     vb_uuid: int
