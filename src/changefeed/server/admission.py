@@ -215,13 +215,15 @@ class Admission:
         assert len(self._user_of) <= self.shares.admin_max, len(self._user_of)
         return None, victims
 
-    def unauthenticated_again(self, member: Member) -> None:
+    def unauthenticated_again(self, member: Member) -> Member | None:
         """An authentication failed: the connection holds no identity (any more). One that
-        never had one keeps its place in the eviction order."""
+        never had one keeps its place in the eviction order; one that had one joins the
+        authenticating connections as a newcomer does, so it returns the oldest of them to
+        close when their budget is full (as `arrived`)."""
         if member in self._unauthenticated:
-            return
+            return None
         self.left(member)
-        self._unauthenticated[member] = None
+        return self.arrived(member)
 
     def left(self, member: Member) -> None:
         """``member`` closed (or changes kind): its slot is free."""

@@ -77,7 +77,7 @@ from changefeed.server import (
     kv_commands,
     subdoc,
 )
-from changefeed.server.admission import Admission
+from changefeed.server.admission import Admission, Member
 from changefeed.server.authenticator import SaslAuthenticator, node_identity
 from changefeed.server.compactor import answer_compact_db
 from changefeed.server.context import ServerContext
@@ -255,16 +255,7 @@ class ClientConnection(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=limits.WRITE_BUFFER_HIGH_BYTES)
         self.context.connections.add(self)
         if self.admission is not None:
-            oldest = self.admission.arrived(self)
-            if oldest is not None:
-                _log_budget(
-                    "unauthenticated",
-                    "closing the oldest unauthenticated connection: %d are authenticating "
-                    "(max_unauthenticated_connections); %d closed so far",
-                    self.admission.shares.unauthenticated_max,
-                    self.admission.closed_unauthenticated,
-                )
-                oldest.close()
+            _close_oldest_unauthenticated(self.admission, self.admission.arrived(self))
         if self._tls_context is not None:
             self._begin_tls(transport, self._tls_context)
 
@@ -1059,7 +1050,7 @@ def _after_sasl(c: ClientConnection) -> str | None:
         if refusal is not None:
             return refusal.message
     elif c.admission is not None:
-        c.admission.unauthenticated_again(c)
+        _close_oldest_unauthenticated(c.admission, c.admission.unauthenticated_again(c))
     c.update_permitted()
     if user is not None:
         c.reader.frame_size_max = limits.FRAME_SIZE_MAX
@@ -1070,6 +1061,19 @@ def _after_sasl(c: ClientConnection) -> str | None:
     if c.dcp is not None:  # a stream must not outlive the identity that opened it
         c.close()
     return None
+
+
+def _close_oldest_unauthenticated(admission: Admission, oldest: Member | None) -> None:
+    """Close the connection the unauthenticated budget pushed out, if any (logged)."""
+    if oldest is not None:
+        _log_budget(
+            "unauthenticated",
+            "closing the oldest unauthenticated connection: %d are authenticating "
+            "(max_unauthenticated_connections); %d closed so far",
+            admission.shares.unauthenticated_max,
+            admission.closed_unauthenticated,
+        )
+        oldest.close()
 
 
 def _select_bucket(c: ClientConnection, f: Frame) -> None:
