@@ -36,17 +36,15 @@ from changefeed.storage import Op, Record
 from changefeed.vbucket.port import VBucketCore, retain_pending
 from changefeed.vbucket.role import Role
 from changefeed.vbucket.values import (
-    DATATYPE_MASK,
-    KEY_SIZE_MAX,
     NS_PER_S,
     U32_MAX,
-    VALUE_SIZE_MAX,
     Document,
     RunLookup,
     SetColumns,
     SetManyResult,
     check_fields,
     fields_in_range,
+    write_in_range,
 )
 
 _MUTATION: Final = Op.MUTATION
@@ -414,9 +412,7 @@ class ActiveRole(Role):
         found: Item | None, stored: Mapping[bytes, Record | None], fields_checked: bool,
     ) -> SetManyResult | None:  # fmt: skip
         """See `VBucket.set_single`."""
-        if not fields_checked and not fields_in_range(
-            ([key], [value], [flags], [expiry], [datatype])
-        ):
+        if not fields_checked and not write_in_range(key, value, flags, expiry, datatype):
             return None
         return self._set_single(key, value, flags, expiry, datatype, found, stored, self.core.now())
 
@@ -442,13 +438,9 @@ class ActiveRole(Role):
         if key in self.locks or (self.pending and key in self.pending):
             return None
         assert found is not None or key in stored, key
-        current = found if found is not None else stored[key]
-        if current is None or current.op is not _MUTATION:
-            rev = 1
-        elif current.expiry and current.expiry <= now:
+        rev = _rev_after(found if found is not None else stored[key], now)
+        if rev is None:
             return None  # its expiration is queued first: one by one
-        else:
-            rev = current.rev_seqno + 1
         core = self.core
         seqno = core.high_seqno + 1
         cas = max(int(now * NS_PER_S), core.last_cas + 1)
@@ -547,13 +539,10 @@ class ActiveRole(Role):
                     return None  # the earlier write is found expired: one by one
                 rev += 1
             else:
-                found = current if current is not None else stored[key]
-                if found is None or found.op is not _MUTATION:
-                    rev = 1
-                elif found.expiry and found.expiry <= now:
+                after = _rev_after(current if current is not None else stored[key], now)
+                if after is None:
                     return None  # its expiration is queued first: one by one
-                else:
-                    rev = found.rev_seqno + 1
+                rev = after
             revs.append(rev)
             if not distinct:
                 earlier[key] = (rev, expiry)
@@ -603,13 +592,7 @@ class ActiveRole(Role):
                     raise SyncWriteInProgressError(
                         f"vb {vb}: key {key[:64]!r} has a durable write pending"
                     )
-                if (
-                    not 0 < len(key) <= KEY_SIZE_MAX
-                    or len(value) > VALUE_SIZE_MAX
-                    or not (0 <= flag <= U32_MAX and 0 <= expiry <= U32_MAX)
-                    or datatype & ~DATATYPE_MASK
-                    or datatype < 0
-                ):
+                if not write_in_range(key, value, flag, expiry, datatype):
                     check_fields(key, value, flag, expiry, datatype)
             except StatusError as error:
                 errors[index] = error
@@ -649,3 +632,15 @@ class ActiveRole(Role):
             if self.locks:
                 for item in items[:queued]:  # a new version is never locked
                     self.locks.pop(item.key, None)
+
+
+def _rev_after(current: Item | Record | None, now: float) -> int | None:
+    """The rev_seqno of a write over `current`, its key's newest version (`set`'s rule): 1
+    over nothing or a tombstone (deletion or expiration), its rev + 1 over a live document,
+    None over one found expired at `now` (its expiration must be queued first, and a run's
+    clean paths queue none: they go one by one, which does)."""
+    if current is None or current.op is not _MUTATION:
+        return 1
+    if current.expiry and current.expiry <= now:
+        return None
+    return current.rev_seqno + 1

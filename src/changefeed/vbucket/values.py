@@ -110,6 +110,18 @@ def fields_in_range(writes: SetColumns) -> bool:
     )
 
 
+def write_in_range(key: bytes, value: bytes, flags: int, expiry: int, datatype: int) -> bool:
+    """One write's `fields_in_range`, without building its columns (`0 <= datatype <= mask`
+    is `check_fields`' "no bit above the mask": the mask is all low bits)."""
+    return (
+        0 < len(key) <= KEY_SIZE_MAX
+        and len(value) <= VALUE_SIZE_MAX
+        and 0 <= flags <= U32_MAX
+        and 0 <= expiry <= U32_MAX
+        and 0 <= datatype <= DATATYPE_MASK
+    )
+
+
 def check_fields(key: bytes, value: bytes, flags: int, expiry: int, datatype: int) -> None:
     """Raise InvalidArgumentsError for what the store would refuse at flush time (batch.py)."""
     if not 0 < len(key) <= limits.STORED_KEY_SIZE_MAX:
