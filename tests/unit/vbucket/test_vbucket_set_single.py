@@ -10,12 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from changefeed import limits
 from changefeed.protocol.errors import LockedError, StatusError, SyncWriteInProgressError
 from changefeed.protocol.kv import MutationResult
 from changefeed.storage import Op
 from changefeed.vbucket import VBucket
 from changefeed.vbucket.active import ActiveRole
+from changefeed.vbucket.values import check_fields, fields_in_range, write_in_range
 
 from .test_vbucket_set_many import (
     NOW,
@@ -217,5 +221,49 @@ def test_a_live_lock_declines_set_single_and_set_many_answers_locked(tmp_path: P
         assert isinstance(got, LockedError), got
         assert vbucket.high_seqno == high
         assert vbucket.role.locks_held == 1
+    finally:
+        store.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    key=st.binary(max_size=limits.STORED_KEY_SIZE_MAX + 2),
+    value_size=st.sampled_from([0, 1, limits.VALUE_SIZE_MAX, limits.VALUE_SIZE_MAX + 1]),
+    flags=st.integers(-2, 1 << 33) | st.sampled_from([0, 0xFFFF_FFFF, 1 << 32, -1]),
+    expiry=st.integers(-2, 1 << 33) | st.sampled_from([0, 0xFFFF_FFFF, 1 << 32, -1]),
+    datatype=st.integers(-9, 17),
+)
+def test_write_in_range_is_check_fields_and_fields_in_range(
+    key: bytes, value_size: int, flags: int, expiry: int, datatype: int
+) -> None:
+    """The one-write check agrees with the column check and with `check_fields` raising."""
+    value = bytes(value_size)
+    try:
+        check_fields(key, value, flags, expiry, datatype)
+        accepted = True
+    except StatusError:
+        accepted = False
+    assert write_in_range(key, value, flags, expiry, datatype) is accepted
+    assert fields_in_range(([key], [value], [flags], [expiry], [datatype])) is accepted
+
+
+def test_a_single_write_memory_has_no_room_for_takes_no_seqno(tmp_path: Path) -> None:
+    """TMPFAIL from `set_single`: no seqno or CAS taken, and 0 in their columns."""
+    vbucket, store, _ = empty_vbucket(tmp_path, 2)
+    try:
+        outcomes = []
+        for at in range(4):
+            outcome = vbucket.set_single(
+                b"k%d" % at, b"v" * 8, 0, 0, 0, found=None, stored={b"k%d" % at: None},
+                fields_checked=True,
+            )  # fmt: skip
+            assert outcome is not None
+            outcomes.append(outcome)
+        refused = [outcome for outcome in outcomes if outcome.errors]
+        assert refused, outcomes
+        for outcome in refused:
+            assert outcome.errors[0].code == 0x86, outcome  # TMPFAIL
+            assert (list(outcome.seqnos), list(outcome.cases)) == ([0], [0]), outcome
+        assert vbucket.high_seqno == len(outcomes) - len(refused), outcomes
     finally:
         store.close()
