@@ -336,11 +336,20 @@ class VBucket:
         found: Item | None, stored: Mapping[bytes, Record | None], fields_checked: bool,
     ) -> SetManyResult | None:  # fmt: skip
         """`set_many` of one plain write (no CAS, no durability) without building a run: what
-        a bucket's window of a few SETs over many vbuckets gives most vbuckets. `found`: the
-        key's version in memory (`lookup_memory`), `stored`: the store's lookup of it if
-        memory had none. None when the write is not a clean one of an active (locked,
-        pending, found expired, a field out of range, not active): ask `set_many`, which
-        answers it as `set` would. A result is what `set_many` of the write answers."""
+        a bucket's window of a few SETs over many vbuckets gives most vbuckets.
+
+        Args:
+            key, value, flags, expiry, datatype: the write, as `set` takes it.
+            found: the key's newest version in memory (`lookup_memory`), None if none.
+            stored: the store's lookup, holding `key` when `found` is None.
+            fields_checked: the caller checked the fields (`fields_in_range`).
+
+        Returns:
+            What `set_many` of the write answers (a memory-full refusal with seqno and CAS
+            0), or None when the write is not a clean one of an active (its key locked or
+            pending, found expired, a field out of range, not active): then ask `set_many`,
+            which answers it as `set` would.
+        """
         return self._role.set_single(
             key, value, flags, expiry, datatype, found=found, stored=stored,
             fields_checked=fields_checked,
