@@ -385,6 +385,9 @@ class ActiveRole(Role):
             single = self._set_single(
                 keys[0], values[0], flags[0], expiries[0], datatypes[0], in_memory[0], stored, now
             )  # a small window over many vbuckets: most runs are one
+            # (a bucket's `set_single` that declined is asked again here: only for a key
+            # locked, pending or found expired, each a dict lookup; not worth a flag through
+            # `VBucket.set_many` and every role)
             if single is not None:
                 return single
         revs = self._clean_run_revs(writes, in_memory, stored, now, fields_checked)
