@@ -16,7 +16,7 @@ import itertools
 import operator
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
 
 from changefeed import limits
 from changefeed.storage.errors import CorruptRecordError
@@ -89,6 +89,17 @@ class BodyItem(Protocol):
     def cas(self) -> int: ...
     @property
     def body(self) -> bytes: ...
+
+
+class _ColumnItem(NamedTuple):
+    """One mutation of `put_columns`' columns as a BodyItem, for the one-by-one loop."""
+
+    key: bytes
+    seqno: int
+    op: Op
+    datatype: int
+    cas: int
+    body: bytes
 
 
 class PreparedItem(BodyItem, Protocol):
@@ -298,10 +309,17 @@ class WriteBatch:
         the checkpoint keeps as columns. Clean runs go as `put_bodies`' do, one C-level pass
         per step; otherwise `put_body` one at a time, which names the first bad one.
 
+        The columns are read as given, neither copied (the flusher's slices of a run are its
+        one copy) nor kept.
+
         Raises:
-            ValueError, RuntimeError: as for `put_bodies`.
+            ValueError: as for `put_bodies`, or columns of different lengths.
+            RuntimeError: the batch has ended.
         """
         count = len(seqnos)
+        if not len(keys) == len(bodies) == len(cases) == len(datatypes) == count:
+            lengths = [len(column) for column in (seqnos, keys, bodies, cases, datatypes)]
+            raise ValueError(f"vb {vb}: columns of different lengths {lengths}")
         if not count:
             return
         row = self._rows.get(vb) if self._open else None
@@ -312,13 +330,11 @@ class WriteBatch:
             count < CLEAN_RUN_MIN
             or row.high_seqno >= seqnos[0]
             or not self._put_clean_columns(
-                [(vb, row)], [count], list(keys), list(seqnos), list(bodies), ops,
-                list(datatypes), cases,
+                [(vb, row)], [count], keys, seqnos, bodies, ops, datatypes, cases
             )
-        ):  # fmt: skip
-            for at in range(count):  # bounded by the run
-                put = keys[at], seqnos[at], Op.MUTATION
-                self.put_body(vb, *put, datatype=datatypes[at], cas=cases[at], body=bodies[at])
+        ):
+            items = map(_ColumnItem, keys, seqnos, ops, datatypes, cases, bodies)
+            self._put_bodies_one_by_one(vb, items)
 
     def _put_clean_runs(self, runs: Sequence[tuple[int, VbState, Sequence[BodyItem]]]) -> bool:
         """Put every run of `runs` (vbuckets rising) if all pass every check of `put_body`;
@@ -341,11 +357,11 @@ class WriteBatch:
         self,
         rows: Sequence[tuple[int, VbState]],
         sizes: list[int],
-        keys: list[bytes],
-        seqnos: list[int],
-        bodies: list[bytes],
+        keys: Sequence[bytes],
+        seqnos: Sequence[int],
+        bodies: Sequence[bytes],
         ops: list[Op],
-        datatypes: list[int],
+        datatypes: Sequence[int],
         cases: Iterable[int],
     ) -> bool:
         """`_put_clean_runs` of runs given as columns laid end to end (`sizes[i]` items of
@@ -402,7 +418,9 @@ class WriteBatch:
             first = end
         return True
 
-    def _put_bodies_one_by_one(self, vb: int, items: Sequence[BodyItem]) -> None:
+    def _put_bodies_one_by_one(self, vb: int, items: Iterable[BodyItem]) -> None:
+        """`put_body` of each of `items` (`put_bodies`' and `put_columns`' loop when a run
+        is not clean or is short): the first bad one raises, naming itself."""
         for item in items:  # bounded by the run
             put = item.key, item.seqno, item.op
             self.put_body(vb, *put, datatype=item.datatype, cas=item.cas, body=item.body)
@@ -671,7 +689,11 @@ class WriteBatch:
 
 
 def _bodies_hold_fields(
-    sizes: list[int], keys: list[bytes], seqnos: list[int], bodies: list[bytes], ops: list[Op]
+    sizes: list[int],
+    keys: Sequence[bytes],
+    seqnos: Sequence[int],
+    bodies: Sequence[bytes],
+    ops: list[Op],
 ) -> bool:
     """The BodyItem contract (the body holds the item's key and seqno where its op puts
     them) of runs of `sizes` items laid end to end in the columns, checked as `put_bodies`

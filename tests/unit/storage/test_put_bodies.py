@@ -36,8 +36,8 @@ def body_item(seqno: int, key: bytes, op: Op, value: bytes, *, datatype: int = 0
     return Body(key, seqno, op, datatype, 10_000 + seqno, extras + key + value)
 
 
-def snapshot(store: Store, vb: int) -> tuple[list[object], object]:
-    records = [
+def snapshot(store: Store, vb: int) -> tuple[list[tuple[object, ...]], object]:
+    records: list[tuple[object, ...]] = [
         (r.seqno, r.key, r.op, r.value, r.cas, r.rev_seqno, r.flags, r.datatype, r.delete_time)
         for r in store.scan(vb, 0, store.high_seqno(vb))
     ]
