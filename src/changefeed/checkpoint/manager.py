@@ -100,8 +100,8 @@ class ItemRun(NamedTuple):
 
 class ColumnSlice(NamedTuple):
     """Items a cursor read in one step from a run queued as columns and not built
-    (`Checkpoint.add_columns`): `run[start:stop]`, what they are charged, and their seqnos'
-    ends. Only `next_flush_run` (the flusher's read) gives them."""
+    (`Checkpoint.add_columns`): `run[start:stop]` and what they are charged; `last_seqno` is
+    the last one's seqno. Only `next_flush_run` (the flusher's read) gives them."""
 
     run: ColumnRun
     start: int
