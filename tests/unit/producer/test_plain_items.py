@@ -113,26 +113,7 @@ NEAR_MARKER: Final = [(Op.MUTATION, 0, b"\xfeabc", 3), (Op.DELETION, 0, b"\xfe",
 def test_the_check_in_the_framing_sends_what_the_check_before_it_sends(
     spec: list[tuple[Op, int, bytes, int]], budgets: list[int], options: ItemOptions
 ) -> None:
-    items = items_of(spec)
-
-    def plain(inner: DcpEncoder | Wrapped) -> CollectionEncoder:
-        return CollectionEncoder(
-            inner, aware=False, stream_filter=StreamFilter(), manifest=None, opaque=OPAQUE
-        )
-
-    fast = plain(DcpEncoder(VB, OPAQUE, options))
-    reference = plain(Wrapped(DcpEncoder(VB, OPAQUE, options)))
-    out: list[bytes] = []
-    expected: list[bytes] = []
-    at = call = 0
-    while at < len(items):  # bounded: every call consumes at least one item
-        budget = budgets[call % len(budgets)]
-        got = fast.items(out, items[at:], budget)
-        assert got == reference.items(expected, items[at:], budget), (at, budget)
-        assert b"".join(out) == b"".join(expected), (at, budget)
-        at += got[0]
-        call += 1
-    assert fast.skipped == reference.skipped == sum(1 for _, cid, _, _ in spec if cid != 0)
+    _same_call_by_call("items", items_of(spec), spec, budgets, options)
 
 
 @settings(deadline=None, max_examples=200)
@@ -170,26 +151,7 @@ def test_stored_runs_check_in_the_framing_as_before_it(
     spec: list[tuple[Op, int, bytes, int]], budgets: list[int], options: ItemOptions
 ) -> None:
     """From disk: the same call-by-call comparison for stored records (`plain_stored`)."""
-    records = records_of(spec)
-
-    def plain(inner: DcpEncoder | Wrapped) -> CollectionEncoder:
-        return CollectionEncoder(
-            inner, aware=False, stream_filter=StreamFilter(), manifest=None, opaque=OPAQUE
-        )
-
-    fast = plain(DcpEncoder(VB, OPAQUE, options))
-    reference = plain(Wrapped(DcpEncoder(VB, OPAQUE, options)))
-    out: list[bytes] = []
-    expected: list[bytes] = []
-    at = call = 0
-    while at < len(records):  # bounded: every call consumes at least one record
-        budget = budgets[call % len(budgets)]
-        got = fast.stored(out, records[at:], budget)
-        assert got == reference.stored(expected, records[at:], budget), (at, budget)
-        assert b"".join(out) == b"".join(expected), (at, budget)
-        at += got[0]
-        call += 1
-    assert fast.skipped == reference.skipped == sum(1 for _, cid, _, _ in spec if cid != 0)
+    _same_call_by_call("stored", records_of(spec), spec, budgets, options)
 
 
 @settings(deadline=None, max_examples=200)
@@ -365,3 +327,35 @@ def test_a_plain_stream_frames_its_runs_on_the_fast_path() -> None:
     assert encoder.stored(out, records_of(spec), 10_000) == (5, len(out[0]))
     assert inner.calls == {"plain_items": 1, "plain_stored": 1}
     assert out == [framer.stored(records_of(spec), 10_000)[0]]
+
+
+def _same_call_by_call(
+    method: str,
+    run: Sequence[object],
+    spec: list[tuple[Op, int, bytes, int]],
+    budgets: list[int],
+    options: ItemOptions,
+) -> None:
+    """Send ``run`` through ``method`` ("items" or "stored") of a plain stream's encoder and of
+    the same encoder behind the check-first reference, a budget per call: every call's answer
+    and the bytes so far equal, and the named-collection changes skipped by both."""
+
+    def plain(inner: DcpEncoder | Wrapped) -> CollectionEncoder:
+        return CollectionEncoder(
+            inner, aware=False, stream_filter=StreamFilter(), manifest=None, opaque=OPAQUE
+        )
+
+    fast = plain(DcpEncoder(VB, OPAQUE, options))
+    reference = plain(Wrapped(DcpEncoder(VB, OPAQUE, options)))
+    send, send_reference = getattr(fast, method), getattr(reference, method)
+    out: list[bytes] = []
+    expected: list[bytes] = []
+    at = call = 0
+    while at < len(run):  # bounded: every call consumes at least one change
+        budget = budgets[call % len(budgets)]
+        got = send(out, run[at:], budget)
+        assert got == send_reference(expected, run[at:], budget), (at, budget)
+        assert b"".join(out) == b"".join(expected), (at, budget)
+        at += got[0]
+        call += 1
+    assert fast.skipped == reference.skipped == sum(1 for _, cid, _, _ in spec if cid != 0)
