@@ -13,7 +13,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from changefeed.checkpoint import CheckpointMemoryFullError
+from changefeed.checkpoint import CheckpointManager, CheckpointMemoryFullError
 from changefeed.protocol.errors import KeyNotFoundError, StatusError
 from changefeed.protocol.kv import MutationResult
 from changefeed.storage import Store
@@ -117,18 +117,25 @@ def test_commit_many_is_commit_one_key_at_a_time(
             store_b.close()
 
 
+def pending_with_room_for_two(vbucket: VBucket, count: int) -> CheckpointManager:
+    """Prepares k0.. (``count`` of them) left pending on ``vbucket``, whose checkpoint memory
+    then runs out after two items of any run queued; returns its manager."""
+    for n in range(count):
+        vbucket.set(b"k%d" % n, b"v%d" % n, level=1)
+    manager = vbucket.manager
+    real: Callable[..., int] = manager.queue_run
+
+    def two_fit(items: list[object], *, commits: bool = False) -> int:
+        return real(items[:2], commits=commits)  # memory ran out after two
+
+    manager.queue_run = two_fit  # type: ignore[method-assign,assignment]
+    return manager
+
+
 def test_memory_full_part_of_the_way_leaves_the_rest_pending(tmp_path: Path) -> None:
     store, vbucket = twin(tmp_path, "a")
     try:
-        for n in range(4):
-            vbucket.set(b"k%d" % n, b"v%d" % n, level=1)
-        manager = vbucket.manager
-        real: Callable[..., int] = manager.queue_run
-
-        def two_fit(items: list[object], *, commits: bool = False) -> int:
-            return real(items[:2], commits=commits)  # memory ran out after two
-
-        manager.queue_run = two_fit  # type: ignore[method-assign,assignment]
+        manager = pending_with_room_for_two(vbucket, 4)
         got = vbucket.commit_many([b"k0", b"k1", b"k2", b"k3"])
         assert [r.seqno for r in got if isinstance(r, MutationResult)] == [5, 6]
         assert len(got) == 2
@@ -155,15 +162,7 @@ def test_memory_full_part_of_the_way_with_keys_not_pending(tmp_path: Path) -> No
     commit memory did not take (a KeyNotFound before it is answered, none after it)."""
     store, vbucket = twin(tmp_path, "a")
     try:
-        for n in range(3):
-            vbucket.set(b"k%d" % n, b"v%d" % n, level=1)
-        manager = vbucket.manager
-        real: Callable[..., int] = manager.queue_run
-
-        def two_fit(items: list[object], *, commits: bool = False) -> int:
-            return real(items[:2], commits=commits)  # memory ran out after two
-
-        manager.queue_run = two_fit  # type: ignore[method-assign,assignment]
+        pending_with_room_for_two(vbucket, 3)
         got = vbucket.commit_many([b"k0", b"x", b"k1", b"y", b"k2", b"z"])
         assert [type(r) for r in got] == [
             MutationResult, KeyNotFoundError, MutationResult, KeyNotFoundError
