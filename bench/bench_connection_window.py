@@ -35,29 +35,24 @@ from changefeed.server.users import Users
 from changefeed.vbmap import vbucket_for_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bench_raw_clients import operations
+
+from support.transports import RecordingTransport
 
 VBUCKETS = 64
 
 
-class Sink:
-    """A transport that keeps what the connection writes (read after the clock)."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.chunks: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.bytes += len(data)
-        self.chunks.append(data)
+class Sink(RecordingTransport):
+    """The tests' recording transport, keeping a `writelines` call's pieces as they are (no
+    join on the clock); the answers are read after the clock."""
 
     def writelines(self, data: list[bytes]) -> None:
-        self.bytes += sum(map(len, data))
-        self.chunks.extend(data)
+        self.writes.extend(data)
 
     def statuses(self) -> Counter[tuple[int, int]]:
         """(opcode, status) of every response written, counted."""
-        out = b"".join(self.chunks)
+        out = self.data
         counts: Counter[tuple[int, int]] = Counter()
         at = 0
         while at + 24 <= len(out):
@@ -65,24 +60,6 @@ class Sink:
             counts[(opcode, status)] += 1
             at += 24 + body
         return counts
-
-    def is_closing(self) -> bool:
-        return False
-
-    def get_extra_info(self, name: str) -> object:
-        return ("127.0.0.1", 40000) if name == "peername" else None
-
-    def set_write_buffer_limits(self, high: int) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def key_of(n: int) -> bytes:
@@ -116,7 +93,7 @@ async def measure(
     conn.data_received(
         encode_request(Opcode.SASL_AUTH, opaque=1, key=b"PLAIN", value=encode_plain("u", "p"))
     )
-    while not sink.bytes:
+    while not sink.writes:
         await asyncio.sleep(0.01)
     conn.data_received(encode_request(Opcode.SELECT_BUCKET, opaque=2, key=b"default"))
     cpu_s = 0.0
