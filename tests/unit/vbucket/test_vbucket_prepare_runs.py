@@ -22,6 +22,8 @@ from changefeed.protocol.opcode import DATATYPE_MASK
 from changefeed.storage import Op, Store
 from changefeed.vbucket import VBucket, VBucketState
 
+from .twins import assert_flushed_alike
+
 VB = 3
 NOW = 1_700_000_000.0
 ONE = item_size_bytes(Item(1, b"a", Op.MUTATION, b"v" * 8, 1))
@@ -155,15 +157,11 @@ def test_a_run_of_prepares_is_set_with_the_level_one_by_one(
         assert run_vb.high_seqno == one_vb.high_seqno
         assert run_vb.pending_prepares == one_vb.pending_prepares
         assert checkpoints(run_vb) == checkpoints(one_vb)
-        run_vb.flush()
-        one_vb.flush()
-        assert stored(run_store) == stored(one_store)
+        assert_flushed_alike(run_vb, run_store, one_vb, one_store, stored)
         for key in keys:  # and they commit the same (or both find memory full)
             if run_vb.pending_prepare(key) is not None:
                 assert answer(commit(run_vb, key)) == answer(commit(one_vb, key))
-        run_vb.flush()
-        one_vb.flush()
-        assert stored(run_store) == stored(one_store)
+        assert_flushed_alike(run_vb, run_store, one_vb, one_store, stored)
     finally:
         run_store.close()
         one_store.close()

@@ -20,6 +20,8 @@ from changefeed.storage import Op, Store
 from changefeed.vbucket import VBucket, VBucketState
 from changefeed.vbucket.active import ActiveRole
 
+from .twins import assert_flushed_alike
+
 VB = 5
 NOW = 1_700_000_000.0
 KEYS = [b"a", b"b", b"c", b"expired", b"locked", b"durable"]
@@ -100,9 +102,7 @@ def assert_run_equals_one_by_one(
     assert list(map(answer, got)) == list(map(answer, want))
     assert run_vb.high_seqno == one_vb.high_seqno
     assert memory(run_vb) == memory(one_vb)
-    run_vb.flush()
-    one_vb.flush()
-    assert stored(run_store) == stored(one_store)
+    assert_flushed_alike(run_vb, run_store, one_vb, one_store, stored)
 
 
 writes = st.lists(
@@ -328,9 +328,7 @@ def test_runs_of_one_write_answer_what_set_does(
             assert list(map(answer, got)) == [answer(want)]
             assert run_vb.high_seqno == one_vb.high_seqno
         assert memory(run_vb) == memory(one_vb)
-        run_vb.flush()
-        one_vb.flush()
-        assert stored(run_store) == stored(one_store)
+        assert_flushed_alike(run_vb, run_store, one_vb, one_store, stored)
     finally:
         run_store.close()
         one_store.close()

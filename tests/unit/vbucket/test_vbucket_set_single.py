@@ -30,6 +30,7 @@ from .test_vbucket_set_many import (
     run_of_one,
     stored,
 )
+from .twins import assert_flushed_alike
 
 Write = tuple[bytes, bytes, int, int, int]
 Setup = Callable[[VBucket, Clock], None]
@@ -68,9 +69,7 @@ def assert_path_equals_set(tmp_path: Path, setup: Setup, batch: list[Write], pat
         assert run_vb.high_seqno == one_vb.high_seqno
         assert memory(run_vb) == memory(one_vb)
         assert run_vb.role.locks_held == one_vb.role.locks_held
-        run_vb.flush()
-        one_vb.flush()
-        assert stored(run_store) == stored(one_store)
+        assert_flushed_alike(run_vb, run_store, one_vb, one_store, stored)
     finally:
         run_store.close()
         one_store.close()
