@@ -60,6 +60,16 @@ mutations = st.tuples(
 )
 
 
+def columns_of(built: list[Item]) -> ReplicatedColumns:
+    """The replicated run of `built`, as columns."""
+    return ReplicatedColumns(
+        [one.seqno for one in built], [one.key for one in built],
+        [one.body for one in built], [one.cas for one in built],
+        [one.flags for one in built], [one.expiry for one in built],
+        [one.datatype for one in built], [one.rev_seqno for one in built],
+    )  # fmt: skip
+
+
 class Twin:
     """One side: a manager, its flusher and its store."""
 
@@ -124,12 +134,7 @@ class ColumnRunsMachine(RuleBasedStateMachine):
                 Item(seqno, key, Op.MUTATION, value, 10_000 + 3 * seqno, flags, expiry,
                      datatype, rev)
             )  # fmt: skip
-        run = ReplicatedColumns(
-            [one.seqno for one in built], [one.key for one in built],
-            [one.body for one in built], [one.cas for one in built],
-            [one.flags for one in built], [one.expiry for one in built],
-            [one.datatype for one in built], [one.rev_seqno for one in built],
-        )  # fmt: skip
+        run = columns_of(built)
         as_columns = self.columns.queue(lambda: self.columns.manager.queue_columns(run))
         as_items = self.items.queue(lambda: self.items.manager.queue_run(built))
         assert as_columns == as_items
@@ -332,11 +337,7 @@ def test_a_flush_batch_of_lazy_items_ends_at_the_one_reaching_its_bytes() -> Non
             VB, budget=MemoryBudget(10**9), checkpoint_max_bytes=10**9, columns_min_items=1
         )
         built = [Item(s, b"k%03d" % s, Op.MUTATION, b"v" * 9, 5 + s) for s in range(1, 11)]
-        run = ReplicatedColumns(
-            [one.seqno for one in built], [one.key for one in built],
-            [one.body for one in built], [one.cas for one in built], [0] * 10, [0] * 10,
-            [0] * 10, [1] * 10,
-        )  # fmt: skip
+        run = columns_of(built)  # flags, expiry and datatype 0, rev seqno 1
         assert manager.queue_columns(run) == 10
         assert manager.open_checkpoint.lazy  # queued with no item built
         size = item_size_bytes(built[0])
@@ -359,12 +360,7 @@ def test_a_lazy_run_ends_a_kept_prepare_of_its_key_as_items_do() -> None:
         prepare = SyncItem(1, b"k2", Op.PREPARE, Op.MUTATION, b"p", 50, level=1)
         built = [Item(s, b"k%d" % s, Op.MUTATION, b"v" * s, 5 + s, s, s, s % 8, s)
                  for s in range(2, 12)]  # fmt: skip
-        run = ReplicatedColumns(
-            [one.seqno for one in built], [one.key for one in built],
-            [one.body for one in built], [one.cas for one in built],
-            [one.flags for one in built], [one.expiry for one in built],
-            [one.datatype for one in built], [one.rev_seqno for one in built],
-        )  # fmt: skip
+        run = columns_of(built)
         for twin in twins:
             twin.manager.queue_prepares([prepare])
             assert twin.flusher.flush() == 1
@@ -393,11 +389,7 @@ def test_a_lazy_batch_whose_commit_fails_is_written_again_whole() -> None:
             VB, budget=MemoryBudget(10**9), checkpoint_max_bytes=10**9, columns_min_items=1
         )
         built = [Item(s, b"k%03d" % s, Op.MUTATION, b"v" * s, 5 + s) for s in range(1, 21)]
-        run = ReplicatedColumns(
-            [one.seqno for one in built], [one.key for one in built],
-            [one.body for one in built], [one.cas for one in built], [0] * 20, [0] * 20,
-            [0] * 20, [1] * 20,
-        )  # fmt: skip
+        run = columns_of(built)  # flags, expiry and datatype 0, rev seqno 1
         assert manager.queue_columns(run) == 20
         flusher = Flusher(manager, store)
         batch = store.begin_batch()
