@@ -28,6 +28,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 
 def replica(store: Store, vb: int) -> VBucket:
+    """A replica holding a pending prepare of key b"p"."""
     vbucket = VBucket(store, vb, state=VBucketState.REPLICA, rng=random.Random(vb))
     vbucket.replica_snapshot(1, 1)
     vbucket.queue_replicated(SyncItem(1, b"p", Op.PREPARE, Op.MUTATION, b"x", 5, level=1))

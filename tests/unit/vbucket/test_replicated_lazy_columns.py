@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import random
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +15,11 @@ from pathlib import Path
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from changefeed.checkpoint import Item, SyncItem
+from changefeed.checkpoint import Item
 from changefeed.checkpoint.manager import COLUMNS_MIN_ITEMS
 from changefeed.storage import Op, Store
-from changefeed.vbucket import ReplicatedColumns, VBucket, VBucketState
+
+from .test_replicated_columns import columns_of, replica
 
 
 @contextlib.contextmanager
@@ -31,14 +31,6 @@ def fresh_store() -> Iterator[Store]:
             yield opened
         finally:
             opened.close()
-
-
-def replica(store: Store, vb: int) -> VBucket:
-    """A replica holding a pending prepare of key b"p"."""
-    vbucket = VBucket(store, vb, state=VBucketState.REPLICA, rng=random.Random(vb))
-    vbucket.replica_snapshot(1, 1)
-    vbucket.queue_replicated(SyncItem(1, b"p", Op.PREPARE, Op.MUTATION, b"x", 5, level=1))
-    return vbucket
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
@@ -62,11 +54,7 @@ def check_long_run(store: Store, extra: int, with_p: bool, values: list[bytes]) 
              datatype=i % 8, rev_seqno=1 + i)
         for i, key in enumerate(keys)
     ]  # fmt: skip
-    run = ReplicatedColumns(
-        [i.seqno for i in items], [i.key for i in items], [i.body for i in items],
-        [i.cas for i in items], [i.flags for i in items], [i.expiry for i in items],
-        [i.datatype for i in items], [i.rev_seqno for i in items],
-    )  # fmt: skip
+    run = columns_of(items)
     by_items, by_columns = replica(store, 0), replica(store, 1)
     for vbucket in (by_items, by_columns):
         vbucket.replica_snapshot(2, 1 + count)
