@@ -5,7 +5,9 @@ found expired, locked keys, pending durable writes, bad fields and memory runnin
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -150,6 +152,16 @@ def plain_twin(path: Path, quota_items: int) -> tuple[VBucket, Store]:
     return vbucket, store
 
 
+@contextlib.contextmanager
+def plain_vbucket(path: Path, quota_items: int) -> Iterator[VBucket]:
+    """`plain_twin`'s vbucket, for a test of one vbucket; its store closed after."""
+    vbucket, store = plain_twin(path, quota_items)
+    try:
+        yield vbucket
+    finally:
+        store.close()
+
+
 distinct_writes = st.lists(
     st.tuples(
         st.sampled_from([b"a", b"b", b"c", b"gone", b"expired", b"n1", b"n2", b"n3", b"n4"]),
@@ -216,16 +228,13 @@ def test_runs_that_write_a_key_twice_answer_what_set_does(
 def test_a_run_writing_a_key_twice_takes_no_step_per_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    vbucket, store = plain_twin(tmp_path, 1000)
-    try:
+    with plain_vbucket(tmp_path, 1000) as vbucket:
         monkeypatch.setattr(ActiveRole, "_set_one_by_one", None)  # called: a TypeError
         keys = [b"a", b"new", b"a", b"new", b"a"]
         answers = vbucket.set_many(keys, [b"v"] * 5, [0] * 5, [0] * 5, [0] * 5)
         assert not answers.errors
         revs = {one.key: one.rev_seqno for one in memory(vbucket).values() if one.key in keys}
         assert revs == {b"a": 4, b"new": 2}  # "a" was stored at rev 1
-    finally:
-        store.close()
 
 
 def test_a_clean_run_takes_no_step_per_write(
@@ -233,8 +242,7 @@ def test_a_clean_run_takes_no_step_per_write(
 ) -> None:
     """Distinct keys, valid fields, nothing locked, pending or expired: the columns path,
     never the write-by-write one; seqnos and CASes rise by one per write."""
-    vbucket, store = plain_twin(tmp_path, 1000)
-    try:
+    with plain_vbucket(tmp_path, 1000) as vbucket:
         monkeypatch.setattr(ActiveRole, "_set_one_by_one", None)  # called: a TypeError
         keys = [b"a", b"b", b"c", b"gone", b"new"]
         high = vbucket.high_seqno
@@ -244,15 +252,12 @@ def test_a_clean_run_takes_no_step_per_write(
         assert list(answers.cases) == list(range(answers.cases[0], answers.cases[0] + 5))
         revs = {one.key: one.rev_seqno for one in memory(vbucket).values() if one.key in keys}
         assert revs == {b"a": 2, b"b": 3, b"c": 2, b"gone": 1, b"new": 1}
-    finally:
-        store.close()
 
 
 def test_a_clean_run_stops_where_memory_runs_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    vbucket, store = plain_twin(tmp_path, 8)
-    try:
+    with plain_vbucket(tmp_path, 8) as vbucket:
         monkeypatch.setattr(ActiveRole, "_set_one_by_one", None)
         high = vbucket.high_seqno
         keys = [b"n%d" % i for i in range(9)]
@@ -261,8 +266,6 @@ def test_a_clean_run_stops_where_memory_runs_out(
         assert {error.code for error in answers.errors.values()} == {0x86}  # TMPFAIL
         assert vbucket.high_seqno == high + 7  # the refused writes took no seqno
         assert set(memory(vbucket)) >= set(keys[:7]) and not set(memory(vbucket)) & {b"n7", b"n8"}
-    finally:
-        store.close()
 
 
 def run_of_one(
@@ -338,13 +341,10 @@ def test_a_run_of_one_clean_write_takes_the_single_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One clean write (stored, in memory, deleted or new key) never reaches the run path."""
-    vbucket, store = plain_twin(tmp_path, 1000)
-    try:
+    with plain_vbucket(tmp_path, 1000) as vbucket:
         monkeypatch.setattr(ActiveRole, "_clean_run_revs", None)  # called: a TypeError
         for key, rev in [(b"a", 2), (b"b", 3), (b"c", 2), (b"gone", 1), (b"new", 1)]:
             high = vbucket.high_seqno
             answers = vbucket.set_many([key], [b"v"], [1], [0], [0])
             assert not answers.errors and list(answers.seqnos) == [high + 1]
             assert memory(vbucket)[key].rev_seqno == rev
-    finally:
-        store.close()
