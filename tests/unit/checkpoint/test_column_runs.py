@@ -43,9 +43,9 @@ from changefeed.checkpoint import (
 )
 from changefeed.checkpoint.backfill import StoredRun
 from changefeed.storage import Op, Store
-from changefeed.vbucket.values import ReplicatedColumns
 
 from .helpers import VB, open_store
+from .replicated import columns_of
 
 ONE = item_size_bytes(Item(1, b"k0", Op.MUTATION, b"x" * 20, 1))
 
@@ -58,16 +58,6 @@ mutations = st.tuples(
     st.integers(0, 7),
     st.sampled_from((1, 2, 2**40)),
 )
-
-
-def columns_of(built: list[Item]) -> ReplicatedColumns:
-    """The replicated run of `built`, as columns."""
-    return ReplicatedColumns(
-        [one.seqno for one in built], [one.key for one in built],
-        [one.body for one in built], [one.cas for one in built],
-        [one.flags for one in built], [one.expiry for one in built],
-        [one.datatype for one in built], [one.rev_seqno for one in built],
-    )  # fmt: skip
 
 
 class Twin:

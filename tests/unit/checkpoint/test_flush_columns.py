@@ -19,21 +19,12 @@ import pytest
 from changefeed.checkpoint import CheckpointManager, Flusher, Item, MemoryBudget, SyncItem
 from changefeed.checkpoint.flusher import stage_round
 from changefeed.storage import Op, Record, Store, VBucketMeta
-from changefeed.vbucket.values import ReplicatedColumns
 
 from .helpers import open_store
+from .replicated import columns_of
 
 LEVEL_MAJORITY = 1
 LEVEL_PERSIST_TO_MAJORITY = 3
-
-
-def run_of(built: list[Item]) -> ReplicatedColumns:
-    """`built` as the columns a replica's received run is queued with."""
-    return ReplicatedColumns(
-        [o.seqno for o in built], [o.key for o in built], [o.body for o in built],
-        [o.cas for o in built], [o.flags for o in built], [o.expiry for o in built],
-        [o.datatype for o in built], [o.rev_seqno for o in built],
-    )  # fmt: skip
 
 
 def mutations(first: int, count: int) -> list[Item]:
@@ -53,7 +44,7 @@ def manager_of(vb: int = 0) -> CheckpointManager:
 
 def queue(manager: CheckpointManager, built: list[Item], lazy: bool) -> None:
     if lazy:
-        assert manager.queue_columns(run_of(built)) == len(built)
+        assert manager.queue_columns(columns_of(built)) == len(built)
         assert manager.open_checkpoint.lazy
     else:
         assert manager.queue_run(built) == len(built)

@@ -27,18 +27,9 @@ from changefeed.checkpoint import (
 from changefeed.checkpoint.columns import LazyRun
 from changefeed.checkpoint.manager import COLUMNS_MIN_ITEMS, ColumnSlice, ItemRun
 from changefeed.storage import Op
-from changefeed.vbucket.values import ReplicatedColumns
 
 from .helpers import VB, open_store
-
-
-def columns(built: list[Item]) -> ReplicatedColumns:
-    """`built` as the columns a replica receives."""
-    return ReplicatedColumns(
-        [o.seqno for o in built], [o.key for o in built], [o.body for o in built],
-        [o.cas for o in built], [o.flags for o in built], [o.expiry for o in built],
-        [o.datatype for o in built], [o.rev_seqno for o in built],
-    )  # fmt: skip
+from .replicated import columns_of
 
 
 def built(first: int, count: int) -> list[Item]:
@@ -58,7 +49,7 @@ def test_add_columns_stops_where_the_checkpoint_is_full() -> None:
     """add_run's rule for add_columns: through the item whose charge reaches full_bytes
     exactly (not the one after), and at least one."""
     items = built(1, 10)
-    run = columns(items)
+    run = columns_of(items)
     size = item_size_bytes(items[0])
     checkpoint = Checkpoint(1, snap_start=1, created_s=0.0)
     assert checkpoint.add_columns(run, 0, 3 * size) == (3, 3 * size)
@@ -72,7 +63,7 @@ def test_find_many_builds_the_lazy_items_it_finds() -> None:
     find_many, which must build the lazy items it finds."""
     items = built(1, 6)
     manager = lazy_manager()
-    manager.queue_columns(columns(items))
+    manager.queue_columns(columns_of(items))
     assert manager.open_checkpoint.lazy
     assert manager.find_many([o.key for o in items[::2]] + [b"nope"]) == [*items[::2], None]
 
@@ -85,7 +76,7 @@ def test_a_stream_run_reads_lazy_items_as_items() -> None:
     cursor = manager.register_cursor("s", 0, kind=CursorKind.STREAM).cursor
     manager.queue(items[0])
     manager.close_open_checkpoint()  # the stream's checkpoint: one built item
-    manager.queue_columns(columns(items[1:3]))
+    manager.queue_columns(columns_of(items[1:3]))
     manager.queue(items[3])  # built, after a lazy run, in the same checkpoint
     got: list[Item] = []
     while (run := manager.next_run(cursor, 100)) is not CAUGHT_UP:
@@ -97,7 +88,7 @@ def test_a_stream_run_reads_lazy_items_as_items() -> None:
 def test_a_flush_read_of_lazy_items_takes_at_most_items_max() -> None:
     """next_flush_run's item bound over lazy slots, with a byte bound that does not cut."""
     manager = lazy_manager()
-    manager.queue_columns(columns(built(1, 10)))
+    manager.queue_columns(columns_of(built(1, 10)))
     cursor = manager.persistence_cursor
     assert cursor is not None
     manager.next_event(cursor)  # the snapshot marker
@@ -140,7 +131,7 @@ def test_a_flush_of_many_lazy_runs_looks_at_few_runs_per_read() -> None:
         items = built(1, 2 * runs)
         for item, lazy in zip(items[::2], items[1::2], strict=True):
             manager.queue(item)  # a built item between lazy runs: next_run asks lazy_from
-            manager.queue_columns(columns([lazy]))
+            manager.queue_columns(columns_of([lazy]))
         for checkpoint in manager.checkpoints():  # the first closed: the flusher's cursor in it
             checkpoint.lazy = _CountingRuns(checkpoint.lazy)
         assert sum(len(checkpoint.lazy) for checkpoint in manager.checkpoints()) == runs
@@ -159,11 +150,11 @@ def test_short_runs_are_queued_as_items() -> None:
     long is queued lazily."""
     manager = CheckpointManager(VB, budget=MemoryBudget(10**9))
     short = built(1, COLUMNS_MIN_ITEMS - 1)
-    assert manager.queue_columns(columns(short)) == len(short)
+    assert manager.queue_columns(columns_of(short)) == len(short)
     assert not manager.open_checkpoint.lazy
     assert manager.open_checkpoint.live_items() == short
     long = built(COLUMNS_MIN_ITEMS, COLUMNS_MIN_ITEMS)
-    assert manager.queue_columns(columns(long)) == len(long)
+    assert manager.queue_columns(columns_of(long)) == len(long)
     assert [lazy.stop - lazy.start for lazy in manager.open_checkpoint.lazy] == [len(long)]
     manager._check_invariants()
 
@@ -220,7 +211,7 @@ def test_lazy_from_and_lazy_run_over_segments_and_gaps() -> None:
     seqno = 1
     for length in (3, 1, 4, 2):
         manager.queue(Item(seqno, b"b%05d" % seqno, Op.MUTATION, b"x", seqno))  # a built gap
-        manager.queue_columns(columns(built(seqno + 1, length)))
+        manager.queue_columns(columns_of(built(seqno + 1, length)))
         seqno += length + 1
     checkpoint = manager.open_checkpoint
     segments = [(lazy.first, lazy.end) for lazy in checkpoint.lazy]
