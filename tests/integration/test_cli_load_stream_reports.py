@@ -24,6 +24,11 @@ pytestmark = pytest.mark.timeout(180)
 
 CLI_TIMEOUT_S = 60.0
 ENV = {**os.environ, "CHANGEFEED_PASSWORD": "password"}
+# `python -m changefeed`, with every thread's stack written to stderr on SIGUSR1.
+WITH_STACKS_ON_SIGUSR1 = (
+    "import faulthandler, runpy, signal; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "runpy.run_module('changefeed', run_name='__main__', alter_sys=True)"
+)
 
 
 def changefeed(*args: str) -> subprocess.CompletedProcess[str]:
@@ -40,7 +45,7 @@ def _written(node: NodeProcess) -> int:
 def test_an_interrupted_load_says_what_it_wrote(nodes: NodeFactory) -> None:
     node = nodes(vbuckets=8, args=["--no-durable"])
     load = subprocess.Popen(
-        [sys.executable, "-m", "changefeed", "load", "--port", str(node.port),
+        [sys.executable, "-c", WITH_STACKS_ON_SIGUSR1, "load", "--port", str(node.port),
          "--count", "10000000", "--rate", "4000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
     )  # fmt: skip
@@ -49,7 +54,13 @@ def test_an_interrupted_load_says_what_it_wrote(nodes: NodeFactory) -> None:
         while _written(node) < 2000 and time.monotonic() < deadline:
             time.sleep(0.2)
         load.send_signal(signal.SIGINT)  # Ctrl-C
-        _, stderr = load.communicate(timeout=CLI_TIMEOUT_S)
+        try:
+            _, stderr = load.communicate(timeout=CLI_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # seen once under a loaded run: say where it hung
+            load.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            load.kill()
+            pytest.fail("load did not end after Ctrl-C; its stacks:\n" + load.communicate()[1])
     finally:
         load.kill()
     assert load.returncode == 130, stderr
