@@ -122,13 +122,21 @@ def test_too_few_reachable_copies_is_impossible_and_writes_nothing(
         async with await KvClient.connect("127.0.0.1", n1.port) as kv:
             key = keys_led_by(await cluster_map(n1), n1.port, kv, b"lonely-", 1)[0]
             await kv.upsert(key, b"plain")  # a plain write still goes through
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 45
             while True:  # until n1 has noticed the replica stream is gone
                 try:
                     await kv.upsert(key, b"durable", durability="majority")
                 except DurabilityImpossibleError:
                     break
-                assert time.monotonic() < deadline, "a durable write went through alone"
+                except SyncWriteAmbiguousError:
+                    # Within CONNECT_GRACE_S of n1's vbuckets going active (n2 stopped
+                    # moments after the cluster formed, seen in a fresh-clone run) the replica
+                    # still counts as reachable: the write waited for its ack and timed out,
+                    # aborted. Not a write that went through: try again.
+                    pass
+                else:
+                    pytest.fail("a durable write went through alone")
+                assert time.monotonic() < deadline, "n1 never refused the durable write"
                 await asyncio.sleep(0.1)
             assert (await kv.get(key)).value == b"plain"  # nothing written
             with pytest.raises(DurabilityImpossibleError):
