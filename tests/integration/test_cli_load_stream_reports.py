@@ -42,11 +42,12 @@ def _written(node: NodeProcess) -> int:
     return sum(asyncio.run(high_seqnos(node)).values())
 
 
-def test_an_interrupted_load_says_what_it_wrote(nodes: NodeFactory) -> None:
+@pytest.mark.parametrize("rate", ["4000", "0"])  # paced (Ctrl-C in a pause) and unpaced
+def test_an_interrupted_load_says_what_it_wrote(nodes: NodeFactory, rate: str) -> None:
     node = nodes(vbuckets=8, args=["--no-durable"])
     load = subprocess.Popen(
         [sys.executable, "-c", WITH_STACKS_ON_SIGUSR1, "load", "--port", str(node.port),
-         "--count", "10000000", "--rate", "4000"],
+         "--count", "10000000", "--rate", rate],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
     )  # fmt: skip
     try:

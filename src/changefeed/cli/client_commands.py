@@ -18,11 +18,12 @@ import contextlib
 import json
 import os
 import random
+import signal
 import stat
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
@@ -147,27 +148,29 @@ def load(
     tally = _LoadTally()
 
     async def main() -> dict[str, Any]:
-        kv = await KvClient.connect(host, port, bucket=bucket, user=user, password=password)
-        try:
-            return await _load(
-                kv,
-                count,
-                value_size,
-                keys or count,
-                update_ratio,
-                delete_ratio,
-                rate,
-                durability,
-                seed,
-                as_json,
-                tally,
-            )
-        finally:
-            await kv.close()
+        with _ctrl_c_stops() as stop:
+            kv = await KvClient.connect(host, port, bucket=bucket, user=user, password=password)
+            try:
+                return await _load(
+                    kv,
+                    count,
+                    value_size,
+                    keys or count,
+                    update_ratio,
+                    delete_ratio,
+                    rate,
+                    durability,
+                    seed,
+                    as_json,
+                    tally,
+                    stop,
+                )
+            finally:
+                await kv.close()
 
     try:
         summary = run_against(main(), Target(host, port, user))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Interrupted):
         _report_interrupted(tally, count, as_json)
         raise SystemExit(130) from None  # 128 + SIGINT, as shells report it
     if as_json:
@@ -265,6 +268,7 @@ async def _load(
     seed: int,
     quiet: bool,
     tally: _LoadTally | None = None,
+    stop: asyncio.Event | None = None,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     written: list[bytes] = []  # keys set and not deleted, for updates and deletes to pick
@@ -290,6 +294,8 @@ async def _load(
             task = progress.add_task("load", total=count)
             done = 0
             while done < count:
+                if stop is not None and stop.is_set():
+                    raise _Interrupted  # what was answered stays counted; the rest is cut
                 for _ in range(min(window, count - done)):  # bounded by the window
                     tally.generated += 1
                     roll = rng.random()
@@ -308,7 +314,7 @@ async def _load(
                 await writes.flush()  # the window goes while the next one is made
                 progress.update(task, completed=done)
                 if rate:
-                    await asyncio.sleep(max(0.0, done / rate - (time.perf_counter() - started)))
+                    await _pause(max(0.0, done / rate - (time.perf_counter() - started)), stop)
             await writes.drain()
     finally:
         await writes.aclose()  # a segment still sent when something failed
@@ -322,6 +328,51 @@ async def _load(
         "seconds": seconds,
         "ops_per_s": ops / seconds if seconds else 0.0,
     }
+
+
+class _Interrupted(Exception):
+    """Ctrl-C stopped `load` between two windows."""
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops() -> Iterator[asyncio.Event]:
+    """While inside: Ctrl-C sets the returned event (the load stops at its next window) and
+    cancels the running task (a wait for the node ends at once), instead of relying on the
+    runner's cancel alone: a cancel swallowed on the way down (a load once kept writing for
+    60 s after Ctrl-C in a loaded test run) still ends the load at the next window."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    stop = asyncio.Event()
+
+    def interrupt() -> None:
+        if not stop.is_set():
+            stop.set()
+            if task is not None:
+                task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread: as before
+        yield stop
+        return
+    try:
+        yield stop
+    except asyncio.CancelledError:
+        if stop.is_set():
+            raise _Interrupted from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+async def _pause(seconds: float, stop: asyncio.Event | None) -> None:
+    """Sleep ``seconds`` (the rate's pacing), ending early when ``stop`` is set."""
+    if stop is None:
+        await asyncio.sleep(seconds)
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stop.wait()
 
 
 def _value(rng: random.Random, size: int) -> bytes:
