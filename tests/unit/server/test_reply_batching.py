@@ -19,37 +19,7 @@ from changefeed.server.connection import ClientConnection
 from changefeed.server.context import ServerContext
 from changefeed.server.users import Users
 from changefeed.vbmap import vbucket_for_key
-
-
-class RecordingTransport:
-    """The transport side of a socket, recording each write (the kernel is not under test)."""
-
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(bytes(data))
-
-    def writelines(self, data: list[bytes]) -> None:
-        self.writes.append(b"".join(data))
-
-    def is_closing(self) -> bool:
-        return False
-
-    def get_extra_info(self, name: str) -> object:
-        return ("127.0.0.1", 40000) if name == "peername" else None
-
-    def set_write_buffer_limits(self, high: int) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+from support.transports import RecordingTransport
 
 
 def replies(data: bytes) -> list[Frame]:

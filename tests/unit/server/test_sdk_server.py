@@ -36,6 +36,7 @@ from changefeed.server.context import ServerContext
 from changefeed.server.users import Users
 from changefeed.vbmap import vbucket_for_key
 from support.buckets import ManualClock
+from support.transports import RecordingTransport
 
 VBUCKETS = 4
 # What the SDK's C++ core asks for in its HELLO (core/protocol/cmd_hello.hxx, with its default
@@ -54,37 +55,6 @@ GRANTED = [
     Feature.COLLECTIONS, Feature.PRESERVE_TTL, Feature.SUBDOC_REPLICA_READ,
     Feature.CLUSTERMAP_CHANGE_NOTIFICATION, Feature.MUTATION_SEQNO,
 ]  # fmt: skip
-
-
-class RecordingTransport:
-    """The transport side of a socket, recording each write."""
-
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(bytes(data))
-
-    def writelines(self, data: list[bytes]) -> None:
-        self.writes.append(b"".join(data))
-
-    def is_closing(self) -> bool:
-        return False
-
-    def get_extra_info(self, name: str) -> object:
-        return ("127.0.0.1", 40000) if name == "peername" else None
-
-    def set_write_buffer_limits(self, high: int) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def replies(data: bytes) -> list[Frame]:
