@@ -274,6 +274,34 @@ def test_unauthenticated_flood_takes_no_slot_an_authenticated_client_needs(
     assert log.count("closing the oldest unauthenticated connection") <= 3  # one per 10 s
 
 
+def test_a_client_that_spoke_outlives_a_flood_of_silent_sockets(nodes: NodeFactory) -> None:
+    """The CI run that failed the test above: the second flood arrived faster than a new
+    KvClient's SCRAM exchange, and the client, the oldest authenticating connection, was
+    closed between its SASL steps. Sockets that never sent a request now go first; here the
+    budget is 4, the client says HELLO, 20 silent sockets arrive, and it still authenticates."""
+    node = nodes(args=["--no-durable", "--max-unauthenticated-connections", "4"])
+
+    async def scenario() -> None:
+        conn = await Connection.open(HOST, node.port)
+        try:
+            await hello(conn, "spoke-first", list(FEATURES))
+            flood = await asyncio.to_thread(open_flood, node.port, 20)
+            try:
+                closed = await asyncio.to_thread(closed_by_node, flood, FLOOD_WAIT_S, 17)
+                assert closed == 17, closed  # all but the 3 newest silent ones
+                await call(conn, Opcode.SASL_AUTH, key=b"PLAIN", value=encode_plain(USER, PASSWORD))
+                await select_bucket(conn, BUCKET)
+            finally:
+                for sock in flood:
+                    sock.close()
+        finally:
+            await conn.close()
+        counters = await node_stats(node, "connections")
+        assert int(counters["closed_unauthenticated_total"]) >= 17, counters
+
+    asyncio.run(scenario())
+
+
 def test_idle_authenticated_floods_are_bounded_per_user(nodes: NodeFactory) -> None:
     node = nodes(start=False, args=["--no-durable"])
     users = Users()

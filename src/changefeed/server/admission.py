@@ -7,8 +7,11 @@ client out for the 10 s authentication deadline, and 897 idle authenticated ones
 idle timeout. Here:
 
 * connections still authenticating share ``unauthenticated_max`` slots; one more closes the
-  oldest of them (it had the longest to authenticate), so a flood of them costs at most that
-  many slots and a new client always gets a socket;
+  oldest of them that has not sent a request yet, or if every one has, the oldest of all (it
+  had the longest to authenticate). A flood of them costs at most that many slots, a new client
+  always gets a socket, and a client in the middle of its SASL exchange is not pushed out by
+  sockets that never speak (a CI run's flood of 5,000 silent sockets closed a KvClient between
+  its SCRAM steps when the flood arrived faster than one exchange);
 * authenticated connections share what is left, minus ``admin_reserved`` slots only users with
   the admin privilege may take (a replica stream authenticates as the replication user, an
   admin: replication and the operator get in whatever the applications hold);
@@ -119,7 +122,10 @@ class Admission:
         self.shares = shares
         self._clock = clock
         self._idle_min_s = idle_min_s
-        self._unauthenticated: dict[Member, None] = {}  # insertion order: oldest first
+        # Authenticating connections in arrival order (oldest first): those that sent no
+        # request yet are closed for room before any that did.
+        self._silent: dict[Member, None] = {}
+        self._talking: dict[Member, None] = {}
         self._user_of: dict[Member, str] = {}
         self._by_user: dict[str, dict[Member, None]] = {}
         self._admins: set[Member] = set()
@@ -130,7 +136,7 @@ class Admission:
 
     @property
     def unauthenticated(self) -> int:
-        return len(self._unauthenticated)
+        return len(self._silent) + len(self._talking)
 
     @property
     def authenticated(self) -> int:
@@ -145,7 +151,7 @@ class Admission:
         the busiest user's count, the shares, and the totals of each rule."""
         shares = self.shares
         return {
-            "authenticating": len(self._unauthenticated),
+            "authenticating": self.unauthenticated,
             "authenticated": len(self._user_of),
             "admin": len(self._admins),
             "users": len(self._by_user),
@@ -160,18 +166,21 @@ class Admission:
         }
 
     def arrived(self, member: Member) -> Member | None:
-        """A new connection (not authenticated yet). Returns the oldest unauthenticated one to
-        close if the budget is full (it leaves the books at once)."""
-        assert member not in self._unauthenticated, member
+        """A new connection (not authenticated yet). Returns the unauthenticated one to close
+        if the budget is full (it leaves the books at once): the oldest silent one, else the
+        oldest of all."""
+        assert not self._authenticating(member), member
         assert member not in self._user_of, member
-        oldest = None
-        if len(self._unauthenticated) >= self.shares.unauthenticated_max:
-            oldest = next(iter(self._unauthenticated))
-            self.left(oldest)
-            self.closed_unauthenticated += 1
-        self._unauthenticated[member] = None
-        assert len(self._unauthenticated) <= self.shares.unauthenticated_max
+        oldest = self._make_room()
+        self._silent[member] = None
         return oldest
+
+    def spoke(self, member: Member) -> None:
+        """``member``, still authenticating, sent a request: from now on it is closed for room
+        only after every silent one. Cheap for any other member (the caller need not check)."""
+        if member in self._silent:
+            del self._silent[member]
+            self._talking[member] = None
 
     def authenticated_as(
         self, member: Member, user: str, *, admin: bool
@@ -220,14 +229,17 @@ class Admission:
         never had one keeps its place in the eviction order; one that had one joins the
         authenticating connections as a newcomer does, so it returns the oldest of them to
         close when their budget is full (as `arrived`)."""
-        if member in self._unauthenticated:
+        if self._authenticating(member):
             return None
         self.left(member)
-        return self.arrived(member)
+        oldest = self._make_room()
+        self._talking[member] = None  # its SASL request was one
+        return oldest
 
     def left(self, member: Member) -> None:
         """``member`` closed (or changes kind): its slot is free."""
-        self._unauthenticated.pop(member, None)
+        self._silent.pop(member, None)
+        self._talking.pop(member, None)
         self._admins.discard(member)
         user = self._user_of.pop(member, None)
         if user is not None:
@@ -235,6 +247,19 @@ class Admission:
             del mine[member]
             if not mine:
                 del self._by_user[user]
+
+    def _authenticating(self, member: Member) -> bool:
+        return member in self._silent or member in self._talking
+
+    def _make_room(self) -> Member | None:
+        """Take the oldest silent (else oldest talking) authenticating connection off the
+        books if their budget is full, to be closed; None if there is room."""
+        if self.unauthenticated < self.shares.unauthenticated_max:
+            return None
+        oldest = next(iter(self._silent or self._talking))
+        self.left(oldest)
+        self.closed_unauthenticated += 1
+        return oldest
 
     def _idlest(self, among: dict[Member, str] | dict[Member, None]) -> Member | None:
         """The connection idle the longest (at least idle_min_s) that may be closed."""
@@ -248,7 +273,8 @@ class Admission:
         return best
 
     def _check_invariants(self) -> None:
-        assert not set(self._unauthenticated) & set(self._user_of)
+        assert not set(self._silent) & set(self._talking)
+        assert not (set(self._silent) | set(self._talking)) & set(self._user_of)
         assert sum(len(m) for m in self._by_user.values()) == len(self._user_of)
         assert self._admins <= set(self._user_of)
-        assert len(self._unauthenticated) <= self.shares.unauthenticated_max
+        assert self.unauthenticated <= self.shares.unauthenticated_max

@@ -506,6 +506,8 @@ class ClientConnection(asyncio.Protocol):
         self._out = None
         if dispatched:
             self.last_request_s = self.context.monotonic()
+            if self.admission is not None and self.sasl.user is None:
+                self.admission.spoke(self)  # closed for room after silent sockets now
         self._account_partial()
 
     def _account_partial(self) -> None:

@@ -52,6 +52,27 @@ def test_unauthenticated_beyond_the_budget_close_the_oldest_first() -> None:
     admission._check_invariants()
 
 
+def test_a_connection_that_spoke_is_closed_for_room_only_after_every_silent_one() -> None:
+    """A CI run's flood of silent sockets closed a KvClient between its SCRAM steps: it was
+    the oldest authenticating connection. One that sent a request now goes last."""
+    clock = Clock()
+    admission = Admission(Shares.of(100, 3, 0, 10), clock=clock)
+    client, silent = Fake(clock), [Fake(clock) for _ in range(4)]
+    assert admission.arrived(client) is None
+    admission.spoke(client)
+    admission.spoke(client)  # again: no change
+    closed = [admission.arrived(conn) for conn in silent]
+    assert closed == [None, None, silent[0], silent[1]]  # the client, oldest, stays
+    other = Fake(clock)
+    admission.spoke(other)  # not on the books: nothing happens
+    for conn in silent[2:]:
+        admission.spoke(conn)
+    # Every one spoke: the oldest of all goes.
+    assert admission.arrived(Fake(clock)) is client
+    assert admission.closed_unauthenticated == 3
+    admission._check_invariants()
+
+
 def test_a_user_at_its_bound_closes_its_idlest_connection_or_is_refused() -> None:
     clock = Clock()
     admission = Admission(Shares.of(100, 10, 0, 2), clock=clock, idle_min_s=1.0)
@@ -146,6 +167,18 @@ class _Model:
 
     def __init__(self) -> None:
         self.kind: dict[int, tuple[str, bool] | None] = {}  # None: authenticating
+        self.silent: list[int] = []  # authenticating, no request yet: oldest first
+        self.talking: list[int] = []
+
+    def leave(self, index: int) -> None:
+        del self.kind[index]
+        for order in (self.silent, self.talking):
+            if index in order:
+                order.remove(index)
+
+    def expected_victim(self) -> int:
+        """The authenticating connection the budget closes for a newcomer when full."""
+        return (self.silent or self.talking)[0]
 
 
 @settings(max_examples=80, deadline=None)
@@ -159,10 +192,13 @@ class _Model:
         ("fail", 0, "app"),
     ]
 )
+@example(  # the one that spoke stays when the budget is full
+    [("arrive", 0, "app"), ("speak", 0, "app")] + [("arrive", index, "app") for index in (1, 2, 3)]
+)
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["arrive", "auth", "leave", "fail"]),
+            st.sampled_from(["arrive", "auth", "leave", "fail", "speak"]),
             st.integers(0, 11),
             st.sampled_from(["app", "etl", "Administrator"]),
         ),
@@ -180,27 +216,42 @@ def test_counters_match_a_model_of_who_holds_what(
     model = _Model()
     for action, index, user in steps:
         conn, admin = conns[index], user == "Administrator"
+        full = list(model.kind.values()).count(None) >= 3
         if action == "arrive" and index not in model.kind:
             oldest = admission.arrived(conn)
-            if oldest is not None:
-                del model.kind[conns.index(oldest)]
+            if full:
+                assert oldest is conns[model.expected_victim()], (oldest, model.silent)
+                model.leave(model.expected_victim())
+            assert oldest is None or full, oldest
             model.kind[index] = None
+            model.silent.append(index)
+        elif action == "speak" and model.kind.get(index, "") is None:
+            admission.spoke(conn)
+            if index in model.silent:
+                model.silent.remove(index)
+                model.talking.append(index)
         elif action == "auth" and index in model.kind:
             refusal, victims = admission.authenticated_as(conn, user, admin=admin)
+            model.leave(index)
             for victim in victims:
-                del model.kind[conns.index(victim)]
+                model.leave(conns.index(victim))
             if refusal is None:
                 model.kind[index] = (user, admin)
-            else:
-                del model.kind[index]
         elif action == "fail" and index in model.kind:
             oldest = admission.unauthenticated_again(conn)
-            if oldest is not None:
-                del model.kind[conns.index(oldest)]
-            model.kind[index] = None
+            if model.kind[index] is None:
+                assert oldest is None
+            else:
+                if full:
+                    assert oldest is conns[model.expected_victim()], (oldest, model.silent)
+                    model.leave(model.expected_victim())
+                model.leave(index)
+                model.kind[index] = None
+                model.talking.append(index)  # its SASL request was one
+            assert oldest is None or full, oldest
         elif action == "leave" and index in model.kind:
             admission.left(conn)
-            del model.kind[index]
+            model.leave(index)
         admission._check_invariants()
         counters = admission.counters()
         kinds = list(model.kind.values())
