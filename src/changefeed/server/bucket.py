@@ -17,7 +17,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from changefeed import limits
-from changefeed.checkpoint import CursorKind, Item, MemoryBudget, StreamReader, Wakeup
+from changefeed.checkpoint import (
+    ITEM_OVERHEAD_BYTES,
+    CursorKind,
+    Item,
+    MemoryBudget,
+    StreamReader,
+    Wakeup,
+)
 from changefeed.checkpoint.flusher import stage_round
 from changefeed.producer.stream_request import VbucketView
 from changefeed.protocol.errors import KeyNotFoundError, NotMyVbucketError, StatusError
@@ -28,6 +35,7 @@ from changefeed.protocol.set_run import SetRun, SetRunAnswers
 from changefeed.server.config import NodeConfig
 from changefeed.server.persistence import PersistenceHealth
 from changefeed.server.persistence_waits import PersistenceWaits, VbucketMark
+from changefeed.server.request_window import WindowWrites
 from changefeed.storage import Op, StorageError, Store
 from changefeed.vbucket import Document, RunLookup, SetManyResult, VBucket, fields_in_range
 from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState, initial_state
@@ -455,6 +463,83 @@ class Bucket(VBucketSource):
                 if outcome.errors:
                     errors[index] = outcome.errors[0]
                 continue
+            for index, seqno, cas in zip(indexes, outcome.seqnos, outcome.cases, strict=True):
+                seqnos[index], cases[index], vb_uuids[index] = seqno, cas, vb_uuid
+            for at, refused in outcome.errors.items():
+                errors[indexes[at]] = refused
+        return answers
+
+    def write_window(self, writes: WindowWrites) -> SetRunAnswers | None:
+        """A received window's SETs and DELETEs (request_window.py), each vbucket's in one
+        `VBucket.write_many` call in request order, answered as columns in `writes`' order;
+        the keys memory has none of are read from the store in one transaction.
+
+        Vbuckets are applied one after another, not in request order across them, which
+        only checkpoint memory could tell apart (a bucket-wide quota: which write is refused
+        TMPFAIL, when recovery closes checkpoints): None, nothing applied, when the window
+        might take memory over the budget's upper mark; the caller applies it in order."""
+        count = len(writes)
+        try:
+            self.persistence.check_writable()
+        except StatusError as error:
+            return SetRunAnswers([0] * count, [0] * count, [0] * count,
+                                 dict.fromkeys(range(count), error))  # fmt: skip
+        keys, values = writes.keys, writes.values
+        budget = self.budget
+        # Each write may queue its key's expiration too: two items, the key twice.
+        bound = 2 * (sum(map(len, keys)) + count * ITEM_OVERHEAD_BYTES) + sum(map(len, values))
+        if budget.used_bytes + bound > budget.upper_mark_bytes:
+            return None
+        now = self._clock()
+        expiries = writes.expiries
+        if any(expiries):
+            expiries = [absolute_expiry(expiry, now) for expiry in expiries]
+        flags, datatypes, ops, cases_in = writes.flags, writes.datatypes, writes.ops, writes.cases
+        by_vb: dict[int, list[int]] = {}
+        for index, vb in enumerate(writes.vbuckets):
+            group = by_vb.get(vb)
+            if group is None:
+                by_vb[vb] = [index]
+            else:
+                group.append(index)
+        answers = SetRunAnswers([0] * count, [0] * count, [0] * count, {})
+        cases, seqnos, vb_uuids, errors = (
+            answers.cases, answers.seqnos, answers.vb_uuids, answers.errors
+        )  # fmt: skip
+        vbuckets = self.vbuckets
+        in_memory: dict[int, list[Item | None]] = {}
+        missing: dict[int, list[bytes]] = {}
+        vb_keys: dict[int, list[bytes]] = {}
+        for vb, indexes in by_vb.items():
+            vbucket = vbuckets.get(vb)
+            vb_keys[vb] = group_keys = [keys[i] for i in indexes]
+            if vbucket is not None and vbucket.state.is_active:
+                in_memory[vb], missing[vb] = vbucket.lookup_memory(group_keys)
+        stored = self.store.get_many_across(missing)
+        for vb, indexes in by_vb.items():
+            vbucket = vbuckets.get(vb)
+            if vbucket is None:
+                errors.update(
+                    dict.fromkeys(indexes, NotMyVbucketError(f"vbucket {vb} does not exist"))
+                )
+                continue
+            group_keys = vb_keys[vb]
+            lookup = RunLookup(
+                in_memory.get(vb) or [None] * len(indexes), stored.get(vb) or {}
+            )  # a vbucket not active: its role refuses every write, reading nothing
+            outcome = vbucket.write_many(
+                [ops[i] for i in indexes],
+                (
+                    group_keys,
+                    [values[i] for i in indexes],
+                    [flags[i] for i in indexes],
+                    [expiries[i] for i in indexes],
+                    [datatypes[i] for i in indexes],
+                ),
+                [cases_in[i] for i in indexes],
+                lookup=lookup,
+            )
+            vb_uuid = outcome.vb_uuid
             for index, seqno, cas in zip(indexes, outcome.seqnos, outcome.cases, strict=True):
                 seqnos[index], cases[index], vb_uuids[index] = seqno, cas, vb_uuid
             for at, refused in outcome.errors.items():

@@ -38,6 +38,7 @@ from changefeed.vbucket.role import Role
 from changefeed.vbucket.values import (
     NS_PER_S,
     U32_MAX,
+    WRITE_DELETE,
     Document,
     RunLookup,
     SetColumns,
@@ -635,6 +636,132 @@ class ActiveRole(Role):
             if self.locks:
                 for item in items[:queued]:  # a new version is never locked
                     self.locks.pop(item.key, None)
+
+    # -- a window's SETs and DELETEs --------------------------------------------------------------
+
+    def write_many(
+        self, ops: Sequence[int], writes: SetColumns, cases: Sequence[int], *, lookup: RunLookup,
+    ) -> SetManyResult:  # fmt: skip
+        """See `VBucket.write_many`. One pass builds each write's item with `set`'s or
+        `delete`'s checks in their order, each write seeing the ones before it; the items go
+        as one run. A run with a pending key, and the writes from where checkpoint memory ran
+        out, go through `set` / `delete` one at a time (their answers exactly)."""
+        keys, values, flags, expiries, datatypes = writes
+        core = self.core
+        count = len(ops)
+        seqnos, cases_out = [0] * count, [0] * count
+        errors: dict[int, StatusError] = {}
+        if self.pending and not self.pending.keys().isdisjoint(keys):
+            return self._write_one_by_one(ops, writes, cases, 0, (seqnos, cases_out, errors))
+        vb, store, locks = core.vb, core.store, self.locks
+        now = core.now()
+        now_cas, delete_time = int(now * NS_PER_S), min(int(now), U32_MAX)
+        seqno, cas = core.high_seqno, core.last_cas
+        found: dict[bytes, Item | None] = dict(zip(keys, lookup.in_memory, strict=True))
+        stored = lookup.stored
+        written: set[bytes] = set()  # keys this run wrote: their locks are gone (`_queue_write`)
+        items: list[Item] = []
+        answers: list[int] = []  # per item, the write it answers (or that found it expired)
+        for index, op in enumerate(ops):  # bounded by the caller's window
+            key = keys[index]
+            try:  # in the order `set` / `delete` check: lookup (may expire), lock, CAS, fields
+                current: Item | Record | None = found[key]
+                if current is None:
+                    current = stored[key] if key in stored else store.get(vb, key)
+                if current is not None and current.op is not _MUTATION:
+                    current = None
+                elif current is not None and current.expiry and current.expiry <= now:
+                    seqno, cas = seqno + 1, max(now_cas, cas + 1)
+                    expired = Item(
+                        seqno, key, _EXPIRATION, b"", cas,
+                        rev_seqno=current.rev_seqno + 1, delete_time=delete_time,
+                    )  # fmt: skip
+                    items.append(expired)
+                    answers.append(index)
+                    found[key] = expired
+                    written.add(key)
+                    current = None
+                lock = locks.get(key) if locks and key not in written else None
+                if op == WRITE_DELETE:
+                    want = cases[index]
+                    if current is None:
+                        raise KeyNotFoundError(f"vb {vb}: key {key[:64]!r} not found")
+                    if lock is not None and lock.until > now and want != lock.cas:
+                        raise LockedError(f"vb {vb}: key {key[:64]!r} is locked")
+                    if want and (current.cas if lock is None else lock.cas) != want:
+                        raise KeyExistsError(f"vb {vb}: key {key[:64]!r} has another CAS")
+                    if not write_in_range(key, b"", 0, 0, 0):
+                        check_fields(key, b"", 0, 0, 0)
+                    seqno, cas = seqno + 1, max(now_cas, cas + 1)
+                    item = Item(
+                        seqno, key, _DELETION, b"", cas,
+                        rev_seqno=current.rev_seqno + 1, delete_time=delete_time,
+                    )  # fmt: skip
+                else:
+                    if lock is not None and current is not None and lock.until > now:
+                        raise LockedError(f"vb {vb}: key {key[:64]!r} is locked")
+                    value, flag, expiry, datatype = (
+                        values[index], flags[index], expiries[index], datatypes[index]
+                    )  # fmt: skip
+                    if not write_in_range(key, value, flag, expiry, datatype):
+                        check_fields(key, value, flag, expiry, datatype)
+                    seqno, cas = seqno + 1, max(now_cas, cas + 1)
+                    rev = current.rev_seqno + 1 if current is not None else 1
+                    item = Item(seqno, key, _MUTATION, value, cas, flag, expiry, datatype, rev)
+            except StatusError as error:
+                errors[index] = error
+                continue
+            items.append(item)
+            answers.append(index)
+            found[key] = item  # the next write of the key in this run follows it
+            written.add(key)
+            seqnos[index], cases_out[index] = seqno, cas
+        queued = self._queue_prefix(items)
+        if queued < len(items):  # memory ran out: from that write on, one at a time
+            redo = answers[queued]
+            for index in range(redo, count):  # bounded by the caller's window
+                seqnos[index] = cases_out[index] = 0
+                errors.pop(index, None)
+            return self._write_one_by_one(ops, writes, cases, redo, (seqnos, cases_out, errors))
+        return SetManyResult(vb, core.vb_uuid, seqnos, cases_out, errors)
+
+    def _queue_prefix(self, items: list[Item]) -> int:
+        """Queue `items` as one run, as far as checkpoint memory allows; return how many."""
+        if not items:
+            return 0
+        core = self.core
+        try:
+            queued = core.manager.queue_run(items)
+        except CheckpointMemoryFullError:
+            return 0
+        if queued:
+            core.advanced(items[queued - 1].seqno, items[queued - 1].cas)
+            if self.locks:
+                for item in items[:queued]:  # a new version is never locked
+                    self.locks.pop(item.key, None)
+        return queued
+
+    def _write_one_by_one(
+        self, ops: Sequence[int], writes: SetColumns, cases: Sequence[int], start: int,
+        out: tuple[list[int], list[int], dict[int, StatusError]],
+    ) -> SetManyResult:  # fmt: skip
+        """`write_many`'s writes from `start` on through `set` / `delete`, each alone."""
+        keys, values, flags, expiries, datatypes = writes
+        seqnos, cases_out, errors = out
+        for index in range(start, len(ops)):  # bounded by the caller's window
+            try:
+                if ops[index] == WRITE_DELETE:
+                    result = self.delete(keys[index], cas=cases[index])
+                else:
+                    result = self.set(
+                        keys[index], values[index], flags=flags[index], expiry=expiries[index],
+                        datatype=datatypes[index],
+                    )  # fmt: skip
+            except StatusError as error:
+                errors[index] = error
+                continue
+            seqnos[index], cases_out[index] = result.seqno, result.cas
+        return SetManyResult(self.core.vb, self.core.vb_uuid, seqnos, cases_out, errors)
 
 
 def _rev_after(current: Item | Record | None, now: float) -> int | None:
