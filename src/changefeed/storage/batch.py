@@ -35,6 +35,7 @@ from changefeed.storage.record import (
     encode_stored,
 )
 from changefeed.storage.replaced import drop_replaced
+from changefeed.storage.staged_runs import StagedRun, StagedRuns
 from changefeed.storage.vbmeta import VbState, check_failover_log, check_state, encode_vbstate
 from changefeed.vbucket_state import VBucketState
 
@@ -129,6 +130,7 @@ class WriteBatch:
         "_prepared",
         "_records",
         "_rows",
+        "_runs",
     )
 
     def __init__(self, committed: Mapping[int, VbState]) -> None:
@@ -136,12 +138,14 @@ class WriteBatch:
         self._rows: dict[int, VbState] = {}  # vb -> working copy of its metadata
         self._records: dict[bytes, bytes] = {}  # by_seqno key -> stored record
         self._keys: dict[bytes, bytes] = {}  # by_key key -> by_key value
+        # Clean runs, held as their columns (a key is in _keys or in one run, never both).
+        self._runs = StagedRuns()
         # vb -> how many of the versions the batch holds are mutations (its item_count change
         # before the versions they replace in the store are counted, at apply)
         self._mutations: dict[int, int] = {}
         # prepared key -> level byte + stored prepare, or None: the key's prepare has ended.
         self._prepared: dict[bytes, bytes | None] = {}
-        self._bytes = 0  # stored bytes held in _records
+        self._bytes = 0  # stored bytes held in _records and _runs
         self._open = True
 
     @property
@@ -390,8 +394,9 @@ class WriteBatch:
             and _bodies_hold_extras_and_keys(body_sizes, key_sizes, key_size_max, ops)
             and max(body_sizes) <= _VALUE_SIZE_MAX
             and max(datatypes) <= DATATYPE_MASK  # a negative one fails to pack below
-            and len(set(by_keys)) == len(by_keys)
-            and self._keys.keys().isdisjoint(by_keys)
+            and len(key_set := set(by_keys)) == len(by_keys)
+            and self._keys.keys().isdisjoint(key_set)
+            and not self._runs.overlaps((vb for vb, _ in rows), key_set)
         ):
             return False
         if not _bodies_hold_fields(sizes, keys, seqnos, bodies, ops):
@@ -405,9 +410,9 @@ class WriteBatch:
         stored_bytes = self._bytes + sum(body_sizes) + len(stored) * PREFIX.size
         if stored_bytes > limits.STORAGE_BATCH_BYTES_MAX:
             return False
-        self._records.update(zip(seqno_keys, stored, strict=True))
-        by_key_values = map(_pack_by_key_value, seqnos, ops)
-        self._keys.update(zip(by_keys, by_key_values, strict=True))
+        by_key_values = list(map(_pack_by_key_value, seqnos, ops))
+        vbs_covered = tuple(vb for vb, _ in rows)
+        self._runs.add(StagedRun(vbs_covered, seqno_keys, stored, by_keys, by_key_values, key_set))
         self._bytes = stored_bytes
         first = 0
         mutations = self._mutations
@@ -604,7 +609,7 @@ class WriteBatch:
         """
         self._require_open()
         self._open = False
-        if self._keys:
+        if self._keys or self._runs:
             self._apply_items(txn, by_seqno, by_key)
         if self._prepared:
             assert prepared is not None, "a batch with prepares needs the prepared database"
@@ -626,6 +631,7 @@ class WriteBatch:
         self._open = False
         self._records.clear()
         self._keys.clear()
+        self._runs.clear()
         self._mutations.clear()
         self._prepared.clear()
 
@@ -634,15 +640,21 @@ class WriteBatch:
     ) -> None:
         count_delta = dict.fromkeys(self._rows, 0)
         count_delta.update(self._mutations)
-        found = txn.cursor(db=by_key).getmulti(list(self._keys))
+        runs = self._runs
+        by_keys = itertools.chain(self._keys, runs.by_keys()) if runs else self._keys
+        found = txn.cursor(db=by_key).getmulti(by_keys)
         if found:  # the versions this batch replaces (updates, not inserts)
             for vb, replaced in drop_replaced(txn, by_seqno, found).items():
                 count_delta[vb] -= replaced
         # Sorting the records first was measured: no faster (the same pages are touched).
-        consumed, added = txn.cursor(db=by_seqno).putmulti(self._records.items(), dupdata=False)
-        assert consumed == added == len(self._records), (consumed, added, len(self._records))
-        consumed, added = txn.cursor(db=by_key).putmulti(self._keys.items(), dupdata=False)
-        assert consumed == added == len(self._keys), (consumed, added, len(self._keys))
+        # A clean run goes from its lists (staged_runs.py); each version is held once.
+        versions = len(self._records) + len(runs)
+        records = itertools.chain(self._records.items(), runs.records())
+        consumed, added = txn.cursor(db=by_seqno).putmulti(records, dupdata=False)
+        assert consumed == added == versions, (consumed, added, versions)
+        entries = itertools.chain(self._keys.items(), runs.entries())
+        consumed, added = txn.cursor(db=by_key).putmulti(entries, dupdata=False)
+        assert consumed == added == versions, (consumed, added, versions)
         for vb, delta in count_delta.items():
             row = self._rows[vb]
             row.item_count += delta
@@ -668,6 +680,8 @@ class WriteBatch:
                 "limits.STORAGE_BATCH_BYTES_MAX: commit it and start another"
             )
         by_key_key = _VB_PREFIXES[vb] + key
+        if self._runs:
+            self._unstage_holding(vb, by_key_key)
         previous = self._keys.get(by_key_key)
         mutations = self._mutations.get(vb, 0) + (op == Op.MUTATION)
         if previous is not None:  # the key was written earlier in this batch: drop that version
@@ -679,6 +693,14 @@ class WriteBatch:
         self._keys[by_key_key] = _pack_by_key_value(seqno, op)
         self._bytes += len(stored)
         row.high_seqno = seqno
+
+    def _unstage_holding(self, vb: int, by_key_key: bytes) -> None:
+        """Move the clean run holding `by_key_key` (if one does) into the dicts, where a
+        write of the key replaces it (`_add`)."""
+        run = self._runs.take_holding(vb, by_key_key)
+        if run is not None:
+            self._records.update(zip(run.seqno_keys, run.stored, strict=True))
+            self._keys.update(zip(run.by_keys, run.by_key_values, strict=True))
 
     def _require_open(self) -> None:
         if not self._open:
