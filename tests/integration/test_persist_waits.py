@@ -32,7 +32,11 @@ def test_persisted_writes_survive_a_kill_right_after(nodes: NodeFactory) -> None
 
     results = asyncio.run(write())
     general = asyncio.run(node_stats(node))
-    assert int(general["persistence_waits_answered"]) >= 1, general  # the node waited (0xb6)
+    # The client asked the node (0xb6) once per window. Whether the node had to wait depends
+    # on how far its flusher got meanwhile (a fresh-clone run under load: it never had to).
+    asked = int(general["persistence_waits_requested"])
+    assert asked >= 2, general
+    assert int(general["persistence_waits_answered"]) <= asked, general
     assert general["persistence_waits"] == "0", general
     node.kill()  # no clean stop: only what was on disk counts
     node.start()

@@ -53,6 +53,11 @@ class NodeCollector(Collector):
             "SEQNO_PERSISTENCE requests answered once their seqno was persisted.",
             bucket.persistence_waits.answered_total,
         )
+        yield _gauge(
+            "changefeed_persistence_waits_requested_total",
+            "SEQNO_PERSISTENCE requests, those answered at once (already persisted) included.",
+            bucket.persistence_waits.requested_total,
+        )
         yield from _background_gauges(context)
         yield from _replication_gauges(context)
         for provider in context.metric_providers:

@@ -84,6 +84,7 @@ class PersistenceWaits:
         self._order = itertools.count()
         self.count = 0  # waits not answered yet
         self.answered_total = 0  # waits answered success after waiting (not at once)
+        self.requested_total = 0  # every wait asked for, those answered at once included
 
     @property
     def heap_entries(self) -> int:
@@ -103,6 +104,7 @@ class PersistenceWaits:
         mark = self._mark_of(vb)
         if mark is None:
             raise NotMyVbucketError(f"vbucket {vb} does not exist")
+        self.requested_total += 1
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         if mark.persisted_seqno >= seqno:

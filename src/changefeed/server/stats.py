@@ -32,6 +32,7 @@ def stat_group(context: ServerContext, group: str) -> Iterator[tuple[str, str]]:
         yield "persistence_error", bucket.persistence.error or ""
         yield "persistence_waits", str(bucket.persistence_waits.count)
         yield "persistence_waits_answered", str(bucket.persistence_waits.answered_total)
+        yield "persistence_waits_requested", str(bucket.persistence_waits.requested_total)
         for worker in (context.compactor, context.expiry_pager):
             if worker is not None:  # compaction_* and expiry_pager_* counters
                 yield from worker.stats()

@@ -71,10 +71,12 @@ def test_a_wait_ends_as_the_model_says(steps: list[tuple[str, int, int]]) -> Non
         made: list[tuple[int, int, int, asyncio.Future[None]]] = []  # vb, seqno, uuid, future
         expected: list[str] = []  # "pending", "ok", "changed", "cancelled"
         had_to_wait = 0
+        answered_at_once: list[bool] = []
         for kind, a, b in steps:
             if kind == "wait":
                 future = waits.wait(a, b)
                 had_to_wait += not future.done()
+                answered_at_once.append(future.done())
                 made.append((a, b, node.uuid[a], future))
                 expected.append("ok" if node.persisted[a] >= b else "pending")
             elif kind == "persist":
@@ -105,6 +107,14 @@ def test_a_wait_ends_as_the_model_says(steps: list[tuple[str, int, int]]) -> Non
             assert waits.count == pending
             assert waits.heap_entries <= 2 * pending + 16  # ended waits do not pile up
         assert node.hurried == had_to_wait  # each wait that had to wait hurried the flusher
+        # Counters (STAT persistence_waits_*): every wait asked, and those answered success
+        # after waiting (not at once, not changed, not cancelled).
+        assert waits.requested_total == len(made)
+        answered_late = sum(
+            want == "ok" and not at_once
+            for want, at_once in zip(expected, answered_at_once, strict=True)
+        )
+        assert waits.answered_total == answered_late
         waits.fail_all("stopping")
         await asyncio.sleep(0)
         assert waits.count == 0 and waits.heap_entries == 0
