@@ -58,6 +58,7 @@ from changefeed.storage.keys import (
     VB_KEY,
     decode_by_key_value,
 )
+from changefeed.storage.lookup import records_of_hits
 from changefeed.storage.record import PREFIX, Record, decode_record
 from changefeed.storage.vbmeta import VbState, VBucketMeta, decode_vbstate, encode_vbstate
 
@@ -557,10 +558,9 @@ class Store:
         try:
             with self._env.begin() as txn:
                 hits = txn.cursor(db=self._by_key).getmulti(by_key_keys)
-                for by_key_key, _ in hits:  # updates only: a new key costs nothing more
-                    vb = VB_KEY.unpack_from(by_key_key)[0]
-                    key = by_key_key[VB_KEY.size :]
-                    found[vb][key] = self._get_in(txn, vb, key)
+                if hits:  # updates only: a new key costs nothing more
+                    for vb, key, record in records_of_hits(txn, self._by_seqno, hits):
+                        found[vb][key] = record
         except lmdb.Error as error:
             with _translated_errors(self._map_size_bytes):
                 raise error

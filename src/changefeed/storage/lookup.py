@@ -1,0 +1,68 @@
+"""The records of keys found in `by_key`, read with one LMDB lookup (`Store.get_many_across`).
+
+Contract: `records_of_hits` takes the (by_key key, value) pairs a `getmulti` of `by_key`
+found and returns (vb, key, record) for each, in the same order, reading every record with one
+`getmulti` of `by_seqno` instead of two `get`s per key (the by_key entry again, then the
+record): a received window of overwrites looks up every key it writes, and the per-key
+lookups were half of the active's cost per overwrite. The by_seqno key of an entry is cut from
+the bytes (keys.py: `SEQNO_KEY.pack(vb, seqno) == by_key_key[:2] + value[:8]`).
+
+Raises CorruptRecordError, naming the vbucket and seqno, as `Store.get` does: an entry that is
+not 9 bytes, points at a missing record, or disagrees with it (key or op).
+
+Not here: the by_key lookup, the read transaction, what a caller does with the records.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Final
+
+from changefeed.storage.errors import CorruptRecordError
+from changefeed.storage.keys import BY_KEY_VALUE, SEQNO_KEY, VB_KEY, decode_by_key_value
+from changefeed.storage.record import Record, decode_record
+
+if TYPE_CHECKING:
+    import lmdb
+
+_first: Final = operator.itemgetter(0)
+_second: Final = operator.itemgetter(1)
+_vb_part: Final = operator.itemgetter(slice(0, VB_KEY.size))  # of a by_key key
+_seqno_part: Final = operator.itemgetter(slice(0, 8))  # of a by_key value
+_OP_AT: Final = 8  # of a by_key value
+assert BY_KEY_VALUE.format == ">QB", BY_KEY_VALUE.format  # seqno u64, then op u8
+assert SEQNO_KEY.format == ">" + VB_KEY.format[1:] + "Q", (SEQNO_KEY.format, VB_KEY.format)
+
+
+def records_of_hits(
+    txn: lmdb.Transaction[bytes], by_seqno: lmdb._Database, hits: list[tuple[bytes, bytes]]
+) -> list[tuple[int, bytes, Record]]:
+    """(vb, key, record) of each of `hits` (by_key key, its value), in order.
+
+    Raises:
+        CorruptRecordError: an entry is not 9 bytes, points at a missing record, or names
+            another key or op than its record.
+    """
+    keys = list(map(_first, hits))
+    values = list(map(_second, hits))
+    if values and set(map(len, values)) != {BY_KEY_VALUE.size}:
+        for key, value in hits:  # bounded by the hits; names the first malformed one
+            decode_by_key_value(VB_KEY.unpack_from(key)[0], value)
+    seqno_keys = list(map(operator.add, map(_vb_part, keys), map(_seqno_part, values)))
+    stored = txn.cursor(db=by_seqno).getmulti(seqno_keys)
+    if len(stored) != len(seqno_keys):  # getmulti leaves out what it did not find
+        present = set(map(_first, stored))
+        at = next(n for n, seqno_key in enumerate(seqno_keys) if seqno_key not in present)
+        vb, seqno = SEQNO_KEY.unpack(seqno_keys[at])
+        key = keys[at][VB_KEY.size :]
+        raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} has no record")
+    found = []
+    unpack = SEQNO_KEY.unpack
+    for by_key_key, value, (seqno_key, data) in zip(keys, values, stored, strict=True):
+        vb, seqno = unpack(seqno_key)
+        key = by_key_key[VB_KEY.size :]
+        record = decode_record(vb, seqno, data)
+        if record.key != key or record.op != value[_OP_AT]:
+            raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} disagrees with record")
+        found.append((vb, key, record))
+    return found
