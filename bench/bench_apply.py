@@ -23,7 +23,9 @@ and the best run is shown; the node's interpreter settings, ``server/node.py``
   and a replica stream's durable writes (windows of 64 prepares then their 64 commits, framed
   as DCP_PREPARE / DCP_COMMIT), CPU per item and per durable write.
 
-Command: ``.venv/bin/python bench/bench_apply.py`` (``--items``, ``--repeat``, ``--quick``);
+Command: ``.venv/bin/python bench/bench_apply.py`` (``--items``, ``--repeat``, ``--quick``;
+``--replica-only``: the plain replica rows; ``--client-only``: the client SET rows, then the
+same SETs again, whose flush replaces every stored version);
 docs/benchmarks.md has results. The end-to-end rows with peers in the same run are
 bench_cluster.py (catch-up) and bench_node.py (ingest against Redis).
 """
@@ -175,12 +177,23 @@ def set_runs(items: int) -> list[SetRun]:
 
 
 def client_run(runs: list[SetRun], items: int) -> tuple[float, float]:
+    return client_runs(runs, items)[:2]
+
+
+def client_runs(runs: list[SetRun], items: int) -> tuple[float, float, float, float]:
+    """`client_run`, then the same SETs again (every key overwritten: its stored version is
+    replaced at the flush): apply and flush of new keys, apply and flush of overwrites."""
     with fresh_bucket(CLIENT_VBUCKETS) as bucket:
         apply = timed(lambda: [bucket.set_run(run) for run in runs])
         flush = timed(lambda: [vbucket.flush() for vbucket in bucket.vbuckets.values()])
         held = sum(vbucket.high_seqno for vbucket in bucket.vbuckets.values())
         assert held == items, (held, items)
-    return apply, flush
+        again = timed(lambda: [bucket.set_run(run) for run in runs])
+        reflush = timed(lambda: [vbucket.flush() for vbucket in bucket.vbuckets.values()])
+        held = sum(vbucket.high_seqno for vbucket in bucket.vbuckets.values())
+        assert held == 2 * items, (held, items)
+        assert sum(bucket.store.item_count(vb) for vb in bucket.vbuckets) == items
+    return apply, flush, again, reflush
 
 
 FRAMED_RUN = 1000
@@ -234,6 +247,9 @@ def main() -> None:
     parser.add_argument(
         "--replica-only", action="store_true", help="only the plain replica rows (and the peer)"
     )
+    parser.add_argument(
+        "--client-only", action="store_true", help="only the client SET rows, then overwrites"
+    )
     args = parser.parse_args()
     if args.quick:
         args.items, args.repeat = 20_000, 2
@@ -247,6 +263,15 @@ def main() -> None:
         print(f"{items:,} items, best of {args.repeat}, CPU us per item: peer decode "
               f"{best[0]:.2f}, replica apply {best[1]:.2f}, flush {best[2]:.2f}, apply + flush "
               f"{best[1] + best[2]:.2f} ({(best[1] + best[2]) / best[0]:.1f}x the peer), "
+              f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+        return
+    if args.client_only:
+        runs = set_runs(items)
+        best = [min(column) * 1e6 / items
+                for column in zip(*(client_runs(runs, items) for _ in range(args.repeat)),
+                                  strict=True)]  # fmt: skip
+        print(f"{items:,} SETs, best of {args.repeat}, CPU us per item: set_run {best[0]:.2f}, "
+              f"flush {best[1]:.2f}; overwrites: set_run {best[2]:.2f}, flush {best[3]:.2f}, "
               f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
         return
     buffers, runs = replica_buffers(items), set_runs(items)
