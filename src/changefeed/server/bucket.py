@@ -37,7 +37,14 @@ from changefeed.server.persistence import PersistenceHealth
 from changefeed.server.persistence_waits import PersistenceWaits, VbucketMark
 from changefeed.server.request_window import WindowWrites
 from changefeed.storage import Op, StorageError, Store
-from changefeed.vbucket import Document, RunLookup, SetManyResult, VBucket, fields_in_range
+from changefeed.vbucket import (
+    WRITE_DELETE,
+    Document,
+    RunLookup,
+    SetManyResult,
+    VBucket,
+    fields_in_range,
+)
 from changefeed.vbucket_state import STATE_BY_WIRE_VALUE, VBucketState, initial_state
 
 log = logging.getLogger("changefeed.bucket")
@@ -379,6 +386,8 @@ class Bucket(VBucketSource):
         except StatusError as error:
             return SetRunAnswers([0] * count, [0] * count, [0] * count,
                                  dict.fromkeys(range(count), error))  # fmt: skip
+        if self._might_pass_upper_mark(run.keys, run.values):
+            return self._set_one_by_one(run, level)
         now = self._clock()
         by_vb: dict[int, list[int]] = {}
         for index, vb in enumerate(run.vbuckets):
@@ -469,6 +478,38 @@ class Bucket(VBucketSource):
                 errors[indexes[at]] = refused
         return answers
 
+    def _might_pass_upper_mark(self, keys: Sequence[bytes], values: Sequence[bytes]) -> bool:
+        """Whether writes of `keys` and `values` might take checkpoint memory past the upper
+        mark (each may queue its key's expiration too: two items, the key twice). Below it,
+        no write of them is refused TMPFAIL and no recovery runs, so applying them vbucket
+        by vbucket, as runs, answers what one write at a time in request order would."""
+        budget = self.budget
+        bound = 2 * (sum(map(len, keys)) + len(keys) * ITEM_OVERHEAD_BYTES) + sum(map(len, values))
+        return budget.used_bytes + bound > budget.upper_mark_bytes
+
+    def _set_one_by_one(self, run: SetRun, level: int) -> SetRunAnswers:
+        """`set_run` of a run memory might not hold: each write alone, in request order, as
+        `store_command` applies a SET (a run asks room for all its writes at once and stops
+        at the first refused, where one at a time a later, smaller write may still fit, and
+        a repeated key's earlier version may be deduplicated away first)."""
+        count = len(run)
+        answers = SetRunAnswers([0] * count, [0] * count, [0] * count, {})
+        now = self._clock()
+        columns = zip(run.vbuckets, run.keys, run.values, run.flags, run.expiries, run.datatypes,
+                      strict=True)  # fmt: skip
+        for index, (vb, key, value, flags, expiry, datatype) in enumerate(columns):
+            try:
+                result = self.vbucket(vb).set(
+                    key, value, flags=flags, expiry=absolute_expiry(expiry, now),
+                    datatype=datatype, level=level,
+                )  # fmt: skip
+            except StatusError as error:
+                answers.errors[index] = error
+                continue
+            answers.cases[index], answers.seqnos[index] = result.cas, result.seqno
+            answers.vb_uuids[index] = result.vb_uuid
+        return answers
+
     def write_window(self, writes: WindowWrites) -> SetRunAnswers | None:
         """A received window's SETs and DELETEs (request_window.py), each vbucket's in one
         `VBucket.write_many` call in request order, answered as columns in `writes`' order;
@@ -485,16 +526,14 @@ class Bucket(VBucketSource):
             return SetRunAnswers([0] * count, [0] * count, [0] * count,
                                  dict.fromkeys(range(count), error))  # fmt: skip
         keys, values = writes.keys, writes.values
-        budget = self.budget
-        # Each write may queue its key's expiration too: two items, the key twice.
-        bound = 2 * (sum(map(len, keys)) + count * ITEM_OVERHEAD_BYTES) + sum(map(len, values))
-        if budget.used_bytes + bound > budget.upper_mark_bytes:
+        if self._might_pass_upper_mark(keys, values):
             return None
         now = self._clock()
         expiries = writes.expiries
         if any(expiries):
             expiries = [absolute_expiry(expiry, now) for expiry in expiries]
         flags, datatypes, ops, cases_in = writes.flags, writes.datatypes, writes.ops, writes.cases
+        checked = count > 0 and fields_in_range((keys, values, flags, expiries, datatypes))
         by_vb: dict[int, list[int]] = {}
         for index, vb in enumerate(writes.vbuckets):
             group = by_vb.get(vb)
@@ -527,18 +566,31 @@ class Bucket(VBucketSource):
             lookup = RunLookup(
                 in_memory.get(vb) or [None] * len(indexes), stored.get(vb) or {}
             )  # a vbucket not active: its role refuses every write, reading nothing
-            outcome = vbucket.write_many(
-                [ops[i] for i in indexes],
-                (
-                    group_keys,
-                    [values[i] for i in indexes],
-                    [flags[i] for i in indexes],
-                    [expiries[i] for i in indexes],
-                    [datatypes[i] for i in indexes],
-                ),
-                [cases_in[i] for i in indexes],
-                lookup=lookup,
+            group_ops = [ops[i] for i in indexes]
+            columns = (
+                group_keys,
+                [values[i] for i in indexes],
+                [flags[i] for i in indexes],
+                [expiries[i] for i in indexes],
+                [datatypes[i] for i in indexes],
             )
+            outcome: SetManyResult | None = None
+            if WRITE_DELETE not in group_ops:  # SETs only: `set_run`'s paths (columns built
+                # at C level, a run of one without them); memory has room (checked above), so
+                # they answer as one at a time
+                if len(indexes) == 1 and vb in in_memory:
+                    i = indexes[0]
+                    outcome = vbucket.set_single(
+                        keys[i], values[i], flags[i], expiries[i], datatypes[i],
+                        found=lookup.in_memory[0], stored=lookup.stored, fields_checked=checked,
+                    )  # fmt: skip
+                if outcome is None:
+                    outcome = vbucket.set_many(*columns, lookup=lookup, fields_checked=checked)
+            else:
+                outcome = vbucket.write_many(
+                    group_ops, columns, [cases_in[i] for i in indexes], lookup=lookup,
+                    fields_checked=checked,
+                )  # fmt: skip
             vb_uuid = outcome.vb_uuid
             for index, seqno, cas in zip(indexes, outcome.seqnos, outcome.cases, strict=True):
                 seqnos[index], cases[index], vb_uuids[index] = seqno, cas, vb_uuid

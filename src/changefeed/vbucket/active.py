@@ -641,6 +641,7 @@ class ActiveRole(Role):
 
     def write_many(
         self, ops: Sequence[int], writes: SetColumns, cases: Sequence[int], *, lookup: RunLookup,
+        fields_checked: bool = False,
     ) -> SetManyResult:  # fmt: skip
         """See `VBucket.write_many`. One pass builds each write's item with `set`'s or
         `delete`'s checks in their order, each write seeing the ones before it; the items go
@@ -653,6 +654,7 @@ class ActiveRole(Role):
         errors: dict[int, StatusError] = {}
         if self.pending and not self.pending.keys().isdisjoint(keys):
             return self._write_one_by_one(ops, writes, cases, 0, (seqnos, cases_out, errors))
+        checked = fields_checked or fields_in_range(writes)  # C-level, not a check per write
         vb, store, locks = core.vb, core.store, self.locks
         now = core.now()
         now_cas, delete_time = int(now * NS_PER_S), min(int(now), U32_MAX)
@@ -679,7 +681,8 @@ class ActiveRole(Role):
                     items.append(expired)
                     answers.append(index)
                     found[key] = expired
-                    written.add(key)
+                    if locks:
+                        written.add(key)
                     current = None
                 lock = locks.get(key) if locks and key not in written else None
                 if op == WRITE_DELETE:
@@ -690,7 +693,7 @@ class ActiveRole(Role):
                         raise LockedError(f"vb {vb}: key {key[:64]!r} is locked")
                     if want and (current.cas if lock is None else lock.cas) != want:
                         raise KeyExistsError(f"vb {vb}: key {key[:64]!r} has another CAS")
-                    if not write_in_range(key, b"", 0, 0, 0):
+                    if not checked and not write_in_range(key, b"", 0, 0, 0):
                         check_fields(key, b"", 0, 0, 0)
                     seqno, cas = seqno + 1, max(now_cas, cas + 1)
                     item = Item(
@@ -703,7 +706,7 @@ class ActiveRole(Role):
                     value, flag, expiry, datatype = (
                         values[index], flags[index], expiries[index], datatypes[index]
                     )  # fmt: skip
-                    if not write_in_range(key, value, flag, expiry, datatype):
+                    if not checked and not write_in_range(key, value, flag, expiry, datatype):
                         check_fields(key, value, flag, expiry, datatype)
                     seqno, cas = seqno + 1, max(now_cas, cas + 1)
                     rev = current.rev_seqno + 1 if current is not None else 1
@@ -714,7 +717,8 @@ class ActiveRole(Role):
             items.append(item)
             answers.append(index)
             found[key] = item  # the next write of the key in this run follows it
-            written.add(key)
+            if locks:
+                written.add(key)
             seqnos[index], cases_out[index] = seqno, cas
         queued = self._queue_prefix(items)
         if queued < len(items):  # memory ran out: from that write on, one at a time

@@ -334,6 +334,7 @@ class VBucket:
 
     def write_many(
         self, ops: Sequence[int], writes: SetColumns, cases: Sequence[int], *, lookup: RunLookup,
+        fields_checked: bool = False,
     ) -> SetManyResult:  # fmt: skip
         """A received window's SETs (no CAS) and DELETEs of this vbucket, in request order, in
         one pass queued as one run: a mix of SETs and DELETEs pays one call per vbucket,
@@ -349,8 +350,12 @@ class VBucket:
                 value is empty and its flags, expiry and datatype 0.
             cases: per write, the CAS a DELETE must match (0: any); 0 for a SET.
             lookup: the keys' versions (`lookup_memory`, then the store for the rest).
+            fields_checked: the caller checked every field is within limits
+                (`fields_in_range`); the pass does not check again.
         """
-        return self._role.write_many(ops, writes, cases, lookup=lookup)
+        return self._role.write_many(
+            ops, writes, cases, lookup=lookup, fields_checked=fields_checked
+        )
 
     def set_single(
         self, key: bytes, value: bytes, flags: int, expiry: int, datatype: int, *,

@@ -92,6 +92,7 @@ class Role:
 
     def write_many(
         self, ops: Sequence[int], writes: SetColumns, cases: Sequence[int], *, lookup: RunLookup,
+        fields_checked: bool = False,
     ) -> SetManyResult:  # fmt: skip
         """Every write of the run refused, as `set_many` refuses them."""
         core, count = self.core, len(ops)
