@@ -402,7 +402,9 @@ class WriteBatch:
         if not _bodies_hold_fields(sizes, keys, seqnos, bodies, ops):
             return False  # item by item: the bad one is named
         try:
-            tags = map(_TAGS.__getitem__, ops)
+            # A run of mutations (a replica's, most flushes) needs no tag lookup per item.
+            all_mutations = ops.count(Op.MUTATION) == len(ops)
+            tags = itertools.repeat(TAG_MUTATION) if all_mutations else map(_TAGS.__getitem__, ops)
             heads = map(_pack_prefix, tags, datatypes, key_sizes, cases)
             stored = list(map(operator.add, heads, bodies))
         except struct.error:
