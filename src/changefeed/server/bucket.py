@@ -35,10 +35,8 @@ from changefeed.protocol.set_run import SetRun, SetRunAnswers
 from changefeed.server.config import NodeConfig
 from changefeed.server.persistence import PersistenceHealth
 from changefeed.server.persistence_waits import PersistenceWaits, VbucketMark
-from changefeed.server.request_window import WindowWrites
 from changefeed.storage import Op, StorageError, Store
 from changefeed.vbucket import (
-    WRITE_DELETE,
     Document,
     RunLookup,
     SetManyResult,
@@ -482,7 +480,8 @@ class Bucket(VBucketSource):
         """Whether writes of `keys` and `values` might take checkpoint memory past the upper
         mark (each may queue its key's expiration too: two items, the key twice). Below it,
         no write of them is refused TMPFAIL and no recovery runs, so applying them vbucket
-        by vbucket, as runs, answers what one write at a time in request order would."""
+        by vbucket, as runs, answers what one write at a time in request order would (and
+        a run of repeated keys is not refused where one at a time it fits)."""
         budget = self.budget
         bound = 2 * (sum(map(len, keys)) + len(keys) * ITEM_OVERHEAD_BYTES) + sum(map(len, values))
         return budget.used_bytes + bound > budget.upper_mark_bytes
@@ -508,94 +507,6 @@ class Bucket(VBucketSource):
                 continue
             answers.cases[index], answers.seqnos[index] = result.cas, result.seqno
             answers.vb_uuids[index] = result.vb_uuid
-        return answers
-
-    def write_window(self, writes: WindowWrites) -> SetRunAnswers | None:
-        """A received window's SETs and DELETEs (request_window.py), each vbucket's in one
-        `VBucket.write_many` call in request order, answered as columns in `writes`' order;
-        the keys memory has none of are read from the store in one transaction.
-
-        Vbuckets are applied one after another, not in request order across them, which
-        only checkpoint memory could tell apart (a bucket-wide quota: which write is refused
-        TMPFAIL, when recovery closes checkpoints): None, nothing applied, when the window
-        might take memory over the budget's upper mark; the caller applies it in order."""
-        count = len(writes)
-        try:
-            self.persistence.check_writable()
-        except StatusError as error:
-            return SetRunAnswers([0] * count, [0] * count, [0] * count,
-                                 dict.fromkeys(range(count), error))  # fmt: skip
-        keys, values = writes.keys, writes.values
-        if self._might_pass_upper_mark(keys, values):
-            return None
-        now = self._clock()
-        expiries = writes.expiries
-        if any(expiries):
-            expiries = [absolute_expiry(expiry, now) for expiry in expiries]
-        flags, datatypes, ops, cases_in = writes.flags, writes.datatypes, writes.ops, writes.cases
-        checked = count > 0 and fields_in_range((keys, values, flags, expiries, datatypes))
-        by_vb: dict[int, list[int]] = {}
-        for index, vb in enumerate(writes.vbuckets):
-            group = by_vb.get(vb)
-            if group is None:
-                by_vb[vb] = [index]
-            else:
-                group.append(index)
-        answers = SetRunAnswers([0] * count, [0] * count, [0] * count, {})
-        cases, seqnos, vb_uuids, errors = (
-            answers.cases, answers.seqnos, answers.vb_uuids, answers.errors
-        )  # fmt: skip
-        vbuckets = self.vbuckets
-        in_memory: dict[int, list[Item | None]] = {}
-        missing: dict[int, list[bytes]] = {}
-        vb_keys: dict[int, list[bytes]] = {}
-        for vb, indexes in by_vb.items():
-            vbucket = vbuckets.get(vb)
-            vb_keys[vb] = group_keys = [keys[i] for i in indexes]
-            if vbucket is not None and vbucket.state.is_active:
-                in_memory[vb], missing[vb] = vbucket.lookup_memory(group_keys)
-        stored = self.store.get_many_across(missing)
-        for vb, indexes in by_vb.items():
-            vbucket = vbuckets.get(vb)
-            if vbucket is None:
-                errors.update(
-                    dict.fromkeys(indexes, NotMyVbucketError(f"vbucket {vb} does not exist"))
-                )
-                continue
-            group_keys = vb_keys[vb]
-            lookup = RunLookup(
-                in_memory.get(vb) or [None] * len(indexes), stored.get(vb) or {}
-            )  # a vbucket not active: its role refuses every write, reading nothing
-            group_ops = [ops[i] for i in indexes]
-            columns = (
-                group_keys,
-                [values[i] for i in indexes],
-                [flags[i] for i in indexes],
-                [expiries[i] for i in indexes],
-                [datatypes[i] for i in indexes],
-            )
-            outcome: SetManyResult | None = None
-            if WRITE_DELETE not in group_ops:  # SETs only: `set_run`'s paths (columns built
-                # at C level, a run of one without them); memory has room (checked above), so
-                # they answer as one at a time
-                if len(indexes) == 1 and vb in in_memory:
-                    i = indexes[0]
-                    outcome = vbucket.set_single(
-                        keys[i], values[i], flags[i], expiries[i], datatypes[i],
-                        found=lookup.in_memory[0], stored=lookup.stored, fields_checked=checked,
-                    )  # fmt: skip
-                if outcome is None:
-                    outcome = vbucket.set_many(*columns, lookup=lookup, fields_checked=checked)
-            else:
-                outcome = vbucket.write_many(
-                    group_ops, columns, [cases_in[i] for i in indexes], lookup=lookup,
-                    fields_checked=checked,
-                )  # fmt: skip
-            vb_uuid = outcome.vb_uuid
-            for index, seqno, cas in zip(indexes, outcome.seqnos, outcome.cases, strict=True):
-                seqnos[index], cases[index], vb_uuids[index] = seqno, cas, vb_uuid
-            for at, refused in outcome.errors.items():
-                errors[indexes[at]] = refused
         return answers
 
     def delete(self, vb: int, key: bytes, *, cas: int = 0, level: int = 0) -> MutationResult:

@@ -56,7 +56,6 @@ from changefeed.protocol.kv import (
     decode_store,
     decode_vb_state_filter,
     encode_hello_features,
-    encode_mutation_token,
     encode_observe_seqno_result,
     encode_vb_seqnos,
 )
@@ -840,32 +839,24 @@ class ClientConnection(asyncio.Protocol):
             self.send(b"".join(out))
 
     def _run_window(self, window: RequestWindow) -> None:
-        """Apply a window of plain SETs, GETs and DELETEs and answer every request in order:
-        SETs packed as `_store_run` packs them, each DELETE's reply in its place, each GET
-        after every write of the window, in its place. Its writes go in one pass per
-        vbucket (`Bucket.write_window`), or in layers (request_window.py) when a GET may
-        queue an expiration, a DELETE is not a plain one or memory is short."""
+        """Apply a window of plain SETs, GETs and DELETEs in its layers (request_window.py) and
+        answer every request in order: SETs packed as `_store_run` packs them, each DELETE's
+        reply as it was made, each GET after every write of the window, in its place.
+
+        (Applying each vbucket's SETs and DELETEs in one `VBucket.write_many` call instead was
+        built and measured in round 7: 10-20 % more node CPU on the raw mix, as its windows
+        touch most vbuckets with a few writes each and the per-vbucket costs stay; not used.)"""
         self._window_counters.count(window)
         if window.only_sets:
             self._store_run(window.run)
             return
-        # The keys memory has none of that the window reads, read from the store in one pass
-        # for its writes and its replies below (same loop step: `stored_read_ahead`); the
-        # one-pass path looks its writes' keys up itself. Only the window's own replies and
-        # GETs run under it; what arrived after it (a state change, a flush) goes after, as
-        # it always read the store itself.
+        # The GETs' and DELETEs' keys memory has none of, read from the store in one pass for
+        # the window's writes and its replies below (same loop step: `stored_read_ahead`).
+        # Only the window's own replies and GETs run under it; what arrived after it (a state
+        # change, a flush) goes after, as it always read the store itself.
         bucket = self.context.bucket
-        writes = window.writes() if Opcode.DELETE in self.permitted else None
-        wanted = window.frame_keys if writes is None else window.get_keys
-        with bucket.stored_read_ahead(wanted, _EXPIRY_HORIZON_S) as expiring:
-            barriers = self._expiring_gets(window, expiring)
-            answers = None if writes is None or barriers else bucket.write_window(writes)
-            if answers is None:
-                held = self._apply_layers(window, barriers)
-            else:
-                self._window_counters.one_pass += 1
-                held = self._answer_writes(window, answers)
-            self._emit_held(held)
+        with bucket.stored_read_ahead(window.frame_keys, _EXPIRY_HORIZON_S) as expiring:
+            self._emit_held(self._apply_layers(window, self._expiring_gets(window, expiring)))
         self._emit_held()
 
     def _apply_layers(self, window: RequestWindow, barriers: set[int]) -> int:
@@ -890,42 +881,6 @@ class ClientConnection(asyncio.Protocol):
             for index in layer.deletes:
                 deleted[index] = self._captured(self._dispatch, frames[index])
         return self._hold_replies(window, SetRunAnswers(cases, seqnos, vb_uuids, errors), deleted)
-
-    def _answer_writes(self, window: RequestWindow, answers: SetRunAnswers) -> int:
-        """`_run_window` of a window applied in one pass: `answers` of its writes (SETs and
-        DELETEs in request order) put in `_held` with its GETs; return how many items."""
-        run, frames = window.run, window.frames
-        count = len(run)
-        cases, seqnos, vb_uuids = [0] * count, [0] * count, [0] * count
-        set_answers = SetRunAnswers(cases, seqnos, vb_uuids, {})
-        errors = answers.errors
-        deleted: dict[int, bytes] = {}
-        token = Feature.MUTATION_SEQNO in self.features
-        at = 0  # the write's index in `answers`
-        for op in window.order:  # bounded by the window
-            if op >= 0:
-                cases[op], seqnos[op], vb_uuids[op] = (
-                    answers.cases[at], answers.seqnos[at], answers.vb_uuids[at]
-                )  # fmt: skip
-                if errors and at in errors:
-                    set_answers.errors[op] = errors[at]
-                at += 1
-                continue
-            frame = frames[~op]
-            if frame.opcode == _GET:
-                continue
-            error = errors.get(at) if errors else None
-            if error is not None:
-                deleted[~op] = self._captured(self._reply_error, frame, error)
-            else:  # as `kv_commands.reply_mutation` answers it
-                extras = (
-                    encode_mutation_token(answers.vb_uuids[at], answers.seqnos[at])
-                    if token
-                    else b""
-                )
-                deleted[~op] = encode_response(frame, extras=extras, cas=answers.cases[at])
-            at += 1
-        return self._hold_replies(window, set_answers, deleted)
 
     def _hold_replies(
         self, window: RequestWindow, answers: SetRunAnswers, deleted: dict[int, bytes]

@@ -33,11 +33,9 @@ from collections.abc import Callable, Collection, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from changefeed.limits import KEY_SIZE_MAX
 from changefeed.protocol.frame import Frame
 from changefeed.protocol.opcode import Magic, Opcode
 from changefeed.protocol.set_run import SetRun
-from changefeed.vbucket import WRITE_DELETE, WRITE_SET
 
 # GETs one window may answer: their replies (up to VALUE_SIZE_MAX each) are written at the end
 # of the window, and the connection stops at the first that backs its replies up (the rest wait
@@ -55,26 +53,6 @@ class Layer:
 
     sets: list[int] = field(default_factory=list)
     deletes: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class WindowWrites:
-    """A window's SETs and DELETEs as columns in request order, GETs left out: what
-    `Bucket.write_window` applies in one pass per vbucket. `ops` holds `WRITE_SET` or
-    `WRITE_DELETE` (vbucket/values.py); a DELETE has an empty value, flags, expiry and
-    datatype 0, and its CAS in `cases` (a SET's is 0: a CAS SET never joins a window)."""
-
-    vbuckets: list[int] = field(default_factory=list)
-    ops: list[int] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-    values: list[bytes] = field(default_factory=list)
-    flags: list[int] = field(default_factory=list)
-    expiries: list[int] = field(default_factory=list)  # as received (relative or absolute)
-    datatypes: list[int] = field(default_factory=list)
-    cases: list[int] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.ops)
 
 
 @dataclass(slots=True)
@@ -159,51 +137,6 @@ class RequestWindow:
         """Frame `index`'s key as stored."""
         return self._frame_keys[index]
 
-    @property
-    def get_keys(self) -> dict[int, list[bytes]]:
-        """The keys as stored of the window's GETs, by vbucket (what `writes` leaves to be
-        read: `Bucket.stored_read_ahead` of them)."""
-        keys: dict[int, list[bytes]] = {}
-        for frame, key in zip(self.frames, self._frame_keys, strict=True):
-            if frame.opcode == _GET:
-                keys.setdefault(frame.vbucket, []).append(key)
-        return keys
-
-    def writes(self) -> WindowWrites | None:
-        """The window's SETs and DELETEs as columns in request order, or None if a DELETE
-        is not a plain one (extras, a value, an empty or too long key): the per-frame path
-        answers its error, so the window goes in layers."""
-        out = WindowWrites()
-        vbuckets, ops, keys, values = out.vbuckets, out.ops, out.keys, out.values
-        flags, expiries, datatypes, cases = out.flags, out.expiries, out.datatypes, out.cases
-        run, frames, frame_keys = self.run, self.frames, self._frame_keys
-        for op in self.order:  # bounded by the window
-            if op >= 0:
-                vbuckets.append(run.vbuckets[op])
-                ops.append(WRITE_SET)
-                keys.append(run.keys[op])
-                values.append(run.values[op])
-                flags.append(run.flags[op])
-                expiries.append(run.expiries[op])
-                datatypes.append(run.datatypes[op])
-                cases.append(0)
-                continue
-            frame = frames[~op]
-            if frame.opcode != _DELETE:
-                continue  # a GET: answered after every write
-            key = frame_keys[~op]
-            if frame.extras or frame.value or not 0 < len(key) <= KEY_SIZE_MAX:
-                return None
-            vbuckets.append(frame.vbucket)
-            ops.append(WRITE_DELETE)
-            keys.append(key)
-            values.append(b"")
-            flags.append(0)
-            expiries.append(0)
-            datatypes.append(0)
-            cases.append(frame.cas)
-        return out
-
     def layers(self, barriers: Collection[int] = ()) -> list[Layer]:
         """The window's writes in the order to apply them (see the module docstring).
         `barriers`: GETs (frame indexes) to apply as writes, in a layer's `deletes` in their
@@ -232,14 +165,12 @@ class RequestWindow:
 @dataclass(slots=True)
 class WindowCounters:
     """What the node's connections put through windows, for STAT ``kv_window`` (`__call__`
-    is the stat provider): windows applied, the SETs, GETs and DELETEs they held, and how
-    many of those with GETs or DELETEs went in one pass (`Bucket.write_window`)."""
+    is the stat provider): windows applied and the SETs, GETs and DELETEs they held."""
 
     windows: int = 0
     sets: int = 0
     gets: int = 0
     deletes: int = 0
-    one_pass: int = 0  # windows with GETs or DELETEs applied in one pass (not in layers)
 
     def count(self, window: RequestWindow) -> None:
         self.windows += 1
@@ -252,7 +183,6 @@ class WindowCounters:
         yield "kv_window_sets", str(self.sets)
         yield "kv_window_gets", str(self.gets)
         yield "kv_window_deletes", str(self.deletes)
-        yield "kv_window_one_pass", str(self.one_pass)
 
 
 StatProviders = MutableMapping[str, Callable[[], Iterable[tuple[str, str]]]]

@@ -157,5 +157,4 @@ def test_window_counters_are_one_stat_group_per_node() -> None:
         "kv_window_sets": "2",
         "kv_window_gets": "1",
         "kv_window_deletes": "1",
-        "kv_window_one_pass": "0",
     }

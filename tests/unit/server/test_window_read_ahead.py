@@ -157,10 +157,9 @@ async def serve(
     plan: list[Request],
     clock: list[float],
     collections: bool = False,
-    one_pass: list[int] | None = None,
 ) -> Outcome:
     """Serve `plan` on a bucket of `config`: the answers' bytes, each vbucket's seqnos and
-    every key's stored record. `one_pass` gets the windows applied in one pass appended."""
+    every key's stored record."""
     users = Users()
     users.add("u", "p")
     bucket = Bucket.open(config, clock=lambda: clock[0], rng=random.Random(7))
@@ -196,8 +195,6 @@ async def serve(
         seqnos = [(vb.high_seqno, vb.persisted_seqno) for vb in bucket.vbuckets.values()]
         stored_as = (lambda key: b"\x00" + key) if collections else (lambda key: key)
         stored = {(vb_of(key), key): bucket.store.get(vb_of(key), stored_as(key)) for key in KEYS}
-        if one_pass is not None:
-            one_pass.append(dict(context.stat_providers["kv_window"]())["kv_window_one_pass"])
         return transport.data, seqnos, stored
     finally:
         conn.close()
@@ -335,24 +332,21 @@ CORNERS = {
 
 @pytest.mark.parametrize("collections", [False, True], ids=["classic", "collections"])
 @pytest.mark.parametrize("name", list(CORNERS))
-def test_windows_in_one_pass_answer_as_one_frame_at_a_time(
+def test_window_corners_answer_as_one_frame_at_a_time(
     tmp_path: Path, name: str, collections: bool
 ) -> None:
-    """The one-pass path's corner cases (`Bucket.write_window`), classic and behind the
-    default collection's prefix: the same answers, seqnos and records as one frame at a time,
-    and the windows with their DELETEs went in one pass (a window with a malformed DELETE goes
-    in layers, one with a CAS SET ends before it)."""
+    """Windows' corner cases, classic and behind the default collection's prefix (a key SET,
+    DELETEd and SET again; DELETEs of keys only in the store; a wrong CAS between SETs; a
+    CAS SET or a malformed DELETE in the middle of a window): the same answers, seqnos and
+    records as one frame at a time."""
     plan = CORNERS[name]
     outcomes = []
-    one_pass: list[int] = []
     for reference in (False, True):
         clock = [START_S]
         config = config_for(tmp_path / ("reference" if reference else "windows"))
         preload(config, clock)
-        outcomes.append(asyncio.run(serve(config, reference, plan, clock, collections, one_pass)))
+        outcomes.append(asyncio.run(serve(config, reference, plan, clock, collections)))
     (data, seqnos, stored), (want_data, want_seqnos, want_stored) = outcomes
     assert data == want_data
     assert seqnos == want_seqnos
     assert stored == want_stored
-    windows = {"a malformed delete in the middle": "0", "a CAS set in the middle": "2"}
-    assert one_pass[0] == windows.get(name, "1")
