@@ -311,9 +311,8 @@ class CheckpointManager:
         Raises:
             CheckpointMemoryFullError: not even the first item fits; nothing was changed.
         """
-        full_bytes = self._checkpoint_max_bytes
 
-        def add(checkpoint: Checkpoint, done: int) -> tuple[int, int]:
+        def add(checkpoint: Checkpoint, done: int, full_bytes: int) -> tuple[int, int]:
             return checkpoint.add_run(items, done, full_bytes, commits=commits)
 
         return self._queue_in_runs(
@@ -337,11 +336,10 @@ class CheckpointManager:
         count = len(seqnos)
         if count < self._columns_min_items:
             return self.queue_run(items_of(run, 0, count))
-        full_bytes = self._checkpoint_max_bytes
         built: list[Item] = []  # the run's items from `built_from` on, once a key repeats
         built_from = count
 
-        def add(checkpoint: Checkpoint, done: int) -> tuple[int, int]:
+        def add(checkpoint: Checkpoint, done: int, full_bytes: int) -> tuple[int, int]:
             nonlocal built, built_from
             added = checkpoint.add_columns(run, done, full_bytes)
             if added is not None:
@@ -368,9 +366,8 @@ class CheckpointManager:
         Raises:
             CheckpointMemoryFullError: not even the first item fits; nothing was changed.
         """
-        full_bytes = self._checkpoint_max_bytes
 
-        def add(checkpoint: Checkpoint, done: int) -> tuple[int, int]:
+        def add(checkpoint: Checkpoint, done: int, full_bytes: int) -> tuple[int, int]:
             return checkpoint.add_prepares(items, done, full_bytes)
 
         return self._queue_in_runs(
@@ -384,24 +381,27 @@ class CheckpointManager:
         count: int,
         seqno_at: Callable[[int], int],
         bound: int,
-        add: Callable[[Checkpoint, int], tuple[int, int]],
+        add: Callable[[Checkpoint, int, int], tuple[int, int]],
         *,
         key_at: Callable[[int], bytes] | None = None,
         one_by_one: Callable[[], int],
     ) -> int:
         """`queue_run`, `queue_columns` and `queue_prepares` of a run of `count` items
         (`seqno_at(i)`: the i-th one's seqno; `bound`: the bytes they may be charged): one
-        budget check, then `add(open checkpoint, first index left)` per checkpoint the run
-        fills, one wakeup; `one_by_one()` when the budget has no room for them all. With
-        `key_at` the items are prepares, which close the open checkpoint when it holds their
-        key's prepare already and are not visible (no `_visible_high`)."""
+        budget check, then `add(open checkpoint, first index left, bytes it may fill up to)`
+        per checkpoint the run fills, one wakeup; `one_by_one()` (`queue` each in turn) when
+        they might take the budget past its upper mark. With `key_at` the items are
+        prepares, which close the open checkpoint when it holds their key's prepare already
+        and are not visible (no `_visible_high`)."""
         if not count:
             return 0
         assert seqno_at(0) > self._high_seqno, (seqno_at(0), self._high_seqno)
         assert seqno_at(count - 1) <= limits.SEQNO_MAX, seqno_at(count - 1)
-        try:
-            self._budget.make_room(bound)
-        except CheckpointMemoryFullError:
+        budget = self._budget
+        if budget.used_bytes + bound > budget.upper_mark_bytes:
+            # Memory recovery may run inside the run: one at a time it runs where `queue` runs
+            # it (before the item that does not fit, after one that passes the upper mark),
+            # and what it closes and frees depends on when. Below the mark neither happens.
             return one_by_one()
         done = 0
         while done < count:  # bounded: each round adds >= 1 item
@@ -413,15 +413,21 @@ class CheckpointManager:
             ):
                 self._close_open()
                 open_checkpoint = self._open
-            done, delta_bytes = add(open_checkpoint, done)
+            full_bytes = self._checkpoint_max_bytes
+            if open_checkpoint.cursor_count > 0:
+                # Empty with a cursor waiting in it (a caught-up flusher): one item, then it
+                # closes, as `queue` closes it before the second. Filling it instead kept the
+                # run where no memory recovery could merge or free it: a window's SETs were
+                # refused TMPFAIL where the same SETs one at a time were not.
+                full_bytes = 0
+            done, delta_bytes = add(open_checkpoint, done, full_bytes)
             self._charge(delta_bytes)
             self._high_seqno = seqno_at(done - 1)
             if key_at is None:  # a prepare is not visible
                 # Before a checkpoint after this one is made: it starts past what is queued.
                 self._visible_high = self._high_seqno
         self.wakeup.notify()
-        if self._budget.over_upper_mark:
-            self._budget.recover()
+        assert not budget.over_upper_mark, (budget.used_bytes, bound)
         return count
 
     def _queue_while_room(self, items: Sequence[Item]) -> int:

@@ -88,10 +88,14 @@ def test_a_stream_run_reads_lazy_items_as_items() -> None:
 def test_a_flush_read_of_lazy_items_takes_at_most_items_max() -> None:
     """next_flush_run's item bound over lazy slots, with a byte bound that does not cut."""
     manager = lazy_manager()
-    manager.queue_columns(columns_of(built(1, 10)))
+    lead = built(1, 1)[0]  # the flusher's checkpoint takes one item, as `queue` leaves it
+    manager.queue(lead)
+    manager.queue_columns(columns_of(built(2, 10)))
     cursor = manager.persistence_cursor
     assert cursor is not None
     manager.next_event(cursor)  # the snapshot marker
+    assert manager.next_flush_run(cursor, 2, 10**9) == ItemRun([lead], item_size_bytes(lead))
+    manager.next_event(cursor)  # the lazy run's checkpoint's marker
     for start in (0, 2, 4):
         read = manager.next_flush_run(cursor, 2, 10**9)
         assert isinstance(read, ColumnSlice), read
@@ -149,11 +153,13 @@ def test_short_runs_are_queued_as_items() -> None:
     """A run shorter than COLUMNS_MIN_ITEMS is built and queued (no lazy slot); one that
     long is queued lazily."""
     manager = CheckpointManager(VB, budget=MemoryBudget(10**9))
-    short = built(1, COLUMNS_MIN_ITEMS - 1)
+    manager.queue(built(1, 1)[0])  # then the runs go to a checkpoint the flusher is not in
+    manager.close_open_checkpoint()
+    short = built(2, COLUMNS_MIN_ITEMS - 1)
     assert manager.queue_columns(columns_of(short)) == len(short)
     assert not manager.open_checkpoint.lazy
     assert manager.open_checkpoint.live_items() == short
-    long = built(COLUMNS_MIN_ITEMS, COLUMNS_MIN_ITEMS)
+    long = built(COLUMNS_MIN_ITEMS + 1, COLUMNS_MIN_ITEMS)
     assert manager.queue_columns(columns_of(long)) == len(long)
     assert [lazy.stop - lazy.start for lazy in manager.open_checkpoint.lazy] == [len(long)]
     manager._check_invariants()
