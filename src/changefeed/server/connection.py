@@ -56,6 +56,7 @@ from changefeed.protocol.kv import (
     decode_store,
     decode_vb_state_filter,
     encode_hello_features,
+    encode_mutation_token,
     encode_observe_seqno_result,
     encode_vb_seqnos,
 )
@@ -730,15 +731,18 @@ class ClientConnection(asyncio.Protocol):
         outcome.add_done_callback(done)
 
     def _reply_error(self, frame: Frame, error: ProtocolError | StatusError) -> None:
+        self.send(self._error_response(frame, error))
+
+    def _error_response(self, frame: Frame, error: ProtocolError | StatusError) -> bytes:
+        """The response that answers `frame` with `error`."""
         if isinstance(error, ProtocolError):
-            self.reply(frame, error.status, value=str(error).encode())
-        elif isinstance(error, NotMyVbucketError):
+            return encode_response(frame, error.status, value=str(error).encode())
+        if isinstance(error, NotMyVbucketError):
             # Couchbase answers with the current map, so a client can re-route at once.
             body = self.context.cluster_config_json()
-            self.reply(frame, Status.NOT_MY_VBUCKET, value=body, datatype=Datatype.JSON)
-        else:
-            status = kv_commands.wire_status(self, error.code)
-            self.reply(frame, status, value=str(error).encode())
+            return encode_response(frame, Status.NOT_MY_VBUCKET, value=body, datatype=Datatype.JSON)
+        status = kv_commands.wire_status(self, error.code)
+        return encode_response(frame, status, value=str(error).encode())
 
     def _takes_set_runs(self) -> bool:
         """Plain SETs may be taken as runs (`set_run.py`): a KV connection, a bucket selected
@@ -868,6 +872,7 @@ class ClientConnection(asyncio.Protocol):
         errors: dict[int, StatusError] = {}
         deleted: dict[int, bytes] = {}
         bucket = self.context.bucket
+        direct = Opcode.DELETE in self.permitted  # else `_dispatch` refuses each
         for layer in window.layers(barriers):
             if layer.sets:
                 part = run if len(layer.sets) == count else run.select(layer.sets)
@@ -879,8 +884,26 @@ class ClientConnection(asyncio.Protocol):
                 for at, refused in answers.errors.items():
                     errors[layer.sets[at]] = refused
             for index in layer.deletes:
-                deleted[index] = self._captured(self._dispatch, frames[index])
+                frame = frames[index]
+                key = window.frame_key(index)
+                if direct and frame.opcode == _DELETE and _plain_delete(frame, key):
+                    deleted[index] = self._delete_response(frame, key)
+                else:  # a GET applied as a write, or a DELETE the handler refuses
+                    deleted[index] = self._captured(self._dispatch, frame)
         return self._hold_replies(window, SetRunAnswers(cases, seqnos, vb_uuids, errors), deleted)
+
+    def _delete_response(self, frame: Frame, key: bytes) -> bytes:
+        """A window's plain DELETE (`_plain_delete`, `key` as stored) applied and answered
+        as the per-frame handler would (`_delete`: a write answered with its mutation),
+        without the dispatch and capture around it."""
+        try:
+            result = self.context.bucket.delete(frame.vbucket, key, cas=frame.cas)
+        except StatusError as error:
+            return self._error_response(frame, error)
+        extras = b""
+        if Feature.MUTATION_SEQNO in self.features:  # as `kv_commands.reply_mutation`
+            extras = encode_mutation_token(result.vb_uuid, result.seqno)
+        return encode_response(frame, extras=extras, cas=result.cas)
 
     def _hold_replies(
         self, window: RequestWindow, answers: SetRunAnswers, deleted: dict[int, bytes]
@@ -1357,3 +1380,9 @@ HANDLERS: dict[int, Handler] = {
     Opcode.GET_SCOPE_ID: collection_commands.get_scope_id,
     Opcode.SET_COLLECTIONS_MANIFEST: collection_commands.set_collections_manifest,
 }
+
+
+def _plain_delete(frame: Frame, key: bytes) -> bool:
+    """A DELETE `decode_key_only` takes (no extras, no value, a key within limits; `key` as
+    stored): the only kind a window answers without the per-frame handler."""
+    return not frame.extras and not frame.value and 0 < len(key) <= limits.KEY_SIZE_MAX

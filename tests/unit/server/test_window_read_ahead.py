@@ -181,7 +181,7 @@ async def serve(
                 await asyncio.sleep(0.005)
         conn.data_received(encode_request(Opcode.SELECT_BUCKET, opaque=2, key=b"default"))
         if collections:
-            hello = struct.pack(">H", Feature.COLLECTIONS)
+            hello = struct.pack(">HH", Feature.COLLECTIONS, Feature.MUTATION_SEQNO)
             conn.data_received(encode_request(Opcode.HELLO, opaque=3, key=b"t", value=hello))
         clock[0] = START_S + 60  # the preloaded expiries have passed
         for batch in batches(plan, cases, collections):
@@ -335,7 +335,7 @@ CORNERS = {
 def test_window_corners_answer_as_one_frame_at_a_time(
     tmp_path: Path, name: str, collections: bool
 ) -> None:
-    """Windows' corner cases, classic and behind the default collection's prefix (a key SET,
+    """Windows' corner cases, classic and with HELLO Collections + MutationSeqno (a key SET,
     DELETEd and SET again; DELETEs of keys only in the store; a wrong CAS between SETs; a
     CAS SET or a malformed DELETE in the middle of a window): the same answers, seqnos and
     records as one frame at a time."""
