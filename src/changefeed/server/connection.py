@@ -22,6 +22,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from changefeed import limits
@@ -233,7 +234,7 @@ class ClientConnection(asyncio.Protocol):
         self._out_bytes = 0
         self._capturing = False  # replies collect for a later place in order (_captured)
         # A window's replies and GETs not yet sent, and what arrived after them (_emit_held).
-        self._held: deque[bytes | Frame | OversizedFrame | RequestWindow] = deque()
+        self._held: deque[bytes | Frame | OversizedFrame | RequestWindow | _WindowGet] = deque()
         self.persistence_waits: set[asyncio.Future[None]] = set()  # SEQNO_PERSISTENCE pending
         self.settled_answers = SettledAnswers(self)  # durable writes' outcomes, to send
         self.durable_run_writes = 0  # durable SETs applied as runs (durable_run.py), ever
@@ -886,14 +887,14 @@ class ClientConnection(asyncio.Protocol):
             for index in layer.deletes:
                 frame = frames[index]
                 key = window.frame_key(index)
-                if direct and frame.opcode == _DELETE and _plain_delete(frame, key):
+                if direct and frame.opcode == _DELETE and _plain_key_only(frame, key):
                     deleted[index] = self._delete_response(frame, key)
                 else:  # a GET applied as a write, or a DELETE the handler refuses
                     deleted[index] = self._captured(self._dispatch, frame)
         return self._hold_replies(window, SetRunAnswers(cases, seqnos, vb_uuids, errors), deleted)
 
     def _delete_response(self, frame: Frame, key: bytes) -> bytes:
-        """A window's plain DELETE (`_plain_delete`, `key` as stored) applied and answered
+        """A window's plain DELETE (`_plain_key_only`, `key` as stored) applied and answered
         as the per-frame handler would (`_delete`: a write answered with its mutation),
         without the dispatch and capture around it."""
         try:
@@ -916,7 +917,7 @@ class ClientConnection(asyncio.Protocol):
             answers.cases, answers.seqnos, answers.vb_uuids, answers.errors
         )  # fmt: skip
         token = Feature.MUTATION_SEQNO in self.features
-        held: list[bytes | Frame] = []
+        held: list[bytes | _WindowGet] = []
         packed: list[int] = []  # successes not yet packed, in order
 
         def pack() -> None:
@@ -940,10 +941,13 @@ class ClientConnection(asyncio.Protocol):
                 pack()
                 request = Frame(Magic.REQUEST, Opcode.SET, vbucket=run.vbuckets[op],
                                 opaque=run.opaques[op])  # fmt: skip
-                held.append(self._captured(self._reply_error, request, error))
+                held.append(self._error_response(request, error))
                 continue
             pack()
-            held.append(deleted[~op] if ~op in deleted else frames[~op])  # a GET: in its turn
+            if ~op in deleted:
+                held.append(deleted[~op])
+            else:  # a GET: answered in its turn
+                held.append(_WindowGet(frames[~op], window.frame_key(~op)))
         pack()
         self._held.extendleft(reversed(held))  # before what arrived after the window
         return len(held)
@@ -991,8 +995,31 @@ class ClientConnection(asyncio.Protocol):
                 self._run_window(item)  # its replies go first, then what followed it
             elif isinstance(item, OversizedFrame):
                 self._reply_oversized(item)
+            elif isinstance(item, _WindowGet):
+                self._answer_get(item.frame, item.key)
             else:
                 self._dispatch(item)
+
+    def _answer_get(self, frame: Frame, key: bytes) -> None:
+        """A window's GET (`key` as stored) answered as the per-frame handler (`_get`)
+        would, without the dispatch around it; one the handler refuses goes through it."""
+        if Opcode.GET not in self.permitted or not _plain_key_only(frame, key):
+            self._dispatch(frame)
+            return
+        try:
+            document = self.context.bucket.get(frame.vbucket, key)
+        except StatusError as error:
+            self.send(self._error_response(frame, error))
+            return
+        self.send(
+            encode_response(
+                frame,
+                extras=GET_RESPONSE_EXTRAS.pack(document.flags),
+                value=document.value,
+                cas=document.cas,
+                datatype=document.datatype,
+            )
+        )
 
     def _captured(self, answer: Callable[..., None], *args: Any) -> bytes:
         """The replies `answer(*args)` sends, collected to be sent later in their place."""
@@ -1382,7 +1409,15 @@ HANDLERS: dict[int, Handler] = {
 }
 
 
-def _plain_delete(frame: Frame, key: bytes) -> bool:
-    """A DELETE `decode_key_only` takes (no extras, no value, a key within limits; `key` as
-    stored): the only kind a window answers without the per-frame handler."""
+@dataclass(frozen=True, slots=True)
+class _WindowGet:
+    """A window's GET held for its turn, with its key as stored (`RequestWindow.frame_key`)."""
+
+    frame: Frame
+    key: bytes
+
+
+def _plain_key_only(frame: Frame, key: bytes) -> bool:
+    """A GET or DELETE `decode_key_only` takes (no extras, no value, a key within limits;
+    `key` as stored): the only kind a window answers without the per-frame handler."""
     return not frame.extras and not frame.value and 0 < len(key) <= limits.KEY_SIZE_MAX
