@@ -384,7 +384,7 @@ class Bucket(VBucketSource):
         except StatusError as error:
             return SetRunAnswers([0] * count, [0] * count, [0] * count,
                                  dict.fromkeys(range(count), error))  # fmt: skip
-        if self._might_pass_upper_mark(run.keys, run.values):
+        if self.might_pass_upper_mark(run.keys, run.values):
             return self._set_one_by_one(run, level)
         now = self._clock()
         by_vb: dict[int, list[int]] = {}
@@ -476,9 +476,10 @@ class Bucket(VBucketSource):
                 errors[indexes[at]] = refused
         return answers
 
-    def _might_pass_upper_mark(self, keys: Sequence[bytes], values: Sequence[bytes]) -> bool:
-        """Whether writes of `keys` and `values` might take checkpoint memory past the upper
-        mark (each may queue its key's expiration too: two items, the key twice). Below it,
+    def might_pass_upper_mark(self, keys: Sequence[bytes], values: Sequence[bytes]) -> bool:
+        """Whether writes of `keys` (SETs, DELETEs, GETs that may expire their document) with
+        `values` might take checkpoint memory past the upper mark (each may queue its key's
+        expiration too: two items, the key twice). Below it,
         no write of them is refused TMPFAIL and no recovery runs, so applying them vbucket
         by vbucket, as runs, answers what one write at a time in request order would (and
         a run of repeated keys is not refused where one at a time it fits)."""

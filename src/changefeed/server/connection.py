@@ -874,7 +874,10 @@ class ClientConnection(asyncio.Protocol):
         deleted: dict[int, bytes] = {}
         bucket = self.context.bucket
         direct = Opcode.DELETE in self.permitted  # else `_dispatch` refuses each
-        for layer in window.layers(barriers):
+        # Memory may run short: then one write at a time in request order, as alone.
+        keys = [*run.keys, *map(window.frame_key, range(len(frames)))]
+        in_order = bucket.might_pass_upper_mark(keys, run.values)
+        for layer in window.layers(barriers, in_order=in_order):
             if layer.sets:
                 part = run if len(layer.sets) == count else run.select(layer.sets)
                 answers = bucket.set_run(part)

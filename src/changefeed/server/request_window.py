@@ -137,16 +137,24 @@ class RequestWindow:
         """Frame `index`'s key as stored."""
         return self._frame_keys[index]
 
-    def layers(self, barriers: Collection[int] = ()) -> list[Layer]:
+    def layers(self, barriers: Collection[int] = (), *, in_order: bool = False) -> list[Layer]:
         """The window's writes in the order to apply them (see the module docstring).
         `barriers`: GETs (frame indexes) to apply as writes, in a layer's `deletes` in their
         place: a GET of an expired document queues its expiration, a write whose seqno and
-        CAS must come between the writes before and after it on its vbucket."""
+        CAS must come between the writes before and after it on its vbucket. `in_order`: one
+        write per layer, in request order across vbuckets too (memory may run short: which
+        write is refused TMPFAIL, and when recovery runs, depends on that order)."""
         deletes_seen: dict[int, int] = {}  # vbucket -> DELETEs of the window on it so far
         layers = [Layer()]
         vbuckets = self.run.vbuckets
         frames = self.frames
         for op in self.order:
+            if in_order:
+                if op >= 0:
+                    layers.append(Layer(sets=[op]))
+                elif frames[~op].opcode == _DELETE or ~op in barriers:
+                    layers.append(Layer(deletes=[~op]))
+                continue
             if op >= 0:
                 layer = deletes_seen.get(vbuckets[op], 0)
                 layers[layer].sets.append(op)

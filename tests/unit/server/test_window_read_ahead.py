@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hypothesis import assume, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from changefeed.protocol.kv import StoreCommand, encode_request, encode_store
@@ -236,6 +236,22 @@ async def serve(
         Request("set", 5, 0, 0, 0),
     ]
 )
+@example(  # memory runs short in a mixed window: its writes go one at a time in request order
+    [
+        Request("set", 0, 0, 0, 0),
+        Request("set", 0, 0, BIG, 0),
+        Request("set", 1, 0, BIG, 0),
+        Request("set", 1, 0, BIG, 0),
+        Request("get", 2, 0, 0, 0),  # expired: queues its expiration before the last SET
+        Request("set", 0, 0, BIG, 0),
+    ]
+)
+@example(  # the same across vbuckets: k0's last SET is refused, not k2's (a fresh-clone find)
+    [Request("set", 0, 0, 0, 0)] * 8
+    + [Request("set", 0, 0, BIG, 0)]
+    + [Request("set", 1, 0, 0, 0)] * 3
+    + [Request("set", 1, 0, BIG, 0), Request("set", 2, 0, BIG, 0), Request("set", 0, 0, BIG, 0)]
+)
 @example(  # k1 read ahead, rewritten, flushed out of memory: a later read must see the store
     [
         Request("delete", 1, 0, 0, 0),
@@ -248,7 +264,6 @@ async def serve(
 def test_windows_answer_and_store_as_one_frame_at_a_time(
     tmp_path_factory: pytest.TempPathFactory, plan: list[Request]
 ) -> None:
-    assume(not big_key_twice_in_a_batch(plan))  # the known divergence below
     root = tmp_path_factory.mktemp("twins")
     outcomes = []
     for reference in (False, True):
@@ -262,31 +277,10 @@ def test_windows_answer_and_store_as_one_frame_at_a_time(
     assert stored == want_stored
 
 
-def big_key_twice_in_a_batch(plan: list[Request]) -> bool:
-    """Whether a key gets two BIG SETs in one received batch: the checkpoint's run path
-    (`CheckpointManager.queue_run`, 2 KiB checkpoints) then charges memory otherwise than
-    `queue` one at a time, and a later write refused TMPFAIL names other used bytes (or,
-    before 76a4a47, is refused by one side only). Found by this twin, present on 987fdec:
-    [SET k0, SET k0 BIG, SET k0 BIG, SET k1 BIG, GET k0, SET k0 BIG] (passes since
-    76a4a47); [SET k0, SET k0 BIG, SET k1 BIG, SET k1 BIG, GET k2, SET k0 BIG] (the TMPFAIL
-    message's used bytes differ by 4 after 76a4a47). The checkpoint manager's to fix; until
-    then skipped."""
-    seen: set[int] = set()
-    for request in plan:
-        if request.kind == "flush":
-            seen.clear()
-        elif request.kind in ("set", "casset") and request.size == BIG:
-            if request.key in seen:
-                return True
-            seen.add(request.key)
-    return False
-
-
 def test_a_run_memory_cannot_hold_answers_as_one_at_a_time(tmp_path: Path) -> None:
     """A window of SETs memory cannot hold at once (987fdec answered the last two TMPFAIL:
     the run asked room for all of them, where one at a time a repeated key's version is
-    replaced first): `Bucket.set_run` applies it one write at a time. An explicit test, not
-    an `@example`: `big_key_twice_in_a_batch` would skip it there."""
+    replaced first): `Bucket.set_run` applies it one write at a time."""
     plan = [
         Request("set", 0, 0, 0, 0),
         Request("set", 0, 0, 0, 0),
