@@ -848,9 +848,10 @@ class ClientConnection(asyncio.Protocol):
         answer every request in order: SETs packed as `_store_run` packs them, each DELETE's
         reply as it was made, each GET after every write of the window, in its place.
 
-        (Applying each vbucket's SETs and DELETEs in one `VBucket.write_many` call instead was
-        built and measured in round 7: 10-20 % more node CPU on the raw mix, as its windows
-        touch most vbuckets with a few writes each and the per-vbucket costs stay; not used.)"""
+        (Applying each vbucket's SETs and DELETEs in one pass instead, a `set_many` taking
+        DELETEs, was built and measured in round 7: 10-20 % more node CPU on the raw mix, as
+        its windows touch most vbuckets with a few writes each and the per-vbucket costs
+        stay; removed, docs/benchmarks.md.)"""
         self._window_counters.count(window)
         if window.only_sets:
             self._store_run(window.run)

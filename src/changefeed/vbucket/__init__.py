@@ -10,8 +10,6 @@ through `port.VBucketCore` and never import `core`. `values` holds what they han
 from changefeed.protocol.kv import MutationResult
 from changefeed.vbucket.core import VBucket
 from changefeed.vbucket.values import (
-    WRITE_DELETE,
-    WRITE_SET,
     Document,
     ReplicatedColumns,
     RunLookup,
@@ -22,8 +20,6 @@ from changefeed.vbucket.values import (
 from changefeed.vbucket_state import VBucketState
 
 __all__ = [
-    "WRITE_DELETE",
-    "WRITE_SET",
     "Document",
     "MutationResult",
     "ReplicatedColumns",

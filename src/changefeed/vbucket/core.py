@@ -61,7 +61,6 @@ from changefeed.vbucket.values import (
     Document,
     ReplicatedColumns,
     RunLookup,
-    SetColumns,
     SetManyResult,
 )
 from changefeed.vbucket_state import Effect, Transition, VBucketState, transition
@@ -331,34 +330,6 @@ class VBucket:
             keys, values, flags, expiries, datatypes, lookup=lookup,
             fields_checked=fields_checked, level=level,
         )  # fmt: skip
-
-    def write_many(
-        self, ops: Sequence[int], writes: SetColumns, cases: Sequence[int], *, lookup: RunLookup,
-        fields_checked: bool = False,
-    ) -> SetManyResult:  # fmt: skip
-        """A received window's SETs (no CAS) and DELETEs of this vbucket, in request order, in
-        one pass queued as one run: a mix of SETs and DELETEs pays one call per vbucket,
-        not one per stretch of SETs between its DELETEs. Each answer is what `set` (a SET)
-        or `delete` (a DELETE, with its CAS) one at a time would have given, in the same
-        order: a DELETE after a SET of its key finds that SET (and checks its CAS against
-        it), a SET after a DELETE writes over the tombstone. A write that is refused gets
-        its error and takes no seqno; the others still apply. (A connection's windows do
-        not call it yet: with a few writes per vbucket it measured no cheaper than
-        `set_many` plus `delete` each, the per-vbucket costs below it being the same; see
-        `ClientConnection._run_window`.)
-
-        Args:
-            ops: per write, `WRITE_SET` or `WRITE_DELETE` (values.py).
-            writes: keys, values, flags, expiries (absolute) and datatypes; a DELETE's
-                value is empty and its flags, expiry and datatype 0.
-            cases: per write, the CAS a DELETE must match (0: any); 0 for a SET.
-            lookup: the keys' versions (`lookup_memory`, then the store for the rest).
-            fields_checked: the caller checked every field is within limits
-                (`fields_in_range`); the pass does not check again.
-        """
-        return self._role.write_many(
-            ops, writes, cases, lookup=lookup, fields_checked=fields_checked
-        )
 
     def set_single(
         self, key: bytes, value: bytes, flags: int, expiry: int, datatype: int, *,

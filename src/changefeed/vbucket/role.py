@@ -19,13 +19,7 @@ from changefeed.protocol.errors import NotMyVbucketError, StatusError
 from changefeed.protocol.kv import MutationResult
 from changefeed.storage import Record
 from changefeed.vbucket.port import VBucketCore
-from changefeed.vbucket.values import (
-    Document,
-    ReplicatedColumns,
-    RunLookup,
-    SetColumns,
-    SetManyResult,
-)
+from changefeed.vbucket.values import Document, ReplicatedColumns, RunLookup, SetManyResult
 
 
 class Role:
@@ -86,16 +80,6 @@ class Role:
     ) -> SetManyResult:  # fmt: skip
         """Every write of the run refused (a run answers per write, it does not raise)."""
         core, count = self.core, len(keys)
-        error = NotMyVbucketError(f"vb {core.vb} is {core.state.value}, not active")
-        errors: dict[int, StatusError] = dict.fromkeys(range(count), error)
-        return SetManyResult(core.vb, core.vb_uuid, [0] * count, [0] * count, errors)
-
-    def write_many(
-        self, ops: Sequence[int], writes: SetColumns, cases: Sequence[int], *, lookup: RunLookup,
-        fields_checked: bool = False,
-    ) -> SetManyResult:  # fmt: skip
-        """Every write of the run refused, as `set_many` refuses them."""
-        core, count = self.core, len(ops)
         error = NotMyVbucketError(f"vb {core.vb} is {core.state.value}, not active")
         errors: dict[int, StatusError] = dict.fromkeys(range(count), error)
         return SetManyResult(core.vb, core.vb_uuid, [0] * count, [0] * count, errors)

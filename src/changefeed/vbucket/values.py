@@ -18,10 +18,6 @@ from changefeed.storage.record import DELETION_EXTRAS_SIZE, MUTATION_EXTRAS_SIZE
 
 # A run of SETs as `set_many` takes it: keys, values, flags, expiries, datatypes.
 SetColumns = tuple[Sequence[bytes], Sequence[bytes], Sequence[int], Sequence[int], Sequence[int]]
-# The op column of a mixed run of writes (`VBucket.write_many`): a SET without CAS, or a
-# DELETE (its CAS, 0 for none, in the run's CAS column).
-WRITE_SET: Final = 0
-WRITE_DELETE: Final = 1
 NS_PER_S: Final = 1_000_000_000
 U32_MAX: Final = 0xFFFF_FFFF
 DATATYPE_MASK: Final = 0x07  # dcp-wire.md §1.4: JSON | Snappy | XATTR
