@@ -25,6 +25,7 @@ Not here: encoding of the record or of vbucket metadata, and any LMDB access.
 
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Final
 
@@ -111,3 +112,29 @@ def collection_key_ranges(collection_id: int) -> tuple[tuple[bytes, bytes | None
     prefix = _MARKER_BYTE + encode_leb128(collection_id)
     assert prefix[-1] < 0x80, prefix  # the stop byte: one more is the next prefix, no carry
     return ((prefix, prefix[:-1] + bytes((prefix[-1] + 1,))),)
+
+
+_first: Final = operator.itemgetter(0)
+_second: Final = operator.itemgetter(1)
+_vb_part: Final = operator.itemgetter(slice(0, VB_KEY.size))  # of a by_key key
+_seqno_part: Final = operator.itemgetter(slice(0, 8))  # of a by_key value
+assert BY_KEY_VALUE.format == ">QB", BY_KEY_VALUE.format  # seqno u64, then op u8
+assert SEQNO_KEY.format == ">" + VB_KEY.format[1:] + "Q", (SEQNO_KEY.format, VB_KEY.format)
+
+
+def seqno_keys_of_entries(
+    entries: list[tuple[bytes, bytes]],
+) -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """The by_key keys and values of `entries` ((by_key key, value) pairs) and the by_seqno
+    key each points at, cut from the bytes in C-level passes, not decoded and packed again:
+    both are big-endian, so `SEQNO_KEY.pack(vb, seqno) == by_key_key[:2] + value[:8]`.
+
+    Raises:
+        CorruptRecordError: a value is not 9 bytes (the first such entry is named).
+    """
+    keys = list(map(_first, entries))
+    values = list(map(_second, entries))
+    if values and set(map(len, values)) != {BY_KEY_VALUE.size}:
+        for key, value in entries:  # bounded by the entries; names the first malformed one
+            decode_by_key_value(VB_KEY.unpack_from(key)[0], value)
+    return keys, values, list(map(operator.add, map(_vb_part, keys), map(_seqno_part, values)))

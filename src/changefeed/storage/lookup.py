@@ -19,19 +19,14 @@ import operator
 from typing import TYPE_CHECKING, Final
 
 from changefeed.storage.errors import CorruptRecordError
-from changefeed.storage.keys import BY_KEY_VALUE, SEQNO_KEY, VB_KEY, decode_by_key_value
+from changefeed.storage.keys import SEQNO_KEY, VB_KEY, seqno_keys_of_entries
 from changefeed.storage.record import Record, decode_record
 
 if TYPE_CHECKING:
     import lmdb
 
 _first: Final = operator.itemgetter(0)
-_second: Final = operator.itemgetter(1)
-_vb_part: Final = operator.itemgetter(slice(0, VB_KEY.size))  # of a by_key key
-_seqno_part: Final = operator.itemgetter(slice(0, 8))  # of a by_key value
-_OP_AT: Final = 8  # of a by_key value
-assert BY_KEY_VALUE.format == ">QB", BY_KEY_VALUE.format  # seqno u64, then op u8
-assert SEQNO_KEY.format == ">" + VB_KEY.format[1:] + "Q", (SEQNO_KEY.format, VB_KEY.format)
+_OP_AT: Final = 8  # of a by_key value (keys.py: BY_KEY_VALUE, seqno u64 then op u8)
 
 
 def records_of_hits(
@@ -43,12 +38,7 @@ def records_of_hits(
         CorruptRecordError: an entry is not 9 bytes, points at a missing record, or names
             another key or op than its record.
     """
-    keys = list(map(_first, hits))
-    values = list(map(_second, hits))
-    if values and set(map(len, values)) != {BY_KEY_VALUE.size}:
-        for key, value in hits:  # bounded by the hits; names the first malformed one
-            decode_by_key_value(VB_KEY.unpack_from(key)[0], value)
-    seqno_keys = list(map(operator.add, map(_vb_part, keys), map(_seqno_part, values)))
+    keys, values, seqno_keys = seqno_keys_of_entries(hits)
     stored = txn.cursor(db=by_seqno).getmulti(seqno_keys)
     if len(stored) != len(seqno_keys):  # getmulti leaves out what it did not find
         present = set(map(_first, stored))

@@ -23,19 +23,14 @@ from collections import Counter
 from typing import TYPE_CHECKING, Final
 
 from changefeed.storage.errors import CorruptRecordError
-from changefeed.storage.keys import BY_KEY_VALUE, SEQNO_KEY, VB_KEY, decode_by_key_value
+from changefeed.storage.keys import SEQNO_KEY, VB_KEY, seqno_keys_of_entries
 from changefeed.storage.record import Op
 
 if TYPE_CHECKING:
     import lmdb
 
-_first: Final = operator.itemgetter(0)
-_second: Final = operator.itemgetter(1)
 _vb_part: Final = operator.itemgetter(slice(0, VB_KEY.size))  # of a by_key key
-_seqno_part: Final = operator.itemgetter(slice(0, 8))  # of a by_key value
-_op_part: Final = operator.itemgetter(8)  # of a by_key value
-assert BY_KEY_VALUE.format == ">QB", BY_KEY_VALUE.format  # seqno u64, then op u8
-assert SEQNO_KEY.format == ">" + VB_KEY.format[1:] + "Q", (SEQNO_KEY.format, VB_KEY.format)
+_op_part: Final = operator.itemgetter(8)  # of a by_key value (keys.py: BY_KEY_VALUE)
 
 
 def drop_replaced(
@@ -49,12 +44,7 @@ def drop_replaced(
     Raises:
         CorruptRecordError: a value is not 9 bytes, or points at a missing record.
     """
-    keys = list(map(_first, found))
-    values = list(map(_second, found))
-    if values and set(map(len, values)) != {BY_KEY_VALUE.size}:
-        for key, value in found:  # bounded by the batch; names the first malformed one
-            decode_by_key_value(VB_KEY.unpack_from(key)[0], value)
-    old_keys = list(map(operator.add, map(_vb_part, keys), map(_seqno_part, values)))
+    keys, values, old_keys = seqno_keys_of_entries(found)
     deleted = list(map(functools.partial(txn.delete, db=by_seqno), old_keys))
     if not all(deleted):
         vb, seqno = SEQNO_KEY.unpack(old_keys[deleted.index(False)])
