@@ -264,13 +264,18 @@ async def serve(
 def test_windows_answer_and_store_as_one_frame_at_a_time(
     tmp_path_factory: pytest.TempPathFactory, plan: list[Request]
 ) -> None:
-    root = tmp_path_factory.mktemp("twins")
+    assert_twins_agree(tmp_path_factory.mktemp("twins"), plan)
+
+
+def assert_twins_agree(root: Path, plan: list[Request], collections: bool = False) -> None:
+    """Serve `plan` to a windowed connection and to one taking one frame at a time, each on
+    its own preloaded bucket: the answer bytes, the seqnos and the stored records agree."""
     outcomes = []
     for reference in (False, True):
         clock = [START_S]
         config = config_for(root / ("reference" if reference else "windows"))
         preload(config, clock)
-        outcomes.append(asyncio.run(serve(config, reference, plan, clock)))
+        outcomes.append(asyncio.run(serve(config, reference, plan, clock, collections)))
     (data, seqnos, stored), (want_data, want_seqnos, want_stored) = outcomes
     assert data == want_data
     assert seqnos == want_seqnos
@@ -289,13 +294,7 @@ def test_a_run_memory_cannot_hold_answers_as_one_at_a_time(tmp_path: Path) -> No
         Request("set", 1, 0, BIG, 0),
         Request("set", 1, 0, BIG, 0),
     ]
-    outcomes = []
-    for reference in (False, True):
-        clock = [START_S]
-        config = config_for(tmp_path / ("reference" if reference else "windows"))
-        preload(config, clock)
-        outcomes.append(asyncio.run(serve(config, reference, plan, clock)))
-    assert outcomes[0] == outcomes[1]
+    assert_twins_agree(tmp_path, plan)
 
 
 CORNERS = {
@@ -347,13 +346,4 @@ def test_window_corners_answer_as_one_frame_at_a_time(
     CAS SET or a malformed DELETE in the middle of a window): the same answers, seqnos and
     records as one frame at a time."""
     plan = CORNERS[name]
-    outcomes = []
-    for reference in (False, True):
-        clock = [START_S]
-        config = config_for(tmp_path / ("reference" if reference else "windows"))
-        preload(config, clock)
-        outcomes.append(asyncio.run(serve(config, reference, plan, clock, collections)))
-    (data, seqnos, stored), (want_data, want_seqnos, want_stored) = outcomes
-    assert data == want_data
-    assert seqnos == want_seqnos
-    assert stored == want_stored
+    assert_twins_agree(tmp_path, plan, collections)
