@@ -37,7 +37,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -239,6 +239,12 @@ def framing_run(plain: list[list[Item]], durable: list[list[Item]]) -> tuple[flo
     )
 
 
+def best_per_item(run: Callable[[], Sequence[float]], repeat: int, items: int) -> list[float]:
+    """The best of `repeat` runs of `run` (CPU seconds per row), in µs per item, per row."""
+    rows = zip(*(run() for _ in range(repeat)), strict=True)
+    return [min(row) * 1e6 / items for row in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=100_000)
@@ -257,9 +263,7 @@ def main() -> None:
     tune_interpreter()
     if args.replica_only:
         buffers = replica_buffers(items)
-        best = [min(column) * 1e6 / items
-                for column in zip(*(replica_run(buffers, items) for _ in range(args.repeat)),
-                                  strict=True)]  # fmt: skip
+        best = best_per_item(lambda: replica_run(buffers, items), args.repeat, items)
         print(f"{items:,} items, best of {args.repeat}, CPU us per item: peer decode "
               f"{best[0]:.2f}, replica apply {best[1]:.2f}, flush {best[2]:.2f}, apply + flush "
               f"{best[1] + best[2]:.2f} ({(best[1] + best[2]) / best[0]:.1f}x the peer), "
@@ -267,9 +271,7 @@ def main() -> None:
         return
     if args.client_only:
         runs = set_runs(items)
-        best = [min(column) * 1e6 / items
-                for column in zip(*(client_runs(runs, items) for _ in range(args.repeat)),
-                                  strict=True)]  # fmt: skip
+        best = best_per_item(lambda: client_runs(runs, items), args.repeat, items)
         print(f"{items:,} SETs, best of {args.repeat}, CPU us per item: set_run {best[0]:.2f}, "
               f"flush {best[1]:.2f}; overwrites: set_run {best[2]:.2f}, flush {best[3]:.2f}, "
               f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
