@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 from couchbase.cluster import Cluster
 from couchbase.durability import Durability, ServerDurability
-from couchbase.exceptions import DurabilityImpossibleException
+from couchbase.exceptions import (
+    AmbiguousTimeoutException,
+    DurabilityImpossibleException,
+    DurabilitySyncWriteAmbiguousException,
+)
 from couchbase.options import UpsertOptions
 
 from changefeed.cli.node_process import NodeProcess
@@ -105,7 +109,7 @@ def test_the_sdk_follows_a_failover(sdk: Cluster, three: list[NodeProcess], docu
     asyncio.run(wait_in_sync_published(ETCD[0], "sdk"))
     victim = three[0]
     victim.kill()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # the failover and the SDK's new map, slow under load
     written = 0
     while time.monotonic() < deadline and written < 64:
         try:
@@ -145,14 +149,19 @@ def test_a_durable_write_without_enough_copies_is_impossible_and_writes_nothing(
             )  # fmt: skip
             written = collection.upsert(key, {"plain": True})
             options = UpsertOptions(durability=ServerDurability(Durability.MAJORITY))
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 45
             while True:  # until n1 notices the replica stream is gone
                 try:
                     collection.upsert(key, {"durable": True}, options)
                 except DurabilityImpossibleException:
                     break
-                assert time.monotonic() < deadline, "a durable write went through alone"
-                written = collection.get(key)
+                except (DurabilitySyncWriteAmbiguousException, AmbiguousTimeoutException):
+                    # Sent before n1 saw n2's stream end (late under load) the write waited
+                    # for n2's ack and timed out, aborted: not one that went through. Again.
+                    pass
+                else:
+                    pytest.fail("a durable write went through with one copy of two")
+                assert time.monotonic() < deadline, "n1 never refused the durable write"
                 time.sleep(0.1)
             current = collection.get(key)
             assert current.cas == written.cas  # the refused write changed nothing
