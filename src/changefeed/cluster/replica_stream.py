@@ -528,28 +528,23 @@ class ReplicaFeed:
         (`VBucket.queue_replicated_columns`): a mutation's frame body is the stored body
         (extras | key | value, the layout the store keeps), taken as is. A run holding
         tombstones (rare; their wire extras are not the stored ones) goes as items."""
-        columns = view.columns
-        opcodes = columns.opcode
-        body_start, value_end = view.body_start, view.value_end
-        take_body = columns.data.__getitem__
-        vbs = columns.vbucket
+        vbucket_of = self.bucket.vbucket
+        seqnos, keys, bodies, cas = view.seqno, view.key, view.bodies, view.cas
+        flags, expiry, datatype, rev = view.flags, view.expiry, view.datatype, view.rev_seqno
+        vbs, opcodes, plain = view.vbucket, view.opcode, view.all_mutations
         for first, last in itertools.pairwise(view.runs(start, stop)):  # one vbucket's run each
             vb = vbs[first]
-            if self._backlog or opcodes[first:last].count(_OPCODE_MUTATION) != last - first:
+            if self._backlog or not (
+                plain or opcodes[first:last].count(_OPCODE_MUTATION) == last - first
+            ):
                 self._queue_run(vb, _items_of(view, first, last))
                 continue
             run = ReplicatedColumns(
-                columns.seqno[first:last],
-                columns.key[first:last],
-                list(map(take_body, map(slice, body_start[first:last], value_end[first:last]))),
-                columns.cas[first:last],
-                columns.flags[first:last],
-                columns.expiry[first:last],
-                columns.datatype[first:last],
-                columns.rev_seqno[first:last],
-            )
+                seqnos[first:last], keys[first:last], bodies[first:last], cas[first:last],
+                flags[first:last], expiry[first:last], datatype[first:last], rev[first:last],
+            )  # fmt: skip
             try:
-                taken = self.bucket.vbucket(vb).queue_replicated_columns(run)
+                taken = vbucket_of(vb).queue_replicated_columns(run)
             except CheckpointMemoryFullError:
                 taken = 0
             if taken < last - first:  # memory ran out: the rest wait as items
@@ -865,11 +860,17 @@ def _items_of(view: _BatchView, first: int, last: int) -> list[Item]:
 
 class _BatchView:
     """What `_apply` reads of one received batch, converted once per batch: the batch's
-    columns as lists (ChangeColumns keeps them) and where the vbucket changes. A batch is
-    cut at every control frame (a marker per vbucket run in steady state); slicing the
-    columns per cut cost ~10 us each, this costs a bisect."""
+    columns as lists (ChangeColumns keeps them), every change's frame body, whether every
+    change is a mutation, and where the vbucket changes. A batch is cut at every control
+    frame: in a memory catch-up the active sends a marker every ~17 items (its checkpoints
+    close at each of its flush rounds), so what a run costs beyond its items is paid per
+    ~17 items. Slicing the columns per cut cost ~10 us each, this costs a bisect; the bodies
+    are one pass over the batch, not one `map` per run."""
 
-    __slots__ = ("_cuts", "body_start", "columns", "value_end")
+    __slots__ = (
+        "_cuts", "all_mutations", "bodies", "body_start", "cas", "columns", "datatype",
+        "expiry", "flags", "key", "opcode", "rev_seqno", "seqno", "value_end", "vbucket",
+    )  # fmt: skip
 
     def __init__(self, columns: ChangeColumns) -> None:
         self.columns = columns
@@ -880,6 +881,15 @@ class _BatchView:
         self.value_end: list[int] = columns.array("value_end").tolist()
         vbs = columns.array("vbucket")
         self._cuts: list[int] = (np.flatnonzero(vbs[1:] != vbs[:-1]) + 1).tolist()
+        opcodes = columns.array("opcode")
+        self.all_mutations = bool((opcodes == _OPCODE_MUTATION).all())
+        data = columns.data
+        # A tombstone's slice is not its stored body: `_apply` takes bodies of mutation runs only.
+        self.bodies = [data[a:b] for a, b in zip(self.body_start, self.value_end, strict=True)]
+        self.opcode, self.vbucket, self.seqno = columns.opcode, columns.vbucket, columns.seqno
+        self.key, self.cas, self.flags = columns.key, columns.cas, columns.flags
+        self.expiry, self.datatype = columns.expiry, columns.datatype
+        self.rev_seqno = columns.rev_seqno
 
     def runs(self, start: int, stop: int) -> list[int]:
         """The bounds of the single-vbucket runs of changes `start`..`stop`."""
