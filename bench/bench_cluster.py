@@ -456,17 +456,28 @@ async def wait_persisted(port: int) -> None:
         await asyncio.sleep(POLL_S)
 
 
-async def wait_caught_up(port: int, want: dict[int, int], meter: CpuMeter) -> None:
-    """Poll the replica on ``port`` until its high seqno of every vb in ``want`` equals it."""
+async def wait_caught_up(
+    port: int, want: dict[int, int], meter: CpuMeter, base: dict[int, int] | None = None
+) -> list[tuple[float, int]]:
+    """Poll the replica on ``port`` until its high seqno of every vb in ``want`` equals it.
+
+    Returns the polls' timeline: (seconds since the start, items the replica took beyond
+    ``base``, its high seqnos before), so that the wait before the first item (connect,
+    handshake, stream requests) shows apart from the rate once items flow."""
     conn = await open_conn(port)
+    base = base or {}
+    started = time.perf_counter()
+    timeline: list[tuple[float, int]] = []
     try:
         deadline = time.monotonic() + CATCHUP_DEADLINE_S
         while True:  # bounded by CATCHUP_DEADLINE_S
             highs = highs_of(await stat(port, "vbucket-seqno", conn))
+            took = sum(max(0, highs.get(vb, 0) - base.get(vb, 0)) for vb in want)
+            timeline.append((time.perf_counter() - started, took))
             if all(highs.get(vb, -1) >= seqno for vb, seqno in want.items()):
                 meter.stop()
                 assert all(highs[vb] == seqno for vb, seqno in want.items()), "replica ahead?"
-                return
+                return timeline
             if time.monotonic() > deadline:
                 behind = {vb: (highs.get(vb), s) for vb, s in want.items() if highs.get(vb) != s}
                 raise TimeoutError(f"catch-up not done in {CATCHUP_DEADLINE_S} s: {behind}")
@@ -533,7 +544,7 @@ def bench_catchup(
                 spies.enter_context(SpySampler(n2.pid, work / f"spy-{source}-{n2.pid}.txt"))
             meter = CpuMeter({"n1": n1.pid, "n2": n2.pid})
             with meter:
-                run_loop(wait_caught_up(n2.port, want, meter))
+                timeline = run_loop(wait_caught_up(n2.port, want, meter))
         general = run_loop(stat(n1.port, ""))
         backfills = int(general["dcp_backfills_started"]) - backfills_1
         catchup_bytes = int(general.get("replication_catchup_bytes", "0")) - catchup_bytes_1
@@ -555,6 +566,7 @@ def bench_catchup(
             row.cpu_note() + f"; (peer: nodes = n1 only, the consumer is the bench process "
             f"at {peer.us_per_item(['client']):.1f} us/item)"
         )
+        row.notes.append(timeline_note(timeline, n))
         if profile_top:
             row.notes.append(
                 "PROFILED: the clock started once py-spy had attached to n2 (~0.5 s late), so "
@@ -565,6 +577,21 @@ def bench_catchup(
             row.notes.extend(top_self_time(work / f"spy-{source}-{node.pid}.txt", profile_top))
         log(f"  catch-up {row.rate:,.0f} items/s, backfills {backfills}")
         return peer, row
+
+
+def timeline_note(timeline: list[tuple[float, int]], n: int) -> str:
+    """When the replica's first items showed (the polls are ``POLL_S`` apart), and its rate
+    from there to the end: the connect/handshake/request wait apart from the flowing rate."""
+    first = next((i for i, (_, took) in enumerate(timeline) if took), len(timeline) - 1)
+    t_first, took_first = timeline[first]
+    t_end, _ = timeline[-1]
+    span = t_end - t_first
+    flowing = (n - took_first) / span if span > 0 else float("nan")
+    half = next((t for t, took in timeline if took * 2 >= n), t_end)
+    return (
+        f"timeline: first items seen at {t_first:.2f} s ({took_first:,}), half at {half:.2f} s, "
+        f"all at {t_end:.2f} s; {flowing:,.0f} items/s from the first poll with items"
+    )
 
 
 # -- 2. ingest with replicas ----------------------------------------------------------------
