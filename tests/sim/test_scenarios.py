@@ -23,8 +23,9 @@ from .orchestrator import PROMOTED_AFTER_RESTART
 from .rules import FencedRulesFirstCut, FencedRulesTrusting, FencedRulesUnaware, TodayRules
 from .scenarios import SCENARIOS
 
-# Seeds whose run lost acknowledged writes on the rules named.
-LOST_ON_TODAYS_RULES = {"split": (1, 5, 6, 8, 9, 10), "etcd_cut": (1, 3, 4, 8)}
+# Seeds whose run lost acknowledged writes on the rules named (schedules depend on how many
+# messages a node sends: etcd_cut was (1, 3, 4, 8) until the replica sent its acks in one write).
+LOST_ON_TODAYS_RULES = {"split": (1, 5, 6, 8, 9, 10), "etcd_cut": (6, 8, 10, 13)}
 LOST_ON_FENCED_RULES = {"restart_before_map": (3, 8, 9, 611)}
 
 

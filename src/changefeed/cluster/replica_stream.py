@@ -760,15 +760,20 @@ class ReplicaFeed:
             self._retry_later(vb)
 
     def _send_acks(self) -> None:
+        """Acknowledge every streaming vbucket whose seqnos moved, in one write: a flush
+        round persists many vbuckets at once, and a write each cost a send call apiece."""
         if self._conn is None:
             return
+        acks: list[bytes] = []
+        acked, vbucket_of = self._acked, self.bucket.vbucket
         for vb in self._session.streaming():
-            vbucket = self.bucket.vbucket(vb)
+            vbucket = vbucket_of(vb)
             now = (vbucket.high_seqno, vbucket.persisted_seqno)
-            if self._acked.get(vb) != now:
-                ack = SeqnoAcknowledged(vb, 0, now[0], now[1])
-                self._send(encode_seqno_acknowledged(ack))
-                self._acked[vb] = now
+            if acked.get(vb) != now:
+                acks.append(encode_seqno_acknowledged(SeqnoAcknowledged(vb, 0, *now)))
+                acked[vb] = now
+        if acks:
+            self._send(b"".join(acks))
 
     def _flush_owed(self) -> None:
         owed = self._session.data_to_send()
