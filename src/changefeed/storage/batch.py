@@ -288,11 +288,15 @@ class WriteBatch:
         runs are not clean together, each goes through `put_bodies`.
 
         Raises:
-            ValueError, RuntimeError: as for `put_bodies`.
+            ValueError: as for `put_bodies`, or the vbuckets do not rise.
+            RuntimeError: as for `put_bodies`.
         """
         runs = [(vb, items) for vb, items in runs if items]
         if not runs:
             return
+        vbs = [vb for vb, _ in runs]
+        if any(map(operator.ge, vbs, itertools.islice(vbs, 1, None))):  # bounded by the round
+            raise ValueError(f"put_runs: vbuckets {vbs} do not rise")
         rows = [(vb, self._row(vb), items) for vb, items in runs]
         if len(rows) == 1 or not self._put_clean_runs(rows):
             for vb, items in runs:

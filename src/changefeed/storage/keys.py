@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import operator
 import struct
-from typing import Final
+from typing import Final, NoReturn
 
 from changefeed.protocol.collections import decode_leb128, encode_leb128
 from changefeed.protocol.errors import ProtocolError
@@ -129,12 +129,20 @@ def seqno_keys_of_entries(
     key each points at, cut from the bytes in C-level passes, not decoded and packed again:
     both are big-endian, so `SEQNO_KEY.pack(vb, seqno) == by_key_key[:2] + value[:8]`.
 
-    Raises:
-        CorruptRecordError: a value is not 9 bytes (the first such entry is named).
+    Only the entries before the first malformed one (a value not 9 bytes) are returned: a
+    caller names the first bad entry in order, one of those, else `refuse_malformed` of
+    `entries[len(keys)]`.
     """
     keys = list(map(_first, entries))
     values = list(map(_second, entries))
     if values and set(map(len, values)) != {BY_KEY_VALUE.size}:
-        for key, value in entries:  # bounded by the entries; names the first malformed one
-            decode_by_key_value(VB_KEY.unpack_from(key)[0], value)
+        good = next(n for n, value in enumerate(values) if len(value) != BY_KEY_VALUE.size)
+        del keys[good:], values[good:]
     return keys, values, list(map(operator.add, map(_vb_part, keys), map(_seqno_part, values)))
+
+
+def refuse_malformed(entry: tuple[bytes, bytes]) -> NoReturn:
+    """Raise CorruptRecordError naming the vbucket of `entry`, whose value is not 9 bytes."""
+    key, value = entry
+    decode_by_key_value(VB_KEY.unpack_from(key)[0], value)
+    raise AssertionError(f"a well-formed by_key value {value!r}")  # decode_by_key_value raised

@@ -19,7 +19,7 @@ import operator
 from typing import TYPE_CHECKING, Final
 
 from changefeed.storage.errors import CorruptRecordError
-from changefeed.storage.keys import SEQNO_KEY, VB_KEY, seqno_keys_of_entries
+from changefeed.storage.keys import SEQNO_KEY, VB_KEY, refuse_malformed, seqno_keys_of_entries
 from changefeed.storage.record import Record, decode_record
 
 if TYPE_CHECKING:
@@ -36,23 +36,29 @@ def records_of_hits(
 
     Raises:
         CorruptRecordError: an entry is not 9 bytes, points at a missing record, or names
-            another key or op than its record.
+            another key or op than its record (the first such entry in order, as `Store.get`
+            one key at a time names it).
     """
     keys, values, seqno_keys = seqno_keys_of_entries(hits)
     stored = txn.cursor(db=by_seqno).getmulti(seqno_keys)
+    missing = len(seqno_keys)
     if len(stored) != len(seqno_keys):  # getmulti leaves out what it did not find
         present = set(map(_first, stored))
-        at = next(n for n, seqno_key in enumerate(seqno_keys) if seqno_key not in present)
-        vb, seqno = SEQNO_KEY.unpack(seqno_keys[at])
-        key = keys[at][VB_KEY.size :]
-        raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} has no record")
+        missing = next(n for n, seqno_key in enumerate(seqno_keys) if seqno_key not in present)
     found = []
     unpack = SEQNO_KEY.unpack
-    for by_key_key, value, (seqno_key, data) in zip(keys, values, stored, strict=True):
+    head = zip(keys[:missing], values[:missing], stored[:missing], strict=True)
+    for by_key_key, value, (seqno_key, data) in head:
         vb, seqno = unpack(seqno_key)
         key = by_key_key[VB_KEY.size :]
         record = decode_record(vb, seqno, data)
         if record.key != key or record.op != value[_OP_AT]:
             raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} disagrees with record")
         found.append((vb, key, record))
+    if missing < len(seqno_keys):
+        vb, seqno = SEQNO_KEY.unpack(seqno_keys[missing])
+        key = keys[missing][VB_KEY.size :]
+        raise CorruptRecordError(vb, seqno, f"by_key entry of {key!r} has no record")
+    if len(keys) < len(hits):
+        refuse_malformed(hits[len(keys)])
     return found

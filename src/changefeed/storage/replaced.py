@@ -23,7 +23,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Final
 
 from changefeed.storage.errors import CorruptRecordError
-from changefeed.storage.keys import SEQNO_KEY, VB_KEY, seqno_keys_of_entries
+from changefeed.storage.keys import SEQNO_KEY, VB_KEY, refuse_malformed, seqno_keys_of_entries
 from changefeed.storage.record import Op
 
 if TYPE_CHECKING:
@@ -42,13 +42,16 @@ def drop_replaced(
         vb -> how many of the deleted records were mutations (vbuckets with none left out).
 
     Raises:
-        CorruptRecordError: a value is not 9 bytes, or points at a missing record.
+        CorruptRecordError: a value is not 9 bytes, or points at a missing record (the
+            first such entry in order).
     """
     keys, values, old_keys = seqno_keys_of_entries(found)
     deleted = list(map(functools.partial(txn.delete, db=by_seqno), old_keys))
     if not all(deleted):
         vb, seqno = SEQNO_KEY.unpack(old_keys[deleted.index(False)])
         raise CorruptRecordError(vb, seqno, "by_key points at a missing record")
+    if len(keys) < len(found):
+        refuse_malformed(found[len(keys)])
     is_mutation = map(operator.eq, map(_op_part, values), itertools.repeat(Op.MUTATION))
     mutations = Counter(map(_vb_part, itertools.compress(keys, is_mutation)))
     return {VB_KEY.unpack(prefix)[0]: count for prefix, count in mutations.items()}
