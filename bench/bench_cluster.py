@@ -461,19 +461,18 @@ async def wait_caught_up(
 ) -> list[tuple[float, int]]:
     """Poll the replica on ``port`` until its high seqno of every vb in ``want`` equals it.
 
-    Returns the polls' timeline: (seconds since the start, items the replica took beyond
-    ``base``, its high seqnos before), so that the wait before the first item (connect,
-    handshake, stream requests) shows apart from the rate once items flow."""
-    conn = await open_conn(port)
+    Returns the polls' timeline: (seconds since ``meter`` started, items the replica took
+    beyond ``base``, its high seqnos before), so that the wait before the first item
+    (connect, handshake, stream requests) shows apart from the rate once items flow."""
+    conn = await open_conn(port)  # this SCRAM handshake runs while the replica catches up
     base = base or {}
-    started = time.perf_counter()
     timeline: list[tuple[float, int]] = []
     try:
         deadline = time.monotonic() + CATCHUP_DEADLINE_S
         while True:  # bounded by CATCHUP_DEADLINE_S
             highs = highs_of(await stat(port, "vbucket-seqno", conn))
             took = sum(max(0, highs.get(vb, 0) - base.get(vb, 0)) for vb in want)
-            timeline.append((time.perf_counter() - started, took))
+            timeline.append((meter.elapsed(), took))
             if all(highs.get(vb, -1) >= seqno for vb, seqno in want.items()):
                 meter.stop()
                 assert all(highs[vb] == seqno for vb, seqno in want.items()), "replica ahead?"
