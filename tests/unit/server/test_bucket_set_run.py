@@ -8,6 +8,9 @@ against ``Store.get_many`` per vbucket."""
 
 from __future__ import annotations
 
+import contextlib
+import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,10 +20,12 @@ from hypothesis import strategies as st
 from changefeed import limits
 from changefeed.checkpoint import Item
 from changefeed.protocol.errors import StatusError
+from changefeed.protocol.frame_info import DurabilityLevel
 from changefeed.protocol.kv import MutationResult, StoreCommand
 from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.set_run import SetRun, SetRunAnswers
 from changefeed.server.bucket import Bucket
+from changefeed.server.config import NodeConfig
 from changefeed.storage import Store
 from changefeed.vbucket_state import VBucketState
 from support.buckets import ManualClock, open_bucket
@@ -199,3 +204,80 @@ def test_a_value_over_the_limit_is_refused_as_set_refuses_it(tmp_path: Path) -> 
     )  # fmt: skip
     got = run_against_one_by_one(tmp_path, NOW, run)
     assert got[1][0] == "InvalidArgumentsError" and got[0][0] == 1 and got[2][0] == 1
+
+
+@contextlib.contextmanager
+def small_quota_bucket(path: Path, clock: ManualClock) -> Iterator[Bucket]:
+    """A bucket with the smallest checkpoint quota (1 MiB): a run with a value near it might
+    pass the upper mark, so `set_run` applies it one write at a time (`_set_one_by_one`)."""
+    path.mkdir()
+    config = NodeConfig(data_dir=path, vbuckets=VBUCKETS, durable=False,
+                        checkpoint_quota_bytes=1024 * 1024)  # fmt: skip
+    opened = Bucket.open(config, clock=clock, rng=random.Random(7))
+    try:
+        yield opened
+    finally:
+        for vbucket in opened.vbuckets.values():
+            vbucket.close()
+        opened.store.close()
+
+
+def prepares(bucket: Bucket, vb: int) -> list[tuple[bytes, int, int, int, bytes, int]]:
+    return [
+        (p.key, p.seqno, p.level, p.expiry, p.value, p.datatype)
+        for p in bucket.vbucket(vb).pending_prepares
+    ]
+
+
+NEAR_QUOTA = b"x" * 960_000  # with the run's other writes, past the 1 MiB quota's upper mark
+
+
+@pytest.mark.parametrize(
+    "level", [0, int(DurabilityLevel.MAJORITY), int(DurabilityLevel.PERSIST_TO_MAJORITY)]
+)
+def test_a_run_memory_might_not_hold_keeps_its_level_and_expiries(
+    tmp_path: Path, level: int
+) -> None:
+    """A run memory might not hold goes one write at a time: each write keeps the run's
+    durability `level` (a prepare, as `store_command(level=...)` queues one) and its relative
+    expiry is made absolute by the clock (60 s from now, not 60 s after 1970)."""
+    run = SetRun(
+        vbuckets=[0, 1, 2, 1, 0], opaques=[1, 2, 3, 4, 5],
+        keys=[b"rel", b"abs", b"big", b"none", b"rel30"],
+        values=[b"r1", b"a", NEAR_QUOTA, b"n", b"r2"],
+        flags=[1, 2, 3, 4, 5], expiries=[60, int(NOW) + 100, 0, 0, 30], datatypes=[1, 0, 0, 1, 0],
+        checked=True,
+    )  # fmt: skip
+    run_clock, one_clock = ManualClock(NOW), ManualClock(NOW)
+    with (
+        small_quota_bucket(tmp_path / "run", run_clock) as run_bucket,
+        small_quota_bucket(tmp_path / "one", one_clock) as one_bucket,
+    ):
+        assert run_bucket.might_pass_upper_mark(run.keys, run.values)  # the path under test
+        got = answers_of(run_bucket.set_run(run, level=level), len(run))
+        want: list[object] = []
+        for i in range(len(run)):
+            command = StoreCommand(
+                Opcode.SET, run.vbuckets[i], run.opaques[i], run.keys[i], run.values[i],
+                flags=run.flags[i], expiry=run.expiries[i], datatype=run.datatypes[i],
+            )  # fmt: skip
+            try:
+                result = one_bucket.store_command(command, level=level)
+            except StatusError as error:
+                want.append((type(error).__name__, error.code))
+                continue
+            want.append((result.seqno, result.cas, result.vb_uuid))
+        assert got == want
+        assert isinstance(got[0], tuple) and isinstance(got[0][0], int)  # the first write took
+        for vb in range(VBUCKETS):
+            assert prepares(run_bucket, vb) == prepares(one_bucket, vb)
+            assert memory(run_bucket, vb) == memory(one_bucket, vb)
+        # What the twin comparison relies on, said outright: durable writes are pending
+        # prepares, and "rel" expires 60 s from now.
+        assert bool(prepares(run_bucket, 0)) == bool(level)
+        assert memory(run_bucket, 0)[b"rel"].expiry == int(NOW) + 60
+        assert memory(run_bucket, 0)[b"rel30"].expiry == int(NOW) + 30
+        for vb in range(VBUCKETS):
+            run_bucket.vbucket(vb).flush()
+            one_bucket.vbucket(vb).flush()
+            assert stored(run_bucket.store, vb) == stored(one_bucket.store, vb)
