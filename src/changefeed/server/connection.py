@@ -920,6 +920,7 @@ class ClientConnection(asyncio.Protocol):
         cases, seqnos, vb_uuids, errors = (
             answers.cases, answers.seqnos, answers.vb_uuids, answers.errors
         )  # fmt: skip
+        manifest_uid = self.context.manifests.uid  # the GETs' keys were qualified under it
         token = Feature.MUTATION_SEQNO in self.features
         held: list[bytes | _WindowGet] = []
         packed: list[int] = []  # successes not yet packed, in order
@@ -951,7 +952,7 @@ class ClientConnection(asyncio.Protocol):
             if ~op in deleted:
                 held.append(deleted[~op])
             else:  # a GET: answered in its turn
-                held.append(_WindowGet(frames[~op], window.frame_key(~op)))
+                held.append(_WindowGet(frames[~op], window.frame_key(~op), manifest_uid))
         pack()
         self._held.extendleft(reversed(held))  # before what arrived after the window
         return len(held)
@@ -1000,14 +1001,21 @@ class ClientConnection(asyncio.Protocol):
             elif isinstance(item, OversizedFrame):
                 self._reply_oversized(item)
             elif isinstance(item, _WindowGet):
-                self._answer_get(item.frame, item.key)
+                self._answer_get(item)
             else:
                 self._dispatch(item)
 
-    def _answer_get(self, frame: Frame, key: bytes) -> None:
-        """A window's GET (`key` as stored) answered as the per-frame handler (`_get`)
-        would, without the dispatch around it; one the handler refuses goes through it."""
-        if Opcode.GET not in self.permitted or not _plain_key_only(frame, key):
+    def _answer_get(self, get: _WindowGet) -> None:
+        """A window's GET (its key as stored) answered as the per-frame handler (`_get`)
+        would, without the dispatch around it; one the handler refuses goes through it, and
+        so does one whose key was qualified under another collections manifest (held while
+        replies backed up, its collection may have been dropped meanwhile)."""
+        frame, key = get.frame, get.key
+        if (
+            Opcode.GET not in self.permitted
+            or not _plain_key_only(frame, key)
+            or get.manifest_uid != self.context.manifests.uid
+        ):
             self._dispatch(frame)
             return
         try:
@@ -1415,10 +1423,12 @@ HANDLERS: dict[int, Handler] = {
 
 @dataclass(frozen=True, slots=True)
 class _WindowGet:
-    """A window's GET held for its turn, with its key as stored (`RequestWindow.frame_key`)."""
+    """A window's GET held for its turn, with its key as stored (`RequestWindow.frame_key`)
+    and the collections manifest it was qualified under."""
 
     frame: Frame
     key: bytes
+    manifest_uid: int
 
 
 def _plain_key_only(frame: Frame, key: bytes) -> bool:

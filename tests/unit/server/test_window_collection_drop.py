@@ -1,0 +1,106 @@
+"""A window's GET held while replies back up is answered under the collections manifest of
+its turn, not of the window's forming: a review found one answered with the document of a
+collection dropped meanwhile (its documents stay in the store until compaction purges them).
+Two GETs in one window on a Collections connection: the first answer (300 kB) pauses the
+transport, the collection is dropped, writing resumes; the second GET must be refused
+UNKNOWN_COLLECTION as the per-frame handler refuses it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+from pathlib import Path
+
+from changefeed.protocol.collections import encode_leb128
+from changefeed.protocol.kv import StoreCommand, encode_request
+from changefeed.protocol.opcode import Feature, Opcode
+from changefeed.protocol.sasl import encode_plain
+from changefeed.protocol.status import Status
+from changefeed.server.bucket import Bucket
+from changefeed.server.config import NodeConfig
+from changefeed.server.connection import ClientConnection
+from changefeed.server.context import ServerContext
+from changefeed.server.users import Users
+from changefeed.storage.keys import stored_key
+from support.transports import RecordingTransport
+
+BIG = 300_000
+
+
+class PausingTransport(RecordingTransport):
+    """Backs up (pause_writing) at the first large write, as a slow reader's socket does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conn: ClientConnection | None = None
+        self.paused = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        super().write(data)
+        if len(data) > BIG and not self.paused and self.conn is not None:
+            self.paused = True
+            self.conn.pause_writing()
+
+
+def answers(data: bytes) -> dict[int, tuple[int, bytes]]:
+    """(status, value) of each response, by opaque."""
+    out = {}
+    while data:
+        key_len, extras_len = struct.unpack_from(">HB", data, 2)
+        status, body_len, opaque = struct.unpack_from(">HII", data, 6)
+        out[opaque] = (status, data[24 + extras_len + key_len : 24 + body_len])
+        data = data[24 + body_len :]
+    return out
+
+
+async def scenario(path: Path) -> dict[int, tuple[int, bytes]]:
+    config = NodeConfig(data_dir=path, vbuckets=4, durable=False)
+    users = Users()
+    users.add("u", "p")
+    bucket = Bucket.open(config, rng=random.Random(7))
+    context = ServerContext(config, users, bucket)
+    manifests = context.manifests
+    manifests.apply(manifests.current.with_collection("_default", "c"))
+    (cid,) = manifests.collection_ids() - {0}
+    for key, value in ((b"a", b"x" * BIG), (b"b", b"secret")):
+        bucket.store_command(StoreCommand(Opcode.SET, 0, 1, stored_key(cid, key), value))
+    conn = ClientConnection(context)
+    transport = PausingTransport()
+    transport.conn = conn
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    try:
+        auth = encode_plain("u", "p")
+        conn.data_received(encode_request(Opcode.SASL_AUTH, opaque=1, key=b"PLAIN", value=auth))
+        async with asyncio.timeout(30):
+            while not transport.writes:  # the password is checked off the loop
+                await asyncio.sleep(0.005)
+        conn.data_received(encode_request(Opcode.SELECT_BUCKET, opaque=2, key=b"default"))
+        hello = struct.pack(">H", Feature.COLLECTIONS)
+        conn.data_received(encode_request(Opcode.HELLO, opaque=3, key=b"t", value=hello))
+        prefix = encode_leb128(cid)
+        conn.data_received(
+            encode_request(Opcode.GET, opaque=10, vbucket=0, key=prefix + b"a")
+            + encode_request(Opcode.GET, opaque=11, vbucket=0, key=prefix + b"b")
+        )
+        assert transport.paused, "the first answer did not back the replies up"
+        assert 11 not in answers(transport.data)  # the second GET waits for its turn
+        manifests.apply(manifests.current.without_collection("_default", "c"))
+        conn.resume_writing()
+        async with asyncio.timeout(30):
+            while 11 not in answers(transport.data):
+                await asyncio.sleep(0.005)
+        return answers(transport.data)
+    finally:
+        conn.close()
+        for vbucket in bucket.vbuckets.values():
+            vbucket.close()
+        bucket.store.close()
+
+
+def test_a_held_get_of_a_dropped_collection_is_refused(tmp_path: Path) -> None:
+    got = asyncio.run(scenario(tmp_path))
+    assert got[10] == (Status.SUCCESS, b"x" * BIG)
+    status, value = got[11]
+    assert status == Status.UNKNOWN_COLLECTION, (hex(status), value[:40])
+    assert b"secret" not in value
