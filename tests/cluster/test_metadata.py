@@ -54,7 +54,7 @@ def a_map(rev: int, replicas: int = 1) -> ClusterMap:
     return initial_map(NODES, replicas, 8, rev=rev)
 
 
-async def until(predicate: Any, timeout_s: float = 10.0) -> None:
+async def until(predicate: Any, timeout_s: float = 30.0) -> None:  # generous: CPU load
     """Poll an async predicate until true (bounded: fails the test after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     while not await predicate():

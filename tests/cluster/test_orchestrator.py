@@ -40,7 +40,7 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(bounded())
 
 
-async def until(predicate: Any, timeout_s: float = 10.0) -> None:
+async def until(predicate: Any, timeout_s: float = 30.0) -> None:  # generous: CPU load
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
