@@ -867,10 +867,10 @@ class _BatchView:
     """What `_apply` reads of one received batch, converted once per batch: the batch's
     columns as lists (ChangeColumns keeps them), every change's frame body, whether every
     change is a mutation, and where the vbucket changes. A batch is cut at every control
-    frame: in a memory catch-up the active sends a marker every ~17 items (its checkpoints
-    close at each of its flush rounds), so what a run costs beyond its items is paid per
-    ~17 items. Slicing the columns per cut cost ~10 us each, this costs a bisect; the bodies
-    are one pass over the batch, not one `map` per run."""
+    frame (a marker per vbucket run in steady state; in a catch-up a replica reads 256 KiB,
+    ~1,600 items, per batch with a few markers). Slicing the columns per cut cost ~10 us
+    each, this costs a bisect; the bodies are one pass over the batch, not one `map` per run
+    (the feed's own CPU 0.20 -> 0.16 us/item on long runs, 0.65 -> 0.48 on runs of 17)."""
 
     __slots__ = (
         "_cuts", "all_mutations", "bodies", "body_start", "cas", "columns", "datatype",
