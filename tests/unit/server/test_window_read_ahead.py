@@ -6,7 +6,9 @@ connection that gathers windows, one behind a connection that serves every reque
 repeat inside windows, checkpoints are small and flushed between received batches so keys
 leave memory again, SETs of size 10 carry an expiry already past, a big value fills the 1 MiB
 checkpoint quota (TMPFAIL), some keys are locked, expired or deleted, DELETEs carry a right or
-wrong CAS, and one vbucket does not exist here (NOT_MY_VBUCKET)."""
+wrong CAS, and one vbucket does not exist here (NOT_MY_VBUCKET). Some documents are JSON
+(their datatype must come back on a window's GET), some SETs carry a relative expiry, and
+some GETs and DELETEs an empty or over-long key (the handler's EINVAL, not KEY_ENOENT)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from changefeed import limits
 from changefeed.protocol.kv import StoreCommand, encode_request, encode_store
-from changefeed.protocol.opcode import Feature, Opcode
+from changefeed.protocol.opcode import Datatype, Feature, Opcode
 from changefeed.protocol.sasl import encode_plain
 from changefeed.server.bucket import Bucket
 from changefeed.server.config import NodeConfig
@@ -35,6 +38,8 @@ VBUCKETS = 4
 KEYS = [b"k%d" % n for n in range(10)]
 START_S = 1_800_000_000.0
 BIG = 300_000  # four of these fill the 1 MiB quota: TMPFAIL
+ODD_KEYS = [b"", b"o" * (limits.KEY_SIZE_MAX + 1)]  # a Request's odd_key 1 and 2
+RELATIVE_S = 600  # a relset's expiry: relative, in the future whatever the clock says
 
 
 class FrameByFrame(ClientConnection):
@@ -47,24 +52,27 @@ class FrameByFrame(ClientConnection):
 
 @dataclass(frozen=True)
 class Request:
-    kind: str  # set, get, delete, lock, flush (between received batches), and never in a
-    # window: casset (a SET with the key's preloaded CAS), baddelete (a DELETE with extras)
+    kind: str  # set, jsonset (datatype JSON), relset (a relative expiry), get, delete, lock,
+    # flush (between received batches), and never in a window: casset (a SET with the key's
+    # preloaded CAS), baddelete (a DELETE with extras)
     key: int
     vb_shift: int  # 0: the key's vbucket; else a vbucket that does not exist here
     size: int
     cas_pick: int  # delete: 0 none, 1 the key's preloaded CAS, 2 a wrong one
+    odd_key: int = 0  # get, delete: 1 an empty key, 2 one over KEY_SIZE_MAX (key's vbucket)
 
 
+KINDS = ["set", "set", "jsonset", "relset", "get", "get", "delete", "delete", "lock", "flush"]
+KINDS += ["casset", "baddelete"]
 requests = st.lists(
     st.builds(
         Request,
-        st.sampled_from(
-            ["set", "set", "get", "delete", "delete", "lock", "flush", "casset", "baddelete"]
-        ),
+        st.sampled_from(KINDS),
         st.integers(0, len(KEYS) - 1),
         st.sampled_from([0, 0, 0, 0, 0, 0, 0, 1]),
         st.sampled_from([0, 10, 100, BIG]),
         st.integers(0, 2),
+        st.sampled_from([0] * 8 + [1, 2]),
     ),
     min_size=1,
     max_size=80,
@@ -82,14 +90,22 @@ def encode(
     the prefix a client that negotiated Collections sends)."""
     key = KEYS[request.key]
     vb = vb_of(key) if not request.vb_shift else VBUCKETS + 1
+    if request.odd_key and request.kind in ("get", "delete"):
+        key = ODD_KEYS[request.odd_key - 1]
     wire_key = b"\x00" + key if collections else key
-    if request.kind in ("set", "casset"):
+    if request.kind in ("set", "jsonset", "relset", "casset"):
         value = b"v%d-" % opaque + b"x" * request.size
+        datatype = 0
+        if request.kind == "jsonset":
+            value, datatype = b'{"v":%d,"x":"%s"}' % (opaque, b"x" * request.size), Datatype.JSON
         expiry = int(START_S) + 30 if request.size == 10 else 0  # past once the plan runs
+        if request.kind == "relset":
+            expiry = RELATIVE_S
         cas = cases.get(key, 0) if request.kind == "casset" else 0
         command = StoreCommand(
-            Opcode.SET, vb, opaque, wire_key, value, flags=opaque, expiry=expiry, cas=cas
-        )
+            Opcode.SET, vb, opaque, wire_key, value, flags=opaque, expiry=expiry, cas=cas,
+            datatype=datatype,
+        )  # fmt: skip
         return encode_store(command)
     if request.kind == "get":
         return encode_request(Opcode.GET, opaque=opaque, vbucket=vb, key=wire_key)
@@ -133,14 +149,19 @@ def config_for(path: Path) -> NodeConfig:
 
 
 def preload(config: NodeConfig, clock: list[float]) -> None:
-    """Every key written (every third with an expiry that will have passed, k0 deleted),
-    flushed and closed: the reopened bucket has them in the store only."""
+    """Every key written (every third with an expiry that will have passed, k0 deleted, the
+    others of every third JSON), flushed and closed: the reopened bucket has them in the
+    store only."""
     bucket = Bucket.open(config, clock=lambda: clock[0], rng=random.Random(7))
     for n, key in enumerate(KEYS):
         expiry = int(START_S) + 5 if n % 3 == 2 else 0
+        value, datatype = b"stored-%d" % n, 0
+        if n % 3 == 1:
+            value, datatype = b'{"stored":%d}' % n, Datatype.JSON
         bucket.store_command(
-            StoreCommand(Opcode.SET, vb_of(key), 1, key, b"stored-%d" % n, flags=n, expiry=expiry)
-        )
+            StoreCommand(Opcode.SET, vb_of(key), 1, key, value, flags=n, expiry=expiry,
+                         datatype=datatype)
+        )  # fmt: skip
     bucket.delete(vb_of(KEYS[0]), KEYS[0])
     for vbucket in bucket.vbuckets.values():
         vbucket.flush()
@@ -181,7 +202,7 @@ async def serve(
                 await asyncio.sleep(0.005)
         conn.data_received(encode_request(Opcode.SELECT_BUCKET, opaque=2, key=b"default"))
         if collections:
-            hello = struct.pack(">HH", Feature.COLLECTIONS, Feature.MUTATION_SEQNO)
+            hello = struct.pack(">HHH", Feature.COLLECTIONS, Feature.MUTATION_SEQNO, Feature.JSON)
             conn.data_received(encode_request(Opcode.HELLO, opaque=3, key=b"t", value=hello))
         clock[0] = START_S + 60  # the preloaded expiries have passed
         for batch in batches(plan, cases, collections):
@@ -333,6 +354,35 @@ CORNERS = {
         Request("delete", 1, 0, 0, 0),
         Request("set", 5, 0, 0, 0),
     ],
+    "JSON documents": [
+        Request("set", 3, 0, 0, 0),
+        Request("get", 1, 0, 0, 0),  # stored JSON
+        Request("jsonset", 6, 0, 100, 0),
+        Request("get", 6, 0, 0, 0),  # JSON the window wrote
+        Request("get", 4, 0, 0, 0),  # stored JSON
+        Request("delete", 7, 0, 0, 0),
+    ],
+    "relative expiries, memory short": [  # a run of SETs only, then one with a GET
+        Request("set", 0, 0, BIG, 0),
+        Request("relset", 6, 0, 10, 0),
+        Request("set", 1, 0, BIG, 0),
+        Request("relset", 9, 0, 10, 0),
+        Request("set", 3, 0, BIG, 0),
+        Request("set", 4, 0, BIG, 0),  # TMPFAIL
+        Request("flush", 0, 0, 0, 0),
+        Request("relset", 1, 0, 10, 0),
+        Request("get", 6, 0, 0, 0),
+        Request("get", 9, 0, 0, 0),
+    ],
+    "empty and over-long keys": [
+        Request("set", 1, 0, 0, 0),
+        Request("get", 3, 0, 0, 0, odd_key=1),
+        Request("delete", 3, 0, 0, 0, odd_key=1),
+        Request("get", 4, 0, 0, 0, odd_key=2),
+        Request("delete", 4, 0, 0, 0, odd_key=2),
+        Request("get", 1, 0, 0, 0),
+        Request("delete", 6, 0, 0, 0),
+    ],
 }
 
 
@@ -341,9 +391,10 @@ CORNERS = {
 def test_window_corners_answer_as_one_frame_at_a_time(
     tmp_path: Path, name: str, collections: bool
 ) -> None:
-    """Windows' corner cases, classic and with HELLO Collections + MutationSeqno (a key SET,
-    DELETEd and SET again; DELETEs of keys only in the store; a wrong CAS between SETs; a
-    CAS SET or a malformed DELETE in the middle of a window): the same answers, seqnos and
-    records as one frame at a time."""
+    """Windows' corner cases, classic and with HELLO Collections + MutationSeqno + JSON (a
+    key SET, DELETEd and SET again; DELETEs of keys only in the store; a wrong CAS between
+    SETs; a CAS SET or a malformed DELETE in the middle of a window; JSON documents; SETs
+    with a relative expiry while memory runs short; GETs and DELETEs of an empty or
+    over-long key): the same answers, seqnos and records as one frame at a time."""
     plan = CORNERS[name]
     assert_twins_agree(tmp_path, plan, collections)
