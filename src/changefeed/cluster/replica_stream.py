@@ -297,6 +297,7 @@ class ReplicaFeed:
         self.stats.connects += 1
         self._session.forget()
         self._backlog.clear()
+        self._acked.clear()  # its active may know nothing of what the last link was told
 
     def detach(self) -> None:
         """The link is gone: nothing is requested or owed on it any more."""

@@ -48,15 +48,19 @@ def item_of(vb: int, seqno: int, op: Op) -> Item:
     key = b"vb%d-key-%d" % (vb, seqno)
     if op is Op.MUTATION:
         value = b"v%d" % seqno * (seqno % 7 + 1)
-        return Item(seqno, key, op, value, 1000 + seqno, seqno * 3, seqno % 5, 0, seqno % 3 + 1)
+        datatype = seqno % 2  # raw or JSON: the column path must keep each item's
+        return Item(
+            seqno, key, op, value, 1000 + seqno, seqno * 3, seqno % 5, datatype, seqno % 3 + 1
+        )
     return Item(seqno, key, op, b"", 1000 + seqno, rev_seqno=seqno % 4 + 1, delete_time=seqno)
 
 
 def frame_of(vb: int, one: Item) -> bytes:
     if one.op is Op.MUTATION:
         mutation = Mutation(
-            vb, 1, one.seqno, one.key, one.value, one.cas, one.rev_seqno, one.flags, one.expiry
-        )
+            vb, 1, one.seqno, one.key, one.value, one.cas, one.rev_seqno, one.flags, one.expiry,
+            datatype=one.datatype,
+        )  # fmt: skip
         return encode_mutation(mutation)
     if one.op is Op.DELETION:
         deletion = Deletion(vb, 1, one.seqno, one.key, one.cas, one.rev_seqno, one.delete_time)
@@ -139,4 +143,5 @@ def test_reads_cut_anywhere_leave_every_vbucket_equal_to_the_active(
             for one in sent[vb]:
                 stored = bucket.store.get(vb, one.key)
                 assert stored is not None, (vb, one.key)
-                assert (stored.seqno, stored.body) == (one.seqno, one.body), (vb, one.seqno)
+                got = (stored.seqno, stored.op, stored.cas, stored.datatype, stored.body)
+                assert got == (one.seqno, one.op, one.cas, one.datatype, one.body), (vb, one.seqno)
