@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +24,18 @@ class ManualClock:
 
 @contextlib.contextmanager
 def open_bucket(
-    path: Path, clock: ManualClock, *, vbuckets: int = 4, seed: int = 7
+    path: Path,
+    clock: ManualClock,
+    *,
+    vbuckets: int = 4,
+    seed: int = 7,
+    checkpoint_quota_bytes: int | None = None,
 ) -> Iterator[Bucket]:
-    """A real bucket (non-durable LMDB) on `path`; every vbucket flushed and closed after."""
+    """A real bucket (non-durable LMDB) on `path`; every vbucket flushed and closed after.
+    `checkpoint_quota_bytes`: the checkpoint memory quota, if not the default."""
     config = NodeConfig(data_dir=path, vbuckets=vbuckets, durable=False)
+    if checkpoint_quota_bytes is not None:
+        config = dataclasses.replace(config, checkpoint_quota_bytes=checkpoint_quota_bytes)
     opened = Bucket.open(config, clock=clock, rng=random.Random(seed))
     try:
         yield opened

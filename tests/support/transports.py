@@ -3,6 +3,13 @@ socket: it records what the connection writes (each write apart, and all of it t
 
 from __future__ import annotations
 
+import asyncio
+from typing import Protocol
+
+from changefeed.protocol.kv import encode_request
+from changefeed.protocol.opcode import Opcode
+from changefeed.protocol.sasl import encode_plain
+
 
 class RecordingTransport:
     """The transport side of a socket, recording each write."""
@@ -39,3 +46,23 @@ class RecordingTransport:
 
     def close(self) -> None:
         self.closed = True
+
+
+class Receiving(Protocol):
+    """What `sign_in` drives: a connection's receiving side (`ClientConnection`)."""
+
+    def data_received(self, data: bytes) -> None: ...
+
+
+async def sign_in(
+    conn: Receiving, transport: RecordingTransport, user: str = "u", password: str = "p"
+) -> None:
+    """Authenticate `conn` (PLAIN, opaque 1) and select the bucket "default" (opaque 2), as a
+    client does first. The password is checked off the loop: wait (30 s at most) for its
+    answer before the next request."""
+    plain = encode_plain(user, password)
+    conn.data_received(encode_request(Opcode.SASL_AUTH, opaque=1, key=b"PLAIN", value=plain))
+    async with asyncio.timeout(30):
+        while not transport.writes:
+            await asyncio.sleep(0.005)
+    conn.data_received(encode_request(Opcode.SELECT_BUCKET, opaque=2, key=b"default"))

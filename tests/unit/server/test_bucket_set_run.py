@@ -9,7 +9,6 @@ against ``Store.get_many`` per vbucket."""
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from changefeed.protocol.kv import MutationResult, StoreCommand
 from changefeed.protocol.opcode import Opcode
 from changefeed.protocol.set_run import SetRun, SetRunAnswers
 from changefeed.server.bucket import Bucket
-from changefeed.server.config import NodeConfig
 from changefeed.storage import Store
 from changefeed.vbucket_state import VBucketState
 from support.buckets import ManualClock, open_bucket
@@ -61,7 +59,8 @@ def answers_of(answers: SetRunAnswers, count: int) -> list[object]:
     ]
 
 
-def one_by_one(bucket: Bucket, run: SetRun) -> list[object]:
+def one_by_one(bucket: Bucket, run: SetRun, level: int = 0) -> list[object]:
+    """`store_command` of each SET of `run` (at durability `level`): what `set_run` answers."""
     got: list[object] = []
     for i in range(len(run)):
         command = StoreCommand(
@@ -69,7 +68,7 @@ def one_by_one(bucket: Bucket, run: SetRun) -> list[object]:
             flags=run.flags[i], expiry=run.expiries[i], datatype=run.datatypes[i],
         )  # fmt: skip
         try:
-            result: MutationResult = bucket.store_command(command)
+            result: MutationResult = bucket.store_command(command, level=level)
         except StatusError as error:
             got.append((type(error).__name__, error.code))
             continue
@@ -211,15 +210,8 @@ def small_quota_bucket(path: Path, clock: ManualClock) -> Iterator[Bucket]:
     """A bucket with the smallest checkpoint quota (1 MiB): a run with a value near it might
     pass the upper mark, so `set_run` applies it one write at a time (`_set_one_by_one`)."""
     path.mkdir()
-    config = NodeConfig(data_dir=path, vbuckets=VBUCKETS, durable=False,
-                        checkpoint_quota_bytes=1024 * 1024)  # fmt: skip
-    opened = Bucket.open(config, clock=clock, rng=random.Random(7))
-    try:
-        yield opened
-    finally:
-        for vbucket in opened.vbuckets.values():
-            vbucket.close()
-        opened.store.close()
+    with open_bucket(path, clock, vbuckets=VBUCKETS, checkpoint_quota_bytes=1024 * 1024) as b:
+        yield b
 
 
 def prepares(bucket: Bucket, vb: int) -> list[tuple[bytes, int, int, int, bytes, int]]:
@@ -255,19 +247,7 @@ def test_a_run_memory_might_not_hold_keeps_its_level_and_expiries(
     ):
         assert run_bucket.might_pass_upper_mark(run.keys, run.values)  # the path under test
         got = answers_of(run_bucket.set_run(run, level=level), len(run))
-        want: list[object] = []
-        for i in range(len(run)):
-            command = StoreCommand(
-                Opcode.SET, run.vbuckets[i], run.opaques[i], run.keys[i], run.values[i],
-                flags=run.flags[i], expiry=run.expiries[i], datatype=run.datatypes[i],
-            )  # fmt: skip
-            try:
-                result = one_bucket.store_command(command, level=level)
-            except StatusError as error:
-                want.append((type(error).__name__, error.code))
-                continue
-            want.append((result.seqno, result.cas, result.vb_uuid))
-        assert got == want
+        assert got == one_by_one(one_bucket, run, level)
         assert isinstance(got[0], tuple) and isinstance(got[0][0], int)  # the first write took
         for vb in range(VBUCKETS):
             assert prepares(run_bucket, vb) == prepares(one_bucket, vb)

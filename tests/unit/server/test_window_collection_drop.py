@@ -15,7 +15,6 @@ from pathlib import Path
 from changefeed.protocol.collections import encode_leb128
 from changefeed.protocol.kv import StoreCommand, encode_request
 from changefeed.protocol.opcode import Feature, Opcode
-from changefeed.protocol.sasl import encode_plain
 from changefeed.protocol.status import Status
 from changefeed.server.bucket import Bucket
 from changefeed.server.config import NodeConfig
@@ -23,7 +22,7 @@ from changefeed.server.connection import ClientConnection
 from changefeed.server.context import ServerContext
 from changefeed.server.users import Users
 from changefeed.storage.keys import stored_key
-from support.transports import RecordingTransport
+from support.transports import RecordingTransport, sign_in
 
 BIG = 300_000
 
@@ -70,12 +69,7 @@ async def scenario(path: Path) -> dict[int, tuple[int, bytes]]:
     transport.conn = conn
     conn.connection_made(transport)  # type: ignore[arg-type]
     try:
-        auth = encode_plain("u", "p")
-        conn.data_received(encode_request(Opcode.SASL_AUTH, opaque=1, key=b"PLAIN", value=auth))
-        async with asyncio.timeout(30):
-            while not transport.writes:  # the password is checked off the loop
-                await asyncio.sleep(0.005)
-        conn.data_received(encode_request(Opcode.SELECT_BUCKET, opaque=2, key=b"default"))
+        await sign_in(conn, transport)
         hello = struct.pack(">H", Feature.COLLECTIONS)
         conn.data_received(encode_request(Opcode.HELLO, opaque=3, key=b"t", value=hello))
         prefix = encode_leb128(cid)

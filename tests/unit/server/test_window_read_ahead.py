@@ -25,14 +25,13 @@ from hypothesis import strategies as st
 from changefeed import limits
 from changefeed.protocol.kv import StoreCommand, encode_request, encode_store
 from changefeed.protocol.opcode import Datatype, Feature, Opcode
-from changefeed.protocol.sasl import encode_plain
 from changefeed.server.bucket import Bucket
 from changefeed.server.config import NodeConfig
 from changefeed.server.connection import ClientConnection
 from changefeed.server.context import ServerContext
 from changefeed.server.users import Users
 from changefeed.storage import Record
-from support.transports import RecordingTransport
+from support.transports import RecordingTransport, sign_in
 
 VBUCKETS = 4
 KEYS = [b"k%d" % n for n in range(10)]
@@ -195,12 +194,7 @@ async def serve(
     transport = RecordingTransport()
     conn.connection_made(transport)  # type: ignore[arg-type]
     try:
-        auth = encode_plain("u", "p")
-        conn.data_received(encode_request(Opcode.SASL_AUTH, opaque=1, key=b"PLAIN", value=auth))
-        async with asyncio.timeout(30):
-            while not transport.writes:  # the password is checked off the loop
-                await asyncio.sleep(0.005)
-        conn.data_received(encode_request(Opcode.SELECT_BUCKET, opaque=2, key=b"default"))
+        await sign_in(conn, transport)
         if collections:
             hello = struct.pack(">HHH", Feature.COLLECTIONS, Feature.MUTATION_SEQNO, Feature.JSON)
             conn.data_received(encode_request(Opcode.HELLO, opaque=3, key=b"t", value=hello))
