@@ -89,7 +89,7 @@ from changefeed.server.privileges import Privilege, required_privilege
 from changefeed.server.request_window import RequestWindow, window_counters
 from changefeed.server.settled_answers import SettledAnswers
 from changefeed.server.stats import stat_group
-from changefeed.storage.keys import stored_key
+from changefeed.storage.keys import collection_of, stored_key
 
 T = TypeVar("T")
 _REQUEST: Final = int(Magic.REQUEST)
@@ -853,6 +853,12 @@ class ClientConnection(asyncio.Protocol):
         its windows touch most vbuckets with a few writes each and the per-vbucket costs
         stay; removed, docs/benchmarks.md.)"""
         self._window_counters.count(window)
+        if window.manifest_uid not in (None, self.context.manifests.uid) and window.only_sets:
+            gone = self._dropped_since(window)
+            if gone:
+                self._emit_held(self._hold_replies(window, self._answer_kept(window, gone), {}))
+                self._emit_held()
+                return
         if window.only_sets:
             self._store_run(window.run)
             return
@@ -864,6 +870,31 @@ class ClientConnection(asyncio.Protocol):
         with bucket.stored_read_ahead(window.frame_keys, _EXPIRY_HORIZON_S) as expiring:
             self._emit_held(self._apply_layers(window, self._expiring_gets(window, expiring)))
         self._emit_held()
+
+    def _dropped_since(self, window: RequestWindow) -> list[int]:
+        """The SETs of a held `window` (indexes into its run) whose collection was dropped
+        after their keys were qualified. (A window with GETs or DELETEs is applied in the loop
+        step that forms it; only a SET-only window waits behind held replies.)"""
+        ids = self.context.manifests.collection_ids()
+        return [i for i, key in enumerate(window.run.keys) if collection_of(key) not in ids]
+
+    def _answer_kept(self, window: RequestWindow, gone: list[int]) -> SetRunAnswers:
+        """Apply the SETs of `window` not in `gone`; those in `gone` are refused as the
+        per-frame handler refuses a SET of an unknown collection."""
+        run, count = window.run, len(window.run)
+        answers = SetRunAnswers([0] * count, [0] * count, [0] * count, {})
+        refused = collection_commands.UnknownCollectionAnswer(self.context.manifests.uid)
+        answers.errors.update(dict.fromkeys(gone, refused))
+        kept = sorted(set(range(count)).difference(gone))
+        if kept:
+            got = self.context.bucket.set_run(run.select(kept))
+            for at, index in enumerate(kept):
+                answers.cases[index] = got.cases[at]
+                answers.seqnos[index] = got.seqnos[at]
+                answers.vb_uuids[index] = got.vb_uuids[at]
+            for at, error in got.errors.items():
+                answers.errors[kept[at]] = error
+        return answers
 
     def _apply_layers(self, window: RequestWindow, barriers: set[int]) -> int:
         """`_run_window` in layers: apply the writes and put the replies and GETs first in
@@ -979,6 +1010,8 @@ class ClientConnection(asyncio.Protocol):
         """Apply `window` now, or after the held replies before it (its GETs must not see a
         later window's writes)."""
         if self._held:
+            if self.collections:
+                window.manifest_uid = self.context.manifests.uid
             self._held.append(window)
         else:
             self._run_window(window)

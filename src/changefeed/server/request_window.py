@@ -67,6 +67,10 @@ class RequestWindow:
     _keys: dict[int, list[bytes]] = field(default_factory=dict)  # GETs' and DELETEs' by vbucket
     _frame_keys: list[bytes] = field(default_factory=list)  # each frame's key as stored
     _gets: int = 0
+    # The collections manifest its SETs' keys were qualified under, once it waits behind held
+    # replies (a collections connection's; None otherwise): when it runs, a collection may
+    # have been dropped meanwhile.
+    manifest_uid: int | None = None
 
     def __len__(self) -> int:
         return len(self.order)

@@ -13,7 +13,7 @@ import struct
 from pathlib import Path
 
 from changefeed.protocol.collections import encode_leb128
-from changefeed.protocol.kv import StoreCommand, encode_request
+from changefeed.protocol.kv import StoreCommand, encode_request, encode_store
 from changefeed.protocol.opcode import Feature, Opcode
 from changefeed.protocol.status import Status
 from changefeed.server.bucket import Bucket
@@ -98,3 +98,56 @@ def test_a_held_get_of_a_dropped_collection_is_refused(tmp_path: Path) -> None:
     status, value = got[11]
     assert status == Status.UNKNOWN_COLLECTION, (hex(status), value[:40])
     assert b"secret" not in value
+
+
+async def held_set_scenario(path: Path) -> tuple[dict[int, tuple[int, bytes]], object]:
+    """GET a (300 kB: replies back up), GET b, then SET b: the SET writes a key the window's
+    GETs read, so it forms the next window, which waits behind the held GET. The collection
+    is dropped; writing resumes."""
+    config = NodeConfig(data_dir=path, vbuckets=4, durable=False)
+    users = Users()
+    users.add("u", "p")
+    bucket = Bucket.open(config, rng=random.Random(7))
+    context = ServerContext(config, users, bucket)
+    manifests = context.manifests
+    manifests.apply(manifests.current.with_collection("_default", "c"))
+    (cid,) = manifests.collection_ids() - {0}
+    for key, value in ((b"a", b"x" * BIG), (b"b", b"before")):
+        bucket.store_command(StoreCommand(Opcode.SET, 0, 1, stored_key(cid, key), value))
+    conn = ClientConnection(context)
+    transport = PausingTransport()
+    transport.conn = conn
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    try:
+        await sign_in(conn, transport)
+        hello = struct.pack(">H", Feature.COLLECTIONS)
+        conn.data_received(encode_request(Opcode.HELLO, opaque=3, key=b"t", value=hello))
+        prefix = encode_leb128(cid)
+        conn.data_received(
+            encode_request(Opcode.GET, opaque=10, vbucket=0, key=prefix + b"a")
+            + encode_request(Opcode.GET, opaque=11, vbucket=0, key=prefix + b"b")
+            + encode_store(StoreCommand(Opcode.SET, 0, 12, prefix + b"b", b"after"))
+        )
+        assert transport.paused, "the first answer did not back the replies up"
+        assert 12 not in answers(transport.data)  # the SET's window waits its turn
+        manifests.apply(manifests.current.without_collection("_default", "c"))
+        conn.resume_writing()
+        async with asyncio.timeout(30):
+            while 12 not in answers(transport.data):
+                await asyncio.sleep(0.005)
+        stored = bucket.vbucket(0).get(stored_key(cid, b"b"))
+        return answers(transport.data), None if stored is None else stored.value
+    finally:
+        conn.close()
+        for vbucket in bucket.vbuckets.values():
+            vbucket.close()
+        bucket.store.close()
+
+
+def test_a_held_set_of_a_dropped_collection_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    """The reviewer's second find: a SET window held behind backed-up replies applied keys
+    qualified before the drop, writing into the dropped collection (answered SUCCESS)."""
+    got, value = asyncio.run(held_set_scenario(tmp_path))
+    assert got[11][0] == Status.UNKNOWN_COLLECTION
+    assert got[12][0] == Status.UNKNOWN_COLLECTION, (hex(got[12][0]), got[12][1][:40])
+    assert value != b"after"
