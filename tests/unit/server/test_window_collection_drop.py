@@ -8,8 +8,10 @@ UNKNOWN_COLLECTION as the per-frame handler refuses it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import struct
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from changefeed.protocol.collections import encode_leb128
@@ -53,7 +55,13 @@ def answers(data: bytes) -> dict[int, tuple[int, bytes]]:
     return out
 
 
-async def scenario(path: Path) -> dict[int, tuple[int, bytes]]:
+@contextlib.asynccontextmanager
+async def collections_connection(
+    path: Path, documents: dict[bytes, bytes]
+) -> AsyncIterator[tuple[ClientConnection, PausingTransport, Bucket, int]]:
+    """A bucket with a collection "c" holding `documents` in vbucket 0, and a signed-in
+    connection that negotiated Collections, behind a transport that backs up at a big write.
+    Yields (connection, transport, bucket, the collection's id)."""
     config = NodeConfig(data_dir=path, vbuckets=4, durable=False)
     users = Users()
     users.add("u", "p")
@@ -62,7 +70,7 @@ async def scenario(path: Path) -> dict[int, tuple[int, bytes]]:
     manifests = context.manifests
     manifests.apply(manifests.current.with_collection("_default", "c"))
     (cid,) = manifests.collection_ids() - {0}
-    for key, value in ((b"a", b"x" * BIG), (b"b", b"secret")):
+    for key, value in documents.items():
         bucket.store_command(StoreCommand(Opcode.SET, 0, 1, stored_key(cid, key), value))
     conn = ClientConnection(context)
     transport = PausingTransport()
@@ -72,24 +80,39 @@ async def scenario(path: Path) -> dict[int, tuple[int, bytes]]:
         await sign_in(conn, transport)
         hello = struct.pack(">H", Feature.COLLECTIONS)
         conn.data_received(encode_request(Opcode.HELLO, opaque=3, key=b"t", value=hello))
-        prefix = encode_leb128(cid)
-        conn.data_received(
-            encode_request(Opcode.GET, opaque=10, vbucket=0, key=prefix + b"a")
-            + encode_request(Opcode.GET, opaque=11, vbucket=0, key=prefix + b"b")
-        )
-        assert transport.paused, "the first answer did not back the replies up"
-        assert 11 not in answers(transport.data)  # the second GET waits for its turn
-        manifests.apply(manifests.current.without_collection("_default", "c"))
-        conn.resume_writing()
-        async with asyncio.timeout(30):
-            while 11 not in answers(transport.data):
-                await asyncio.sleep(0.005)
-        return answers(transport.data)
+        yield conn, transport, bucket, cid
     finally:
         conn.close()
         for vbucket in bucket.vbuckets.values():
             vbucket.close()
         bucket.store.close()
+
+
+async def answered_after_a_drop(
+    conn: ClientConnection, transport: PausingTransport, requests: bytes, last: int
+) -> dict[int, tuple[int, bytes]]:
+    """Send `requests` (the first answer backs the replies up), drop "c", resume writing;
+    the answers once the one with opaque `last` came."""
+    conn.data_received(requests)
+    assert transport.paused, "the first answer did not back the replies up"
+    assert last not in answers(transport.data)  # it waits for its turn
+    manifests = conn.context.manifests
+    manifests.apply(manifests.current.without_collection("_default", "c"))
+    conn.resume_writing()
+    async with asyncio.timeout(30):
+        while last not in answers(transport.data):
+            await asyncio.sleep(0.005)
+    return answers(transport.data)
+
+
+async def scenario(path: Path) -> dict[int, tuple[int, bytes]]:
+    documents = {b"a": b"x" * BIG, b"b": b"secret"}
+    async with collections_connection(path, documents) as (conn, transport, _, cid):
+        prefix = encode_leb128(cid)
+        requests = encode_request(
+            Opcode.GET, opaque=10, vbucket=0, key=prefix + b"a"
+        ) + encode_request(Opcode.GET, opaque=11, vbucket=0, key=prefix + b"b")
+        return await answered_after_a_drop(conn, transport, requests, 11)
 
 
 def test_a_held_get_of_a_dropped_collection_is_refused(tmp_path: Path) -> None:
@@ -104,44 +127,17 @@ async def held_set_scenario(path: Path) -> tuple[dict[int, tuple[int, bytes]], o
     """GET a (300 kB: replies back up), GET b, then SET b: the SET writes a key the window's
     GETs read, so it forms the next window, which waits behind the held GET. The collection
     is dropped; writing resumes."""
-    config = NodeConfig(data_dir=path, vbuckets=4, durable=False)
-    users = Users()
-    users.add("u", "p")
-    bucket = Bucket.open(config, rng=random.Random(7))
-    context = ServerContext(config, users, bucket)
-    manifests = context.manifests
-    manifests.apply(manifests.current.with_collection("_default", "c"))
-    (cid,) = manifests.collection_ids() - {0}
-    for key, value in ((b"a", b"x" * BIG), (b"b", b"before")):
-        bucket.store_command(StoreCommand(Opcode.SET, 0, 1, stored_key(cid, key), value))
-    conn = ClientConnection(context)
-    transport = PausingTransport()
-    transport.conn = conn
-    conn.connection_made(transport)  # type: ignore[arg-type]
-    try:
-        await sign_in(conn, transport)
-        hello = struct.pack(">H", Feature.COLLECTIONS)
-        conn.data_received(encode_request(Opcode.HELLO, opaque=3, key=b"t", value=hello))
+    documents = {b"a": b"x" * BIG, b"b": b"before"}
+    async with collections_connection(path, documents) as (conn, transport, bucket, cid):
         prefix = encode_leb128(cid)
-        conn.data_received(
+        requests = (
             encode_request(Opcode.GET, opaque=10, vbucket=0, key=prefix + b"a")
             + encode_request(Opcode.GET, opaque=11, vbucket=0, key=prefix + b"b")
             + encode_store(StoreCommand(Opcode.SET, 0, 12, prefix + b"b", b"after"))
         )
-        assert transport.paused, "the first answer did not back the replies up"
-        assert 12 not in answers(transport.data)  # the SET's window waits its turn
-        manifests.apply(manifests.current.without_collection("_default", "c"))
-        conn.resume_writing()
-        async with asyncio.timeout(30):
-            while 12 not in answers(transport.data):
-                await asyncio.sleep(0.005)
+        got = await answered_after_a_drop(conn, transport, requests, 12)
         stored = bucket.vbucket(0).get(stored_key(cid, b"b"))
-        return answers(transport.data), None if stored is None else stored.value
-    finally:
-        conn.close()
-        for vbucket in bucket.vbuckets.values():
-            vbucket.close()
-        bucket.store.close()
+        return got, None if stored is None else stored.value
 
 
 def test_a_held_set_of_a_dropped_collection_is_refused_and_writes_nothing(tmp_path: Path) -> None:
